@@ -1,0 +1,7 @@
+"""MoEScope engine: offloaded, exact inference for Mixture-of-Experts models.
+
+This package never imports Qt. `engine.protocol` and `engine.client` are also kept free of
+torch so the GUI process can import them.
+"""
+
+__version__ = "0.1.0"

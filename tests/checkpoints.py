@@ -1,0 +1,160 @@
+"""Tiny real checkpoints for tests: transformers configs + `save_pretrained`, plus a tokenizer.
+
+Every family here carries `@use_experts_implementation` in transformers, so each one exercises a
+different expert layout (separate gate/up, shared experts, dense first layers, fused transposed
+biased experts) through the same engine code.
+"""
+
+from __future__ import annotations
+
+import json
+import string
+from pathlib import Path
+
+import torch
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedTokenizerFast
+
+VOCAB = 128
+
+FAMILIES: dict[str, dict] = {
+    "mixtral": dict(
+        model_type="mixtral", hidden_size=32, intermediate_size=48, num_hidden_layers=3, num_attention_heads=4,
+        num_key_value_heads=2, num_local_experts=8, num_experts_per_tok=2,
+    ),
+    "qwen2_moe": dict(  # with a gated shared expert
+        model_type="qwen2_moe", hidden_size=32, intermediate_size=64, moe_intermediate_size=24,
+        shared_expert_intermediate_size=32, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2,
+        num_experts=8, num_experts_per_tok=2,
+    ),
+    "olmoe": dict(
+        model_type="olmoe", hidden_size=32, intermediate_size=24, num_hidden_layers=3, num_attention_heads=4,
+        num_key_value_heads=2, num_experts=8, num_experts_per_tok=2,
+    ),
+    "deepseek_v3": dict(  # dense first layer, shared experts, grouped routing, MLA attention
+        model_type="deepseek_v3", hidden_size=32, intermediate_size=64, moe_intermediate_size=16,
+        num_hidden_layers=3, first_k_dense_replace=1, num_attention_heads=4, num_key_value_heads=4,
+        n_routed_experts=8, n_shared_experts=1, num_experts_per_tok=2, n_group=2, topk_group=1,
+        q_lora_rank=16, kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=8,
+    ),
+    "gpt_oss": dict(  # fused, transposed, interleaved gate/up, biased experts
+        model_type="gpt_oss", hidden_size=32, intermediate_size=24, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, num_local_experts=8, num_experts_per_tok=2, head_dim=8,
+    ),
+}
+
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}<|end|>{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>{% endif %}"
+)
+SPECIALS = ["<unk>", "<s>", "</s>", "<|system|>", "<|user|>", "<|assistant|>", "<|end|>"]
+
+
+def make_tokenizer() -> PreTrainedTokenizerFast:
+    """A character-level tokenizer with a chat template, small enough for a 128-token vocabulary."""
+    chars = [c for c in string.printable if c not in "\x0b\x0c\r"]
+    vocab = {tok: i for i, tok in enumerate(SPECIALS + chars)}
+    assert len(vocab) <= VOCAB
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Split("", behavior="isolated")
+    tok.decoder = decoders.Fuse()
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok, unk_token="<unk>", bos_token="<s>", eos_token="</s>",
+        additional_special_tokens=SPECIALS[3:],
+    )
+    fast.chat_template = CHAT_TEMPLATE
+    return fast
+
+
+def make_config(family: str, **overrides):
+    kw = dict(FAMILIES[family])
+    kw.update(vocab_size=VOCAB, max_position_embeddings=256, eos_token_id=2, bos_token_id=1, pad_token_id=0)
+    kw.update(overrides)
+    return AutoConfig.for_model(kw.pop("model_type"), **kw)
+
+
+def save_tiny_checkpoint(family: str, path: Path, *, seed: int = 0, **overrides) -> Path:
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(make_config(family, **overrides), dtype=torch.float32)
+    # Random init gives near-uniform logits; widen them so greedy argmax is far from ties.
+    with torch.no_grad():
+        for p in model.parameters():
+            p.mul_(4.0)
+    model.save_pretrained(path)
+    make_tokenizer().save_pretrained(path)
+    return path
+
+
+def reference_generate(path: Path, prompt_ids: list[int], max_new_tokens: int) -> list[int]:
+    """Plain transformers, everything in memory, greedy: the ground truth."""
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    ids = torch.tensor([prompt_ids])
+    out = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=max_new_tokens,
+                         pad_token_id=0)
+    return out[0, len(prompt_ids):].tolist()
+
+
+def tree_snapshot(path: Path) -> dict[str, tuple[int, int]]:
+    """Names, sizes and modification times of everything under `path` (to prove nothing was written)."""
+    return {str(p.relative_to(path)): (p.stat().st_size, p.stat().st_mtime_ns) for p in sorted(path.rglob("*"))}
+
+
+def set_config_field(path: Path, **fields) -> None:
+    config = json.loads((path / "config.json").read_text())
+    config.update(fields)
+    (path / "config.json").write_text(json.dumps(config))
+
+
+def write_large_qwen3_moe(path: Path, *, layers: int = 6, experts: int = 64, hidden: int = 1024,
+                          expert_intermediate: int = 512, vocab: int = 1024, shard_bytes: int = 600 * 2**20) -> Path:
+    """A Qwen3-MoE-shaped bf16 checkpoint with >= 1 GiB of experts, written shard by shard.
+
+    Written with safetensors directly, in the Hub's per-expert naming, so the test process never
+    holds more than one shard; the values are random but finite.
+    """
+    from accelerate import init_empty_weights
+    from safetensors.torch import save_file
+
+    config = AutoConfig.for_model(
+        "qwen3_moe", hidden_size=hidden, intermediate_size=2 * hidden, moe_intermediate_size=expert_intermediate,
+        num_hidden_layers=layers, num_attention_heads=8, num_key_value_heads=4, head_dim=128, num_experts=experts,
+        num_experts_per_tok=8, vocab_size=vocab, max_position_embeddings=512, dtype="bfloat16",
+        eos_token_id=vocab - 1, bos_token_id=1, tie_word_embeddings=False,
+    )
+    path.mkdir(parents=True, exist_ok=True)
+    config.save_pretrained(path)
+    with init_empty_weights():
+        meta = AutoModelForCausalLM.from_config(config)
+    gen = torch.Generator().manual_seed(0)
+
+    def rand(shape) -> torch.Tensor:
+        return (torch.randn(shape, generator=gen) * 0.02).to(torch.bfloat16)
+
+    tensors: dict[str, torch.Tensor] = {}
+    for name, p in meta.state_dict().items():
+        if ".experts." in name:
+            continue
+        tensors[name] = torch.ones(p.shape, dtype=torch.bfloat16) if "norm" in name else rand(p.shape)
+    proj_shapes = {"gate_proj": (expert_intermediate, hidden), "up_proj": (expert_intermediate, hidden),
+                   "down_proj": (hidden, expert_intermediate)}
+    blocks = {proj: rand((experts, *shape)) for proj, shape in proj_shapes.items()}  # reused across layers
+    for layer in range(layers):
+        for e in range(experts):
+            for proj in proj_shapes:
+                tensors[f"model.layers.{layer}.mlp.experts.{e}.{proj}.weight"] = blocks[proj][e].clone()
+
+    shards: list[dict[str, torch.Tensor]] = [{}]
+    size = 0
+    for name, t in tensors.items():
+        if size + t.nbytes > shard_bytes and shards[-1]:
+            shards.append({})
+            size = 0
+        shards[-1][name] = t
+        size += t.nbytes
+    weight_map = {}
+    for i, shard in enumerate(shards):
+        fname = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+        save_file(shard, path / fname, metadata={"format": "pt"})
+        weight_map.update(dict.fromkeys(shard, fname))
+    (path / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    return path

@@ -1,0 +1,29 @@
+import os
+import tempfile
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+# Keep MoEScope's user files (cache, history, settings) away from the real home directory.
+_user_dirs = tempfile.mkdtemp(prefix="moescope-test-home-")
+for _var in ("XDG_CACHE_HOME", "XDG_DATA_HOME", "XDG_CONFIG_HOME", "XDG_STATE_HOME"):
+    os.environ[_var] = os.path.join(_user_dirs, _var.lower())
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+os.environ.setdefault("QT_QPA_PLATFORM", "offscreen")
+os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+
+import pytest  # noqa: E402
+from transformers.utils import logging as hf_logging  # noqa: E402
+
+from tests.checkpoints import FAMILIES, save_tiny_checkpoint  # noqa: E402
+
+hf_logging.disable_progress_bar()
+
+
+@pytest.fixture(scope="session")
+def tiny_checkpoints(tmp_path_factory) -> dict:
+    root = tmp_path_factory.mktemp("tiny")
+    return {family: save_tiny_checkpoint(family, root / family) for family in FAMILIES}
+
+
+@pytest.fixture(scope="session")
+def mixtral_checkpoint(tiny_checkpoints):
+    return tiny_checkpoints["mixtral"]
