@@ -32,6 +32,7 @@ class EngineCounters:
         self.bytes_ondemand = 0
         self.bytes_prefetch = 0
         self.stall_s = 0.0
+        self.request_stall_s = 0.0
         self.recent: deque[TokenRecord] = deque(maxlen=window)
         self._token = TokenRecord(0, 0, 0, 0.0)
 
@@ -39,6 +40,7 @@ class EngineCounters:
         self.activation_request[:] = 0
         self.request_layer_hits[:] = 0
         self.request_layer_misses[:] = 0
+        self.request_stall_s = 0.0
 
     def record_layer(self, layer: int, counts: np.ndarray, hits: int, misses: int) -> None:
         self.activation_request[layer] += counts
@@ -59,6 +61,7 @@ class EngineCounters:
 
     def record_stall(self, seconds: float) -> None:
         self.stall_s += seconds
+        self.request_stall_s += seconds
         self._token.stall_s += seconds
 
     def end_token(self) -> TokenRecord:

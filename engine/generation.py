@@ -92,12 +92,16 @@ class Generator:
         return list(self._tokenizer()(text, add_special_tokens=True)["input_ids"])
 
     def eos_ids(self) -> set[int]:
-        ids: set[int] = set()
-        for source in (getattr(self.runtime.model, "generation_config", None), self.runtime.model.config, self.runtime.tokenizer):
-            value = getattr(source, "eos_token_id", None) if source is not None else None
-            ids.update([value] if isinstance(value, int) else list(value or []))
+        """Stop tokens as transformers' generate picks them: the generation config, else the model config,
+        else the tokenizer."""
         vocab = self.runtime.model.config.get_text_config().vocab_size
-        return {i for i in ids if 0 <= i < vocab}
+        for source in (getattr(self.runtime.model, "generation_config", None), self.runtime.model.config,
+                       self.runtime.tokenizer):
+            value = getattr(source, "eos_token_id", None) if source is not None else None
+            ids = {value} if isinstance(value, int) else set(value or [])
+            if ids:
+                return {i for i in ids if 0 <= i < vocab}
+        return set()
 
     # ----- the loop -----
     @torch.inference_mode()

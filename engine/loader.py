@@ -92,6 +92,11 @@ def build_model(
             )
         except ValueError as exc:
             raise CheckpointError(f"transformers cannot build '{files.root.name}' as a causal LM: {exc}") from None
+    if (files.root / "generation_config.json").is_file():
+        from transformers import GenerationConfig
+
+        # from_pretrained reads this file too: its EOS ids and defaults are the model author's.
+        model.generation_config = GenerationConfig.from_pretrained(files.root)
     layout = build_layout(model, files, compute_dtype)
     for module_path in layout.module_paths:
         experts = model.get_submodule(module_path)

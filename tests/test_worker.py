@@ -1,0 +1,178 @@
+"""The engine process, through the client the GUI uses: a real spawned worker and a tiny checkpoint."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+
+from engine import protocol as p
+from engine.cli import main as moescope
+from tests.checkpoints import reference_generate, save_tiny_checkpoint
+from tests.engine_events import started_client
+
+PROMPT_IDS = [1, 23, 45, 67, 8, 9, 10]
+
+
+@pytest.fixture(scope="module")
+def endless_checkpoint(tmp_path_factory):
+    """No EOS id: replies run to max_new_tokens, so mid-reply actions always have a reply to act on."""
+    return save_tiny_checkpoint("mixtral", tmp_path_factory.mktemp("endless") / "mixtral", eos_token_id=None)
+
+
+@pytest.fixture
+def engine(endless_checkpoint):
+    client, log = started_client()
+    client.send(p.LoadModel(path=str(endless_checkpoint), budget="all", store="disk"))
+    loaded = log.wait_for(lambda e: isinstance(e, (p.ModelLoaded, p.Error)))
+    assert isinstance(loaded, p.ModelLoaded), loaded
+    yield client, log
+    client.stop()
+
+
+def done_for(log, rid: str, start: int = 0, timeout: float = 60):
+    return log.wait_for(lambda e: isinstance(e, p.Done) and e.request_id == rid, timeout, start)
+
+
+def test_streamed_reply_equals_the_cli(engine, endless_checkpoint, capsys):
+    client, log = engine
+    client.send(p.Generate("r1", messages=[{"role": "user", "content": "Hello there"}],
+                           sampling=p.SamplingParams(temperature=0, max_new_tokens=20)))
+    done = done_for(log, "r1")
+    streamed = "".join(e.text for e in log.of(p.Token) if e.request_id == "r1")
+    assert streamed == done.text
+    assert len(done.token_ids) == 20 and done.finish_reason == "length"
+    capsys.readouterr()
+    assert moescope(["generate", "--model", str(endless_checkpoint), "--prompt", "Hello there",
+                     "--max-new-tokens", "20", "--json"]) == 0
+    cli = json.loads(capsys.readouterr().out)
+    assert cli["text"] == done.text and cli["token_ids"] == done.token_ids
+
+
+def test_cancel_stops_within_a_token_and_the_next_request_works(engine):
+    client, log = engine
+    cancelled_at: list[int] = []
+
+    def cancel_on_third_token(event) -> None:
+        if isinstance(event, p.Token) and event.request_id == "long" and not cancelled_at:
+            tokens = [e for e in log.of(p.Token) if e.request_id == "long"]
+            if len(tokens) >= 3:
+                cancelled_at.append(len(tokens))
+                client.send(p.Cancel("long"))
+
+    original = client.on_event
+    client.on_event = lambda e: (original(e), cancel_on_third_token(e))
+    client.send(p.Generate("long", prompt_ids=PROMPT_IDS, sampling=p.SamplingParams(temperature=0, max_new_tokens=200)))
+    done = done_for(log, "long")
+    assert done.finish_reason == "cancelled"
+    # The cancel was sent on token 3; the worker reads it before the next token, and one more may be in flight.
+    assert len(done.token_ids) <= cancelled_at[0] + 2
+    client.on_event = original
+    client.send(p.Generate("next", prompt_ids=PROMPT_IDS, sampling=p.SamplingParams(temperature=0, max_new_tokens=5)))
+    assert done_for(log, "next").finish_reason == "length"
+
+
+def test_budget_change_mid_reply_shows_in_the_next_snapshot_and_stays_exact(engine, endless_checkpoint):
+    client, log = engine
+    expected = reference_generate(endless_checkpoint, PROMPT_IDS, 40)
+    loaded = log.of(p.ModelLoaded)[0]
+    sent = threading.Event()
+    original = client.on_event
+
+    def shrink_on_fifth_token(event) -> None:
+        original(event)
+        tokens = len([e for e in log.of(p.Token) if e.request_id == "b"])
+        if isinstance(event, p.Token) and not sent.is_set() and tokens >= 5:
+            sent.set()
+            client.send(p.SetBudget("1"))  # below the minimum: clamped
+
+    client.on_event = shrink_on_fifth_token
+    mark = log.mark()
+    client.send(p.Generate("b", prompt_ids=PROMPT_IDS, sampling=p.SamplingParams(temperature=0, max_new_tokens=40)))
+    changed = log.wait_for(lambda e: isinstance(e, p.BudgetChanged), start=mark)
+    after = log.events.index(changed)
+    snapshot = log.wait_for(lambda e: isinstance(e, p.TelemetrySnapshot), start=after)
+    done = done_for(log, "b", mark)
+    client.on_event = original
+    minimum = [loaded.top_k] * loaded.num_layers
+    assert changed.slots_per_layer == minimum and "minimum" in changed.note
+    assert snapshot.slots_per_layer == minimum and snapshot.state == "decoding"
+    assert done.token_ids == expected
+
+
+def test_sigkill_mid_reply_is_reported_and_restart_reloads(engine):
+    client, log = engine
+    killed = threading.Event()
+    original = client.on_event
+
+    def kill_on_second_token(event) -> None:
+        original(event)
+        if isinstance(event, p.Token) and event.request_id == "k" and not killed.is_set():
+            killed.set()
+            killed.at = time.monotonic()
+            os.kill(client.pid, signal.SIGKILL)
+
+    client.on_event = kill_on_second_token
+    client.send(p.Generate("k", prompt_ids=PROMPT_IDS, sampling=p.SamplingParams(temperature=0, max_new_tokens=500)))
+    crash = log.wait_for(lambda e: isinstance(e, p.Error) and e.kind == "engine-crashed", timeout=10)
+    reported = time.monotonic()
+    assert reported - killed.at < 2.0
+    assert "SIGKILL" in crash.message and not crash.recoverable
+    client.on_event = original
+    mark = log.mark()
+    client.restart(reload=True)
+    assert isinstance(log.wait_for(lambda e: isinstance(e, (p.ModelLoaded, p.Error)), start=mark), p.ModelLoaded)
+    client.send(p.Generate("after", prompt_ids=PROMPT_IDS, sampling=p.SamplingParams(temperature=0, max_new_tokens=4)))
+    assert len(done_for(log, "after", mark).token_ids) == 4
+
+
+def test_corrupt_checkpoint_is_an_error_and_the_worker_stays(tmp_path, endless_checkpoint):
+    import shutil
+
+    broken = tmp_path / "broken"
+    shutil.copytree(endless_checkpoint, broken)
+    (broken / "model.safetensors").write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00{not json at all}")
+    client, log = started_client()
+    try:
+        client.send(p.LoadModel(path=str(broken)))
+        error = log.wait_for(lambda e: isinstance(e, p.Error))
+        assert error.kind == "bad-checkpoint" and "model.safetensors" in error.message and error.recoverable
+        assert client.alive
+        mark = log.mark()
+        client.send(p.LoadModel(path=str(endless_checkpoint)))
+        assert isinstance(log.wait_for(lambda e: isinstance(e, (p.ModelLoaded, p.Error)), start=mark), p.ModelLoaded)
+    finally:
+        client.stop()
+
+
+def test_telemetry_agrees_with_the_engine_counts(engine):
+    client, log = engine
+    mark = log.mark()
+    client.send(p.Generate("t", prompt_ids=PROMPT_IDS, sampling=p.SamplingParams(temperature=0, max_new_tokens=12)))
+    done = done_for(log, "t", mark)
+    final = [e for e in log.events[mark:] if isinstance(e, p.TelemetrySnapshot)][-1]
+    loaded = log.of(p.ModelLoaded)[0]
+    activation = final.activation_request.numpy()
+    assert activation.shape == (loaded.num_layers, loaded.num_experts)
+    forwarded = len(PROMPT_IDS) + len(done.token_ids) - 1  # the last token is sampled, never fed back
+    assert (activation.sum(axis=1) == forwarded * loaded.top_k).all()
+    assert final.hit_rate_request == pytest.approx(done.stats["hit_rate"])
+    assert final.tokens_generated == len(done.token_ids)
+    assert final.resident.numpy().sum(axis=1).tolist() == final.slots_per_layer
+    assert final.link == "disk -> RAM" and final.rss_bytes > 0
+    snapshots = [e for e in log.events[mark:] if isinstance(e, p.TelemetrySnapshot)]
+    assert len(snapshots) <= 2 + 12  # a few per reply, never one per expert
+
+
+def test_gui_side_imports_pull_in_neither_torch_nor_qt():
+    code = ("import sys, engine.protocol, engine.client; "
+            "bad = [m for m in sys.modules if m == 'torch' or m.startswith(('torch.', 'PySide', 'PyQt', 'transformers'))]; "
+            "print(bad)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True).stdout
+    assert out.strip() == "[]"
