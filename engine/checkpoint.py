@@ -92,6 +92,13 @@ def read_safetensors_header(path: Path) -> dict[str, TensorRecord]:
     return records
 
 
+def _builtin_model_type(model_type: str | None) -> bool:
+    """True when transformers ships this architecture: its own code is used and the repo's is never run."""
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+    return bool(model_type) and model_type in CONFIG_MAPPING
+
+
 def open_checkpoint(path: str | os.PathLike, *, allow_pickle: bool = False, trust_remote_code: bool = False) -> CheckpointFiles:
     """Check a checkpoint folder and index its safetensors files.
 
@@ -110,7 +117,7 @@ def open_checkpoint(path: str | os.PathLike, *, allow_pickle: bool = False, trus
         config = json.loads(config_path.read_text())
     except (json.JSONDecodeError, UnicodeDecodeError):
         raise CheckpointError(f"{config_path} is not valid JSON") from None
-    if config.get("auto_map") and not trust_remote_code:
+    if config.get("auto_map") and not trust_remote_code and not _builtin_model_type(config.get("model_type")):
         raise UnsafeCheckpointError(
             f"'{root.name}' needs its own Python code (config.json has auto_map); MoEScope does not run "
             "downloaded code unless you pass --trust-remote-code after reading that code"

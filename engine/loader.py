@@ -27,11 +27,17 @@ _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torc
 
 
 def resolve_model_path(path: str) -> Path:
+    """'demo', a checkpoint folder, or a Hub id already downloaded (org/name)."""
     if path == "demo":
         from resources import DEMO_MODEL_DIR
 
         return DEMO_MODEL_DIR
-    return Path(path).expanduser()
+    local = Path(path).expanduser()
+    if local.exists() or local.is_absolute():
+        return local
+    from engine.hub.local import resolve_model
+
+    return resolve_model(path)
 
 
 def resolve_device(name: str) -> torch.device:

@@ -81,11 +81,20 @@ def test_pickle_only_is_refused_unless_allowed(capsys, tmp_path, mixtral_checkpo
 
 def test_remote_code_is_refused_by_default(capsys, copy_of):
     path = copy_of("remote")
-    set_config_field(path, auto_map={"AutoModelForCausalLM": "modeling_evil.EvilForCausalLM"})
+    set_config_field(path, model_type="evil_moe", auto_map={"AutoModelForCausalLM": "modeling_evil.EvilForCausalLM"})
     before = tree_snapshot(path)
     code, _, err = run(capsys, *generate_args(path))
     assert_one_line_error(code, err, "--trust-remote-code")
     assert tree_snapshot(path) == before
+
+
+def test_remote_code_is_not_needed_for_architectures_transformers_ships(capsys, copy_of, mixtral_checkpoint):
+    # Many Hub repos keep auto_map from before transformers had the architecture built in.
+    path = copy_of("builtin-with-auto-map")
+    set_config_field(path, auto_map={"AutoModelForCausalLM": "modeling_mixtral.MixtralForCausalLM"})
+    code, out, _ = run(capsys, *generate_args(path))
+    assert code == 0
+    assert json.loads(out)["token_ids"] == json.loads(run(capsys, *generate_args(mixtral_checkpoint))[1])["token_ids"]
 
 
 def test_truncated_safetensors_names_the_file(capsys, copy_of):

@@ -37,7 +37,7 @@ def test_lru_directory_evicts_least_recently_used():
     d = CacheDirectory([3], policy)
     misses_per_access = []
     for experts in ([0, 1], [2], [0], [3], [1]):
-        hits, misses = d.split(0, experts)
+        _, misses = d.split(0, experts)
         for e in misses:
             d.assign(0, e, set(experts))
         misses_per_access.append(misses)

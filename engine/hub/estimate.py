@@ -1,0 +1,192 @@
+"""A model's memory needs from its config.json alone, before anything is downloaded.
+
+The model is built on the meta device (no memory, a second even for 46B parameters) and its
+parameters are counted: those of `@use_experts_implementation` modules are experts, the rest is
+dense. Bytes follow the engine's own rules (engine.layout): one expert is a slot of aligned
+parameters in the compute dtype, and the minimum budget is top-k slots per MoE layer.
+"""
+
+from __future__ import annotations
+
+import warnings
+from dataclasses import dataclass, field
+
+from engine.errors import CheckpointError
+from engine.hub.supported import config_problem, quantization_of
+
+CONTEXT_TOKENS = 4096  # the context the working-memory estimate assumes
+
+# Stored bits per weight of quantized expert matrices (MXFP4: 4-bit values + one 8-bit scale per 32).
+QUANT_BITS = {"mxfp4": 4.25}
+
+
+@dataclass
+class SizeEstimate:
+    model_type: str
+    architecture: str
+    num_layers: int
+    num_moe_layers: int
+    num_experts: int  # per MoE layer
+    top_k: int
+    total_params: int
+    expert_params: int  # every routed expert of every layer
+    dense_params: int  # everything else: attention, embeddings, norms, routers, shared experts
+    active_params: int  # what one token uses: dense + top-k experts per MoE layer
+    embedding_params: int  # the input embedding (some published "active" counts leave it out)
+    dtype: str  # the compute dtype the engine would use
+    bytes_per_param: int
+    dense_bytes: int
+    expert_bytes: int  # all routed experts, unpadded
+    bytes_per_expert: int  # one expert slot as the engine lays it out
+    all_expert_bytes: int  # the `all` budget: a slot for every expert
+    min_budget_bytes: int  # top-k slots per MoE layer
+    kv_bytes_per_token: int
+    download_bytes: int | None  # the weight files, when known (Hub sizes, local files, or computed)
+    quantization: str | None = None
+    problem: str | None = None  # why the engine cannot run it (yet), None when it can
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def runnable(self) -> bool:
+        return self.problem is None
+
+    @property
+    def kv_bytes(self) -> int:
+        return self.kv_bytes_per_token * CONTEXT_TOKENS
+
+
+def estimate_from_config(config: dict, *, weight_file_bytes: int | None = None) -> SizeEstimate:
+    """Sizes from a config.json dict; `weight_file_bytes` (the safetensors files' total) when known."""
+    from engine.layout import SLOT_ALIGN, find_top_k, is_experts_module
+    from engine.loader import resolve_dtype
+    from engine.sizes import format_bytes
+
+    model, cfg = _meta_model(config)
+    dtype = resolve_dtype("auto", config)
+    itemsize = dtype.itemsize
+    experts = [m for _, m in model.named_modules() if is_experts_module(m)]
+    total = sum(p.numel() for p in model.parameters())  # tied weights counted once
+    expert_params = sum(p.numel() for m in experts for p in m.parameters(recurse=False))
+    expert_matrix_params = sum(p.numel() for m in experts for p in m.parameters(recurse=False) if p.dim() == 3)
+    num_experts = slot = per_expert = top_k = 0
+    problem = None
+    if experts:
+        first = experts[0]
+        num_experts = int(getattr(first, "num_experts", 0) or next(first.parameters(recurse=False)).shape[0])
+        slot = _slot_bytes(first, itemsize, SLOT_ALIGN)
+        per_expert = expert_params // (num_experts * len(experts))
+        try:
+            top_k = find_top_k(cfg)
+        except CheckpointError as exc:
+            problem = str(exc)
+    else:
+        problem = "a dense model, not a mixture-of-experts model; MoEScope offloads experts"
+    model_type = str(config.get("model_type"))
+    quant = quantization_of(config)
+    notes: list[str] = []
+    problem = problem or config_problem(config)
+    if quant:
+        notes.append(f"sizes are for the {quant} weights unpacked to {dtype_name(dtype)}; the download is smaller")
+    dense = total - expert_params
+    download = weight_file_bytes
+    if download is None:
+        download = _computed_file_bytes(total, expert_matrix_params, itemsize, quant)
+    elif not quant and total:
+        ratio = download / (total * itemsize)
+        if not 0.9 <= ratio <= 1.1:
+            notes.append(f"the weight files hold {format_bytes(download)}, the config describes "
+                         f"{format_bytes(total * itemsize)} (extra layers, e.g. multi-token prediction, or another dtype)")
+    try:
+        embedding = model.get_input_embeddings().weight.numel()
+    except (AttributeError, NotImplementedError):
+        embedding = 0
+    return SizeEstimate(
+        model_type=model_type,
+        architecture=(config.get("architectures") or [type(model).__name__])[0],
+        num_layers=int(getattr(cfg.get_text_config(), "num_hidden_layers", 0) or 0),
+        num_moe_layers=len(experts),
+        num_experts=num_experts,
+        top_k=top_k,
+        total_params=total,
+        expert_params=expert_params,
+        dense_params=dense,
+        active_params=dense + top_k * per_expert * len(experts),
+        embedding_params=embedding,
+        dtype=dtype_name(dtype),
+        bytes_per_param=itemsize,
+        dense_bytes=(dense + _persistent_buffers(model)) * itemsize,
+        expert_bytes=expert_params * itemsize,
+        bytes_per_expert=slot,
+        all_expert_bytes=slot * num_experts * len(experts),
+        min_budget_bytes=slot * top_k * len(experts),
+        kv_bytes_per_token=_kv_bytes_per_token(cfg, itemsize),
+        download_bytes=download,
+        quantization=quant,
+        problem=problem,
+        notes=notes,
+    )
+
+
+def dtype_name(dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def _meta_model(config: dict):
+    """Build the model with no memory. Only transformers' built-in classes, never downloaded code."""
+    from accelerate import init_empty_weights
+    from transformers import AutoModelForCausalLM
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+    model_type = config.get("model_type")
+    if model_type not in CONFIG_MAPPING:
+        raise CheckpointError(
+            f"this transformers does not know model type '{model_type}'; update transformers or pick another model"
+        )
+    clean = {k: v for k, v in config.items() if k != "auto_map"}
+    try:
+        cfg = CONFIG_MAPPING[model_type].from_dict(clean)
+        with warnings.catch_warnings(), init_empty_weights(include_buffers=False):
+            warnings.simplefilter("ignore")
+            model = AutoModelForCausalLM.from_config(cfg)
+    except (ValueError, KeyError, TypeError, AttributeError) as exc:
+        raise CheckpointError(f"transformers cannot build a '{model_type}' causal LM from this config.json: {exc}") from None
+    return model, cfg
+
+
+def _slot_bytes(experts, itemsize: int, align: int) -> int:
+    """One expert as engine.layout.build_layout lays it out: each parameter aligned, then the slot."""
+    offset = 0
+    for p in experts.parameters(recurse=False):
+        offset += -(-(p[0].numel() * itemsize) // align) * align
+    return -(-offset // align) * align
+
+
+def _persistent_buffers(model) -> int:
+    """Elements of persistent buffers (e.g. DeepSeek's router score bias): checkpoint tensors read as dense."""
+    return sum(b.numel() for mod in model.modules() for name, b in mod._buffers.items()
+               if b is not None and name not in mod._non_persistent_buffers_set)
+
+
+def _computed_file_bytes(total: int, expert_matrices: int, itemsize: int, quant: str | None) -> int | None:
+    if quant is None:
+        return total * itemsize
+    if quant in QUANT_BITS:  # expert matrices quantized, everything else (incl. expert biases) in bf16
+        return int(expert_matrices * QUANT_BITS[quant] / 8) + (total - expert_matrices) * 2
+    return None
+
+
+def _kv_bytes_per_token(cfg, itemsize: int) -> int:
+    """KV cache bytes per token (all layers), as transformers' cache stores it."""
+    text = cfg.get_text_config()
+    layers = int(getattr(text, "num_hidden_layers", 0) or 0)
+    heads = int(getattr(text, "num_attention_heads", 0) or 0)
+    if not layers or not heads:
+        return 0
+    kv_heads = int(getattr(text, "num_key_value_heads", None) or heads)
+    head_dim = int(getattr(text, "head_dim", None) or text.hidden_size // heads)
+    k_dim = v_dim = head_dim
+    if getattr(text, "qk_nope_head_dim", None):  # MLA (DeepSeek): keys and values are cached decompressed
+        k_dim = int(text.qk_nope_head_dim) + int(text.qk_rope_head_dim)
+        v_dim = int(text.v_head_dim)
+        kv_heads = heads
+    return layers * kv_heads * (k_dim + v_dim) * itemsize

@@ -1,0 +1,135 @@
+"""Models on this machine: the Hugging Face cache (shared with other tools) and plain folders."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+from engine.errors import CheckpointError
+from engine.hub.errors import HubError
+from engine.hub.estimate import SizeEstimate, estimate_from_config
+from engine.hub.paths import hub_cache_dir
+from engine.hub.remote import INDEX_FILE, REPO_ID
+from engine.hub.supported import config_problem
+
+
+@dataclass
+class CachedModel:
+    repo_id: str
+    snapshot: Path
+    commit: str
+    refs: list[str]
+    size_on_disk: int
+    config: dict | None
+    complete: bool  # every weight file the index names is there
+    problem: str | None  # why the engine cannot run it, None when it can
+
+    @property
+    def runnable(self) -> bool:
+        return self.problem is None
+
+
+def list_cached_models(cache_dir: Path | None = None, *, include_all: bool = False) -> list[CachedModel]:
+    """Model repos in the HF cache; by default only those the engine can run."""
+    from huggingface_hub import scan_cache_dir
+    from huggingface_hub.errors import CacheNotFound
+
+    cache_dir = cache_dir or hub_cache_dir()
+    try:
+        info = scan_cache_dir(cache_dir)
+    except (CacheNotFound, ValueError):  # no cache yet, or a file where the cache should be
+        return []
+    models = []
+    for repo in sorted(info.repos, key=lambda r: r.repo_id.lower()):
+        if repo.repo_type != "model" or not repo.revisions:
+            continue
+        # the revision `main` points at, else the newest one
+        revision = max(repo.revisions, key=lambda r: ("main" in r.refs, r.last_modified))
+        model = _describe(repo.repo_id, revision.snapshot_path, revision.commit_hash, sorted(revision.refs),
+                          revision.size_on_disk)
+        if include_all or model.runnable:
+            models.append(model)
+    return models
+
+
+def find_cached(repo_id: str, cache_dir: Path | None = None) -> CachedModel | None:
+    for model in list_cached_models(cache_dir, include_all=True):
+        if model.repo_id.lower() == repo_id.lower():
+            return model
+    return None
+
+
+def resolve_model(ref: str, cache_dir: Path | None = None) -> Path:
+    """A checkpoint folder from a path or a Hub id already downloaded (org/name)."""
+    path = Path(ref).expanduser()
+    if path.exists():
+        return path
+    if REPO_ID.match(ref):
+        cached = find_cached(ref, cache_dir)
+        if cached is not None and cached.complete:
+            return cached.snapshot
+        raise CheckpointError(f"'{ref}' is not downloaded yet; get it with `moescope models download {ref}`")
+    raise CheckpointError(f"model path '{ref}' does not exist; pass a checkpoint folder or a downloaded Hub id")
+
+
+def estimate_folder(folder: Path) -> SizeEstimate:
+    """Sizes of a local checkpoint folder: its config plus the real size of its weight files."""
+    config_path = folder / "config.json"
+    if not config_path.is_file():
+        raise CheckpointError(f"'{folder}' has no config.json; it is not a Hugging Face checkpoint folder")
+    try:
+        config = json.loads(config_path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError):
+        raise CheckpointError(f"{config_path} is not valid JSON") from None
+    shards = [p for p in folder.glob("*.safetensors") if p.exists()]  # exists(): skips broken cache links
+    return estimate_from_config(config, weight_file_bytes=sum(p.stat().st_size for p in shards) if shards else None)
+
+
+def remove_cached(repo_id: str, cache_dir: Path | None = None, *, execute: bool = False) -> int:
+    """Delete every cached revision of `repo_id` through huggingface_hub; returns the bytes freed
+    (or that would be freed when `execute` is False). Blobs shared with other repos are kept."""
+    from huggingface_hub import scan_cache_dir
+    from huggingface_hub.errors import CacheNotFound
+
+    cache_dir = cache_dir or hub_cache_dir()
+    try:
+        info = scan_cache_dir(cache_dir)
+    except (CacheNotFound, ValueError):
+        info = None
+    repo = next((r for r in (info.repos if info else ()) if r.repo_type == "model"
+                 and r.repo_id.lower() == repo_id.lower()), None)
+    if info is None or repo is None:
+        raise HubError(f"'{repo_id}' is not in the Hugging Face cache at {cache_dir}; see `moescope models list`")
+    strategy = info.delete_revisions(*[r.commit_hash for r in repo.revisions])
+    if execute:
+        strategy.execute()
+    return strategy.expected_freed_size
+
+
+def _describe(repo_id: str, snapshot: Path, commit: str, refs: list[str], size: int) -> CachedModel:
+    config = None
+    config_path = snapshot / "config.json"
+    if config_path.is_file():
+        try:
+            config = json.loads(config_path.read_text())
+        except (json.JSONDecodeError, UnicodeDecodeError, OSError):
+            config = None
+    complete = _weights_complete(snapshot)
+    problem = "no readable config.json" if config is None else config_problem(config)
+    if problem is None and not any(snapshot.glob("*.safetensors")):
+        problem = "no safetensors weights downloaded"
+    elif problem is None and not complete:
+        problem = "download incomplete: run `moescope models download` again"
+    return CachedModel(repo_id, snapshot, commit, refs, size, config, complete, problem)
+
+
+def _weights_complete(snapshot: Path) -> bool:
+    index = snapshot / INDEX_FILE
+    if index.is_file():
+        try:
+            shards = set(json.loads(index.read_text()).get("weight_map", {}).values())
+        except (json.JSONDecodeError, UnicodeDecodeError, OSError):
+            return False
+        return bool(shards) and all((snapshot / s).exists() for s in shards)
+    return any(p.exists() for p in snapshot.glob("*.safetensors"))

@@ -1,0 +1,58 @@
+"""Which model types the engine can run, derived from the installed transformers.
+
+A family runs offloaded when its experts class carries `@use_experts_implementation` and it has a
+causal-LM class. The decorator is found by reading the modeling sources (no imports: importing ~70
+model modules would take seconds); the meta-model build in `estimate` is the final word per model.
+"""
+
+from __future__ import annotations
+
+from functools import cache
+from pathlib import Path
+
+DECORATOR = "@use_experts_implementation"
+
+
+@cache
+def supported_model_types() -> frozenset[str]:
+    import transformers
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES, model_type_to_module_name
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    models_dir = Path(transformers.__file__).parent / "models"
+    modules = {
+        source.parent.name
+        for source in models_dir.glob("*/modeling_*.py")
+        if DECORATOR in source.read_text(encoding="utf-8", errors="ignore")
+    }
+    return frozenset(
+        model_type
+        for model_type in CONFIG_MAPPING_NAMES
+        if model_type in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES and model_type_to_module_name(model_type) in modules
+    )
+
+
+def is_supported_config(config: dict) -> bool:
+    return str(config.get("model_type") or "") in supported_model_types()
+
+
+def quantization_of(config: dict) -> str | None:
+    """The checkpoint's quantization method (e.g. 'mxfp4', 'fp8'), or None for plain weights."""
+    quant = config.get("quantization_config")
+    if not quant:
+        return None
+    if isinstance(quant, dict):
+        return str(quant.get("quant_method") or quant.get("format") or "quantized")
+    return "quantized"
+
+
+def config_problem(config: dict) -> str | None:
+    """Why the engine cannot run a checkpoint with this config, from the config alone; None if it can."""
+    model_type = config.get("model_type")
+    if model_type not in supported_model_types():
+        return f"model type '{model_type}' is not a mixture-of-experts family MoEScope runs"
+    if quant := quantization_of(config):
+        return f"{quant} quantized weights are not supported by MoEScope yet"
+    # auto_map alone is no problem here: supported types are built into transformers, whose own code
+    # is used (engine.checkpoint refuses auto_map only for architectures transformers does not ship).
+    return None

@@ -1,0 +1,176 @@
+"""Sizes from published config.json files, checked against published parameter counts, and the
+fit verdict for made-up machines."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from engine.errors import CheckpointError
+from engine.hub.estimate import estimate_from_config
+from engine.hub.fit import assess, budget_arg
+from engine.hub.machine import MachineInfo
+from engine.layout import SLOT_ALIGN
+from tests.checkpoints import FAMILIES
+
+FIXTURES = Path(__file__).parent / "hub_fixtures"
+GiB = 1024**3
+
+# Published totals and active counts (billions). `embedding_in_active`: whether the publisher's active
+# count includes the input embedding (Mistral, Qwen and AllenAI count it; DeepSeek and OpenAI do not).
+PUBLISHED = {
+    "mixtral-8x7b": dict(total=46.7, active=12.9, embedding_in_active=True, layers=32, experts=8, top_k=2),
+    "qwen3-30b-a3b": dict(total=30.5, active=3.3, embedding_in_active=True, layers=48, experts=128, top_k=8),
+    "deepseek-v2-lite": dict(total=15.7, active=2.4, embedding_in_active=False, layers=26, experts=64, top_k=6),
+    "olmoe-1b-7b": dict(total=6.9, active=1.3, embedding_in_active=True, layers=16, experts=64, top_k=8),
+    "gpt-oss-20b": dict(total=20.9, active=3.6, embedding_in_active=False, layers=24, experts=32, top_k=4),
+}
+
+
+def load(name: str) -> dict:
+    return json.loads((FIXTURES / f"{name}.json").read_text())
+
+
+@pytest.fixture(scope="module")
+def estimates() -> dict:
+    return {name: estimate_from_config(load(name)) for name in PUBLISHED}
+
+
+@pytest.mark.parametrize("name", list(PUBLISHED))
+def test_sizes_match_published_parameter_counts(estimates, name):
+    est, pub = estimates[name], PUBLISHED[name]
+    bpp = {"bfloat16": 2, "float32": 4}[est.dtype]
+    assert est.bytes_per_param == bpp
+    assert (est.num_moe_layers, est.num_experts, est.top_k) == (pub["layers"], pub["experts"], pub["top_k"])
+    assert est.expert_params + est.dense_params == est.total_params
+    assert est.total_params == pytest.approx(pub["total"] * 1e9, rel=0.03)
+    # the bytes: expert and dense bytes add up to the published count times bytes per parameter
+    assert est.expert_bytes + est.dense_bytes == pytest.approx(pub["total"] * 1e9 * bpp, rel=0.03)
+    active = est.active_params - (0 if pub["embedding_in_active"] else est.embedding_params)
+    assert active == pytest.approx(pub["active"] * 1e9, rel=0.03)
+    per_expert = est.expert_params // (est.num_experts * est.num_moe_layers)
+    active_bytes = est.dense_bytes + est.top_k * est.num_moe_layers * per_expert * bpp
+    assert active_bytes - (0 if pub["embedding_in_active"] else est.embedding_params * bpp) == pytest.approx(
+        pub["active"] * 1e9 * bpp, rel=0.03)
+    # the engine's slot layout: aligned, a little above the raw bytes of one expert
+    assert est.bytes_per_expert % SLOT_ALIGN == 0
+    assert per_expert * bpp <= est.bytes_per_expert < per_expert * bpp + 8 * SLOT_ALIGN
+    assert est.all_expert_bytes == est.bytes_per_expert * est.num_experts * est.num_moe_layers
+    assert est.min_budget_bytes == est.bytes_per_expert * est.top_k * est.num_moe_layers
+
+
+def test_quantized_checkpoint_is_estimated_but_not_runnable(estimates):
+    est = estimates["gpt-oss-20b"]
+    assert est.quantization == "mxfp4" and not est.runnable
+    assert est.problem.startswith("mxfp4 quantized weights are not supported by MoEScope yet")
+    # MXFP4 experts (4.25 bits) + bf16 rest: OpenAI publishes a 12.8 GiB checkpoint
+    assert est.download_bytes == pytest.approx(12.8 * GiB, rel=0.03)
+    verdict = assess(est, machine(ram=256 * GiB))
+    assert verdict.kind == "unsupported" and verdict.headline.startswith("cannot run yet: mxfp4 quantized")
+
+
+def test_plain_checkpoints_are_runnable(estimates):
+    # DeepSeek-V2-Lite's config.json still names custom code (auto_map), but transformers ships the
+    # architecture, so the engine uses transformers' own code and never the repo's.
+    for name in ("mixtral-8x7b", "qwen3-30b-a3b", "olmoe-1b-7b", "deepseek-v2-lite"):
+        assert estimates[name].runnable, name
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_estimate_agrees_with_the_engines_own_layout(tiny_checkpoints, family):
+    from engine.hub.local import estimate_folder
+    from engine.inspect_model import inspect_checkpoint
+
+    path = tiny_checkpoints[family]
+    est, info = estimate_folder(path), inspect_checkpoint(str(path))
+    assert est.bytes_per_expert == info.expert_bytes
+    assert est.all_expert_bytes == info.all_expert_bytes
+    assert est.min_budget_bytes == info.min_budget_bytes
+    assert est.dense_bytes == info.dense_bytes
+    assert (est.num_moe_layers, est.num_experts, est.top_k) == (info.num_moe_layers, info.num_experts, info.top_k)
+    assert est.download_bytes == sum(p.stat().st_size for p in path.glob("*.safetensors"))
+
+
+def test_dense_and_unknown_models():
+    llama = dict(model_type="llama", architectures=["LlamaForCausalLM"], hidden_size=64, intermediate_size=128,
+                 num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, vocab_size=100)
+    est = estimate_from_config(llama)
+    assert est.problem == "a dense model, not a mixture-of-experts model; MoEScope offloads experts"
+    with pytest.raises(CheckpointError, match="does not know model type 'no-such-moe'; update transformers"):
+        estimate_from_config({"model_type": "no-such-moe"})
+
+
+# ----------------------------------------------------------------------------- verdicts
+
+
+def machine(*, ram: int, disk: int = 10**15, gpu: int = 0, cuda: bool = True) -> MachineInfo:
+    return MachineInfo(ram_total=ram, ram_available=ram, disk_free=disk, gpu_name="Test GPU" if gpu else None,
+                       vram_total=gpu, vram_free=gpu, cuda_usable=bool(gpu) and cuda)
+
+
+def test_fits_in_gpu(estimates):
+    est = estimates["qwen3-30b-a3b"]  # 2.9 GiB dense + 54 GiB experts
+    verdict = assess(est, machine(ram=128 * GiB, gpu=80 * GiB))
+    assert verdict.kind == "fits-gpu" and verdict.device == "cuda" and verdict.budget_arg == "all"
+    assert verdict.headline.startswith("fits in GPU memory: 2.87 GiB dense + 54.00 GiB experts of 80.00 GiB free on Test GPU")
+
+
+def test_gpu_with_experts_offloaded_to_ram_or_disk(estimates):
+    est = estimates["mixtral-8x7b"]  # 84 GiB of experts, 21 GiB minimum
+    verdict = assess(est, machine(ram=256 * GiB, gpu=40 * GiB))
+    assert (verdict.kind, verdict.device, verdict.store) == ("offload", "cuda", "ram")
+    assert est.min_budget_bytes <= verdict.budget_bytes <= 40 * GiB
+    assert verdict.budget_bytes % est.bytes_per_expert == 0
+    assert verdict.headline.startswith("runs on Test GPU with experts offloaded to RAM, budget ")
+    assert assess(est, machine(ram=64 * GiB, gpu=40 * GiB)).store == "disk"  # 84 GiB of experts do not fit in RAM
+
+
+def test_cpu_only(estimates):
+    est = estimates["qwen3-30b-a3b"]
+    assert assess(est, machine(ram=96 * GiB)).kind == "fits-ram"
+    verdict = assess(est, machine(ram=16 * GiB))
+    assert (verdict.kind, verdict.device, verdict.store) == ("offload", "cpu", "disk")
+    assert est.min_budget_bytes <= verdict.budget_bytes < 16 * GiB
+    assert verdict.headline.startswith("runs with experts offloaded to disk, budget ")
+    assert f"minimum {3.375:.2f} GiB" in verdict.headline and "16.00 GiB RAM available" in verdict.headline
+
+
+def test_too_big(estimates):
+    verdict = assess(estimates["mixtral-8x7b"], machine(ram=8 * GiB))
+    assert verdict.kind == "too-big" and not verdict.runs
+    assert verdict.headline.startswith("too big for this machine: needs at least ")
+    assert "(dense 2.99 GiB + minimum budget 21.00 GiB + working memory" in verdict.headline
+    assert verdict.headline.endswith("8.00 GiB RAM available")
+
+
+def test_gpu_too_small_falls_back_to_cpu_and_says_why(estimates):
+    verdict = assess(estimates["mixtral-8x7b"], machine(ram=64 * GiB, gpu=8 * GiB))
+    assert verdict.device == "cpu"
+    assert any("exceed the free GPU memory" in d for d in verdict.details)
+
+
+def test_gpu_without_cuda_in_pytorch(estimates):
+    verdict = assess(estimates["olmoe-1b-7b"], machine(ram=64 * GiB, gpu=24 * GiB, cuda=False))
+    assert verdict.device == "cpu"
+    assert any("no CUDA support" in d for d in verdict.details)
+
+
+def test_needs_more_disk(estimates):
+    est = estimates["qwen3-30b-a3b"]
+    verdict = assess(est, machine(ram=96 * GiB, disk=20 * GiB), missing_bytes=est.download_bytes)
+    short = est.download_bytes - 20 * GiB
+    assert verdict.disk_short_bytes == short
+    assert verdict.headline.startswith(f"needs {short / GiB:.2f} GiB more disk (download ")
+    assert "20.00 GiB free); then: fits in RAM" in verdict.headline
+
+
+def test_budget_arg_never_goes_below_the_minimum(estimates):
+    est = estimates["qwen3-30b-a3b"]
+    assert budget_arg(est.all_expert_bytes, est) == "all"
+    assert budget_arg(int(10.77 * GiB), est) == "10.7GiB"
+    assert budget_arg(est.min_budget_bytes, est) == "3.3GiB" or budget_arg(est.min_budget_bytes, est).endswith("MiB")
+    from engine.sizes import parse_size
+
+    assert parse_size(budget_arg(est.min_budget_bytes, est)) >= est.min_budget_bytes

@@ -1,0 +1,131 @@
+"""Models already on this machine: a hand-made HF cache is listed, opened and run; removal."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+from pathlib import Path
+
+import pytest
+
+from engine.errors import CheckpointError
+from engine.hub.errors import HubError
+from engine.hub.local import estimate_folder, find_cached, list_cached_models, remove_cached, resolve_model
+from engine.hub.paths import repo_folder
+from tests.checkpoints import reference_generate
+
+SHA = "0123456789abcdef0123456789abcdef01234567"
+PROMPT = [1, 17, 42, 9, 77, 5]
+
+
+def place_in_cache(cache: Path, repo_id: str, folder: Path, *, skip: tuple[str, ...] = ()) -> Path:
+    """Lay `folder` out as huggingface_hub does: blobs/<hash>, snapshots/<sha>/<file> -> blob, refs/main."""
+    repo = repo_folder(cache, repo_id)
+    snapshot, blobs = repo / "snapshots" / SHA, repo / "blobs"
+    snapshot.mkdir(parents=True)
+    blobs.mkdir()
+    for f in sorted(folder.iterdir()):
+        if f.name in skip:
+            continue
+        data = f.read_bytes()
+        blob = blobs / hashlib.sha256(data).hexdigest()
+        blob.write_bytes(data)
+        (snapshot / f.name).symlink_to(os.path.relpath(blob, snapshot))
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text(SHA)
+    return snapshot
+
+
+@pytest.fixture
+def cache(tmp_path, monkeypatch) -> Path:
+    path = tmp_path / "hf-cache"
+    monkeypatch.setenv("HF_HUB_CACHE", str(path))  # as a user (or another tool) configured it
+    return path
+
+
+def test_a_model_in_the_hf_cache_is_listed_and_runs(cache, mixtral_checkpoint):
+    from engine.generation import Generator
+    from engine.runtime import LoadOptions, MoERuntime
+    from engine.sampling import SamplingSettings
+
+    snapshot = place_in_cache(cache, "someone/tiny-mixtral", mixtral_checkpoint)
+    [model] = list_cached_models()  # HF_HUB_CACHE decides where to look
+    assert (model.repo_id, model.snapshot, model.commit, model.refs) == ("someone/tiny-mixtral", snapshot, SHA, ["main"])
+    assert model.runnable and model.complete
+    assert model.size_on_disk == sum(f.stat().st_size for f in mixtral_checkpoint.iterdir())
+
+    path = resolve_model("someone/tiny-mixtral")
+    assert path == snapshot
+    runtime = MoERuntime(LoadOptions(model=str(path), budget="1", store="disk", device="cpu"))
+    try:
+        assert "below this model's minimum" in runtime.plan.note  # the smallest budget there is
+        result = Generator(runtime).generate(PROMPT, SamplingSettings(max_new_tokens=6))
+    finally:
+        runtime.close()
+    assert result.token_ids == reference_generate(mixtral_checkpoint, PROMPT, 6)
+    assert estimate_folder(snapshot).download_bytes == (mixtral_checkpoint / "model.safetensors").stat().st_size
+
+
+def test_what_the_engine_cannot_run_is_listed_only_on_request(cache, mixtral_checkpoint, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    sharded = tmp_path / "sharded"
+    AutoModelForCausalLM.from_pretrained(mixtral_checkpoint).save_pretrained(sharded, max_shard_size="200KB")
+    last_shard = sorted(sharded.glob("model-*.safetensors"))[-1].name
+    place_in_cache(cache, "someone/half-downloaded", sharded, skip=(last_shard,))
+
+    dense = tmp_path / "dense"
+    dense.mkdir()
+    (dense / "config.json").write_text(json.dumps({"model_type": "llama", "architectures": ["LlamaForCausalLM"]}))
+    place_in_cache(cache, "someone/dense-llama", dense)
+
+    quantized = tmp_path / "quantized"
+    shutil.copytree(mixtral_checkpoint, quantized)
+    config = json.loads((quantized / "config.json").read_text())
+    (quantized / "config.json").write_text(json.dumps({**config, "quantization_config": {"quant_method": "fp8"}}))
+    place_in_cache(cache, "someone/fp8-mixtral", quantized)
+
+    assert list_cached_models() == []
+    problems = {m.repo_id: m.problem for m in list_cached_models(include_all=True)}
+    assert problems == {
+        "someone/dense-llama": "model type 'llama' is not a mixture-of-experts family MoEScope runs",
+        "someone/fp8-mixtral": "fp8 quantized weights are not supported by MoEScope yet",
+        "someone/half-downloaded": "download incomplete: run `moescope models download` again",
+    }
+    with pytest.raises(CheckpointError, match="'someone/half-downloaded' is not downloaded yet; get it with "
+                                              "`moescope models download someone/half-downloaded`"):
+        resolve_model("someone/half-downloaded")
+
+
+def test_resolve_model_messages(cache, mixtral_checkpoint):
+    assert resolve_model(str(mixtral_checkpoint)) == mixtral_checkpoint  # plain folders open as they are
+    with pytest.raises(CheckpointError, match="'org/absent' is not downloaded yet"):
+        resolve_model("org/absent")
+    with pytest.raises(CheckpointError, match="model path 'no/such/folder' does not exist"):
+        resolve_model("no/such/folder")
+    with pytest.raises(CheckpointError, match=r"has no config\.json; it is not a Hugging Face checkpoint folder"):
+        estimate_folder(cache.parent)
+
+
+def test_remove_goes_through_the_hub_cache_api(cache, mixtral_checkpoint):
+    place_in_cache(cache, "someone/tiny-mixtral", mixtral_checkpoint)
+    size = sum(f.stat().st_size for f in mixtral_checkpoint.iterdir())
+    assert remove_cached("someone/tiny-mixtral") == size  # a dry run: nothing is deleted
+    assert find_cached("someone/tiny-mixtral") is not None
+    assert remove_cached("someone/tiny-mixtral", execute=True) == size
+    assert find_cached("someone/tiny-mixtral") is None
+    assert not repo_folder(cache, "someone/tiny-mixtral").exists()
+    with pytest.raises(HubError, match="'someone/tiny-mixtral' is not in the Hugging Face cache at "):
+        remove_cached("someone/tiny-mixtral")
+
+
+def test_cli_info_on_a_local_folder(capsys, mixtral_checkpoint):
+    from engine.cli import main as moescope
+
+    assert moescope(["models", "info", str(mixtral_checkpoint), "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["estimate"]["num_experts"] == 8 and report["verdict"]["kind"] in ("fits-ram", "fits-gpu")
+    assert moescope(["models", "info", "not a model"]) == 2
+    assert "'not a model' is neither a folder here nor a Hub model id" in capsys.readouterr().err
