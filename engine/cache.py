@@ -4,28 +4,42 @@ Each MoE layer owns a contiguous pool `[slots, slot_bytes]` (uint8) on the compu
 typed views per expert parameter, so an expert's weights are read in place — never copied out of
 its slot. The pool is resized between tokens when the budget changes (no reload).
 
-Per layer and forward, `run_layer` asks the directory which needed experts are resident, starts
-loading the missing ones on a background thread, computes the resident experts while those loads
-run (reordered execution, Mixtral-offloading), then each loaded expert as it arrives. When a layer
-needs more experts at once than it has slots (long prefills), the misses stream through the
-layer's slots in waves: the slots double as the staging buffer, so memory never exceeds the budget.
+Per layer and forward, `run_layer`:
+1. asks the directory which needed experts are ready, in flight (a prefetch still loading) or
+   missing, and lets the policy see the access;
+2. starts exact loads for the missing experts (they pre-empt speculative loads, `engine.loads`)
+   and promotes needed in-flight prefetches to exact;
+3. gives the policy its chance to prefetch for other layers (speculative loads);
+4. computes in the order resident -> in flight -> not started, each as soon as its bytes are in
+   (reordered execution, Mixtral-offloading; ProMoE's execution order).
+When a layer needs more experts at once than it has slots (long prefills), the misses stream
+through the layer's slots in waves: the slots double as the staging buffer, so memory never
+exceeds the budget.
+
+Exactness rests on three rules: an expert is computed only after its load finished; a slot that
+is loading or holds an expert of the running layer is never given away (`CacheDirectory`); and on
+CUDA a copy into a slot first waits for every kernel queued before the slot was reassigned (a
+fence event), so no queued computation reads half-new bytes.
 """
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
 
 import numpy as np
 import torch
 
-from engine.cache_directory import CacheDirectory
+from engine.cache_directory import CacheDirectory, NoFreeSlotError
 from engine.counters import EngineCounters
 from engine.expert_mlp import expert_mlp
 from engine.layout import MoELayout
+from engine.loads import JobState, LoadJob, LoadQueue
 from engine.policies.base import CachePolicy
 from engine.store import ExpertStore
+
+PREDICTION_WINDOW_TRACED = 3  # layers ahead recorded in traces (so promoe:k<=3 can be replayed)
 
 
 class ExpertCache:
@@ -38,16 +52,23 @@ class ExpertCache:
         slots_per_layer: Sequence[int],
         counters: EngineCounters,
         load_threads: int = 2,
+        *,
+        predictor=None,  # engine.routers.RouterTaps: routing guesses for policies with lookahead
     ) -> None:
         self.layout, self.store, self.device, self.counters = layout, store, device, counters
         policy.reset(layout.num_layers, layout.num_experts, layout.top_k)
         self.directory = CacheDirectory(slots_per_layer, policy)
         self.pools = [self._alloc(n) for n in slots_per_layer]
         self.views = [self._typed_views(pool) for pool in self.pools]
-        self._loader = ThreadPoolExecutor(max_workers=load_threads, thread_name_prefix="moescope-load")
+        self.predictor = predictor
+        self.tracer = None  # engine.trace.TraceWriter while a trace is being recorded
+        self.cpu_experts = None  # engine.cpu_experts.CpuExperts when Fiddler's CPU execution is on
         self._cuda = device.type == "cuda"
         if self._cuda:
             self._copy_stream = torch.cuda.Stream(device)
+            self._staging = threading.local()  # one pinned slot-sized buffer per load thread
+        self._jobs: dict[tuple[int, int], LoadJob] = {}  # pending loads by (layer, expert)
+        self._queue = LoadQueue(self._move_chunk, workers=load_threads)
 
     # ----- memory -----
     @property
@@ -78,8 +99,14 @@ class ExpertCache:
             resident[layer, list(slots)] = True
         return resident
 
+    def set_policy(self, policy: CachePolicy) -> None:
+        """Switch policy between tokens; residents stay, loads in flight finish."""
+        policy.reset(self.layout.num_layers, self.layout.num_experts, self.layout.top_k)
+        self.directory.set_policy(policy)
+
     def resize(self, slots_per_layer: Sequence[int]) -> None:
         """Grow or shrink each layer's pool; experts that stay keep their bytes (no reload)."""
+        self.settle()
         moves = self.directory.resize(slots_per_layer)
         for layer, (count, move) in enumerate(zip(slots_per_layer, moves, strict=True)):
             old = self.pools[layer]
@@ -95,43 +122,116 @@ class ExpertCache:
 
     def warm(self, order: Sequence[Sequence[int]] | None = None) -> int:
         """Fill every free slot (at load, so the first tokens do not all miss); returns bytes read."""
-        futures = []
+        jobs = []
         for layer, free in enumerate(self._free_counts()):
-            preferred = order[layer] if order else range(self.layout.num_experts)
+            preferred = (order[layer] if order else None) or self.policy.preferred(layer) or range(self.layout.num_experts)
             wanted = [e for e in preferred if e not in self.directory.slot_of[layer]][:free]
-            for expert in wanted:
-                slot, _ = self.directory.assign(layer, expert, set())
-                futures.append(self._loader.submit(self._load, layer, expert, slot))
-        return sum(f.result() for f in futures)
+            jobs += [self._start_load(layer, e, set()) for e in wanted]
+        nbytes = 0
+        for job in jobs:
+            job.wait()
+            nbytes += job.nbytes
+            self._collect(job, count=False)
+        return nbytes
 
     def _free_counts(self) -> list[int]:
         return [len(row) - len(slots) for row, slots in zip(self.directory.expert_in, self.directory.slot_of, strict=True)]
 
     # ----- loading -----
-    def _load(self, layer: int, expert: int, slot: int) -> int:
-        target = self.pools[layer][slot]
+    @torch.inference_mode()  # pools made by a resize during generation are inference tensors
+    def _move_chunk(self, job: LoadJob, chunk: int) -> int:
+        """One weight matrix of `job`'s expert into its slot (runs on a load thread)."""
+        p = self.layout.params[chunk]
+        target = self.pools[job.layer][job.slot]  # pools are replaced only after `settle`
         if not self._cuda:
-            return self.store.fill(layer, expert, target)
-        host = self.store.host_view(layer, expert)
+            return self.store.fill_param(job.layer, job.expert, p.name, target)
+        host = self.store.host_view(job.layer, job.expert)
+        moved = p.nbytes
         if host is None:
-            host = torch.empty(self.layout.slot_bytes, dtype=torch.uint8, pin_memory=True)
-            self.store.fill(layer, expert, host)
+            host = getattr(self._staging, "buffer", None)
+            if host is None:
+                host = self._staging.buffer = torch.empty(self.layout.slot_bytes, dtype=torch.uint8, pin_memory=True)
+            moved = self.store.fill_param(job.layer, job.expert, p.name, host)
         with torch.cuda.stream(self._copy_stream):
-            target.copy_(host, non_blocking=True)
+            if job.fence is not None:
+                self._copy_stream.wait_event(job.fence)
+            target[p.offset : p.offset + p.nbytes].copy_(host[p.offset : p.offset + p.nbytes], non_blocking=True)
             done = torch.cuda.Event()
             done.record(self._copy_stream)
-        done.synchronize()
-        return self.layout.slot_bytes
+        done.synchronize()  # the staging buffer is reused by the next chunk
+        return moved
 
-    def _start_load(self, layer: int, expert: int, protected: set[int]) -> tuple[int, Future]:
-        slot, _ = self.directory.assign(layer, expert, protected)
-        return slot, self._loader.submit(self._load, layer, expert, slot)
+    def _fence(self):
+        if not self._cuda:
+            return None
+        fence = torch.cuda.Event()
+        fence.record()  # everything queued so far on the compute stream, e.g. reads of the evicted expert
+        return fence
 
-    def _wait(self, future: Future) -> None:
-        start = time.perf_counter()
-        nbytes = future.result()
-        self.counters.record_stall(time.perf_counter() - start)
-        self.counters.record_load(nbytes)
+    def _start_load(self, layer: int, expert: int, protected: set[int], *, speculative: bool = False) -> LoadJob:
+        while True:
+            try:
+                slot, _ = self.directory.assign(layer, expert, protected, pending=True)
+                break
+            except NoFreeSlotError:
+                self._make_room(layer, protected)
+        return self._submit(layer, expert, slot, speculative=speculative)
+
+    def _submit(self, layer: int, expert: int, slot: int, *, speculative: bool) -> LoadJob:
+        job = LoadJob(layer, expert, slot, len(self.layout.params), speculative=speculative, fence=self._fence())
+        self._jobs[(layer, expert)] = job
+        return self._queue.submit(job)
+
+    def _make_room(self, layer: int, protected: set[int]) -> None:
+        """Every free slot of `layer` is taken by prefetches still loading: cancel those (between chunks)."""
+        blocking = [self._jobs[(layer, e)] for e in self.directory.pending[layer] if e not in protected]
+        if not blocking:
+            raise RuntimeError(f"layer {layer}: no slot can be freed for a needed expert")
+        for job in blocking:
+            self._queue.cancel(job)
+        for job in blocking:
+            self._wait(job)
+
+    def _wait(self, job: LoadJob) -> None:
+        if not job.finished:
+            start = time.perf_counter()
+            job._finished.wait()
+            self.counters.record_stall(time.perf_counter() - start)
+        self._collect(job)
+
+    def _collect(self, job: LoadJob, *, count: bool = True) -> None:
+        """Account for a finished or cancelled job, once, on the compute thread."""
+        if job.collected:
+            return
+        job.collected = True
+        self._jobs.pop((job.layer, job.expert), None)
+        if job.state == JobState.DONE:
+            self.directory.complete(job.layer, job.expert)
+        else:
+            self.directory.abort(job.layer, job.expert)
+        if count:
+            self.counters.record_load(job.nbytes, prefetch=job.prefetch)
+        if job.error is not None:
+            raise job.error
+
+    def _collect_finished(self) -> None:
+        for job in self._queue.take_finished():
+            self._collect(job)
+
+    def settle(self) -> None:
+        """Stop speculative loads and wait for every load (before the pools change)."""
+        for job in list(self._jobs.values()):
+            self._queue.cancel(job)
+        for job in list(self._jobs.values()):
+            self._wait(job)
+        self._collect_finished()
+
+    def _prefetch(self, layer: int, protected: set[int]) -> None:
+        wanted = [(lyr, e) for lyr, e in self.policy.prefetch(layer) if lyr != layer]
+        if not wanted:
+            return
+        for lyr, expert, slot in self.directory.place_prefetches(wanted, {layer: protected}):
+            self._submit(lyr, expert, slot, speculative=True)
 
     # ----- compute -----
     def run_layer(
@@ -146,8 +246,11 @@ class ExpertCache:
         flat = top_k_index.reshape(-1)
         counts = torch.bincount(flat, minlength=self.layout.num_experts).cpu().numpy()
         needed = np.flatnonzero(counts).tolist()
-        hits, misses = self.directory.split(layer, needed)
-        self.counters.record_layer(layer, counts, len(hits), len(misses))
+        self._collect_finished()
+        found = self.directory.lookup(layer, needed, counts[needed].tolist())
+        self.counters.record_layer(layer, counts, len(found.ready) + len(found.inflight), len(found.missing),
+                                   tokens=num_tokens)
+        self._observe_routing(layer, hidden_states, top_k_index, top_k_weights)
 
         order = torch.argsort(flat, stable=True)
         bounds = np.concatenate(([0], np.cumsum(counts))).tolist()
@@ -156,29 +259,66 @@ class ExpertCache:
         out = torch.empty((flat.numel(), hidden_states.shape[-1]), dtype=out_dtype, device=hidden_states.device)
         views = self.views[layer]
 
+        def rows_of(expert: int) -> torch.Tensor:
+            return order[bounds[expert] : bounds[expert + 1]]
+
         def compute(expert: int) -> None:
             slot = self.directory.slot_of[layer][expert]
-            rows = order[bounds[expert] : bounds[expert + 1]]
+            rows = rows_of(expert)
             y = expert_mlp(module, hidden_states[rows // top_k], {k: v[slot] for k, v in views.items()})
             out[rows] = y * weights[rows].unsqueeze(-1)
 
+        protected = set(needed)
+        missing = found.missing
+        on_cpu: list[int] = []
+        if self.cpu_experts is not None and missing:  # Fiddler: compute some misses on the CPU instead
+            on_cpu = [e for e in missing if self.cpu_experts.prefers_cpu(int(counts[e]))]
+            missing = [e for e in missing if e not in on_cpu]
         capacity = len(self.directory.expert_in[layer])
-        first, rest = misses[: capacity - len(hits)], misses[capacity - len(hits) :]
-        protected = set(hits) | set(first)
-        loads = [(e, self._start_load(layer, e, protected)[1]) for e in first]
-        for expert in hits:  # resident experts run while the misses load
+        room = capacity - len(found.ready) - len(found.inflight)
+        first, rest = missing[:room], missing[room:]
+        for expert in found.inflight:  # needed now: exact priority
+            self._queue.promote(self._jobs[(layer, expert)])
+        loads = [self._start_load(layer, e, protected) for e in first]
+        self._prefetch(layer, protected)
+
+        for expert in found.ready:  # resident experts run while the misses load
             compute(expert)
-        for expert, future in loads:
-            self._wait(future)
+        for expert in on_cpu:
+            rows = rows_of(expert)
+            y = self.cpu_experts.run(layer, expert, module, hidden_states[rows // top_k])
+            out[rows] = y.to(out_dtype) * weights[rows].unsqueeze(-1)
+        for expert in found.inflight:  # then the ones already on their way
+            self._wait(self._jobs[(layer, expert)])
             compute(expert)
+        for job in loads:  # then the ones that started loading just now
+            self._wait(job)
+            compute(job.expert)
         while rest:  # more experts than slots: stream the remainder through the slots in waves
             wave, rest = rest[:capacity], rest[capacity:]
-            loads = [(e, self._start_load(layer, e, set(wave))[1]) for e in wave]
-            for expert, future in loads:
-                self._wait(future)
-                compute(expert)
+            for job in [self._start_load(layer, e, set(wave)) for e in wave]:
+                self._wait(job)
+                compute(job.expert)
         return out.view(num_tokens, top_k, -1).sum(dim=1).to(hidden_states.dtype)
 
+    def _observe_routing(self, layer: int, hidden: torch.Tensor, index: torch.Tensor, weights: torch.Tensor) -> None:
+        """Routing guesses for the policy (if it looks ahead) and the trace (if one is recorded)."""
+        lookahead = self.policy.lookahead
+        window = max(lookahead, PREDICTION_WINDOW_TRACED if self.tracer is not None else 0)
+        predictions = self.predictor.predict(layer, hidden, window) if window and self.predictor is not None else {}
+        if lookahead:
+            self.policy.on_prediction(layer, {t: p for t, p in predictions.items() if t - layer <= lookahead})
+        if self.tracer is not None:
+            self.tracer.record(layer, index, weights, predictions)
+
+    def stats(self) -> dict[str, float]:
+        """Prefetch outcomes and the policy's own figures, for telemetry's `extra`."""
+        figures = self.policy.stats()
+        if self.cpu_experts is not None:
+            figures |= self.cpu_experts.stats()
+        return figures
+
     def close(self) -> None:
-        self._loader.shutdown(wait=True)
+        self._queue.close()
+        self._collect_finished()
         self.store.close()

@@ -12,6 +12,8 @@ import sys
 from collections.abc import Sequence
 
 from engine.errors import MoEScopeError
+from engine.hub.cli import add_models_parser, run_models
+from engine.trace_cli import add_trace_parser, run_trace
 
 
 def _add_model_args(p: argparse.ArgumentParser, *, budget_default: str = "all") -> None:
@@ -19,10 +21,35 @@ def _add_model_args(p: argparse.ArgumentParser, *, budget_default: str = "all") 
     p.add_argument("--budget", default=budget_default, help="expert cache size: 512MiB, 2GiB, 25%% (of all expert bytes) or all")
     p.add_argument("--store", default="auto", choices=["auto", "disk", "ram"], help="where experts live outside the cache")
     p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
-    p.add_argument("--policy", default="lru", help="cache policy (see `moescope policies`)")
+    p.add_argument("--policy", default="lru", type=_policy_spec, metavar="{" + ",".join(_policy_names()) + "}",
+                   help="cache policy; options after a colon, e.g. promoe:k=3 (see `moescope policies`)")
+    p.add_argument("--allocation", default="planned", choices=["planned", "uniform"],
+                   help="split the budget across layers by measured miss curves (planned; uniform until routing "
+                   "is seen) or evenly")
+    p.add_argument("--cpu-experts", default="never", choices=["auto", "never"],
+                   help="with a CUDA GPU and --store ram: compute a missing expert on the CPU when a latency model "
+                   "calibrated at load says that beats copying it (Fiddler). No effect on CPU-only machines")
+    p.add_argument("--trace", metavar="FILE", default=None,
+                   help="record routing (request, token, layer, experts, weights) to FILE as JSON lines")
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
     p.add_argument("--allow-pickle", action="store_true", help="accept .bin/.pt weights (pickle can run code)")
     p.add_argument("--trust-remote-code", action="store_true", help="run Python code shipped with the model")
+
+
+def _policy_names() -> list[str]:
+    from engine.policies import POLICIES
+
+    return list(POLICIES)
+
+
+def _policy_spec(text: str) -> str:
+    from engine.policies import parse_policy
+
+    try:
+        parse_policy(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    return text
 
 
 def _add_sampling_args(p: argparse.ArgumentParser, *, temperature: float) -> None:
@@ -61,6 +88,8 @@ def build_parser() -> argparse.ArgumentParser:
     info.add_argument("--allow-pickle", action="store_true")
 
     sub.add_parser("policies", help="list the cache policies")
+    add_trace_parser(sub)
+    add_models_parser(sub)
     return parser
 
 
@@ -76,10 +105,14 @@ def _load(args: argparse.Namespace, *, budget: str | None = None):
         dtype=getattr(args, "dtype", "auto"),
         allow_pickle=args.allow_pickle,
         trust_remote_code=args.trust_remote_code,
+        allocation=getattr(args, "allocation", "planned"),
+        cpu_experts=getattr(args, "cpu_experts", "never"),
+        trace=getattr(args, "trace", None),
     )
     runtime = MoERuntime(options)
-    if runtime.plan.note:
-        print(f"moescope: note: {runtime.plan.note}", file=sys.stderr)
+    for note in (runtime.plan.note, runtime.profile_note, runtime.cpu_experts_note):
+        if note:
+            print(f"moescope: note: {note}", file=sys.stderr)
     return runtime
 
 
@@ -195,7 +228,8 @@ def cmd_policies(_: argparse.Namespace) -> int:
     return 0
 
 
-COMMANDS = {"generate": cmd_generate, "chat": cmd_chat, "info": cmd_info, "policies": cmd_policies}
+COMMANDS = {"generate": cmd_generate, "chat": cmd_chat, "info": cmd_info, "policies": cmd_policies, "trace": run_trace}
+COMMANDS["models"] = run_models
 
 
 def main(argv: Sequence[str] | None = None) -> int:

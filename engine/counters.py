@@ -11,6 +11,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from engine.miss_curves import MissCurveRecorder
+
 
 @dataclass
 class TokenRecord:
@@ -35,14 +37,19 @@ class EngineCounters:
         self.request_stall_s = 0.0
         self.recent: deque[TokenRecord] = deque(maxlen=window)
         self._token = TokenRecord(0, 0, 0, 0.0)
+        self.requests_started = 0
+        # LRU stack distances of the routing since load: the planner's miss curves
+        self.miss_curves = MissCurveRecorder(num_layers, num_experts)
 
     def start_request(self) -> None:
+        self.requests_started += 1
         self.activation_request[:] = 0
         self.request_layer_hits[:] = 0
         self.request_layer_misses[:] = 0
         self.request_stall_s = 0.0
 
-    def record_layer(self, layer: int, counts: np.ndarray, hits: int, misses: int) -> None:
+    def record_layer(self, layer: int, counts: np.ndarray, hits: int, misses: int, *, tokens: int = 1) -> None:
+        self.miss_curves.record(layer, np.flatnonzero(counts), tokens)
         self.activation_request[layer] += counts
         self.activation_total[layer] += counts
         self.layer_hits[layer] += hits

@@ -14,8 +14,10 @@ from engine.counters import EngineCounters
 from engine.errors import MoEScopeError
 from engine.inspect_model import ModelInfo, describe
 from engine.loader import ProgressFn, build_model, resolve_device
-from engine.planner import BudgetPlan, plan_budget
+from engine.planner import ALLOCATIONS, BudgetPlan, plan_budget
 from engine.policies import make_policy
+from engine.policies.base import CachePolicy
+from engine.routers import RouterTaps, RoutingRestriction
 from engine.sizes import BudgetSpec, parse_budget
 from engine.store import DiskStore, ExpertStore, RamStore
 
@@ -31,6 +33,9 @@ class LoadOptions:
     allow_pickle: bool = False
     trust_remote_code: bool = False
     warm: bool = True  # fill the cache at load so the first tokens do not all miss
+    allocation: str = "planned"  # planned | uniform: how a budget is split across layers
+    cpu_experts: str = "never"  # auto | never: Fiddler's CPU execution of misses (GPU + RAM store only)
+    trace: str | None = None  # record routing to this file (JSON lines, see engine.trace)
 
 
 class MoERuntime:
@@ -54,13 +59,25 @@ class MoERuntime:
             self.tokenizer = AutoTokenizer.from_pretrained(self.files.root, trust_remote_code=options.trust_remote_code)
         self.store = self._open_store(options.store, progress)
         self.counters = EngineCounters(self.layout.num_layers, self.layout.num_experts)
+        if options.allocation not in ALLOCATIONS:
+            raise MoEScopeError(f"unknown allocation '{options.allocation}'; use planned or uniform")
         self.plan = self._plan(parse_budget(options.budget))
+        policy = make_policy(options.policy)
+        self.routers = RouterTaps(self.model, self.layout)
         self.cache = ExpertCache(
-            self.layout, self.store, self.device, make_policy(options.policy), self.plan.slots_per_layer, self.counters
+            self.layout, self.store, self.device, policy, self.plan.slots_per_layer, self.counters,
+            predictor=self.routers,
         )
         for layer, module_path in enumerate(self.layout.module_paths):
             setattr(self.model.get_submodule(module_path), experts_impl.RUNTIME_ATTR, (self.cache, layer))
+        self._restriction: RoutingRestriction | None = None
+        self.profile_note = ""
+        self._prepare(policy)
         self.warm_bytes = self.cache.warm() if options.warm else 0
+        self.cpu_experts_note = self._setup_cpu_experts(options.cpu_experts)
+        self.tracer = None
+        if options.trace:
+            self.start_trace(options.trace)
         self.load_seconds = time.perf_counter() - started
 
     # ----- setup -----
@@ -76,23 +93,128 @@ class MoERuntime:
         raise MoEScopeError(f"unknown store '{kind}'; use disk, ram or auto")
 
     def _plan(self, spec: BudgetSpec) -> BudgetPlan:
-        return plan_budget(self.layout, spec.resolve_bytes(self.layout.all_expert_bytes, self.layout.slot_bytes))
+        requested = spec.resolve_bytes(self.layout.all_expert_bytes, self.layout.slot_bytes)
+        curves = self.miss_curves() if self.options.allocation == "planned" else None
+        return plan_budget(self.layout, requested, curves=curves, allocation=self.options.allocation)
+
+    def _setup_cpu_experts(self, mode: str) -> str:
+        """Fiddler's CPU execution of misses: only with a GPU and the RAM store; a no-op otherwise."""
+        if mode not in ("auto", "never"):
+            raise MoEScopeError(f"unknown --cpu-experts '{mode}'; use auto or never")
+        if mode == "never":
+            return ""
+        from engine import cpu_experts
+
+        first = self.model.get_submodule(self.layout.module_paths[0])
+        if not cpu_experts.supported(first, self.store, self.device):
+            return "--cpu-experts auto has no effect here (it needs a CUDA GPU and the RAM store)"
+        hidden = self.model.config.get_text_config().hidden_size
+        model = cpu_experts.calibrate(self.layout, self.store, first, self.device, hidden)
+        self.cache.cpu_experts = cpu_experts.CpuExperts(self.layout, self.store, model)
+        return ""
+
+    # ----- policies -----
+    def _prepare(self, policy: CachePolicy) -> None:
+        """What a policy needs from the model: a calibration profile, or hooks on the routers."""
+        if self._restriction is not None:
+            self._restriction.remove()
+            self._restriction = None
+        if policy.restricts_routing:
+            directory, top_k = self.cache.directory, self.layout.top_k
+
+            def allowed(layer: int) -> list[int]:
+                ready = directory.ready(layer)  # loading experts only if too few are ready for one token
+                return ready if len(ready) >= top_k else directory.resident(layer)
+
+            try:
+                self._restriction = RoutingRestriction(self.routers, allowed, policy)
+            except RuntimeError as exc:
+                raise MoEScopeError(f"policy '{policy.name}' cannot run on this model: {exc}") from None
+        if policy.needs_profile:
+            policy.set_profile(self._profile())
+
+    def _profile(self):
+        """This model's saved calibration profile, else the routing seen so far, else a calibration run."""
+        from engine import profiles
+
+        path = profiles.profile_path(self.fingerprint)
+        counts = profiles.load_profile(path, (self.layout.num_layers, self.layout.num_experts))
+        if counts is not None:
+            self.profile_note = f"popularity profile from {path}"
+            return counts
+        if self.counters.activation_total.sum() > 0:
+            self.profile_note = "popularity profile from this session's routing (no saved profile)"
+            return self.counters.activation_total.copy()
+        counts = self.calibrate_profile()
+        profiles.save_profile(path, counts, source="calibration prompts")
+        self.profile_note = f"calibrated a popularity profile on built-in prompts; saved to {path}"
+        return counts
+
+    @torch.inference_mode()
+    def calibrate_profile(self):
+        """Routing counts of a prefill over the built-in calibration prompts, through the engine."""
+        from engine import profiles
+
+        before = self.counters.activation_total.copy()
+        vocab = self.model.config.get_text_config().vocab_size
+        for ids in profiles.calibration_ids(self.tokenizer, vocab):
+            ids = ids[: max(2, self.context_length - 1)]
+            tensor = torch.tensor([ids], dtype=torch.long, device=self.device)
+            self.model(input_ids=tensor, attention_mask=torch.ones_like(tensor), use_cache=False, logits_to_keep=1)
+            self.counters.end_token()
+            self.cache.policy.on_token_end()
+        return self.counters.activation_total - before
+
+    @property
+    def fingerprint(self) -> str:
+        from engine import profiles
+
+        index = [(t.name, tuple(t.shape), t.dtype) for t in self.files.tensors.values()]
+        return profiles.fingerprint(self.files.config, index)
 
     # ----- live changes (between tokens) -----
     def set_budget(self, budget: str | BudgetSpec) -> BudgetPlan:
+        """Re-plan the cache for a new budget (from the routing seen so far when allocation is planned)."""
         spec = parse_budget(budget) if isinstance(budget, str) else budget
         self.plan = self._plan(spec)
         self.cache.resize(self.plan.slots_per_layer)
         return self.plan
 
     def set_policy(self, name: str) -> None:
+        """Switch policy between tokens: residents stay; the new policy learns from here on."""
         policy = make_policy(name)
-        policy.reset(self.layout.num_layers, self.layout.num_experts, self.layout.top_k)
-        for layer in range(self.layout.num_layers):
-            for expert in self.cache.directory.resident(layer):
-                policy.on_insert(layer, expert)
-        self.cache.directory.policy = policy
+        self.cache.set_policy(policy)
+        self._prepare(policy)
         self.options.policy = name
+
+    # ----- observation -----
+    def miss_curves(self):
+        """[layers, experts + 1] float32 expected misses per token with s slots, from routing since load."""
+        recorder = self.counters.miss_curves
+        return recorder.curves() if recorder.has_data() else None
+
+    def policy_stats(self) -> dict[str, float]:
+        """Prefetch outcomes and the policy's own figures (for `TelemetrySnapshot.extra`)."""
+        return self.cache.stats()
+
+    def start_trace(self, path: str) -> None:
+        from engine.trace import TraceWriter
+
+        self.stop_trace()
+        header = {"model": self.files.root.name, "fingerprint": self.fingerprint,
+                  "num_layers": self.layout.num_layers, "num_experts": self.layout.num_experts,
+                  "top_k": self.layout.top_k, "expert_bytes": self.layout.slot_bytes, "predict_window": 3}
+        try:
+            self.tracer = TraceWriter(path, header, lambda: self.counters.requests_started)
+        except OSError as exc:
+            raise MoEScopeError(f"cannot write the trace {path}: {exc.strerror or exc}") from None
+        self.cache.tracer = self.tracer
+
+    def stop_trace(self) -> None:
+        if getattr(self, "tracer", None) is not None:
+            self.cache.tracer = None
+            self.tracer.close()
+            self.tracer = None
 
     # ----- facts -----
     @property
@@ -104,6 +226,9 @@ class MoERuntime:
         return describe(self.files, self.layout, self.model.config, self.dtype, str(self.device), self.store.kind)
 
     def close(self) -> None:
+        self.stop_trace()
+        if self._restriction is not None:
+            self._restriction.remove()
         self.cache.close()
         if self.device.type == "cuda":
             torch.cuda.empty_cache()

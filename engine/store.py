@@ -35,6 +35,15 @@ class ExpertStore(ABC):
     def fill(self, layer: int, expert: int, slot: torch.Tensor) -> int:
         """Write one expert into `slot` (a host uint8 tensor of `slot_bytes`); return bytes read."""
 
+    def fill_param(self, layer: int, expert: int, param_name: str, slot: torch.Tensor) -> int:
+        """Write one weight matrix of an expert into its place in `slot` (loads move in such chunks)."""
+        p = next(p for p in self.layout.params if p.name == param_name)
+        host = self.host_view(layer, expert)
+        if host is None:
+            raise NotImplementedError(f"{type(self).__name__} cannot fill one parameter at a time")
+        slot[p.offset : p.offset + p.nbytes].copy_(host[p.offset : p.offset + p.nbytes])
+        return p.nbytes
+
     def host_view(self, layer: int, expert: int) -> torch.Tensor | None:
         """The expert's slot image already in host memory, if this store keeps one."""
         return None
@@ -63,7 +72,10 @@ class DiskStore(ExpertStore):
             return fd
 
     def fill(self, layer: int, expert: int, slot: torch.Tensor) -> int:
-        pieces = self.layout.pieces[layer][expert]
+        return sum(self.fill_param(layer, expert, p.name, slot) for p in self.layout.params)
+
+    def fill_param(self, layer: int, expert: int, param_name: str, slot: torch.Tensor) -> int:
+        pieces = [p for p in self.layout.pieces[layer][expert] if p.param == param_name]
         if not self._convert:
             raw = slot.numpy()
             for piece in pieces:

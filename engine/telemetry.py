@@ -88,7 +88,7 @@ class TelemetryBuilder:
         req_hits, req_misses = c.request_layer_hits.sum(), c.request_layer_misses.sum()
         gpu = self.gpu.read() if self.gpu else {}
         policy = rt.cache.policy
-        extra = policy.stats() if hasattr(policy, "stats") else {}
+        extra = rt.cache.stats()
         return TelemetrySnapshot(
             time=now - self.started,
             state=state,

@@ -94,13 +94,14 @@ class Worker:
             plan = runtime.set_budget(command.budget)
             self.send(p.BudgetChanged(command.budget, plan.budget_bytes, plan.slots_per_layer, plan.note))
         elif isinstance(command, p.SetPolicy):
-            from engine.policies import POLICIES
+            from engine.policies import POLICIES, parse_policy
 
             try:
                 runtime.set_policy(command.policy)
             except ValueError as exc:
                 raise MoEScopeError(str(exc)) from None
-            self.send(p.PolicyChanged(command.policy, POLICIES[command.policy].lossless))
+            name, _ = parse_policy(command.policy)  # "promoe:k=3" -> "promoe"
+            self.send(p.PolicyChanged(command.policy, POLICIES[name].lossless))
         self._snapshot(force=True)  # the panels show the change at once, even mid-reply
 
     def _require_model(self):

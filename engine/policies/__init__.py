@@ -2,22 +2,57 @@
 
 A policy only sees expert ids; it never touches tensors. The same policy object drives the live
 cache (`engine.cache.ExpertCache`) and the trace replayer, so what a replay reports is what the
-engine would do.
+engine would do. Options go after a colon: `promoe:k=3`, `eam:collection_size=64,depth=2`.
 """
 
 from __future__ import annotations
 
+from engine.errors import MoEScopeError
 from engine.policies.base import CachePolicy
+from engine.policies.eam import EAMPolicy
+from engine.policies.lfu import LFUPolicy
 from engine.policies.lru import LRUPolicy
+from engine.policies.popularity import PopularityPolicy
+from engine.policies.promoe import ProMoEPolicy
+from engine.policies.swapmoe import SwapMoEPolicy
 
 POLICIES: dict[str, type[CachePolicy]] = {
-    LRUPolicy.name: LRUPolicy,
+    cls.name: cls for cls in (LRUPolicy, LFUPolicy, PopularityPolicy, EAMPolicy, ProMoEPolicy, SwapMoEPolicy)
 }
+LOSSLESS = [name for name, cls in POLICIES.items() if cls.lossless]
 
 
-def make_policy(name: str) -> CachePolicy:
+class PolicyError(MoEScopeError, ValueError):
+    kind = "bad-policy"
+
+
+def parse_policy(spec: str) -> tuple[str, dict[str, float | int | str]]:
+    """`name` or `name:key=value,key=value` -> (name, options)."""
+    name, _, rest = spec.strip().partition(":")
+    if name not in POLICIES:
+        known = ", ".join(POLICIES)
+        raise PolicyError(f"unknown policy '{name}'; choose one of: {known}")
+    options: dict[str, float | int | str] = {}
+    for item in filter(None, (p.strip() for p in rest.split(","))):
+        key, eq, value = item.partition("=")
+        if not eq:
+            raise PolicyError(f"policy option '{item}' needs a value, e.g. {name}:{item}=2")
+        options[key.strip()] = _number(value.strip())
+    return name, options
+
+
+def _number(text: str) -> float | int | str:
+    for kind in (int, float):
+        try:
+            return kind(text)
+        except ValueError:
+            pass
+    return text
+
+
+def make_policy(spec: str) -> CachePolicy:
+    name, options = parse_policy(spec)
     try:
-        return POLICIES[name]()
-    except KeyError:
-        known = ", ".join(sorted(POLICIES))
-        raise ValueError(f"unknown policy '{name}'; choose one of: {known}") from None
+        return POLICIES[name](**options)
+    except TypeError:
+        raise PolicyError(f"policy '{name}' does not take the options {sorted(options)}") from None

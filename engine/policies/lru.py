@@ -16,16 +16,20 @@ class LRUPolicy(CachePolicy):
         self._clock = 0
         # last_use[layer][expert]: a global counter value; 0 = never used.
         self._last_use = [[0] * num_experts for _ in range(num_layers)]
+        self._accessed_at = [-1] * num_layers  # clock of each layer's latest access
 
-    def on_access(self, layer: int, experts: Sequence[int]) -> None:
+    def on_access(self, layer: int, experts: Sequence[int], counts: Sequence[int] | None = None) -> None:
         self._clock += 1
+        self._accessed_at[layer] = self._clock
         row = self._last_use[layer]
         for e in experts:
             row[e] = self._clock
 
     def on_insert(self, layer: int, expert: int) -> None:
-        # An expert loaded without being asked for (warm-up, prefetch) counts as just used.
-        if self._last_use[layer][expert] == 0:
+        super().on_insert(layer, expert)
+        # An expert loaded without being asked for right now (warm-up, prefetch) counts as just used,
+        # or the next miss would evict it before it is ever needed.
+        if self._last_use[layer][expert] != self._accessed_at[layer]:
             self._clock += 1
             self._last_use[layer][expert] = self._clock
 

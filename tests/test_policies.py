@@ -1,0 +1,302 @@
+"""Cache policies: every lossless one keeps generation exact; prefetching and prediction are measured;
+SwapMoE is lossy and says so; the load queue orders exact before speculative work."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from engine.cache_directory import CacheDirectory, NoFreeSlotError
+from engine.cli import main as moescope
+from engine.generation import Generator
+from engine.loads import ChunkScheduler, LoadJob
+from engine.perplexity import perplexity
+from engine.policies import LOSSLESS, POLICIES, PolicyError, make_policy
+from engine.replay import compare, replay
+from engine.runtime import LoadOptions, MoERuntime
+from engine.sampling import SamplingSettings
+from engine.sizes import parse_budget
+from tests.checkpoints import FAMILIES, reference_generate
+from tests.traces import request_types_trace
+
+PROMPT = [1, 17, 42, 9, 77, 5, 63, 30, 11]
+NEW_TOKENS = 12
+
+
+@pytest.fixture(scope="module")
+def references(tiny_checkpoints) -> dict[str, list[int]]:
+    return {family: reference_generate(path, PROMPT, NEW_TOKENS) for family, path in tiny_checkpoints.items()}
+
+
+def generate_json(capsys, path, budget: str, policy: str, *extra: str) -> dict:
+    args = ["generate", "--model", str(path), "--prompt-ids", ",".join(map(str, PROMPT)), "--raw",
+            "--max-new-tokens", str(NEW_TOKENS), "--store", "disk", "--json", "--policy", policy,
+            "--budget", "1" if budget == "min" else budget, *extra]
+    code = moescope(args)
+    out, err = capsys.readouterr()
+    assert code == 0, err
+    return json.loads(out)
+
+
+# ---------------------------------------------------------------- exactness
+
+
+def test_every_policy_is_listed_and_swapmoe_says_lossy(capsys):
+    assert set(POLICIES) == {"lru", "lfu", "popularity", "eam", "promoe", "swapmoe"}
+    assert LOSSLESS == ["lru", "lfu", "popularity", "eam", "promoe"]
+    assert POLICIES["swapmoe"].lossless is False and "LOSSY" in POLICIES["swapmoe"].description
+    assert moescope(["policies"]) == 0
+    listing = capsys.readouterr().out
+    assert all(name in listing for name in POLICIES) and "LOSSY" in listing
+
+
+@pytest.mark.parametrize("budget", ["min", "30%"])
+@pytest.mark.parametrize("family", list(FAMILIES))
+@pytest.mark.parametrize("policy", LOSSLESS)
+def test_lossless_policies_keep_greedy_generation_exact(capsys, tiny_checkpoints, references, policy, family, budget):
+    result = generate_json(capsys, tiny_checkpoints[family], budget, policy)
+    assert result["token_ids"] == references[family]
+    assert result["stats"]["misses"] > 0  # the cache really was too small
+
+
+@pytest.mark.parametrize("spec", ["promoe:k=1", "promoe:k=3", "eam:collection_size=2,depth=1"])
+def test_policy_options_stay_exact(capsys, mixtral_checkpoint, references, spec):
+    assert generate_json(capsys, mixtral_checkpoint, "min", spec)["token_ids"] == references["mixtral"]
+
+
+def test_bad_policy_names_are_refused(capsys, mixtral_checkpoint):
+    with pytest.raises(SystemExit):
+        moescope(["generate", "--model", str(mixtral_checkpoint), "--prompt-ids", "1,2", "--policy", "mru"])
+    assert "unknown policy 'mru'" in capsys.readouterr().err
+    with pytest.raises(PolicyError, match="does not take"):
+        make_policy("lru:k=2")
+
+
+def test_switching_policies_mid_reply_stays_exact(mixtral_checkpoint):
+    expected = reference_generate(mixtral_checkpoint, PROMPT, 20)
+    runtime = MoERuntime(LoadOptions(model=str(mixtral_checkpoint), budget="1", store="disk", policy="lru"))
+    order = iter(["eam", "promoe", "popularity", "lfu", "promoe:k=1", "lru"])
+    tokens: list[int] = []
+    seen: list[tuple[str, np.ndarray]] = []
+
+    def between_tokens() -> bool:
+        if len(tokens) % 3 == 0:
+            before = runtime.cache.resident_matrix()
+            runtime.set_policy(next(order, "eam"))
+            seen.append((runtime.cache.policy.name, before == runtime.cache.resident_matrix()))
+        return False
+
+    result = Generator(runtime).generate(PROMPT, SamplingSettings(max_new_tokens=20), on_token=tokens.append,
+                                         between_tokens=between_tokens)
+    runtime.close()
+    assert result.token_ids == expected
+    assert [name for name, _ in seen][:5] == ["eam", "promoe", "popularity", "lfu", "promoe"]
+    assert all(same.all() for _, same in seen)  # switching keeps what is resident
+
+
+@pytest.mark.parametrize("store", ["disk", "ram"])
+@pytest.mark.parametrize("policy", ["promoe", "eam", "popularity"])
+def test_budget_changes_with_prefetches_in_flight_stay_exact(tiny_checkpoints, policy, store):
+    path = tiny_checkpoints["qwen2_moe"]
+    expected = reference_generate(path, PROMPT, 20)
+    runtime = MoERuntime(LoadOptions(model=str(path), budget="30%", store=store, policy=policy))
+    tokens: list[int] = []
+    slots: list[int] = []
+
+    def between_tokens() -> bool:
+        if len(tokens) in (3, 8, 14):  # down to the minimum, up past the start, down again
+            runtime.set_budget({3: "1", 8: "60%", 14: "20%"}[len(tokens)])
+            slots.append(sum(runtime.cache.slots_per_layer))
+        return False
+
+    result = Generator(runtime).generate(PROMPT, SamplingSettings(max_new_tokens=20), on_token=tokens.append,
+                                         between_tokens=between_tokens)
+    stats = runtime.policy_stats()
+    runtime.close()
+    assert result.token_ids == expected
+    assert slots[0] < slots[1] and slots[2] < slots[1]
+    assert stats["prefetch_issued"] > 0
+
+
+# ---------------------------------------------------------------- what the policies report
+
+
+def test_promoe_reports_prediction_accuracy_and_goodpred(mixtral_checkpoint):
+    runtime = MoERuntime(LoadOptions(model=str(mixtral_checkpoint), budget="1", store="disk", policy="promoe:k=1"))
+    Generator(runtime).generate(PROMPT, SamplingSettings(max_new_tokens=NEW_TOKENS))
+    stats = runtime.policy_stats()
+    runtime.close()
+    assert stats["predicted_sets"] > 0
+    assert 0.0 < stats["prediction_accuracy"] <= 1.0
+    assert stats["prefetch_issued"] > 0
+    assert stats["goodpred"] == pytest.approx(stats["prefetch_hits"] / stats["prefetch_issued"])
+    # every prefetch ends up used in time, used late, wasted, or still resident unused
+    used = stats["prefetch_hits"] + stats["prefetch_late"] + stats["prefetch_wasted"]
+    assert used <= stats["prefetch_issued"]
+
+
+def test_eam_uses_its_request_matrix_collection():
+    trace = request_types_trace()
+    budget = parse_budget("24slots")
+    with_collection = compare(trace, "eam", budget, allocation="uniform").policy
+    without = compare(trace, "eam:collection_size=0", budget, allocation="uniform").policy
+    figures = with_collection.extra
+    assert figures["eamc_size"] == 11  # 12 requests; the last one is still running
+    assert figures["eamc_matched_predictions"] > 0 and figures["eamc_similarity"] > 0.5
+    # matched past requests predict the next layers: prefetch hits (counted apart from plain hits) ...
+    assert with_collection.prefetch_hits > 0 and without.prefetch_hits == 0
+    # ... which turn demand misses into hits
+    assert with_collection.misses < without.misses
+    assert with_collection.hit_rate > without.hit_rate
+
+
+def test_eam_collection_is_bounded_and_replaces_the_most_similar():
+    policy = make_policy("eam:collection_size=2")
+    policy.reset(1, 4, 1)
+    for experts in ([0], [0], [3]):  # two identical requests, then a different one
+        policy.on_request_start()
+        policy.on_access(0, experts, [5])
+    policy.on_request_start()
+    assert policy.collection_len == 2
+    stored = {tuple(np.flatnonzero(m[0])) for m in policy.collection}
+    assert stored == {(0,), (3,)}  # the duplicate was replaced, the distinct one kept
+
+
+def test_lfu_evicts_the_least_frequently_used():
+    policy = make_policy("lfu")
+    policy.reset(1, 8, 1)
+    d = CacheDirectory([2], policy)
+    for e in (0, 0, 0, 1):
+        _, misses = d.split(0, [e])
+        for m in misses:
+            d.assign(0, m, {m})
+    _, misses = d.split(0, [2])
+    _, evicted = d.assign(0, 2, {2})
+    assert evicted == 1  # used once, although more recently than expert 0
+
+
+def test_popularity_pins_the_profile_favourites():
+    policy = make_policy("popularity")
+    policy.reset(1, 8, 1)
+    d = CacheDirectory([3], policy)
+    policy.set_profile(np.array([[0, 9, 0, 0, 0, 7, 0, 0]]))
+    assert policy.pinned[0] == {1, 5} and policy.preferred(0)[:2] == [1, 5]
+    for e in (1, 5, 2):
+        d.assign(0, e, {e})
+    for e in (3, 4, 6, 7):  # a stream of other experts only ever evicts the unpinned slot
+        d.split(0, [e])
+        _, evicted = d.assign(0, e, {e})
+        assert evicted not in (1, 5)
+    assert {1, 5} <= set(d.resident(0))
+
+
+# ---------------------------------------------------------------- swapmoe (lossy)
+
+
+def test_swapmoe_routes_only_among_residents_and_is_exact_with_everything_resident(mixtral_checkpoint, references):
+    for budget, exact in (("all", True), ("1", False)):
+        runtime = MoERuntime(LoadOptions(model=str(mixtral_checkpoint), budget=budget, store="disk", policy="swapmoe"))
+        result = Generator(runtime).generate(PROMPT, SamplingSettings(max_new_tokens=NEW_TOKENS))
+        stats = runtime.policy_stats()
+        runtime.close()
+        assert result.stats.misses == 0  # the router never asks for a non-resident expert
+        if exact:
+            assert result.token_ids == references["mixtral"] and stats["rerouted_share"] == 0
+        else:
+            assert stats["rerouted_share"] > 0
+
+
+def test_perplexity_through_the_engine(mixtral_checkpoint):
+    from transformers import AutoModelForCausalLM
+
+    ids = [1, *torch.randint(7, 100, (48,), generator=torch.Generator().manual_seed(0)).tolist()]
+    model = AutoModelForCausalLM.from_pretrained(mixtral_checkpoint, dtype=torch.float32)
+    with torch.no_grad():
+        exact = math.exp(float(model(torch.tensor([ids]), labels=torch.tensor([ids])).loss))
+    results = {}
+    for policy, budget in (("lru", "1"), ("swapmoe", "all"), ("swapmoe", "1")):
+        runtime = MoERuntime(LoadOptions(model=str(mixtral_checkpoint), budget=budget, store="disk", policy=policy))
+        results[policy, budget] = perplexity(runtime, ids)
+        runtime.close()
+    assert results["lru", "1"] == pytest.approx(exact, rel=1e-4)  # lossless at the minimum budget
+    assert results["swapmoe", "all"] == pytest.approx(exact, rel=1e-4)
+    assert results["swapmoe", "1"] != pytest.approx(exact, rel=1e-3)  # virtual experts cost quality
+
+
+# ---------------------------------------------------------------- prefetch machinery
+
+
+def test_exact_loads_preempt_speculative_ones_between_chunks():
+    s = ChunkScheduler()
+    spec = LoadJob(0, 1, 0, chunks=3, speculative=True)
+    s.push(spec)
+    moving = s.next()
+    assert moving is spec  # a worker starts moving the prefetch's first chunk
+    exact = LoadJob(0, 2, 1, chunks=3, speculative=False)
+    s.push(exact)  # an exact miss arrives meanwhile
+    s.push(spec, front=True)  # the prefetch's chunk is done; it goes back to the head of its queue
+    assert s.next() is exact  # the exact job waited for one chunk only
+    s.push(exact, front=True)
+    assert s.next() is exact  # and keeps priority until it is done
+    assert s.next() is spec
+
+
+def test_needed_prefetch_is_promoted_and_unneeded_one_cancelled():
+    s = ChunkScheduler()
+    a, b, c = (LoadJob(0, e, e, chunks=2, speculative=True) for e in range(3))
+    for job in (a, b, c):
+        s.push(job)
+    s.promote(c)  # layer 0 turned out to need expert 2
+    assert s.next() is c
+    assert s.remove(b) and not s.remove(b)
+    assert s.next() is a and s.next() is None
+
+
+def test_prefetch_never_takes_protected_or_loading_slots():
+    policy = make_policy("lru")
+    policy.reset(2, 8, 1)
+    d = CacheDirectory([2, 2], policy)
+    for layer in (0, 1):
+        for e in (0, 1):
+            d.assign(layer, e, ())
+    d.assign(1, 2, {1}, pending=True)  # layer 1: expert 2 is loading into expert 0's old slot
+    assert d.place_prefetches([(0, 5), (0, 6)], protected={0: {0, 1}}) == []  # layer 0 is computing 0 and 1
+    assert d.place_prefetches([(1, 7)], protected={1: {1}}) == []  # 1 is needed, 2 is loading
+    placed = d.place_prefetches([(1, 7)], protected={})
+    assert [(lyr, e) for lyr, e, _ in placed] == [(1, 7)] and d.resident(1) == [2, 7]
+    with pytest.raises(NoFreeSlotError):
+        d.assign(1, 3, ())  # both of layer 1's slots are loading: the cache must cancel a prefetch first
+    d.abort(1, 7)
+    assert d.assign(1, 3, ())[1] == -1  # the cancelled prefetch's slot is free again
+    assert d.prefetch.issued == 1 and d.prefetch.wasted == 1
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_cpu_execution_of_misses_on_gpu(tiny_checkpoints, references):
+    for family in ("mixtral", "gpt_oss"):
+        runtime = MoERuntime(LoadOptions(model=str(tiny_checkpoints[family]), budget="1", store="ram",
+                                         device="cuda", cpu_experts="auto", dtype="float32"))
+        result = Generator(runtime).generate(PROMPT, SamplingSettings(max_new_tokens=NEW_TOKENS))
+        stats = runtime.policy_stats()
+        runtime.close()
+        assert "cpu_expert_runs" in stats
+        assert result.token_ids == references[family]  # tiny models: far from ties, so equal despite last bits
+
+
+def test_cpu_experts_flag_is_a_no_op_without_a_gpu(capsys, mixtral_checkpoint, references):
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a GPU")
+    result = generate_json(capsys, mixtral_checkpoint, "min", "lru", "--cpu-experts", "auto")
+    assert result["token_ids"] == references["mixtral"]
+
+
+def test_eam_replay_is_deterministic():
+    trace = request_types_trace(requests=4)
+    a = replay(trace, make_policy("eam"), [3] * trace.num_layers)
+    b = replay(trace, make_policy("eam"), [3] * trace.num_layers)
+    assert a.as_dict() == b.as_dict()

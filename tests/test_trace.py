@@ -1,0 +1,151 @@
+"""Routing traces: recorded by the engine, read back, replayed through every policy beside Belady's MIN."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from engine.cli import main as moescope
+from engine.generation import Generator
+from engine.policies import POLICIES, make_policy
+from engine.replay import belady_for, replay
+from engine.runtime import LoadOptions, MoERuntime
+from engine.sampling import SamplingSettings
+from engine.trace import TraceError, read_trace
+from tests.checkpoints import reference_generate
+from tests.traces import hand_trace, skewed_trace, write_csv
+
+PROMPTS = [[1, 17, 42, 9, 77, 5, 63, 30, 11], [1, 23, 45, 67, 8, 9, 10], [1, 50, 51, 52, 53]]
+NEW_TOKENS = 40
+BUDGETS = "30%,45%,60%"
+
+
+@pytest.fixture(scope="module")
+def recorded(tmp_path_factory, tiny_checkpoints):
+    """A trace recorded by the engine: three requests to the tiny OLMoE checkpoint, with the outputs."""
+    path = tmp_path_factory.mktemp("traces") / "olmoe.jsonl"
+    runtime = MoERuntime(LoadOptions(model=str(tiny_checkpoints["olmoe"]), budget="30%", store="disk", trace=str(path)))
+    generator = Generator(runtime)
+    outputs = [generator.generate(p, SamplingSettings(max_new_tokens=NEW_TOKENS)).token_ids for p in PROMPTS]
+    layers = runtime.layout.num_layers
+    runtime.close()
+    return path, outputs, layers
+
+
+def test_hand_made_trace_has_the_textbook_answer():
+    trace = hand_trace()  # 0 1 2 0 1 2 0 1 2 through 2 slots
+    lru = replay(trace, make_policy("lru"), [2], warm=False)
+    mn = replay(trace, belady_for(trace), [2], warm=False)
+    assert (lru.hits, lru.misses) == (0, 9)  # LRU always evicts the expert needed next
+    assert (mn.hits, mn.misses) == (3, 6)  # MIN keeps one of them every other step
+    # with the engine's warm-up (slots filled at load): LRU 2 hits, MIN (warmed with 0 and 1) 5
+    assert replay(trace, make_policy("lru"), [2]).hits == 2
+    assert replay(trace, belady_for(trace), [2]).hits == 5
+
+
+def test_csv_trace_replays_through_the_cli(tmp_path, capsys):
+    path = write_csv(hand_trace(), tmp_path / "hand.csv")
+    code = moescope(["trace", "replay", str(path), "--num-layers", "1", "--num-experts", "4", "--top-k", "1",
+                     "--budget", "2slots", "--policy", "lru", "--expert-bytes", "100", "--json"])
+    out, err = capsys.readouterr()
+    assert code == 0, err
+    result = json.loads(out)
+    assert (result["accesses"], result["misses"], result["hit_rate"]) == (9, 7, pytest.approx(2 / 9))
+    assert result["bytes_per_token"] == pytest.approx(7 * 100 / 9)
+    assert (result["belady"]["misses"], result["belady"]["hit_rate"]) == (4, pytest.approx(5 / 9))
+
+
+def test_engine_records_every_layer_of_every_step(recorded, tiny_checkpoints):
+    path, outputs, layers = recorded
+    assert outputs[0] == reference_generate(tiny_checkpoints["olmoe"], PROMPTS[0], NEW_TOKENS)  # tracing is passive
+    header = json.loads(path.read_text().splitlines()[0])
+    assert header["format"] == "moescope-trace" and header["num_layers"] == layers and header["expert_bytes"] > 0
+    trace = read_trace(path)
+    assert sorted({s.request for s in trace.steps}) == [0, 1, 2]
+    for request, (prompt, out) in enumerate(zip(PROMPTS, outputs, strict=True)):
+        steps = [s for s in trace.steps if s.request == request]
+        assert len(steps) == layers * len(out)  # one prefill step + one per generated token after the first
+        assert steps[0].tokens == len(prompt) and steps[0].token == 0
+        assert [s.token for s in steps if s.layer == 0][1:] == list(range(len(prompt), len(prompt) + len(out) - 1))
+        assert all(sum(s.counts) == s.tokens * trace.top_k for s in steps)
+    # predictions: layer l's hidden state through layers l+1..l+3's routers
+    first = trace.steps[0]
+    assert set(first.predictions) == set(range(1, min(layers, 4)))
+    assert trace.tokens == sum(len(p) + len(o) - 1 for p, o in zip(PROMPTS, outputs, strict=True))
+
+
+def _replay_all(capsys, path, *extra: str) -> list[dict]:
+    code = moescope(["trace", "replay", str(path), "--policy", "all", "--budget", BUDGETS, *extra])
+    table, err = capsys.readouterr()
+    assert code == 0, err
+    with capsys.disabled():
+        print(f"\n[trace replay] {path.name}\n{table}")
+    assert code == moescope(["trace", "replay", str(path), "--policy", "all", "--budget", BUDGETS, "--json", *extra])
+    out, err = capsys.readouterr()
+    runs = json.loads(out)
+    assert len(runs) == 3 * len(POLICIES)
+    assert all(policy in table for policy in POLICIES) and "belady" in table
+    return runs
+
+
+def _check_belady_is_a_bound(runs: list[dict]) -> None:
+    for run in runs:
+        mn = run["belady"]
+        assert run["total_slots"] == mn["total_slots"]
+        if not POLICIES[run["policy"]].lossless:
+            assert run["rerouted"] > 0  # swapmoe changes the routing instead of loading
+            continue
+        # nothing loads fewer experts than MIN; demand-only policies cannot hit more often either
+        assert run["loads"] >= mn["loads"], run
+        assert run["bytes_per_token"] >= mn["bytes_per_token"]
+        if run["prefetch_loads"] == 0:
+            assert run["hit_rate"] <= mn["hit_rate"] + 1e-12, run
+
+
+def test_replay_every_policy_on_a_recorded_trace(recorded, capsys):
+    path, _, _ = recorded
+    runs = _replay_all(capsys, path)
+    _check_belady_is_a_bound(runs)
+    promoe = [r for r in runs if r["policy"] == "promoe"]
+    assert all(r["extra"]["predicted_sets"] > 0 and 0 < r["extra"]["prediction_accuracy"] <= 1 for r in promoe)
+
+
+def test_replay_every_policy_on_a_skewed_trace(tmp_path, capsys):
+    trace = skewed_trace(tokens=240)
+    path = write_csv(trace, tmp_path / "skewed.csv")
+    runs = _replay_all(capsys, path, "--num-layers", "8", "--num-experts", "32", "--top-k", "2",
+                       "--expert-bytes", str(1 << 20))
+    _check_belady_is_a_bound(runs)
+    lru = {r["budget"]: r["hit_rate"] for r in runs if r["policy"] == "lru"}
+    assert lru["30%"] < lru["45%"] < lru["60%"]  # more memory, more hits
+
+
+def test_uniform_and_planned_allocations_both_replay(recorded, capsys):
+    path, _, _ = recorded
+    for allocation in ("uniform", "planned"):
+        assert moescope(["trace", "replay", str(path), "--budget", "40%", "--allocation", allocation, "--json"]) == 0
+        result = json.loads(capsys.readouterr().out)
+        assert result["allocation"] == allocation and 0 <= result["hit_rate"] <= 1
+
+
+@pytest.mark.parametrize(("content", "message"), [
+    ('{"format": "moescope-trace", "num_layers": 2, "num_experts": 4, "top_k": 1}\nnot json\n', "line 2 is not valid JSON"),
+    ('{"format": "moescope-trace", "num_layers": 2, "num_experts": 4, "top_k": 1}\n{"r":0,"t":0,"l":5,"e":[[1]]}\n',
+     "has layer 5"),
+    ("request,token,layer,experts\n0,0,0,9\n", "outside 0..3"),
+    ("time,layer\n", "header request,token,layer,experts"),
+])
+def test_bad_traces_are_named(tmp_path, capsys, content, message):
+    path = tmp_path / "bad.trace"
+    path.write_text(content)
+    with pytest.raises(TraceError, match=message):
+        read_trace(path, num_layers=2, num_experts=4)
+    assert moescope(["trace", "replay", str(path), "--num-layers", "2", "--num-experts", "4"]) == 2
+    assert message.split()[0] in capsys.readouterr().err
+
+
+def test_byte_budget_needs_expert_size(tmp_path, capsys):
+    path = write_csv(hand_trace(), tmp_path / "hand.csv")
+    assert moescope(["trace", "replay", str(path), "--num-layers", "1", "--num-experts", "4", "--budget", "1MiB"]) == 2
+    assert "--expert-bytes" in capsys.readouterr().err
