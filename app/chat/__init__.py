@@ -1,0 +1,1 @@
+"""The chat: messages rendered as Markdown, the composer, the conversation list, and the controller."""

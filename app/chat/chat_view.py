@@ -1,0 +1,135 @@
+"""The centre of the window: the conversation's messages, its settings, and the composer."""
+
+from __future__ import annotations
+
+from PySide6.QtCore import Qt
+from PySide6.QtWidgets import (
+    QFrame,
+    QHBoxLayout,
+    QLabel,
+    QScrollArea,
+    QSizePolicy,
+    QToolButton,
+    QVBoxLayout,
+    QWidget,
+)
+
+from app.chat.composer import Composer
+from app.chat.message_widget import MessageWidget
+from app.chat.settings_form import ConversationSettingsForm
+from app.themes import LIGHT, Theme
+
+
+class ElidedLabel(QLabel):
+    """A one-line label that shortens its text with … to fit, full text in the tooltip."""
+
+    def __init__(self, text: str = "", parent: QWidget | None = None) -> None:
+        super().__init__(parent)
+        self.full_text = ""
+        self.setSizePolicy(QSizePolicy.Policy.Ignored, QSizePolicy.Policy.Preferred)
+        self.setText(text)
+
+    def setText(self, text: str) -> None:
+        self.full_text = text
+        self.setToolTip(text)
+        self._elide()
+
+    def text(self) -> str:
+        return self.full_text
+
+    def resizeEvent(self, event) -> None:
+        super().resizeEvent(event)
+        self._elide()
+
+    def _elide(self) -> None:
+        shown = self.fontMetrics().elidedText(self.full_text, Qt.TextElideMode.ElideRight, max(self.width(), 40))
+        super().setText(shown)
+
+
+class ChatView(QWidget):
+    def __init__(self, parent: QWidget | None = None) -> None:
+        super().__init__(parent)
+        self.theme = LIGHT
+        self.title = ElidedLabel("New chat")
+        self.title.setObjectName("chat-title")
+        self.title.setStyleSheet("font-size: 14pt; font-weight: 600;")
+        self.settings_toggle = QToolButton()
+        self.settings_toggle.setText("Conversation settings")
+        self.settings_toggle.setCheckable(True)
+        self.settings_toggle.setToolButtonStyle(Qt.ToolButtonStyle.ToolButtonTextBesideIcon)
+        self.settings_toggle.setArrowType(Qt.ArrowType.RightArrow)
+        self.settings_toggle.toggled.connect(self._toggle_settings)
+        self.settings = ConversationSettingsForm()
+        self.settings.setVisible(False)
+
+        self.messages_box = QWidget()
+        self.messages_layout = QVBoxLayout(self.messages_box)
+        self.messages_layout.setContentsMargins(8, 8, 8, 8)
+        self.messages_layout.setSpacing(8)
+        self.empty_hint = QLabel("Ask the model anything. Watch the panels: every token routes through the expert cache.")
+        self.empty_hint.setWordWrap(True)
+        self.empty_hint.setAlignment(Qt.AlignmentFlag.AlignCenter)
+        self.messages_layout.addWidget(self.empty_hint)
+        self.messages_layout.addStretch(1)
+        self.scroll = QScrollArea()
+        self.scroll.setWidgetResizable(True)
+        self.scroll.setFrameShape(QFrame.Shape.NoFrame)
+        self.scroll.setWidget(self.messages_box)
+        self.scroll.setHorizontalScrollBarPolicy(Qt.ScrollBarPolicy.ScrollBarAlwaysOff)
+        bar = self.scroll.verticalScrollBar()
+        self._follow = True  # stick to the bottom while a reply streams, unless the user scrolled up
+        bar.valueChanged.connect(lambda v: setattr(self, "_follow", v >= bar.maximum() - 8))
+        bar.rangeChanged.connect(lambda _lo, hi: bar.setValue(hi) if self._follow else None)
+
+        self.composer = Composer()
+
+        head = QHBoxLayout()
+        head.addWidget(self.title, 1)
+        head.addWidget(self.settings_toggle)
+        layout = QVBoxLayout(self)
+        layout.setContentsMargins(6, 6, 6, 6)
+        layout.addLayout(head)
+        layout.addWidget(self.settings)
+        layout.addWidget(self.scroll, 1)
+        layout.addWidget(self.composer)
+
+    def _toggle_settings(self, shown: bool) -> None:
+        self.settings.setVisible(shown)
+        self.settings_toggle.setArrowType(Qt.ArrowType.DownArrow if shown else Qt.ArrowType.RightArrow)
+
+    # ----- messages -----
+    def widgets(self) -> list[MessageWidget]:
+        items = (self.messages_layout.itemAt(i).widget() for i in range(self.messages_layout.count()))
+        return [w for w in items if isinstance(w, MessageWidget)]
+
+    def clear(self) -> None:
+        for w in self.widgets():
+            self.messages_layout.removeWidget(w)
+            w.deleteLater()
+        self.empty_hint.setVisible(True)
+        self._follow = True
+
+    def add(self, widget: MessageWidget) -> MessageWidget:
+        widget.apply_theme(self.theme)
+        self.messages_layout.insertWidget(self.messages_layout.count() - 1, widget)  # above the stretch
+        self.empty_hint.setVisible(False)
+        return widget
+
+    def remove_from(self, message_id: int) -> None:
+        """Remove `message_id` and every message after it."""
+        for w in self.widgets():
+            if w.message_id >= message_id:
+                self.messages_layout.removeWidget(w)
+                w.deleteLater()
+        self.empty_hint.setVisible(not self.widgets())
+
+    def scroll_to_bottom(self) -> None:
+        self._follow = True
+        bar = self.scroll.verticalScrollBar()
+        bar.setValue(bar.maximum())
+
+    def apply_theme(self, theme: Theme) -> None:
+        self.theme = theme
+        self.empty_hint.setStyleSheet(f"color: {theme.muted};")
+        for w in self.widgets():
+            w.apply_theme(theme)

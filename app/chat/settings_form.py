@@ -1,0 +1,69 @@
+"""A conversation's own system prompt and sampling settings."""
+
+from __future__ import annotations
+
+from PySide6.QtCore import Signal
+from PySide6.QtWidgets import QDoubleSpinBox, QFormLayout, QPlainTextEdit, QSpinBox, QWidget
+
+from engine.protocol import SamplingParams
+
+
+class ConversationSettingsForm(QWidget):
+    changed = Signal(str, object)  # system prompt, SamplingParams
+
+    def __init__(self, parent: QWidget | None = None) -> None:
+        super().__init__(parent)
+        self._loading = False
+        self.system_prompt = QPlainTextEdit()
+        self.system_prompt.setPlaceholderText("System prompt (optional)")
+        self.system_prompt.setFixedHeight(60)
+        self.temperature = self._double(0.0, 2.0, 0.05, "0 = greedy (the same reply every time)")
+        self.top_p = self._double(0.0, 1.0, 0.01, "nucleus sampling: keep the smallest set of tokens with this probability")
+        self.top_k = QSpinBox()
+        self.top_k.setRange(0, 100000)
+        self.top_k.setSpecialValueText("off")
+        self.repetition_penalty = self._double(0.5, 2.0, 0.01, "above 1 discourages repeating tokens")
+        self.max_tokens = QSpinBox()
+        self.max_tokens.setRange(1, 1 << 20)
+        form = QFormLayout(self)
+        form.setContentsMargins(0, 0, 0, 0)
+        form.addRow("System prompt", self.system_prompt)
+        form.addRow("Temperature", self.temperature)
+        form.addRow("Top-p", self.top_p)
+        form.addRow("Top-k", self.top_k)
+        form.addRow("Repetition penalty", self.repetition_penalty)
+        form.addRow("Max tokens", self.max_tokens)
+        self.system_prompt.textChanged.connect(self._edited)
+        for box in (self.temperature, self.top_p, self.top_k, self.repetition_penalty, self.max_tokens):
+            box.valueChanged.connect(self._edited)
+
+    @staticmethod
+    def _double(low: float, high: float, step: float, tip: str) -> QDoubleSpinBox:
+        box = QDoubleSpinBox()
+        box.setRange(low, high)
+        box.setSingleStep(step)
+        box.setDecimals(2)
+        box.setToolTip(tip)
+        return box
+
+    def load(self, system_prompt: str, sampling: SamplingParams) -> None:
+        self._loading = True  # programmatic: not a user edit
+        self.system_prompt.setPlainText(system_prompt)
+        self.temperature.setValue(sampling.temperature)
+        self.top_p.setValue(sampling.top_p)
+        self.top_k.setValue(sampling.top_k)
+        self.repetition_penalty.setValue(sampling.repetition_penalty)
+        self.max_tokens.setValue(sampling.max_new_tokens)
+        self._loading = False
+
+    def sampling(self, base: SamplingParams | None = None) -> SamplingParams:
+        base = base or SamplingParams()
+        return SamplingParams(
+            temperature=self.temperature.value(), top_p=self.top_p.value(), top_k=self.top_k.value(),
+            repetition_penalty=self.repetition_penalty.value(), max_new_tokens=self.max_tokens.value(),
+            seed=base.seed, stop=list(base.stop),
+        )
+
+    def _edited(self) -> None:
+        if not self._loading:
+            self.changed.emit(self.system_prompt.toPlainText(), self.sampling())

@@ -1,0 +1,85 @@
+"""The engine process seen from Qt: `EngineClient` events re-emitted as a signal on the GUI thread.
+
+The client calls back on its reader thread; the bridge hops to the GUI thread through a queued
+connection, so every slot connected to `event` runs on the GUI thread and may touch widgets.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from PySide6.QtCore import QObject, Qt, Signal, Slot
+
+from engine import protocol as p
+
+ClientFactory = Callable[[Callable[[object], None]], object]
+
+
+def _default_client(on_event: Callable[[object], None]):
+    from engine.client import EngineClient  # torch-free: the worker imports the heavy modules
+
+    return EngineClient(on_event)
+
+
+class EngineBridge(QObject):
+    event = Signal(object)  # every protocol event, on the GUI thread
+    _incoming = Signal(object)  # emitted on the client's reader thread
+
+    def __init__(self, client_factory: ClientFactory | None = None, parent: QObject | None = None) -> None:
+        super().__init__(parent)
+        self._incoming.connect(self._deliver, Qt.ConnectionType.QueuedConnection)
+        self.client = (client_factory or _default_client)(self._incoming.emit)
+        self.pid: int | None = None
+        self.model: p.ModelLoaded | None = None
+        self.budget_bytes: int | None = None
+        self.policy: str | None = None
+        self.crashed = False
+
+    # ----- commands -----
+    def start(self) -> None:
+        self.crashed = False
+        self.client.start()
+
+    def send(self, command) -> bool:
+        """False when there is no engine to send to (it crashed, or was never started)."""
+        try:
+            self.client.send(command)
+        except RuntimeError:
+            return False
+        return True
+
+    def load(self, path: str, budget: str = "all", policy: str | None = None) -> None:
+        self.model = None
+        self.send(p.LoadModel(path=path, budget=budget, policy=policy or "lru"))
+
+    def restart(self) -> None:
+        """A new worker, reloading the last model with the budget and policy in force."""
+        self.crashed = False
+        self.model = None
+        self.client.restart(reload=True)
+
+    def stop(self) -> None:
+        self.client.stop()
+
+    @property
+    def alive(self) -> bool:
+        return bool(self.client.alive)
+
+    @property
+    def last_load(self) -> p.LoadModel | None:
+        return self.client.last_load
+
+    # ----- events -----
+    @Slot(object)
+    def _deliver(self, event) -> None:
+        if isinstance(event, p.EngineStarted):
+            self.pid = event.pid
+        elif isinstance(event, p.ModelLoaded):
+            self.model, self.budget_bytes, self.policy = event, event.budget_bytes, event.policy
+        elif isinstance(event, p.BudgetChanged):
+            self.budget_bytes = event.budget_bytes
+        elif isinstance(event, p.PolicyChanged):
+            self.policy = event.policy
+        elif isinstance(event, p.Error) and event.kind == "engine-crashed":
+            self.crashed = True
+        self.event.emit(event)

@@ -1,0 +1,52 @@
+"""`moescope`: the GUI with no arguments (or GUI flags), the engine's CLI for any subcommand.
+
+The engine CLI is imported only when a subcommand is given, so opening the window never pays for
+(or depends on) torch.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Sequence
+
+ENGINE_COMMANDS_HINT = "generate, chat, info, policies, models, trace, bench"
+
+
+def build_gui_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="moescope",
+        description="Chat with Mixture-of-Experts models larger than your memory, and watch the experts work.",
+        epilog=f"Engine commands (no window): moescope COMMAND --help, COMMAND one of {ENGINE_COMMANDS_HINT}.",
+    )
+    parser.add_argument("--model", help="checkpoint folder or 'demo' (default: the last model used)")
+    parser.add_argument("--budget", help="expert cache size: 512MiB, 2GiB, 25%% or all (default: the last one)")
+    parser.add_argument("--screenshot", metavar="OUT.png", help="send --prompt, wait for the reply, save the window, exit")
+    parser.add_argument("--prompt", help="with --screenshot: the message to send")
+    parser.add_argument("--timeout", type=float, default=600.0, help="with --screenshot: give up after this many seconds")
+    parser.add_argument("--theme", choices=["system", "light", "dark"], help="override the colour theme")
+    return parser
+
+
+def is_engine_command(argv: Sequence[str]) -> bool:
+    """A first argument that is not an option names an engine subcommand."""
+    return bool(argv) and not argv[0].startswith("-")
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if is_engine_command(argv):
+        from engine.cli import main as engine_main  # lazy: the GUI path never imports torch
+
+        return engine_main(argv)
+    args = build_gui_parser().parse_args(argv)
+    if args.screenshot and not args.prompt:
+        print("moescope: error: --screenshot needs --prompt", file=sys.stderr)
+        return 2
+    from app.gui import run_gui
+
+    return run_gui(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,325 @@
+"""The window: chat in the centre, live panels in docks around it, the engine behind a bridge.
+
+Engine events arrive on the GUI thread through the bridge; each view takes what it needs and
+marks itself dirty, and one frame timer repaints what changed (keeping only the latest snapshot).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from PySide6.QtCore import Qt, QTimer
+from PySide6.QtGui import QAction, QActionGroup, QCloseEvent, QKeySequence, QShortcut
+from PySide6.QtWidgets import QDockWidget, QFileDialog, QMainWindow, QMessageBox, QVBoxLayout, QWidget
+
+from app import export
+from app.banner import CRASH_KINDS, Banner
+from app.chat.chat_view import ChatView
+from app.chat.controller import ChatController
+from app.chat.conversation_list import ConversationList
+from app.engine_bridge import EngineBridge
+from app.history import HistoryStore
+from app.model_bar import ModelBar
+from app.panels.base import Panel
+from app.panels.budget import BudgetPanel
+from app.panels.heatmap import HeatmapPanel
+from app.panels.hit_rate import HitRatePanel
+from app.panels.system import SystemPanel
+from app.panels.traffic import TrafficPanel
+from app.settings import AppSettings
+from app.telemetry_history import TelemetryHistory
+from app.themes import ThemeManager
+from engine import protocol as p
+
+FRAME_MS = 33  # ~30 repaints a second at most, whatever the event rate
+
+
+class MainWindow(QMainWindow):
+    def __init__(self, settings: AppSettings | None = None, store: HistoryStore | None = None,
+                 bridge: EngineBridge | None = None, remember: bool = True) -> None:
+        super().__init__()
+        self.settings = settings or AppSettings()
+        self.store = store or HistoryStore()
+        self.bridge = bridge or EngineBridge(parent=self)
+        self.remember = remember  # screenshot mode leaves the user's settings alone
+        self.setWindowTitle("MoEScope")
+        self.setObjectName("moescope-main")
+        self.setDockNestingEnabled(True)
+
+        # ----- centre -----
+        self.banner = Banner()
+        self.model_bar = ModelBar()
+        self.chat_view = ChatView()
+        centre = QWidget()
+        column = QVBoxLayout(centre)
+        column.setContentsMargins(4, 4, 4, 4)
+        column.addWidget(self.banner)
+        column.addWidget(self.model_bar)
+        column.addWidget(self.chat_view, 1)
+        self.setCentralWidget(centre)
+        self.chat = ChatController(self.store, self.bridge, self.chat_view, self)
+
+        # ----- docks -----
+        self.history = TelemetryHistory()
+        self.conversations = ConversationList()
+        self.hit_rate = HitRatePanel(self.history)
+        self.traffic = TrafficPanel(self.history)
+        self.heatmap = HeatmapPanel()
+        self.budget = BudgetPanel()
+        self.system = SystemPanel()
+        self.panels: list[Panel] = [self.heatmap, self.budget, self.hit_rate, self.traffic, self.system]
+        self.docks: dict[str, QDockWidget] = {}
+        self._build_docks()
+        self._default_state = self.saveState()
+
+        # ----- behaviour -----
+        self.themes = ThemeManager(self.settings.theme, self)
+        self.themes.changed.connect(self._apply_theme)
+        self._build_menus()
+        self.bridge.event.connect(self.on_engine_event)
+        self.banner.restart_requested.connect(self.restart_engine)
+        self.budget.budget_requested.connect(self.set_budget)
+        self.system.policy_requested.connect(self.set_policy)
+        self.model_bar.open_folder_requested.connect(self.open_model)
+        self.conversations.new_requested.connect(self.chat.new_chat)
+        self.conversations.open_requested.connect(self.chat.open)
+        self.conversations.rename_requested.connect(self.chat.rename)
+        self.conversations.delete_requested.connect(self._confirm_delete)
+        self.conversations.export_requested.connect(self.export_conversation)
+        self.conversations.search_changed.connect(lambda _t: self.refresh_conversations())
+        self.chat.conversations_changed.connect(self.refresh_conversations)
+        self.chat.notice.connect(lambda text: self.statusBar().showMessage(text, 5000))
+        QShortcut(QKeySequence(Qt.Key.Key_Escape), self, self.chat.stop, context=Qt.ShortcutContext.WindowShortcut)
+
+        self.frame = QTimer(self, interval=FRAME_MS)
+        self.frame.timeout.connect(self.refresh)
+        self.frame.start()
+
+        self.resize(1600, 1000)
+        self._restore_layout()
+        self.themes.apply()
+        self.refresh_conversations()
+        last = self.settings.last_conversation
+        if last is not None and self.store.conversation(last) is not None:
+            self.chat.open(last)
+        self.statusBar().showMessage("Starting the engine…")
+
+    # ----- layout -----
+    def _dock(self, title: str, name: str, widget: QWidget) -> QDockWidget:
+        dock = QDockWidget(title, self)
+        dock.setObjectName(name)  # saveState keys the layout by objectName
+        dock.setWidget(widget)
+        dock.setFeatures(QDockWidget.DockWidgetFeature.DockWidgetMovable | QDockWidget.DockWidgetFeature.DockWidgetClosable
+                         | QDockWidget.DockWidgetFeature.DockWidgetFloatable)
+        self.docks[name] = dock
+        return dock
+
+    def _build_docks(self) -> None:
+        area = Qt.DockWidgetArea
+        self.setCorner(Qt.Corner.BottomLeftCorner, area.LeftDockWidgetArea)
+        self.setCorner(Qt.Corner.BottomRightCorner, area.RightDockWidgetArea)
+        sidebar = self._dock("Conversations", "dock-conversations", self.conversations)
+        self.addDockWidget(area.LeftDockWidgetArea, sidebar)
+        heat, budget, hit, traffic, system = (self._dock(panel.title, panel.dock_name, panel) for panel in
+                                              (self.heatmap, self.budget, self.hit_rate, self.traffic, self.system))
+        # Two columns on the right: what the experts do | how the cache performs.
+        self.addDockWidget(area.RightDockWidgetArea, heat)
+        self.splitDockWidget(heat, hit, Qt.Orientation.Horizontal)
+        self.splitDockWidget(heat, budget, Qt.Orientation.Vertical)
+        self.splitDockWidget(hit, traffic, Qt.Orientation.Vertical)
+        self.splitDockWidget(traffic, system, Qt.Orientation.Vertical)
+        self.conversations.setMinimumWidth(170)
+
+    def _default_sizes(self) -> None:
+        """Proportions for the default layout; they only take once the window has its size."""
+        d = self.docks
+        width, height = max(self.width(), 1200), max(self.height(), 700)
+        side = 210
+        column = (width - side) * 27 // 100
+        self.resizeDocks([d["dock-conversations"], d["dock-heatmap"], d["dock-hit-rate"]], [side, column, column],
+                         Qt.Orientation.Horizontal)
+        self.resizeDocks([d["dock-heatmap"], d["dock-budget"]], [height * 52 // 100, height * 48 // 100],
+                         Qt.Orientation.Vertical)
+        self.resizeDocks([d["dock-hit-rate"], d["dock-traffic"], d["dock-system"]],
+                         [height * 32 // 100, height * 40 // 100, height * 28 // 100], Qt.Orientation.Vertical)
+
+    def _restore_layout(self) -> None:
+        self._restored = False
+        if self.settings.geometry is not None:
+            self.restoreGeometry(self.settings.geometry)
+        if self.settings.window_state is not None:
+            self._restored = self.restoreState(self.settings.window_state)
+
+    def showEvent(self, event) -> None:
+        super().showEvent(event)
+        if not self._restored and not getattr(self, "_sized", False):
+            self._sized = True
+            QTimer.singleShot(0, self._default_sizes)
+
+    def restore_default_layout(self) -> None:
+        self.restoreState(self._default_state)
+        for dock in self.docks.values():
+            dock.show()
+        self._default_sizes()
+
+    def _build_menus(self) -> None:
+        bar = self.menuBar()
+        file = bar.addMenu("&File")
+        file.addAction("New chat", QKeySequence.StandardKey.New, self.chat.new_chat)
+        file.addAction("Open model folder…", QKeySequence.StandardKey.Open, self.model_bar.choose_folder)
+        file.addAction("Export conversation as Markdown…", lambda: self._export_current("markdown"))
+        file.addAction("Export conversation as JSON…", lambda: self._export_current("json"))
+        file.addSeparator()
+        file.addAction("Quit", QKeySequence.StandardKey.Quit, self.close)
+        view = bar.addMenu("&View")
+        for dock in self.docks.values():
+            view.addAction(dock.toggleViewAction())
+        view.addAction("Restore default layout", self.restore_default_layout)
+        view.addSeparator()
+        theme_menu = view.addMenu("Theme")
+        group = QActionGroup(self)
+        self.theme_actions: dict[str, QAction] = {}
+        for choice, label in (("system", "Follow the system"), ("light", "Light"), ("dark", "Dark")):
+            action = theme_menu.addAction(label, lambda c=choice: self.set_theme(c))
+            action.setCheckable(True)
+            action.setChecked(self.themes.choice == choice)
+            group.addAction(action)
+            self.theme_actions[choice] = action
+        engine = bar.addMenu("&Engine")
+        engine.addAction("Stop reply", self.chat.stop)
+        engine.addAction("Restart engine", self.restart_engine)
+
+    # ----- engine -----
+    def start_engine(self, model: str | None = None, budget: str | None = None) -> None:
+        model = model or self.settings.last_model
+        self.bridge.start()
+        self.load_model(model, budget)
+
+    def load_model(self, model: str, budget: str | None = None) -> None:
+        budget = budget or self.settings.budget_for(model)
+        self.chat.ready = False  # messages wait for this model (the controller queues them)
+        self.model_bar.set_loading(model)
+        self.statusBar().showMessage(f"Loading {model}…")
+        self.bridge.load(model, budget, self.settings.policy)
+
+    def open_model(self, path: str) -> None:
+        if self.chat.streaming:
+            self.chat.stop()
+        self.load_model(path)
+
+    def restart_engine(self) -> None:
+        self.banner.hide()
+        self.statusBar().showMessage("Restarting the engine…")
+        if self.chat.streaming:
+            self.chat.on_event(p.Error("engine-crashed", "the engine was restarted", False))
+        self.chat.ready = False
+        self.bridge.restart()
+        if self.bridge.last_load is not None:
+            self.model_bar.set_loading(self.bridge.last_load.path)
+
+    def set_budget(self, budget: str) -> None:
+        self.bridge.send(p.SetBudget(budget))
+        if self.remember and self.bridge.last_load is not None:
+            self.settings.set_budget_for(self.bridge.last_load.path, budget)
+
+    def set_policy(self, policy: str) -> None:
+        self.bridge.send(p.SetPolicy(policy))
+        if self.remember:
+            self.settings.policy = policy
+
+    def on_engine_event(self, event) -> None:
+        if isinstance(event, p.TelemetrySnapshot):
+            self.history.add(event)
+        for panel in self.panels:
+            panel.on_event(event)
+        self.model_bar.on_event(event)
+        self.chat.on_event(event)
+        if isinstance(event, p.ModelLoaded):
+            self.setWindowTitle(f"MoEScope — {event.name}")
+            self.statusBar().showMessage(f"{event.name} loaded in {event.load_seconds:.1f} s", 5000)
+            if self.banner.error is not None and self.banner.error.kind in CRASH_KINDS:
+                self.banner.hide()
+            if self.remember and self.bridge.last_load is not None:
+                self.settings.last_model = self.bridge.last_load.path
+        elif isinstance(event, p.Error):
+            self.banner.show_error(event)
+            self.statusBar().showMessage(event.message, 8000)
+        elif isinstance(event, p.Log) and event.level in ("warning", "error"):
+            self.statusBar().showMessage(event.message.strip().splitlines()[-1], 8000)
+
+    # ----- frame -----
+    def refresh(self) -> None:
+        self.chat.refresh()
+        for panel in self.panels:
+            if panel.isVisible():
+                panel.refresh()
+
+    # ----- conversations -----
+    def refresh_conversations(self) -> None:
+        current = self.chat.conversation.id if self.chat.conversation else None
+        self.conversations.show_conversations(self.store.conversations(self.conversations.search.text()), current)
+
+    def _confirm_delete(self, conversation_id: int) -> None:
+        conversation = self.store.conversation(conversation_id)
+        if conversation is None:
+            return
+        answer = QMessageBox.question(self, "Delete conversation", f"Delete “{conversation.title}”?")
+        if answer == QMessageBox.StandardButton.Yes:
+            self.chat.delete(conversation_id)
+
+    def _export_current(self, fmt: str) -> None:
+        if self.chat.conversation is not None:
+            self.export_conversation(self.chat.conversation.id, fmt)
+
+    def export_conversation(self, conversation_id: int, fmt: str, path: str | None = None) -> Path | None:
+        conversation = self.store.conversation(conversation_id)
+        if conversation is None:
+            return None
+        suffix = ".md" if fmt == "markdown" else ".json"
+        if path is None:
+            safe = "".join(c if c.isalnum() or c in " -_" else "_" for c in conversation.title).strip() or "conversation"
+            path, _ = QFileDialog.getSaveFileName(self, "Export conversation", safe + suffix)
+            if not path:
+                return None
+        messages = self.store.messages(conversation_id)
+        text = export.to_markdown(conversation, messages) if fmt == "markdown" else export.to_json(conversation, messages)
+        out = Path(path)
+        out.write_text(text, encoding="utf-8")
+        self.statusBar().showMessage(f"Exported to {out}", 5000)
+        return out
+
+    # ----- look -----
+    def set_theme(self, choice: str) -> None:
+        self.themes.set_choice(choice)
+        if self.themes.choice in self.theme_actions:
+            self.theme_actions[self.themes.choice].setChecked(True)
+        if self.remember:
+            self.settings.theme = choice
+
+    def _apply_theme(self, theme) -> None:
+        self.chat_view.apply_theme(theme)
+        self.banner.apply_theme(theme)
+        for panel in self.panels:
+            panel.apply_theme(theme)
+            panel.dirty = True
+
+    def keyPressEvent(self, event) -> None:
+        # Esc that no child used (the shortcut covers the active window; this covers the rest).
+        if event.key() == Qt.Key.Key_Escape and self.chat.streaming:
+            self.chat.stop()
+            event.accept()
+            return
+        super().keyPressEvent(event)
+
+    # ----- closing -----
+    def closeEvent(self, event: QCloseEvent) -> None:
+        self.frame.stop()
+        self.chat.save_partial()
+        if self.remember:
+            self.settings.geometry = self.saveGeometry()
+            self.settings.window_state = self.saveState()
+            self.settings.last_conversation = self.chat.conversation.id if self.chat.conversation else None
+            self.settings.sync()
+        self.bridge.stop()
+        self.store.close()
+        super().closeEvent(event)

@@ -1,0 +1,78 @@
+"""The current model: name, size, how much of it sits in compute memory; open another one."""
+
+from __future__ import annotations
+
+from PySide6.QtCore import Signal
+from PySide6.QtWidgets import QFileDialog, QHBoxLayout, QLabel, QProgressBar, QPushButton, QWidget
+
+from app.stats_format import format_bytes
+from engine import protocol as p
+
+
+def model_summary(m: p.ModelLoaded, budget_bytes: int) -> str:
+    total = m.dense_bytes + m.all_expert_bytes
+    resident = m.dense_bytes + budget_bytes
+    return (f"{format_bytes(total)} · {m.num_layers} MoE layers x {m.num_experts} experts (top-{m.top_k}) · "
+            f"in {m.device} memory: {format_bytes(resident)} ({resident / total:.0%}) · {m.dtype}, store {m.store}")
+
+
+class ModelBar(QWidget):
+    open_folder_requested = Signal(str)
+
+    def __init__(self, parent: QWidget | None = None) -> None:
+        super().__init__(parent)
+        self.model: p.ModelLoaded | None = None
+        self.loading = False
+        self.name = QLabel("No model")
+        self.name.setObjectName("model-name")
+        self.name.setStyleSheet("font-weight: 600;")
+        self.details = QLabel("")
+        self.details.setWordWrap(True)  # a long summary must not widen the window
+        self.details.setMinimumWidth(50)
+        self.progress = QProgressBar()
+        self.progress.setRange(0, 1000)
+        self.progress.setMaximumWidth(220)
+        self.progress.setVisible(False)
+        self.library = QPushButton("Model library…")
+        self.library.setEnabled(False)
+        self.library.setToolTip("Coming soon: browse and download models")
+        self.open_button = QPushButton("Open folder…")
+        self.open_button.setToolTip("Load a local checkpoint folder (safetensors)")
+        self.open_button.clicked.connect(self.choose_folder)
+        layout = QHBoxLayout(self)
+        layout.setContentsMargins(8, 4, 8, 4)
+        layout.addWidget(self.name)
+        layout.addWidget(self.details, 1)
+        layout.addWidget(self.progress)
+        layout.addWidget(self.library)
+        layout.addWidget(self.open_button)
+
+    def on_event(self, event) -> None:
+        if isinstance(event, p.LoadProgress):
+            self.progress.setVisible(event.fraction < 1.0)
+            self.progress.setValue(int(event.fraction * 1000))
+            self.progress.setFormat(f"{event.message} %p%")
+        elif isinstance(event, p.ModelLoaded):
+            self.model, self.loading = event, False
+            self.progress.setVisible(False)
+            self.name.setText(event.name)
+            self.name.setToolTip(event.path)
+            self.details.setText(model_summary(event, event.budget_bytes))
+        elif isinstance(event, p.BudgetChanged) and self.model is not None:
+            self.details.setText(model_summary(self.model, event.budget_bytes))
+        elif isinstance(event, p.Error) and (event.kind == "engine-crashed" or self.loading):
+            self.progress.setVisible(False)  # a load that failed, or a crash: no model now
+            self.model, self.loading = None, False
+            self.details.setText(f"not loaded: {event.message}")
+
+    def set_loading(self, path: str) -> None:
+        self.name.setText(path)
+        self.details.setText("loading…")
+        self.loading = True
+        self.progress.setValue(0)
+        self.progress.setVisible(True)
+
+    def choose_folder(self) -> None:
+        folder = QFileDialog.getExistingDirectory(self, "Open a checkpoint folder")
+        if folder:
+            self.open_folder_requested.emit(folder)

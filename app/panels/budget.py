@@ -1,0 +1,255 @@
+"""Memory budget: a slider from the minimum to everything, free memory marked, slots per layer as bars,
+the planner's estimate under the cursor while dragging, and the budget applied on release."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import numpy as np
+import pyqtgraph as pg
+from PySide6.QtCore import QRectF, Qt, QTimer, Signal
+from PySide6.QtGui import QColor, QPainter, QPen
+from PySide6.QtWidgets import QHBoxLayout, QLabel, QSizePolicy, QSlider, QVBoxLayout, QWidget
+
+from app.budget_estimate import Estimate, Estimator
+from app.panels.base import Panel, integer_ticks, quiet_plot, style_plot
+from app.panels.budget_model import BudgetScale, free_compute_memory
+from app.stats_format import format_bytes
+from app.themes import LIGHT, Theme
+from engine import protocol as p
+
+EstimateFn = Callable[[int], Estimate | None]
+APPLY_DELAY_MS = 400  # keyboard and wheel steps: apply once the user pauses
+
+
+class ScaleBar(QWidget):
+    """The slider's range drawn as a bar: green while the budget fits in free memory, red beyond."""
+
+    def __init__(self, parent: QWidget | None = None) -> None:
+        super().__init__(parent)
+        self.fraction_free: float | None = None  # position of the free-memory mark, 0..1 of the range
+        self.label = ""
+        self.ok, self.bad, self.text = QColor("#2e9e5b"), QColor("#d93b3b"), QColor("#333333")
+        self.setMinimumHeight(26)
+        self.setSizePolicy(QSizePolicy.Policy.Expanding, QSizePolicy.Policy.Fixed)
+
+    def set_free(self, fraction: float | None, label: str) -> None:
+        self.fraction_free, self.label = fraction, label
+        self.update()
+
+    def paintEvent(self, _event) -> None:
+        painter = QPainter(self)
+        painter.setRenderHint(QPainter.RenderHint.Antialiasing)
+        margin = 8  # roughly where QSlider's groove starts and ends
+        width = self.width() - 2 * margin
+        bar = QRectF(margin, 4, width, 6)
+        if self.fraction_free is None:
+            painter.fillRect(bar, self.ok.lighter(150))
+        else:
+            cut = margin + width * min(max(self.fraction_free, 0.0), 1.0)
+            painter.fillRect(QRectF(bar.left(), bar.top(), cut - bar.left(), bar.height()), self.ok)
+            if cut < bar.right():
+                painter.fillRect(QRectF(cut, bar.top(), bar.right() - cut, bar.height()), self.bad)
+            if self.fraction_free > 1.0:
+                painter.setPen(self.text)
+                painter.drawText(QRectF(margin, 12, width, 14), Qt.AlignmentFlag.AlignRight, self.label)
+            elif self.fraction_free >= 0.0:
+                painter.setPen(QPen(self.text, 2))
+                painter.drawLine(int(cut), 1, int(cut), 13)
+                painter.setPen(self.text)
+                align = Qt.AlignmentFlag.AlignLeft if self.fraction_free < 0.6 else Qt.AlignmentFlag.AlignRight
+                rect = QRectF(cut + 4, 12, width, 14) if align == Qt.AlignmentFlag.AlignLeft else QRectF(margin, 12, cut - margin - 4, 14)
+                painter.drawText(rect, align, self.label)
+        painter.end()
+
+
+class BudgetPanel(Panel):
+    title = "Memory budget"
+    dock_name = "dock-budget"
+    budget_requested = Signal(str)  # what SetBudget should carry
+
+    def __init__(self, estimator: EstimateFn | None = None, parent: QWidget | None = None) -> None:
+        super().__init__(parent)
+        self.model: p.ModelLoaded | None = None
+        self.scale: BudgetScale | None = None
+        self.snapshot: p.TelemetrySnapshot | None = None
+        self.budget_bytes = 0
+        self.slots: list[int] = []
+        self.pending: str | None = None  # requested, not yet confirmed by BudgetChanged
+        self.preview: Estimate | None = None
+        self.estimator: EstimateFn = estimator or self._planner_estimate
+        self._planner = Estimator()
+
+        self.heading = QLabel("No model loaded")
+        self.heading.setWordWrap(True)
+        self.slider = QSlider(Qt.Orientation.Horizontal)
+        self.slider.setEnabled(False)
+        self.slider.setTracking(True)
+        self.slider.sliderMoved.connect(self._dragged)
+        self.slider.sliderReleased.connect(self._released)
+        self.slider.valueChanged.connect(self._stepped)
+        self.scale_bar = ScaleBar()
+        self.ends = QHBoxLayout()
+        self.min_label, self.max_label = QLabel("–"), QLabel("–")
+        self.ends.addWidget(self.min_label)
+        self.ends.addStretch(1)
+        self.ends.addWidget(self.max_label)
+        self.estimate_label = QLabel(" ")
+        self.estimate_label.setWordWrap(True)
+        self.note = QLabel("")
+        self.note.setWordWrap(True)
+        self.note.setVisible(False)
+        self._apply_timer = QTimer(self, singleShot=True, interval=APPLY_DELAY_MS)
+        self._apply_timer.timeout.connect(self._apply_current)
+
+        self.plot = pg.PlotWidget()
+        quiet_plot(self.plot)
+        item = self.plot.getPlotItem()
+        item.setLabel("left", "slots")
+        item.setLabel("bottom", "MoE layer")
+        item.showGrid(y=True, alpha=0.2)
+        self.bars = pg.BarGraphItem(x=[], height=[], width=0.8)
+        self.planned = pg.BarGraphItem(x=[], height=[], width=0.8)
+        self.planned.setZValue(1)
+        item.addItem(self.bars)
+        item.addItem(self.planned)
+        self.plot.setMinimumHeight(120)
+        self.apply_theme(LIGHT)
+
+        layout = QVBoxLayout(self)
+        layout.setContentsMargins(4, 4, 4, 4)
+        layout.addWidget(self.heading)
+        layout.addWidget(self.slider)
+        layout.addWidget(self.scale_bar)
+        layout.addLayout(self.ends)
+        layout.addWidget(self.estimate_label)
+        layout.addWidget(self.note)
+        layout.addWidget(self.plot, 1)
+
+    # ----- events -----
+    def on_event(self, event) -> None:
+        if isinstance(event, p.ModelLoaded):
+            self.model = event
+            self.scale = BudgetScale(event.min_budget_bytes, event.max_budget_bytes, event.expert_bytes)
+            self.slider.blockSignals(True)
+            self.slider.setRange(0, self.scale.steps)
+            self.slider.setPageStep(max(1, self.scale.steps // 10))
+            self.slider.blockSignals(False)
+            self.slider.setEnabled(True)
+            self.min_label.setText(f"min {format_bytes(event.min_budget_bytes)}")
+            self.max_label.setText(f"everything {format_bytes(event.max_budget_bytes)}")
+            self._set_current(event.budget_bytes, event.slots_per_layer)
+            self._show_note(event.budget_note)
+        elif isinstance(event, p.BudgetChanged):
+            self.pending = None
+            self._set_current(event.budget_bytes, event.slots_per_layer)
+            self._show_note(event.note)
+        elif isinstance(event, p.TelemetrySnapshot):
+            self.snapshot = event
+            if self.pending is None and not self.slider.isSliderDown() and event.slots_per_layer != self.slots:
+                self._set_current(event.budget_bytes, event.slots_per_layer)
+            self.dirty = True
+        elif isinstance(event, p.Error) and event.kind == "engine-crashed":
+            self.slider.setEnabled(False)
+
+    def _set_current(self, budget_bytes: int, slots: list[int]) -> None:
+        self.budget_bytes, self.slots = budget_bytes, list(slots)
+        if self.scale is not None and not self.slider.isSliderDown():
+            self.slider.blockSignals(True)
+            self.slider.setValue(self.scale.to_position(budget_bytes))
+            self.slider.blockSignals(False)
+        self.dirty = True
+
+    def _show_note(self, note: str) -> None:
+        self.note.setText(note)
+        self.note.setVisible(bool(note))
+
+    # ----- the slider -----
+    def _dragged(self, position: int) -> None:
+        """While dragging: the planner's estimate for the position under the cursor, nothing sent."""
+        self._preview(position)
+
+    def _released(self) -> None:
+        self._apply_timer.stop()
+        self._request(self.slider.value())
+
+    def _stepped(self, position: int) -> None:
+        if self.slider.isSliderDown():
+            return  # a drag: sliderMoved previews, sliderReleased applies
+        self._preview(position)
+        self._apply_timer.start()
+
+    def _apply_current(self) -> None:
+        self._request(self.slider.value())
+
+    def _request(self, position: int) -> None:
+        if self.scale is None:
+            return
+        text = self.scale.budget_text(position)
+        self.pending = text
+        self.preview = None
+        self.budget_requested.emit(text)
+        self.dirty = True
+
+    def _preview(self, position: int) -> None:
+        if self.scale is None:
+            return
+        nbytes = self.scale.to_bytes(position)
+        self.preview = self.estimator(nbytes)
+        self.estimate_label.setText(self.estimate_text(nbytes, self.preview))
+        self.dirty = True
+        self.render()  # dragging must feel immediate; this panel is cheap
+
+    def _planner_estimate(self, nbytes: int) -> Estimate | None:
+        return self._planner(nbytes, self.model, self.snapshot)
+
+    @staticmethod
+    def estimate_text(nbytes: int, estimate: Estimate | None, label: str = "") -> str:
+        head = f"{label or 'At ' + format_bytes(nbytes)}: "
+        if estimate is None:
+            return head + "no estimate yet (the planner needs a few tokens of routing history)"
+        text = head + f"predicted hit rate <b>{estimate.hit_rate:.1%}</b>"
+        if estimate.tokens_per_s is not None:
+            text += f" · ~{estimate.tokens_per_s:.1f} tok/s"
+        return text
+
+    # ----- drawing -----
+    def render(self) -> None:
+        if self.model is None or self.scale is None:
+            return
+        m = self.model
+        slots = np.asarray(self.slots, dtype=float)
+        avg = slots.mean() if len(slots) else 0.0
+        pending = " (applying…)" if self.pending else ""
+        self.heading.setText(
+            f"Budget <b>{format_bytes(self.budget_bytes)}</b> of {format_bytes(m.max_budget_bytes)} "
+            f"({self.scale.fraction(self.budget_bytes):.0%}) · {avg:.1f} of {m.num_experts} slots per layer{pending}"
+        )
+        free = free_compute_memory(self.snapshot, self.budget_bytes)
+        if free is not None:
+            where, nbytes = free
+            span = max(m.max_budget_bytes - m.min_budget_bytes, 1)
+            fraction = (nbytes - m.min_budget_bytes) / span
+            label = f"{where} {format_bytes(nbytes)}" + ("" if fraction <= 1 else " (everything fits)")
+            self.scale_bar.set_free(fraction, label)
+        x = np.arange(len(slots))
+        self.bars.setOpts(x=x, height=slots, width=0.8)
+        if self.preview is not None and self.slider.isSliderDown():
+            self.planned.setOpts(x=x, height=np.asarray(self.preview.slots_per_layer, dtype=float), width=0.5)
+            self.planned.setVisible(True)
+        else:
+            self.planned.setVisible(False)
+        self.plot.getPlotItem().setYRange(0, m.num_experts, padding=0.05)
+        self.plot.getPlotItem().getAxis("bottom").setTicks([integer_ticks(len(slots))])
+        if not self.slider.isSliderDown() and self.preview is None:
+            current = self.estimator(self.budget_bytes) if self.snapshot is not None else None
+            hint = "Drag the slider: the estimate follows the cursor; release to apply."
+            self.estimate_label.setText(self.estimate_text(self.budget_bytes, current, "Now") + ". " + hint
+                                        if current else hint)
+
+    def apply_theme(self, theme: Theme) -> None:
+        style_plot(self.plot, theme)
+        self.bars.setOpts(brush=QColor(theme.series[0]), pen=pg.mkPen(None))
+        self.planned.setOpts(brush=QColor(0, 0, 0, 0), pen=pg.mkPen(theme.series[1], width=2))
+        self.scale_bar.text = QColor(theme.text)
+        self.scale_bar.update()

@@ -1,0 +1,54 @@
+"""The budget slider's arithmetic (Qt-free): positions <-> bytes, and the memory that is free."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+MAX_STEPS = 1000  # enough resolution for a smooth drag; a model with fewer slots gets one step per slot
+
+
+@dataclass(frozen=True)
+class BudgetScale:
+    min_bytes: int
+    max_bytes: int
+    slot_bytes: int  # one expert: the natural step
+
+    @property
+    def steps(self) -> int:
+        span = max(self.max_bytes - self.min_bytes, 0)
+        slots = span // max(self.slot_bytes, 1)
+        return max(1, min(MAX_STEPS, int(slots)))
+
+    def to_bytes(self, position: int) -> int:
+        position = min(max(position, 0), self.steps)
+        return self.min_bytes + round((self.max_bytes - self.min_bytes) * position / self.steps)
+
+    def to_position(self, nbytes: int) -> int:
+        span = self.max_bytes - self.min_bytes
+        if span <= 0:
+            return self.steps
+        return min(self.steps, max(0, round((nbytes - self.min_bytes) * self.steps / span)))
+
+    def budget_text(self, position: int) -> str:
+        """What SetBudget carries: 'all' at the top (no rounding), else exact bytes."""
+        return "all" if position >= self.steps else str(self.to_bytes(position))
+
+    def fraction(self, nbytes: int) -> float:
+        return nbytes / self.max_bytes if self.max_bytes else 1.0
+
+
+def free_for_budget(budget_bytes: int, available_bytes: int) -> int:
+    """The largest budget that fits now: what is free plus what the cache already holds."""
+    return budget_bytes + max(available_bytes, 0)
+
+
+def free_compute_memory(snapshot, budget_bytes: int) -> tuple[str, int] | None:
+    """(where, bytes): VRAM from the engine's snapshot with a GPU, else RAM as this process sees it."""
+    if snapshot is not None and snapshot.gpu_total_bytes and snapshot.gpu_used_bytes is not None:
+        return "free VRAM", free_for_budget(budget_bytes, snapshot.gpu_total_bytes - snapshot.gpu_used_bytes)
+    try:
+        import psutil
+
+        return "free RAM", free_for_budget(budget_bytes, psutil.virtual_memory().available)
+    except Exception:  # psutil missing or unreadable: no marker is better than a wrong one
+        return None

@@ -1,0 +1,109 @@
+"""System: RAM and VRAM use, the engine's state, and the cache policy picker (lossy ones marked)."""
+
+from __future__ import annotations
+
+from PySide6.QtCore import Signal
+from PySide6.QtWidgets import QComboBox, QFormLayout, QLabel, QProgressBar, QWidget
+
+from app.panels.base import Panel
+from app.stats_format import format_bytes
+from engine import protocol as p
+
+
+def policy_label(info: p.PolicyInfo) -> str:
+    return info.name if info.lossless else f"{info.name} (LOSSY)"
+
+
+def _usage(bar: QProgressBar, used: int, total: int) -> None:
+    bar.setRange(0, 1000)
+    bar.setValue(int(1000 * used / total) if total else 0)
+    bar.setFormat(f"{format_bytes(used)} of {format_bytes(total)}")
+
+
+class SystemPanel(Panel):
+    title = "System"
+    dock_name = "dock-system"
+    policy_requested = Signal(str)
+
+    def __init__(self, parent: QWidget | None = None) -> None:
+        super().__init__(parent)
+        self.snapshot: p.TelemetrySnapshot | None = None
+        self.policies: list[p.PolicyInfo] = []
+        self.state = QLabel("starting")
+        self.state.setObjectName("engine-state")
+        self.ram = QProgressBar()
+        self.ram.setTextVisible(True)
+        self.engine_rss = QLabel("–")
+        self.vram = QProgressBar()
+        self.vram.setTextVisible(True)
+        self.vram_label = QLabel("VRAM")
+        self.policy = QComboBox()
+        self.policy.setEnabled(False)
+        self.policy.activated.connect(self._picked)
+        self.policy_note = QLabel("")
+        self.policy_note.setWordWrap(True)
+
+        form = QFormLayout(self)
+        form.setContentsMargins(6, 6, 6, 6)
+        form.addRow("Engine", self.state)
+        form.addRow("RAM", self.ram)
+        form.addRow("Engine process", self.engine_rss)
+        form.addRow(self.vram_label, self.vram)
+        form.addRow("Cache policy", self.policy)
+        form.addRow("", self.policy_note)
+        self._show_vram(False)
+
+    def _show_vram(self, visible: bool) -> None:
+        self.vram.setVisible(visible)
+        self.vram_label.setVisible(visible)
+
+    def set_state(self, text: str) -> None:
+        self.state.setText(text)
+
+    def on_event(self, event) -> None:
+        if isinstance(event, p.TelemetrySnapshot):
+            self.snapshot = event
+            self.dirty = True
+        elif isinstance(event, p.EngineStarted):
+            self.set_state(f"started (pid {event.pid})")
+        elif isinstance(event, p.LoadProgress):
+            self.set_state(f"loading {event.fraction:.0%}: {event.message}")
+        elif isinstance(event, p.ModelLoaded):
+            self.policy.clear()
+            for info in event.policies:
+                self.policy.addItem(policy_label(info), info.name)
+                self.policy.setItemData(self.policy.count() - 1, info.description, 3)  # Qt.ToolTipRole
+            self.policy.setCurrentIndex(max(0, self.policy.findData(event.policy)))
+            self.policy.setEnabled(True)
+            self.policies = list(event.policies)
+            self._describe()
+        elif isinstance(event, p.PolicyChanged):
+            self.policy.setCurrentIndex(max(0, self.policy.findData(event.policy)))
+            self._describe()
+        elif isinstance(event, p.Error) and event.kind == "engine-crashed":
+            self.policy.setEnabled(False)
+            self.snapshot = None
+            self.set_state("crashed")
+
+    def _describe(self) -> None:
+        current = self.policy.currentData()
+        info = next((i for i in self.policies if i.name == current), None)
+        self.policy_note.setText(("" if info is None or info.lossless else "LOSSY: replies may differ. ")
+                                 + (info.description if info else ""))
+
+    def _picked(self, index: int) -> None:
+        name = self.policy.itemData(index)
+        if name:
+            self.policy_requested.emit(name)
+
+    def render(self) -> None:
+        s = self.snapshot
+        if s is None:
+            return
+        self.set_state(s.state)
+        _usage(self.ram, s.ram_used_bytes, s.ram_total_bytes)
+        self.engine_rss.setText(f"{format_bytes(s.rss_bytes)} resident · cache {format_bytes(s.budget_bytes)}")
+        has_gpu = s.gpu_total_bytes is not None and s.gpu_used_bytes is not None
+        self._show_vram(has_gpu)
+        if has_gpu:
+            _usage(self.vram, s.gpu_used_bytes, s.gpu_total_bytes)

@@ -1,0 +1,71 @@
+"""`moescope --screenshot OUT.png --prompt TEXT`: send the prompt, wait for the reply and a telemetry
+update, let the panels draw, save the whole window, and quit (exit code 0, or 1 with the reason)."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+from PySide6.QtCore import QObject, QTimer
+from PySide6.QtWidgets import QApplication
+
+from app.main_window import FRAME_MS, MainWindow
+from engine import protocol as p
+
+
+class ScreenshotRun(QObject):
+    def __init__(self, window: MainWindow, prompt: str, out: str, timeout_s: float) -> None:
+        super().__init__(window)
+        self.window, self.prompt, self.out = window, prompt, Path(out)
+        self.done: p.Done | None = None
+        self.snapshots_at_send = 0
+        self.finished = False
+        window.bridge.event.connect(self._event)
+        window.chat.reply_finished.connect(self._reply_done)
+        self._deadline = QTimer(self, singleShot=True)
+        self._deadline.timeout.connect(lambda: self._fail(f"no reply within {timeout_s:.0f} s"))
+        self._deadline.start(int(timeout_s * 1000))
+        window.chat.new_chat()
+        window.chat.send(prompt)  # queued until the model has loaded
+
+    def _event(self, event) -> None:
+        if isinstance(event, p.ModelLoaded):
+            self.snapshots_at_send = self.window.history.count
+        elif (isinstance(event, p.Error) and not event.recoverable) or (isinstance(event, p.Error) and event.request_id is not None):
+            self._fail(event.message)
+        elif isinstance(event, p.TelemetrySnapshot):
+            self._maybe_capture()
+
+    def _reply_done(self, done: p.Done) -> None:
+        self.done = done
+        self._maybe_capture()
+
+    def _maybe_capture(self) -> None:
+        if self.finished or self.done is None or self.window.history.count <= self.snapshots_at_send:
+            return
+        self.finished = True
+        # A few frame ticks so every panel has drawn the final snapshot before the grab.
+        QTimer.singleShot(4 * FRAME_MS, self._capture)
+
+    def _capture(self) -> None:
+        self.window.refresh()
+        for panel in self.window.panels:
+            panel.dirty = True
+        self.window.refresh()
+        QApplication.processEvents()
+        self.out.parent.mkdir(parents=True, exist_ok=True)
+        if not self.window.grab().save(str(self.out)):
+            self._fail(f"could not write {self.out}")
+            return
+        print(f"moescope: saved {self.out} ({len(self.done.text) if self.done else 0} characters of reply)",
+              file=sys.stderr)
+        self._deadline.stop()
+        self.window.close()
+        QApplication.exit(0)
+
+    def _fail(self, reason: str) -> None:
+        print(f"moescope: error: screenshot failed: {reason}", file=sys.stderr)
+        self._deadline.stop()
+        self.finished = True
+        self.window.close()
+        QApplication.exit(1)

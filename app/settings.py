@@ -1,0 +1,86 @@
+"""What the app remembers between runs (QSettings): window, docks, theme, model, budget, policy."""
+
+from __future__ import annotations
+
+from PySide6.QtCore import QByteArray, QSettings
+
+DEFAULT_MODEL = "demo"
+
+
+class AppSettings:
+    def __init__(self, path: str | None = None) -> None:
+        # Under tests, XDG_CONFIG_HOME is a temp dir, so the default location is already safe.
+        self.qs = QSettings(path, QSettings.Format.IniFormat) if path else QSettings("MoEScope", "moescope")
+
+    def _get(self, key: str, default: str = "") -> str:
+        value = self.qs.value(key, default)
+        return str(value) if value is not None else default
+
+    # ----- window -----
+    @property
+    def geometry(self) -> QByteArray | None:
+        value = self.qs.value("window/geometry")
+        return value if isinstance(value, QByteArray) else None
+
+    @geometry.setter
+    def geometry(self, value: QByteArray) -> None:
+        self.qs.setValue("window/geometry", value)
+
+    @property
+    def window_state(self) -> QByteArray | None:
+        value = self.qs.value("window/state")
+        return value if isinstance(value, QByteArray) else None
+
+    @window_state.setter
+    def window_state(self, value: QByteArray) -> None:
+        self.qs.setValue("window/state", value)
+
+    # ----- look -----
+    @property
+    def theme(self) -> str:
+        return self._get("theme", "system")
+
+    @theme.setter
+    def theme(self, value: str) -> None:
+        self.qs.setValue("theme", value)
+
+    # ----- engine -----
+    @property
+    def last_model(self) -> str:
+        return self._get("engine/last_model", DEFAULT_MODEL) or DEFAULT_MODEL
+
+    @last_model.setter
+    def last_model(self, value: str) -> None:
+        self.qs.setValue("engine/last_model", value)
+
+    def budget_for(self, model: str) -> str:
+        """Budgets are per model: 2 GiB means something different for each."""
+        return self._get(f"budgets/{_key(model)}", "all") or "all"
+
+    def set_budget_for(self, model: str, budget: str) -> None:
+        self.qs.setValue(f"budgets/{_key(model)}", budget)
+
+    @property
+    def policy(self) -> str:
+        return self._get("engine/policy", "lru") or "lru"
+
+    @policy.setter
+    def policy(self, value: str) -> None:
+        self.qs.setValue("engine/policy", value)
+
+    @property
+    def last_conversation(self) -> int | None:
+        value = self._get("chat/last_conversation", "")
+        return int(value) if value.isdigit() else None
+
+    @last_conversation.setter
+    def last_conversation(self, value: int | None) -> None:
+        self.qs.setValue("chat/last_conversation", "" if value is None else str(value))
+
+    def sync(self) -> None:
+        self.qs.sync()
+
+
+def _key(model: str) -> str:
+    # QSettings treats '/' as a group separator; keep a path as one key.
+    return model.replace("\\", "_").replace("/", "|")
