@@ -69,6 +69,8 @@ class ExpertCache:
             self._staging = threading.local()  # one pinned slot-sized buffer per load thread
         self._jobs: dict[tuple[int, int], LoadJob] = {}  # pending loads by (layer, expert)
         self._queue = LoadQueue(self._move_chunk, workers=load_threads)
+        self.forget_after_use = False  # benchmark baseline: keep nothing, load every expert on demand
+        self.routing_override = None  # benchmark: engine.routing_override.TraceRouting
 
     # ----- memory -----
     @property
@@ -299,6 +301,8 @@ class ExpertCache:
             for job in [self._start_load(layer, e, set(wave)) for e in wave]:
                 self._wait(job)
                 compute(job.expert)
+        if self.forget_after_use:
+            self.directory.drop_all(layer)
         return out.view(num_tokens, top_k, -1).sum(dim=1).to(hidden_states.dtype)
 
     def _observe_routing(self, layer: int, hidden: torch.Tensor, index: torch.Tensor, weights: torch.Tensor) -> None:

@@ -157,6 +157,11 @@ class CacheDirectory:
         self.pending[layer].discard(expert)
         self._evict(layer, expert)
 
+    def drop_all(self, layer: int) -> None:
+        """Evict every settled expert of `layer` (the benchmark's no-cache baseline)."""
+        for expert in [e for e in self.slot_of[layer] if e not in self.pending[layer]]:
+            self._evict(layer, expert)
+
     # ----- internals -----
     def _candidates(self, layer: int, protected: Iterable[int]) -> list[int]:
         keep = set(protected) | self.pending[layer]

@@ -21,6 +21,9 @@ def moescope_experts_forward(
     if runtime is None:
         raise RuntimeError("this experts module was not loaded by MoEScope's loader (no expert cache attached)")
     cache, layer = runtime
+    override = getattr(cache, "routing_override", None)
+    if override is not None:  # benchmarks replaying recorded routing (engine.routing_override)
+        top_k_index = override(layer, top_k_index)
     return cache.run_layer(layer, self, hidden_states, top_k_index, top_k_weights)
 
 

@@ -92,11 +92,10 @@ class Generator:
         return list(self._tokenizer()(text, add_special_tokens=True)["input_ids"])
 
     def eos_ids(self) -> set[int]:
-        """Stop tokens as transformers' generate picks them: the generation config, else the model config,
-        else the tokenizer."""
+        """Stop tokens exactly as transformers' generate picks them: the generation config's, else the
+        model config's. (Not the tokenizer's: generate does not look there either.)"""
         vocab = self.runtime.model.config.get_text_config().vocab_size
-        for source in (getattr(self.runtime.model, "generation_config", None), self.runtime.model.config,
-                       self.runtime.tokenizer):
+        for source in (getattr(self.runtime.model, "generation_config", None), self.runtime.model.config):
             value = getattr(source, "eos_token_id", None) if source is not None else None
             ids = {value} if isinstance(value, int) else set(value or [])
             if ids:

@@ -1,0 +1,166 @@
+"""One measurement per process, so each system's peak memory is its own.
+
+    python -m bench.measure ours --model DIR --budget 25% --prompt-len 128 --decode 64 [--routing trace|random]
+    python -m bench.measure stock --model DIR --prompt-len 128 --decode 64
+    python -m bench.measure accelerate --model DIR --max-memory-bytes N --prompt-len 128 --decode 64
+
+Prints one JSON object. Prompts are seeded random token ids: speed does not depend on meaning.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+import time
+
+import numpy as np
+
+
+def prompt_ids(vocab: int, length: int, seed: int = 1) -> list[int]:
+    rng = np.random.default_rng(seed)
+    return rng.integers(3, vocab, size=length).tolist()
+
+
+def peak_rss() -> int:
+    from engine.generation import peak_rss_bytes
+
+    return peak_rss_bytes()
+
+
+def measure_ours(args) -> dict:
+    import torch
+
+    from engine.generation import Generator
+    from engine.routing_override import TraceRouting, synthetic_locality_trace
+    from engine.runtime import LoadOptions, MoERuntime
+    from engine.sampling import SamplingSettings
+
+    torch.set_num_threads(args.threads)
+    runtime = MoERuntime(LoadOptions(model=args.model, budget=args.budget, store=args.store, device=args.device,
+                                     policy=args.policy, warm=not args.no_cache))
+    layout = runtime.layout
+    if args.no_cache:
+        runtime.cache.forget_after_use = True  # baseline (c): every expert loaded on demand
+    trace = None
+    if args.routing == "trace":
+        trace = synthetic_locality_trace(args.prompt_len + args.decode + 8, layout.num_layers, layout.num_experts,
+                                         layout.top_k, seed=args.seed)
+        runtime.cache.routing_override = TraceRouting(trace)
+    ids = prompt_ids(runtime.model.config.get_text_config().vocab_size, args.prompt_len, args.seed)
+    generator = Generator(runtime)
+    generator.generate(ids[:8], SamplingSettings(max_new_tokens=2))  # warm-up, as for the baselines
+    if args.trace_out:
+        runtime.start_trace(args.trace_out)  # the routing this run saw, for Belady's bound
+    result = generator.generate(ids, SamplingSettings(max_new_tokens=args.decode))
+    runtime.stop_trace()
+    s = result.stats
+    decode_time = (s.decode_tokens - 1) / s.decode_tokens_per_s if s.decode_tokens_per_s else 0.0
+    runtime.close()
+    return {
+        "system": "moescope-nocache" if args.no_cache else "moescope",
+        "budget_bytes": s.budget_bytes,
+        "expert_bytes": layout.all_expert_bytes,
+        "slot_bytes": layout.slot_bytes,
+        "slots_per_layer": runtime.cache.slots_per_layer,
+        "prefill_tokens_per_s": s.prefill_tokens_per_s,
+        "ttft_s": s.ttft_s,
+        "decode_tokens_per_s": s.decode_tokens_per_s,
+        "hit_rate": s.hit_rate,
+        "decode_hit_rate": s.decode_hit_rate,
+        "bytes_per_token": s.bytes_loaded / max(1, s.prefill_tokens + s.decode_tokens),
+        "stall_share": s.stall_s / s.total_s if s.total_s else 0.0,
+        "decode_s": decode_time,
+        "total_s": s.total_s,
+        "bytes_loaded": s.bytes_loaded,
+        "dense_bytes": layout.dense_bytes,
+        "peak_rss_bytes": peak_rss(),
+    }
+
+
+class _TokenClock:
+    """A generate() streamer that timestamps tokens: the first put() is the prompt."""
+
+    def __init__(self) -> None:
+        self.times: list[float] = []
+
+    def put(self, value) -> None:
+        self.times.append(time.perf_counter())
+
+    def end(self) -> None:
+        pass
+
+
+def _generate_timed(model, ids: list[int], decode: int) -> dict:
+    import torch
+
+    input_ids = torch.tensor([ids])
+    clock = _TokenClock()
+    start = time.perf_counter()
+    with torch.inference_mode():
+        model.generate(input_ids, attention_mask=torch.ones_like(input_ids), do_sample=False, max_new_tokens=decode,
+                       min_new_tokens=decode, streamer=clock, pad_token_id=0)
+    first, last = clock.times[1], clock.times[-1]
+    return {
+        "prefill_tokens_per_s": len(ids) / (first - start),
+        "ttft_s": first - start,
+        "decode_tokens_per_s": (decode - 1) / (last - first) if decode > 1 else 0.0,
+        "decode_s": last - first,
+    }
+
+
+def measure_stock(args) -> dict:
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    torch.set_num_threads(args.threads)
+    model = AutoModelForCausalLM.from_pretrained(args.model, dtype="auto", experts_implementation=args.impl)
+    ids = prompt_ids(model.config.get_text_config().vocab_size, args.prompt_len, args.seed)
+    _generate_timed(model, ids[:8], 2)  # warm-up: first-call costs are not decode speed
+    out = _generate_timed(model, ids, args.decode)
+    return {"system": f"transformers ({args.impl})", **out, "peak_rss_bytes": peak_rss()}
+
+
+def measure_accelerate(args) -> dict:
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    torch.set_num_threads(args.threads)
+    with tempfile.TemporaryDirectory(prefix="moescope-offload-") as offload:
+        model = AutoModelForCausalLM.from_pretrained(
+            args.model, dtype="auto", device_map="auto", max_memory={"cpu": args.max_memory_bytes},
+            offload_folder=offload, experts_implementation=args.impl,
+        )
+        ids = prompt_ids(model.config.get_text_config().vocab_size, args.prompt_len, args.seed)
+        out = _generate_timed(model, ids, args.decode)
+    return {"system": "transformers + accelerate offload", **out, "max_memory_bytes": args.max_memory_bytes,
+            "peak_rss_bytes": peak_rss()}
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m bench.measure")
+    parser.add_argument("system", choices=["ours", "stock", "accelerate"])
+    parser.add_argument("--model", required=True)
+    parser.add_argument("--budget", default="all")
+    parser.add_argument("--store", default="disk")
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--policy", default="lru")
+    parser.add_argument("--routing", default="random", choices=["random", "trace"])
+    parser.add_argument("--no-cache", action="store_true")
+    parser.add_argument("--impl", default="grouped_mm")
+    parser.add_argument("--max-memory-bytes", type=int, default=0)
+    parser.add_argument("--prompt-len", type=int, default=128)
+    parser.add_argument("--decode", type=int, default=64)
+    parser.add_argument("--threads", type=int, default=os.cpu_count() or 1)
+    parser.add_argument("--seed", type=int, default=1)
+    parser.add_argument("--trace-out", default=None, help="record this run's routing (ours only)")
+    args = parser.parse_args(argv)
+    fn = {"ours": measure_ours, "stock": measure_stock, "accelerate": measure_accelerate}[args.system]
+    print(json.dumps(fn(args)))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,206 @@
+"""`python -m bench.run [--quick] [--out DIR]`: speed and memory side by side, in one run.
+
+Per model, prompt length, routing and budget it measures, each in its own process:
+- MoEScope (LRU, disk store) at the budget;
+- (a) plain transformers, everything in memory, its best experts implementation;
+- (b) transformers + accelerate big-model offloading at the same memory (device_map="auto",
+  max_memory = dense + budget, disk offload folder) — what a Python user picks today;
+- (c) MoEScope with no cache (every expert loaded on demand);
+- the physical limit: Belady's minimum expert loads on the routing this very run saw (replayed
+  through the engine's own cache code) divided by the link bandwidth measured in this run, plus
+  the compute time measured at budget 100 %.
+Writes bench/results/<host>-<date>.{md,json} and a plot of decode tokens/s against budget.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import json
+import platform
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+from bench.bandwidth import disk_read_bandwidth, memory_read_bandwidth
+from bench.synthetic import build_checkpoint
+
+RESULTS = Path(__file__).resolve().parent / "results"
+def measure(*args: str) -> dict:
+    proc = subprocess.run([sys.executable, "-m", "bench.measure", *args], capture_output=True, text=True, timeout=3600)
+    if proc.returncode != 0:
+        return {"error": (proc.stderr.strip().splitlines() or ["failed"])[-1]}
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def belady_loads(trace_path: Path, slots_per_layer: list[int]) -> tuple[int, int]:
+    """(expert loads, tokens) of Belady's MIN on a recorded trace with these slots."""
+    from engine.replay import belady_for, replay
+    from engine.trace import read_trace
+
+    trace = read_trace(trace_path)
+    result = replay(trace, belady_for(trace), slots_per_layer)
+    return result.loads, trace.tokens
+
+
+def run(args) -> dict:
+    names = args.models.split(",")
+    budgets = [int(b) for b in args.budgets.split(",")]
+    prompts = [int(p) for p in args.prompts.split(",")]
+    routings = args.routings.split(",")
+    threads = str(args.threads)
+    report = {"host": platform.node(), "date": dt.datetime.now().isoformat(timespec="seconds"),
+              "cpu": platform.processor() or platform.machine(), "threads": args.threads,
+              "decode_tokens": args.decode, "rows": []}
+    for name in names:
+        if name == "demo":
+            from resources import DEMO_MODEL_DIR
+
+            path = DEMO_MODEL_DIR
+        else:
+            path = build_checkpoint(name)
+        files = sorted(path.glob("*.safetensors"))
+        link = disk_read_bandwidth(files)
+        memory = memory_read_bandwidth(threads=args.threads)
+        print(f"== {name}: disk->RAM {link / 1e9:.2f} GB/s, memory read {memory / 1e9:.1f} GB/s", flush=True)
+        for prompt in prompts:
+            common = ["--model", str(path), "--prompt-len", str(prompt), "--decode", str(args.decode),
+                      "--threads", threads]
+            stock = measure("stock", *common)
+            for routing in routings:
+                at_full = None
+                for budget in sorted(budgets, reverse=True):  # 100 % first: its compute time is the limit's
+                    with tempfile.TemporaryDirectory() as tmp:
+                        trace = Path(tmp) / "routing.jsonl"
+                        ours = measure("ours", *common, "--budget", f"{budget}%", "--routing", routing,
+                                       "--trace-out", str(trace))
+                        loads, tokens = belady_loads(trace, ours["slots_per_layer"]) if "error" not in ours else (0, 1)
+                    if budget == 100:
+                        at_full = ours
+                    row = {"model": name, "prompt": prompt, "routing": routing, "budget_pct": budget,
+                           "link_bytes_per_s": link, "memory_bytes_per_s": memory, "moescope": ours,
+                           "transformers": stock}
+                    if "error" not in ours and at_full and "error" not in at_full:
+                        belady_bytes = loads * ours["slot_bytes"]
+                        limit_s = at_full["total_s"] + belady_bytes / link
+                        row["limit"] = {"belady_loads": loads, "belady_bytes_per_token": belady_bytes / tokens,
+                                        "time_s": limit_s, "ours_time_s": ours["total_s"],
+                                        "efficiency": limit_s / ours["total_s"]}
+                    if routing == routings[0] and not args.skip_accelerate and "error" not in ours:
+                        cap = ours["dense_bytes"] + ours["budget_bytes"]
+                        row["accelerate"] = measure("accelerate", *common[:2], "--prompt-len", str(prompt),
+                                                    "--decode", str(min(args.decode, args.accelerate_decode)),
+                                                    "--threads", threads, "--max-memory-bytes", str(cap))
+                    report["rows"].append(row)
+                    print(summary_line(row), flush=True)
+                nocache = measure("ours", *common, "--budget", f"{min(budgets)}%", "--routing", routing, "--no-cache")
+                report["rows"].append({"model": name, "prompt": prompt, "routing": routing, "budget_pct": None,
+                                       "nocache": nocache})
+                print(f"   no cache ({routing}): {nocache.get('decode_tokens_per_s', 0):.2f} tok/s", flush=True)
+    return report
+
+
+def summary_line(row: dict) -> str:
+    ours = row["moescope"]
+    if "error" in ours:
+        return f"   {row['routing']:6s} {row['budget_pct']:3d}%: error {ours['error']}"
+    acc = row.get("accelerate", {})
+    eff = row.get("limit", {}).get("efficiency")
+    return (f"   {row['routing']:6s} {row['budget_pct']:3d}%: ours {ours['decode_tokens_per_s']:.2f} tok/s "
+            f"(hit {ours['hit_rate']:.0%}), transformers {row['transformers'].get('decode_tokens_per_s', 0):.2f}, "
+            f"accelerate {acc.get('decode_tokens_per_s', float('nan')):.2f}, "
+            f"limit/ours {eff if eff is None else round(eff, 2)}")
+
+
+def write(report: dict, out: Path) -> Path:
+    out.mkdir(parents=True, exist_ok=True)
+    stem = out / f"{report['host'] or 'host'}-{report['date'][:10]}"
+    stem.with_suffix(".json").write_text(json.dumps(report, indent=1))
+    lines = [f"# MoEScope benchmark — {report['host']}, {report['date']}", "",
+             f"{report['threads']} threads, {report['decode_tokens']} decode tokens, CPU, disk store, LRU. "
+             "Decode tokens/s; `limit` = time the physical limit allows / our time for the whole request "
+             "(1.00 = at the limit).", "",
+             "| model | prompt | routing | budget | MoEScope tok/s | hit rate | bytes/token | stall | peak RSS | "
+             "transformers (all in RAM) | accelerate offload | limit eff. |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for row in report["rows"]:
+        if row.get("budget_pct") is None:
+            nc = row["nocache"]
+            lines.append(f"| {row['model']} | {row['prompt']} | {row['routing']} | no cache | "
+                         f"{nc.get('decode_tokens_per_s', 0):.2f} | {nc.get('hit_rate', 0):.0%} | "
+                         f"{nc.get('bytes_per_token', 0) / 2**20:.1f} MiB | {nc.get('stall_share', 0):.0%} | "
+                         f"{nc.get('peak_rss_bytes', 0) / 2**20:.0f} MiB | | | |")
+            continue
+        ours, stock, acc = row["moescope"], row["transformers"], row.get("accelerate", {})
+        if "error" in ours:
+            lines.append(f"| {row['model']} | {row['prompt']} | {row['routing']} | {row['budget_pct']}% | error | | | | | | | |")
+            continue
+        eff = row.get("limit", {}).get("efficiency")
+        lines.append(
+            f"| {row['model']} | {row['prompt']} | {row['routing']} | {row['budget_pct']}% | "
+            f"{ours['decode_tokens_per_s']:.2f} | {ours['hit_rate']:.0%} | {ours['bytes_per_token'] / 2**20:.1f} MiB | "
+            f"{ours['stall_share']:.0%} | {ours['peak_rss_bytes'] / 2**20:.0f} MiB | "
+            f"{stock.get('decode_tokens_per_s', float('nan')):.2f} ({stock.get('peak_rss_bytes', 0) / 2**20:.0f} MiB) | "
+            f"{acc.get('decode_tokens_per_s', float('nan')):.2f} ({acc.get('peak_rss_bytes', 0) / 2**20:.0f} MiB) | "
+            f"{'' if eff is None else f'{eff:.2f}'} |")
+    stem.with_suffix(".md").write_text("\n".join(lines) + "\n")
+    plot(report, stem.with_suffix(".png"))
+    return stem
+
+
+def plot(report: dict, target: Path) -> None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib is not installed (pip install -e '.[bench]'): no plot", file=sys.stderr)
+        return
+    rows = [r for r in report["rows"] if r.get("budget_pct") is not None and "error" not in r["moescope"]]
+    panels = sorted({(r["model"], r["prompt"], r["routing"]) for r in rows})
+    fig, axes = plt.subplots(1, len(panels), figsize=(4.2 * len(panels), 3.4), squeeze=False)
+    for ax, key in zip(axes[0], panels, strict=True):
+        sel = sorted((r for r in rows if (r["model"], r["prompt"], r["routing"]) == key), key=lambda r: r["budget_pct"])
+        x = [r["budget_pct"] for r in sel]
+        ax.plot(x, [r["moescope"]["decode_tokens_per_s"] for r in sel], "o-", label="MoEScope")
+        ax.plot(x, [r["transformers"].get("decode_tokens_per_s", float("nan")) for r in sel], "--",
+                label="transformers (all in RAM)")
+        if any("accelerate" in r for r in sel):
+            ax.plot(x, [r.get("accelerate", {}).get("decode_tokens_per_s", float("nan")) for r in sel], "s-",
+                    label="accelerate offload")
+        ax.set_title(f"{key[0]}, prompt {key[1]}, {key[2]} routing", fontsize=9)
+        ax.set_xlabel("budget (% of expert bytes)")
+        ax.set_ylabel("decode tokens/s")
+        ax.set_yscale("log")
+        ax.grid(alpha=0.3)
+    axes[0][0].legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(target, dpi=110)
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m bench.run")
+    parser.add_argument("--quick", action="store_true", help="one small model, two budgets (< 5 minutes)")
+    parser.add_argument("--models", default="qwen3moe-64e,mixtral-8e,demo")
+    parser.add_argument("--budgets", default="10,25,50,100")
+    parser.add_argument("--prompts", default="128,512")
+    parser.add_argument("--routings", default="random,trace")
+    parser.add_argument("--decode", type=int, default=64)
+    parser.add_argument("--accelerate-decode", type=int, default=16,
+                        help="decode tokens for the accelerate baseline (it is slow; tokens/s is still per token)")
+    parser.add_argument("--skip-accelerate", action="store_true")
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--out", type=Path, default=RESULTS)
+    args = parser.parse_args(argv)
+    if args.quick:
+        args.models, args.budgets, args.prompts, args.decode, args.accelerate_decode = (
+            "qwen3moe-mini", "25,100", "128", 16, 8)
+    stem = write(run(args), args.out)
+    print(f"results: {stem}.md / .json / .png")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

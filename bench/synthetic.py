@@ -1,0 +1,56 @@
+"""Synthetic checkpoints of realistic geometry, built once and cached under bench/cache/.
+
+Built with transformers (`from_config` + `save_pretrained`), so tensor names and layouts are
+exactly what the Hub's checkpoints of that family look like; the weights are random.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+CACHE_DIR = Path(__file__).resolve().parent / "cache"
+
+GEOMETRIES: dict[str, dict] = {
+    # Fine-grained, Qwen3-MoE-like: many small experts, top-8 (issue 10's first geometry).
+    "qwen3moe-64e": dict(
+        model_type="qwen3_moe", hidden_size=1024, intermediate_size=2048, moe_intermediate_size=512,
+        num_hidden_layers=16, num_attention_heads=16, num_key_value_heads=4, head_dim=64, num_experts=64,
+        num_experts_per_tok=8, vocab_size=16384, max_position_embeddings=4096, tie_word_embeddings=False,
+    ),
+    # Small Qwen3-MoE-like model for `bench.run --quick` and the harness's smoke test.
+    "qwen3moe-mini": dict(
+        model_type="qwen3_moe", hidden_size=512, intermediate_size=1024, moe_intermediate_size=256,
+        num_hidden_layers=8, num_attention_heads=8, num_key_value_heads=4, head_dim=64, num_experts=32,
+        num_experts_per_tok=4, vocab_size=8192, max_position_embeddings=2048, tie_word_embeddings=False,
+    ),
+    # Coarse, Mixtral-like: 8 big experts, top-2 (issue 10's second geometry).
+    "mixtral-8e": dict(
+        model_type="mixtral", hidden_size=1024, intermediate_size=2816, num_hidden_layers=8,
+        num_attention_heads=32, num_key_value_heads=8, num_local_experts=8, num_experts_per_tok=2,
+        vocab_size=32000, max_position_embeddings=4096, tie_word_embeddings=False,
+    ),
+}
+
+
+def build_checkpoint(name: str, dtype: str = "bfloat16", root: Path = CACHE_DIR) -> Path:
+    """The checkpoint folder for a named geometry, built on first use."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    target = root / f"{name}-{dtype}"
+    marker = target / ".complete"
+    if marker.exists():
+        return target
+    kw = dict(GEOMETRIES[name])
+    config = AutoConfig.for_model(kw.pop("model_type"), **kw, eos_token_id=None, bos_token_id=1)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config, dtype=getattr(torch, dtype))
+    with torch.no_grad():
+        for p in model.parameters():  # finite, modest values: real matmul work, no NaN shortcuts
+            p.normal_(0.0, 0.02)
+    model.save_pretrained(target)
+    (target / "bench.json").write_text(json.dumps({"geometry": name, "dtype": dtype}))
+    marker.touch()
+    del model
+    return target
