@@ -58,6 +58,8 @@ def run(args) -> dict:
             from resources import DEMO_MODEL_DIR
 
             path = DEMO_MODEL_DIR
+        elif Path(name).is_dir():  # any checkpoint folder
+            path, name = Path(name), Path(name).name
         else:
             path = build_checkpoint(name)
         files = sorted(path.glob("*.safetensors"))
@@ -183,7 +185,8 @@ def plot(report: dict, target: Path) -> None:
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench.run")
     parser.add_argument("--quick", action="store_true", help="one small model, two budgets (< 5 minutes)")
-    parser.add_argument("--models", default="qwen3moe-64e,mixtral-8e,demo")
+    parser.add_argument("--models", default="qwen3moe-64e,mixtral-8e,demo",
+                        help="synthetic geometry names (bench.synthetic), 'demo', or checkpoint folders")
     parser.add_argument("--budgets", default="10,25,50,100")
     parser.add_argument("--prompts", default="128,512")
     parser.add_argument("--routings", default="random,trace")
