@@ -33,7 +33,7 @@ import torch
 
 from engine.cache_directory import CacheDirectory, NoFreeSlotError
 from engine.counters import EngineCounters
-from engine.expert_mlp import expert_mlp
+from engine.expert_mlp import expert_mlp, grouped_available, grouped_expert_mlp
 from engine.layout import MoELayout
 from engine.loads import JobState, LoadJob, LoadQueue
 from engine.policies.base import CachePolicy
@@ -69,6 +69,8 @@ class ExpertCache:
             self._staging = threading.local()  # one pinned slot-sized buffer per load thread
         self._jobs: dict[tuple[int, int], LoadJob] = {}  # pending loads by (layer, expert)
         self._queue = LoadQueue(self._move_chunk, workers=load_threads)
+        # Resident experts run as one grouped matmul per weight, read in place from the pool.
+        self._grouped = grouped_available(self.pools[0]) if self.pools else False
         self.forget_after_use = False  # benchmark baseline: keep nothing, load every expert on demand
         self.routing_override = None  # benchmark: engine.routing_override.TraceRouting
 
@@ -254,6 +256,7 @@ class ExpertCache:
                                    tokens=num_tokens)
         self._observe_routing(layer, hidden_states, top_k_index, top_k_weights)
 
+        flat_host = flat.cpu().numpy()
         order = torch.argsort(flat, stable=True)
         bounds = np.concatenate(([0], np.cumsum(counts))).tolist()
         weights = top_k_weights.reshape(-1)
@@ -284,8 +287,11 @@ class ExpertCache:
         loads = [self._start_load(layer, e, protected) for e in first]
         self._prefetch(layer, protected)
 
-        for expert in found.ready:  # resident experts run while the misses load
-            compute(expert)
+        if self._grouped and len(found.ready) > 1:  # resident experts run while the misses load
+            self._compute_grouped(layer, module, hidden_states, flat_host, found.ready, top_k, weights, out)
+        else:
+            for expert in found.ready:
+                compute(expert)
         for expert in on_cpu:
             rows = rows_of(expert)
             y = self.cpu_experts.run(layer, expert, module, hidden_states[rows // top_k])
@@ -304,6 +310,23 @@ class ExpertCache:
         if self.forget_after_use:
             self.directory.drop_all(layer)
         return out.view(num_tokens, top_k, -1).sum(dim=1).to(hidden_states.dtype)
+
+    def _compute_grouped(self, layer: int, module: torch.nn.Module, hidden: torch.Tensor, flat_host: np.ndarray,
+                         experts: list[int], top_k: int, weights: torch.Tensor, out: torch.Tensor) -> None:
+        """All `experts` (resident) of this layer in two grouped matmuls over the slot pool."""
+        slot_of = self.directory.slot_of[layer]
+        slot_by_expert = np.full(self.layout.num_experts, -1, dtype=np.int64)
+        slot_by_expert[experts] = [slot_of[e] for e in experts]
+        row_slot = slot_by_expert[flat_host]
+        rows_host = np.flatnonzero(row_slot >= 0)
+        rows_host = rows_host[np.argsort(row_slot[rows_host], kind="stable")]
+        per_slot = np.bincount(row_slot[rows_host], minlength=len(self.directory.expert_in[layer]))
+        device = hidden.device
+        rows = torch.from_numpy(rows_host).to(device)
+        offsets = torch.from_numpy(np.cumsum(per_slot).astype(np.int32)).to(device)
+        row_slots = torch.from_numpy(row_slot[rows_host]).to(device)
+        y = grouped_expert_mlp(module, hidden[rows // top_k], self.views[layer], offsets, row_slots)
+        out[rows] = y * weights[rows].unsqueeze(-1)
 
     def _observe_routing(self, layer: int, hidden: torch.Tensor, index: torch.Tensor, weights: torch.Tensor) -> None:
         """Routing guesses for the policy (if it looks ahead) and the trace (if one is recorded)."""

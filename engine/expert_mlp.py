@@ -28,3 +28,36 @@ def expert_mlp(module: torch.nn.Module, x: torch.Tensor, weights: dict[str, torc
     if module.has_post_expert_norm:
         h = module.post_expert_norm(h)
     return h
+
+
+def grouped_available(weight: torch.Tensor) -> bool:
+    """torch's grouped matmul (one kernel call for many experts) exists for this device and dtype."""
+    return hasattr(F, "grouped_mm") and (weight.device.type != "cuda" or torch.cuda.get_device_capability(weight.device) >= (8, 0))
+
+
+def _grouped_linear(x: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor, bias: torch.Tensor | None,
+                    transposed: bool) -> torch.Tensor:
+    # weight: the layer's whole slot pool [slots, out, in] (or [slots, in, out] when transposed);
+    # `offsets` says which rows of x go to which slot, so slots without rows cost nothing.
+    out = F.grouped_mm(x.to(weight.dtype), weight if transposed else weight.transpose(-2, -1), offs=offsets)
+    if bias is not None:
+        out = out + bias
+    return out
+
+
+def grouped_expert_mlp(module: torch.nn.Module, x: torch.Tensor, pool: dict[str, torch.Tensor],
+                       offsets: torch.Tensor, row_slots: torch.Tensor) -> torch.Tensor:
+    """Many experts at once, straight from the slot pool: `x` rows sorted by slot, `offsets` the
+    cumulative row count per slot (int32, one per slot), `row_slots` each row's slot (for biases).
+
+    The same grouped kernel transformers' `grouped_mm` implementation uses, so results match it.
+    """
+    first = "gate_up_proj" if module.has_gate else "up_proj"
+    bias_in = pool[f"{first}_bias"][row_slots] if module.has_bias else None
+    h = _grouped_linear(x, pool[first], offsets, bias_in, module.is_transposed)
+    h = module._apply_gate(h) if module.has_gate else module.act_fn(h)
+    bias_down = pool["down_proj_bias"][row_slots] if module.has_bias else None
+    h = _grouped_linear(h, pool["down_proj"], offsets, bias_down, module.is_transposed)
+    if module.has_post_expert_norm:
+        h = module.post_expert_norm(h)
+    return h
