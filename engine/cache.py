@@ -248,23 +248,28 @@ class ExpertCache:
     ) -> torch.Tensor:
         num_tokens, top_k = top_k_index.shape
         flat = top_k_index.reshape(-1)
-        counts = torch.bincount(flat, minlength=self.layout.num_experts).cpu().numpy()
+        flat_host = flat.cpu().numpy()  # the one host sync per layer: which experts must be there
+        counts = np.bincount(flat_host, minlength=self.layout.num_experts)
         needed = np.flatnonzero(counts).tolist()
-        self._collect_finished()
+        if self._jobs:
+            self._collect_finished()
         found = self.directory.lookup(layer, needed, counts[needed].tolist())
         self.counters.record_layer(layer, counts, len(found.ready) + len(found.inflight), len(found.missing),
-                                   tokens=num_tokens)
-        self._observe_routing(layer, hidden_states, top_k_index, top_k_weights)
+                                   tokens=num_tokens, needed=needed)
+        if self.policy.lookahead or self.tracer is not None:
+            self._observe_routing(layer, hidden_states, top_k_index, top_k_weights)
 
-        flat_host = flat.cpu().numpy()
-        order = torch.argsort(flat, stable=True)
-        bounds = np.concatenate(([0], np.cumsum(counts))).tolist()
         weights = top_k_weights.reshape(-1)
         out_dtype = torch.promote_types(self.layout.params[0].dtype, weights.dtype)
         out = torch.empty((flat.numel(), hidden_states.shape[-1]), dtype=out_dtype, device=hidden_states.device)
         views = self.views[layer]
+        sorted_rows: list = []  # rows grouped by expert, built only if some expert runs on its own
 
         def rows_of(expert: int) -> torch.Tensor:
+            if not sorted_rows:
+                sorted_rows.append(torch.argsort(flat, stable=True))
+                sorted_rows.append(np.concatenate(([0], np.cumsum(counts))).tolist())
+            order, bounds = sorted_rows
             return order[bounds[expert] : bounds[expert + 1]]
 
         def compute(expert: int) -> None:
@@ -285,7 +290,8 @@ class ExpertCache:
         for expert in found.inflight:  # needed now: exact priority
             self._queue.promote(self._jobs[(layer, expert)])
         loads = [self._start_load(layer, e, protected) for e in first]
-        self._prefetch(layer, protected)
+        if self.policy.prefetches:
+            self._prefetch(layer, protected)
 
         if self._grouped and len(found.ready) > 1:  # resident experts run while the misses load
             self._compute_grouped(layer, module, hidden_states, flat_host, found.ready, top_k, weights, out)
@@ -315,22 +321,27 @@ class ExpertCache:
                          experts: list[int], top_k: int, weights: torch.Tensor, out: torch.Tensor) -> None:
         """All `experts` (resident) of this layer in two grouped matmuls over the slot pool."""
         slot_of = self.directory.slot_of[layer]
-        slot_by_expert = np.full(self.layout.num_experts, -1, dtype=np.int64)
-        slot_by_expert[experts] = [slot_of[e] for e in experts]
-        row_slot = slot_by_expert[flat_host]
-        rows_host = np.flatnonzero(row_slot >= 0)
-        rows_host = rows_host[np.argsort(row_slot[rows_host], kind="stable")]
-        per_slot = np.bincount(row_slot[rows_host], minlength=len(self.directory.expert_in[layer]))
+        if len(experts) == len(np.unique(flat_host)):  # every row's expert is here (the usual decode step)
+            row_slot = np.fromiter((slot_of[e] for e in flat_host.tolist()), dtype=np.int64, count=flat_host.size)
+            rows_host = np.argsort(row_slot, kind="stable")
+        else:
+            slot_by_expert = np.full(self.layout.num_experts, -1, dtype=np.int64)
+            slot_by_expert[experts] = [slot_of[e] for e in experts]
+            row_slot = slot_by_expert[flat_host]
+            rows_host = np.flatnonzero(row_slot >= 0)
+            rows_host = rows_host[np.argsort(row_slot[rows_host], kind="stable")]
+        slots_sorted = row_slot[rows_host]
+        per_slot = np.bincount(slots_sorted, minlength=len(self.directory.expert_in[layer]))
         device = hidden.device
         rows = torch.from_numpy(rows_host).to(device)
-        offsets = torch.from_numpy(np.cumsum(per_slot).astype(np.int32)).to(device)
-        row_slots = torch.from_numpy(row_slot[rows_host]).to(device)
+        offsets = torch.from_numpy(np.cumsum(per_slot, dtype=np.int32)).to(device)
+        row_slots = torch.from_numpy(slots_sorted).to(device) if module.has_bias else None
         y = grouped_expert_mlp(module, hidden[rows // top_k], self.views[layer], offsets, row_slots)
         out[rows] = y * weights[rows].unsqueeze(-1)
 
     def _observe_routing(self, layer: int, hidden: torch.Tensor, index: torch.Tensor, weights: torch.Tensor) -> None:
         """Routing guesses for the policy (if it looks ahead) and the trace (if one is recorded)."""
-        lookahead = self.policy.lookahead
+        lookahead = self.policy.lookahead  # called only when the policy looks ahead or a trace is recorded
         window = max(lookahead, PREDICTION_WINDOW_TRACED if self.tracer is not None else 0)
         predictions = self.predictor.predict(layer, hidden, window) if window and self.predictor is not None else {}
         if lookahead:

@@ -48,8 +48,9 @@ class EngineCounters:
         self.request_layer_misses[:] = 0
         self.request_stall_s = 0.0
 
-    def record_layer(self, layer: int, counts: np.ndarray, hits: int, misses: int, *, tokens: int = 1) -> None:
-        self.miss_curves.record(layer, np.flatnonzero(counts), tokens)
+    def record_layer(self, layer: int, counts: np.ndarray, hits: int, misses: int, *, tokens: int = 1,
+                     needed: list[int] | None = None) -> None:
+        self.miss_curves.record(layer, np.flatnonzero(counts) if needed is None else needed, tokens)
         self.activation_request[layer] += counts
         self.activation_total[layer] += counts
         self.layer_hits[layer] += hits

@@ -24,34 +24,41 @@ import numpy as np
 class MissCurveRecorder:
     def __init__(self, num_layers: int, num_experts: int, warm_order: Sequence[Sequence[int]] | None = None) -> None:
         self.num_layers, self.num_experts = num_layers, num_experts
-        # last[layer, expert]: step of the last use; warm-up order gives distinct negative stamps.
-        self.last = np.empty((num_layers, num_experts), dtype=np.int64)
+        # stacks[layer]: experts, most recently used first; it starts in the warm-up order.
+        self.stacks: list[list[int]] = []
         for layer in range(num_layers):
             order = list(warm_order[layer]) if warm_order else list(range(num_experts))
             seen = set(order)
-            order += [e for e in range(num_experts) if e not in seen]
-            self.last[layer, order] = -1 - np.arange(num_experts)
-        self.hist = np.zeros((num_layers, num_experts), dtype=np.int64)  # hist[layer, stack position]
-        self.tokens = np.zeros(num_layers, dtype=np.int64)
+            self.stacks.append(order + [e for e in range(num_experts) if e not in seen])
+        # Plain lists on the hot path (a few list operations per token beat a dozen numpy calls).
+        self._hist: list[list[int]] = [[0] * num_experts for _ in range(num_layers)]
+        self._tokens: list[int] = [0] * num_layers
         self.steps = 0
-        self._clock = 0
 
     def record(self, layer: int, experts: Iterable[int], tokens: int = 1) -> None:
         """Layer `layer` needed `experts` (unique) for one forward step over `tokens` tokens."""
-        ids = np.sort(np.fromiter(experts, dtype=np.int64))
-        last = self.last[layer]
-        if ids.size:
-            position = (last[None, :] > last[ids][:, None]).sum(axis=1)  # experts used more recently
-            self.hist[layer] += np.bincount(position, minlength=self.num_experts)
-            # distinct stamps, the smaller id the more recent: no ties, so positions are a strict order
-            self.last[layer, ids] = self._clock + np.arange(ids.size, 0, -1)
-            self._clock += ids.size
-        self.tokens[layer] += tokens
+        ids = sorted(experts)
+        stack, hist = self.stacks[layer], self._hist[layer]
+        for e in ids:  # positions on the stack before this step
+            hist[stack.index(e)] += 1
+        for e in reversed(ids):  # then to the top, the smallest id most recent
+            stack.remove(e)
+            stack.insert(0, e)
+        self._tokens[layer] += tokens
         if layer == 0:
             self.steps += 1
 
+    @property
+    def hist(self) -> np.ndarray:
+        """[layers, stack position] accesses found at each position."""
+        return np.asarray(self._hist, dtype=np.int64)
+
+    @property
+    def tokens(self) -> np.ndarray:
+        return np.asarray(self._tokens, dtype=np.int64)
+
     def has_data(self) -> bool:
-        return bool(self.tokens.any())
+        return any(self._tokens)
 
     def curves(self) -> np.ndarray:
         """[layers, experts + 1] float32: expected misses per token of each layer with s slots."""

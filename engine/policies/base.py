@@ -32,6 +32,11 @@ class CachePolicy:
     # True: the policy wants a calibration profile ([layers, experts] routing counts), see `set_profile`.
     needs_profile = False
 
+    @property
+    def prefetches(self) -> bool:
+        """Does this policy ever prefetch? (The cache skips asking, per layer, when it does not.)"""
+        return type(self).prefetch is not CachePolicy.prefetch
+
     def reset(self, num_layers: int, num_experts: int, top_k: int) -> None:
         self.num_layers, self.num_experts, self.top_k = num_layers, num_experts, top_k
         self.step = 0
