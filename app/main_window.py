@@ -19,6 +19,7 @@ from app.chat.controller import ChatController
 from app.chat.conversation_list import ConversationList
 from app.engine_bridge import EngineBridge
 from app.history import HistoryStore
+from app.library_dialog import LibraryDialog
 from app.model_bar import ModelBar
 from app.panels.base import Panel
 from app.panels.budget import BudgetPanel
@@ -81,6 +82,8 @@ class MainWindow(QMainWindow):
         self.budget.budget_requested.connect(self.set_budget)
         self.system.policy_requested.connect(self.set_policy)
         self.model_bar.open_folder_requested.connect(self.open_model)
+        self.model_bar.library_requested.connect(self.open_library)
+        self.library: LibraryDialog | None = None  # made on first use, then kept: downloads outlive it closing
         self.conversations.new_requested.connect(self.chat.new_chat)
         self.conversations.open_requested.connect(self.chat.open)
         self.conversations.rename_requested.connect(self.chat.rename)
@@ -167,6 +170,7 @@ class MainWindow(QMainWindow):
         file = bar.addMenu("&File")
         file.addAction("New chat", QKeySequence.StandardKey.New, self.chat.new_chat)
         file.addAction("Open model folder…", QKeySequence.StandardKey.Open, self.model_bar.choose_folder)
+        file.addAction("Model library…", QKeySequence("Ctrl+L"), self.open_library)
         file.addAction("Export conversation as Markdown…", lambda: self._export_current("markdown"))
         file.addAction("Export conversation as JSON…", lambda: self._export_current("json"))
         file.addSeparator()
@@ -202,10 +206,20 @@ class MainWindow(QMainWindow):
         self.statusBar().showMessage(f"Loading {model}…")
         self.bridge.load(model, budget, self.settings.policy)
 
-    def open_model(self, path: str) -> None:
+    def open_model(self, path: str, budget: str | None = None) -> None:
         if self.chat.streaming:
             self.chat.stop()
-        self.load_model(path)
+        self.load_model(path, budget or None)
+
+    def open_library(self) -> LibraryDialog:
+        if self.library is None:
+            self.library = LibraryDialog(self.bridge, self)
+            self.library.use_requested.connect(self.open_model)
+        self.library.refresh()
+        self.library.show()
+        self.library.raise_()
+        self.library.activateWindow()
+        return self.library
 
     def restart_engine(self) -> None:
         self.banner.hide()
@@ -228,6 +242,12 @@ class MainWindow(QMainWindow):
             self.settings.policy = policy
 
     def on_engine_event(self, event) -> None:
+        if p.is_library_event(event):  # the library dialog shows these; chat, panels and banner leave them alone
+            if isinstance(event, p.DownloadFinished):
+                self.statusBar().showMessage(f"{event.repo_id} downloaded; Model library… → Use loads it", 8000)
+            elif isinstance(event, p.Error) and event.kind != "cancelled":
+                self.statusBar().showMessage(event.message, 8000)
+            return
         if isinstance(event, p.TelemetrySnapshot):
             self.history.add(event)
         for panel in self.panels:

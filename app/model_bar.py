@@ -18,6 +18,7 @@ def model_summary(m: p.ModelLoaded, budget_bytes: int) -> str:
 
 class ModelBar(QWidget):
     open_folder_requested = Signal(str)
+    library_requested = Signal()
 
     def __init__(self, parent: QWidget | None = None) -> None:
         super().__init__(parent)
@@ -34,8 +35,8 @@ class ModelBar(QWidget):
         self.progress.setMaximumWidth(220)
         self.progress.setVisible(False)
         self.library = QPushButton("Model library…")
-        self.library.setEnabled(False)
-        self.library.setToolTip("Coming soon: browse and download models")
+        self.library.setToolTip("Browse, size up and download models, and load one (Ctrl+L)")
+        self.library.clicked.connect(self.library_requested)
         self.open_button = QPushButton("Open folder…")
         self.open_button.setToolTip("Load a local checkpoint folder (safetensors)")
         self.open_button.clicked.connect(self.choose_folder)

@@ -95,7 +95,77 @@ class Shutdown:
     pass
 
 
-Command = LoadModel | Generate | Cancel | SetBudget | SetPolicy | SetTelemetry | Unload | Shutdown
+# ----- the model library (catalog, HF cache, Hub search, fit estimate, download)
+# Failures come back as `Error(kind, one-line message, recoverable=True, request_id=...)` whose
+# request_id starts with "library:" (`library_request_id`), so no chat reply mistakes them for its own.
+
+
+def library_request_id(action: str, repo_id: str = "") -> str:
+    """The request_id library failures carry: "library:<action>:<repo>"."""
+    return f"library:{action}:{repo_id}"
+
+
+@dataclass
+class ListLibrary:
+    """The catalog plus the runnable models already in the HF cache; answered by `LibraryListing`.
+    Local only (no Hub look-ups), so it is quick and works offline."""
+
+    @property
+    def request_id(self) -> str:
+        return library_request_id("list")
+
+
+@dataclass
+class SearchLibrary:
+    """Hub text search for MoE models the engine runs; answered by `LibraryListing(query=text)`."""
+
+    text: str
+    limit: int = 30
+
+    @property
+    def request_id(self) -> str:
+        return library_request_id("search")
+
+
+@dataclass
+class EstimateModel:
+    """Sizes and whether the model fits this machine; answered by `FitEstimateReady`.
+    Reads config.json only (from the cache when downloaded, else from the Hub)."""
+
+    repo_id: str
+
+    @property
+    def request_id(self) -> str:
+        return library_request_id("estimate", self.repo_id)
+
+
+@dataclass
+class DownloadModel:
+    """Download into the HF cache in the background (chat goes on): `DownloadProgress` events,
+    then `DownloadFinished` or an `Error` (kind "cancelled" after `CancelDownload`). One at a time."""
+
+    repo_id: str
+
+    @property
+    def request_id(self) -> str:
+        return library_request_id("download", self.repo_id)
+
+
+@dataclass
+class CancelDownload:
+    repo_id: str | None = None  # None: whatever is downloading
+
+    @property
+    def request_id(self) -> str:
+        return library_request_id("download", self.repo_id or "")
+
+
+LIBRARY_COMMANDS = (ListLibrary, SearchLibrary, EstimateModel, DownloadModel, CancelDownload)
+
+Command = (
+    LoadModel | Generate | Cancel | SetBudget | SetPolicy | SetTelemetry | Unload | Shutdown
+    | ListLibrary | SearchLibrary | EstimateModel | DownloadModel | CancelDownload
+)
 
 
 # ---------------------------------------------------------------- events (engine -> GUI)
@@ -230,7 +300,87 @@ class EngineStarted:
     pid: int
 
 
+# ----- the model library's answers
+
+
+@dataclass
+class LibraryEntry:
+    repo_id: str  # Hub id, org/name
+    description: str = ""
+    source: str = "catalog"  # catalog | cache | search
+    downloaded: bool = False  # complete in the HF cache
+    local_path: str | None = None  # the snapshot folder to load, when downloaded
+    size_bytes: int | None = None  # on disk, when (partly) in the cache
+    params: int | None = None  # parameter count, when the Hub says (search)
+    model_type: str = ""
+    downloads: int = 0  # Hub downloads (search)
+    gated: bool = False
+    partial: bool = False  # some files are in the cache, not all weights
+    problem: str | None = None  # why MoEScope cannot run it, when known without the Hub
+
+
+@dataclass
+class LibraryListing:
+    entries: list[LibraryEntry]
+    query: str | None = None  # None: catalog + cache (ListLibrary); else the search text
+
+
+@dataclass
+class FitEstimateReady:
+    """engine.hub.fit's verdict for this machine and the numbers behind it (bytes at the compute dtype)."""
+
+    repo_id: str
+    kind: str  # fits-gpu | fits-ram | offload | too-big | unsupported
+    headline: str  # one line with the numbers
+    budget: str | None  # the recommended budget, written for LoadModel.budget ("all", "3.5GiB"); None: cannot run
+    budget_bytes: int | None
+    total_bytes: int  # dense + every expert
+    dense_bytes: int
+    expert_bytes: int  # every expert, as slots
+    min_budget_bytes: int
+    num_experts: int  # per MoE layer
+    num_moe_layers: int
+    top_k: int
+    total_params: int
+    active_params: int
+    dtype: str
+    download_bytes: int  # still to download (0 when downloaded)
+    downloaded: bool
+    local_path: str | None = None
+    gated: bool = False
+    notes: list[str] = field(default_factory=list)
+
+
+@dataclass
+class DownloadProgress:
+    repo_id: str
+    bytes_done: int
+    bytes_total: int  # what this download fetches (files already in the cache not counted)
+    rate_bytes_per_s: float
+    eta_s: float | None  # None: unknown yet
+    message: str  # e.g. "model-00002-of-00003.safetensors: 1.2 GiB of 3.9 GiB at 40 MiB/s, 1:05 left"
+    files_done: int = 0
+    files_total: int = 0
+    cancelling: bool = False  # CancelDownload arrived; the download stops at its next chunk
+
+
+@dataclass
+class DownloadFinished:
+    repo_id: str
+    path: str  # the snapshot folder, ready for LoadModel
+
+
+LIBRARY_EVENTS = (LibraryListing, FitEstimateReady, DownloadProgress, DownloadFinished)
+
+
+def is_library_event(event) -> bool:
+    """The library's answers and failures: for the library dialog, not for the chat or the panels."""
+    if isinstance(event, Error):
+        return (event.request_id or "").startswith("library:")
+    return isinstance(event, LIBRARY_EVENTS)
+
+
 Event = (
     LoadProgress | ModelLoaded | Token | Done | BudgetChanged | PolicyChanged | TelemetrySnapshot | Error | Log
-    | EngineStarted
+    | EngineStarted | LibraryListing | FitEstimateReady | DownloadProgress | DownloadFinished
 )

@@ -8,6 +8,7 @@ after the reply. Every failure becomes an `Error` event; the process only dies i
 from __future__ import annotations
 
 import os
+import threading
 import time
 import traceback
 from collections import deque
@@ -15,6 +16,7 @@ from dataclasses import asdict
 
 from engine import protocol as p
 from engine.errors import MoEScopeError
+from engine.library_service import LibraryService
 
 
 class Worker:
@@ -30,10 +32,13 @@ class Worker:
         self.clock = None
         self._last_snapshot = 0.0
         self.state = "idle"  # idle | loading | prefill | decoding
+        self._send_lock = threading.Lock()  # the library's download thread sends too
+        self.library = LibraryService(self.send)  # model library commands (engine/library_service.py)
 
     # ----- plumbing -----
     def send(self, event) -> None:
-        self.conn.send(event)
+        with self._send_lock:
+            self.conn.send(event)
 
     def run(self) -> None:
         import torch
@@ -51,6 +56,7 @@ class Worker:
                 self.handle(command)
             except Exception as exc:  # the engine stays up; the GUI shows the message
                 self._report(exc, getattr(command, "request_id", None))
+        self.library.close()
         self._unload()
 
     def _receive(self):
@@ -81,6 +87,8 @@ class Worker:
             self._unload()
         elif isinstance(command, p.Cancel):
             pass  # nothing is running
+        elif isinstance(command, p.LIBRARY_COMMANDS):
+            self.library.handle(command)
         else:
             self._apply_live(command)
 
@@ -207,6 +215,13 @@ class Worker:
                     self._apply_live(command)
                 except Exception as exc:
                     self._report(exc, request_id)
+            elif isinstance(command, (p.DownloadModel, p.CancelDownload, p.ListLibrary)):
+                # at once: downloads run on their own thread, the listing reads local files (search and
+                # estimates, which ask the Hub or build a model skeleton, wait for the reply to end)
+                try:
+                    self.library.handle(command)
+                except Exception as exc:
+                    self._report(exc, command.request_id)
             else:  # a new request, a load, an unload or a shutdown waits for this reply to stop
                 if isinstance(command, (p.LoadModel, p.Unload, p.Shutdown)):
                     stop = True

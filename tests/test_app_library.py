@@ -1,0 +1,235 @@
+"""The model library dialog against a real engine worker, a local fake Hub and a tmp HF cache, offscreen.
+
+Every wait ends on an event or a state (qtbot.waitUntil with a timeout), never on a sleep.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from PySide6.QtCore import Qt
+
+from app.engine_bridge import EngineBridge
+from app.history import HistoryStore
+from app.library_dialog import LibraryDialog
+from app.library_model import LibraryModel, parse_request_id
+from app.main_window import MainWindow
+from app.settings import AppSettings
+from engine import protocol as p
+from tests.hub_fixtures.library_hub import HoldingHub, fill_hub, hub_environment, place_in_cache
+from tests.test_app_fixtures import ScriptedClient
+
+ROOT = Path(__file__).resolve().parents[1]
+START_MS = 180_000  # the worker imports torch before it answers: slow on a busy 2-core machine
+ANSWER_MS = 60_000
+CATALOG = [m["repo"] for m in json.loads((ROOT / "resources" / "catalog.json").read_text())["models"]]
+CACHED = "someone/cached-mixtral"
+MISSING = "nobody/no-such-model"
+NOT_FOUND = (f"no model '{MISSING}' on the Hugging Face Hub (or it is private and you are not logged in); "
+             "check the name, e.g. with `moescope models search mixtral`")
+LEFT = Qt.MouseButton.LeftButton
+
+
+@pytest.fixture
+def hub(tmp_path, mixtral_checkpoint):
+    with HoldingHub(lifetime_s=900) as server:
+        server.ids = fill_hub(server, mixtral_checkpoint)  # type: ignore[attr-defined]
+        server.cache = tmp_path / "hf-cache"  # type: ignore[attr-defined]
+        server.cached = place_in_cache(server.cache, CACHED, mixtral_checkpoint)  # type: ignore[attr-defined]
+        yield server
+
+
+class Recorder:
+    def __init__(self, window: MainWindow) -> None:
+        self.events: list = []
+        window.bridge.event.connect(self.events.append)
+
+    def of(self, kind: type) -> list:
+        return [e for e in self.events if isinstance(e, kind)]
+
+
+def open_library(qtbot, tmp_path: Path, hub) -> tuple[MainWindow, LibraryDialog, Recorder]:
+    window = MainWindow(settings=AppSettings(str(tmp_path / "settings.ini")), store=HistoryStore(tmp_path / "h.sqlite3"))
+    qtbot.addWidget(window)
+    events = Recorder(window)
+    window.show()
+    with hub_environment(hub.url, hub.cache):
+        window.bridge.start()  # no model yet: the library is where it comes from
+    assert window.model_bar.library.isEnabled()
+    qtbot.mouseClick(window.model_bar.library, LEFT)
+    dialog = window.library
+    assert dialog is not None and dialog.isVisible()
+    qtbot.waitUntil(lambda: dialog.table.rowCount() > len(CATALOG), timeout=START_MS)
+    return window, dialog, events
+
+
+def rows(dialog: LibraryDialog) -> list[tuple[str, str]]:
+    return [(dialog.table.item(r, 0).text(), dialog.table.item(r, 1).text()) for r in range(dialog.table.rowCount())]
+
+
+def search(qtbot, dialog: LibraryDialog, text: str) -> None:
+    dialog.search.setText(text)
+    qtbot.keyClick(dialog.search, Qt.Key.Key_Return)
+    qtbot.waitUntil(lambda: dialog.model.hub_query == text, timeout=ANSWER_MS)
+
+
+def select(qtbot, dialog: LibraryDialog, repo_id: str) -> p.FitEstimateReady | None:
+    """Select the row; wait for its estimate (or its error)."""
+    assert dialog.select(repo_id)
+    qtbot.waitUntil(lambda: dialog.model.estimate(repo_id) is not None
+                    or repo_id.lower() in dialog.model.estimate_errors, timeout=ANSWER_MS)
+    return dialog.model.estimate(repo_id)
+
+
+def test_catalog_cache_search_fit_and_a_missing_repo(qtbot, tmp_path, hub):
+    window, dialog, _ = open_library(qtbot, tmp_path, hub)
+    listed = rows(dialog)
+    assert [name for name, _ in listed] == [*CATALOG, CACHED]
+    assert {status for _, status in listed[: len(CATALOG)]} == {"not downloaded"}
+    assert listed[-1] == (CACHED, "downloaded")
+
+    # typing filters the list at once, without the Hub
+    dialog.search.setText("cached")
+    assert rows(dialog) == [(CACHED, "downloaded")]
+
+    est = select(qtbot, dialog, CACHED)
+    assert est is not None and est.downloaded and est.budget == "all"
+    assert dialog.verdict.text() == est.headline and est.headline.startswith("fits in RAM")
+    assert dialog.numbers["Experts"].text().endswith("8 per layer x 3 MoE layers, top-2")
+    assert dialog.numbers["Recommended budget"].text().startswith("all experts (")
+    assert dialog.numbers["Download"].text() == "downloaded"
+    assert dialog.use_button.isEnabled() and not dialog.download_button.isEnabled()
+
+    # Enter searches the Hub: its results come after the matching local rows
+    search(qtbot, dialog, "mixtral")
+    names = [name for name, _ in rows(dialog)]
+    assert names[-2:] == [hub.ids["tiny"], hub.ids["slow"]]
+    assert names[:-2] == [*(r for r in CATALOG if "mixtral" in r.lower()), CACHED]
+    assert dialog.status.text() == "2 Hub results for “mixtral”"
+
+    est = select(qtbot, dialog, hub.ids["tiny"])
+    assert est is not None and not est.downloaded and est.download_bytes > 0
+    assert dialog.verdict.text() == est.headline
+    assert dialog.download_button.isEnabled() and not dialog.use_button.isEnabled()
+
+    # a repo that is not on the Hub: one clear line in the dialog, not a banner over the chat
+    search(qtbot, dialog, MISSING)
+    assert rows(dialog)[0][0] == MISSING
+    assert select(qtbot, dialog, MISSING) is None
+    assert dialog.status.text() == NOT_FOUND and dialog.verdict.text() == NOT_FOUND
+    assert not dialog.download_button.isEnabled() and not dialog.use_button.isEnabled()
+    assert not window.banner.isVisible() and window.chat.active is None
+
+
+def test_download_progress_cancel_then_download_and_use(qtbot, tmp_path, hub):
+    window, dialog, events = open_library(qtbot, tmp_path, hub)
+    seen: list[tuple[bool, int, str]] = []  # the bar and its text after each progress event
+    window.bridge.event.connect(lambda e: isinstance(e, p.DownloadProgress) and seen.append(
+        (dialog.progress.isVisible(), dialog.progress.value(), dialog.progress_label.text())))
+
+    # a download the Hub holds halfway: progress shows, Cancel stops it
+    slow = hub.ids["slow"]
+    search(qtbot, dialog, "slow")
+    select(qtbot, dialog, slow)
+    qtbot.mouseClick(dialog.download_button, LEFT)
+    qtbot.waitUntil(lambda: hub.held.is_set() and dialog.model.download is not None
+                    and dialog.model.download.bytes_total > 0, timeout=ANSWER_MS)
+    assert dialog.progress.isVisible() and dialog.cancel_button.isEnabled() and not dialog.download_button.isEnabled()
+    assert " of " in dialog.progress_label.text() and "/s" in dialog.progress_label.text()
+    assert dict(rows(dialog))[slow].startswith("downloading")
+    qtbot.mouseClick(dialog.cancel_button, LEFT)
+    qtbot.waitUntil(lambda: dialog.model.download is not None and dialog.model.download.cancelling, timeout=ANSWER_MS)
+    assert not dialog.cancel_button.isEnabled() and dialog.progress_label.text().startswith("Cancelling")
+    hub.release.set()
+    qtbot.waitUntil(lambda: dialog.model.download is None, timeout=ANSWER_MS)
+    assert dialog.status.text().startswith(f"download of '{slow}' cancelled: nothing was kept")
+    assert not dialog.progress.isVisible() and dialog.download_button.isEnabled()
+    assert dict(rows(dialog))[slow] == "not downloaded" and not window.banner.isVisible()
+
+    # a whole download: the bar fills, the row says downloaded, Use loads it
+    tiny = hub.ids["tiny"]
+    search(qtbot, dialog, "tiny")
+    select(qtbot, dialog, tiny)
+    seen.clear()
+    qtbot.mouseClick(dialog.download_button, LEFT)
+    qtbot.waitUntil(lambda: dialog.use_button.isEnabled(), timeout=ANSWER_MS)
+    [finished] = events.of(p.DownloadFinished)
+    assert finished.repo_id == tiny and Path(finished.path).is_dir()
+    assert any(visible and value == 1000 and " of " in text for visible, value, text in seen), seen
+    assert dict(rows(dialog))[tiny] == "downloaded" and not dialog.progress.isVisible()
+    assert dialog.status.text() == f"{tiny} downloaded: select it and press Use to load it"
+
+    qtbot.mouseClick(dialog.use_button, LEFT)
+    assert not dialog.isVisible()
+    qtbot.waitUntil(lambda: bool(events.of(p.ModelLoaded)) or window.banner.isVisible(), timeout=START_MS)
+    assert not window.banner.isVisible(), window.banner.label.text()
+    loaded = events.of(p.ModelLoaded)[-1]
+    assert window.bridge.last_load.path == finished.path and window.bridge.last_load.budget == "all"
+    assert (loaded.num_layers, loaded.num_experts, loaded.top_k) == (3, 8, 2)
+    qtbot.waitUntil(lambda: window.chat.ready, timeout=ANSWER_MS)
+
+
+def test_model_keeps_state_from_events_alone():
+    """The Qt-free model: rows, a download's life, and errors routed by their request id."""
+    model = LibraryModel()
+    model.apply(p.LibraryListing([p.LibraryEntry("a/one", "first"), p.LibraryEntry("b/two", "second", "cache", True, "/m")]))
+    model.apply(p.LibraryListing([p.LibraryEntry("b/two", source="search"), p.LibraryEntry("c/three", source="search")],
+                                 query="t"))
+    assert [e.repo_id for e in model.rows()] == ["a/one", "b/two", "c/three"]  # no duplicate of a local row
+    model.filter_text = "sec"
+    assert [e.repo_id for e in model.rows()] == ["b/two", "c/three"]
+    assert model.use_target("b/two") == ("/m", "") and model.use_target("a/one") is None
+
+    model.apply(p.DownloadProgress("a/one", 0, 0, 0.0, None, "looking up a/one…"))
+    assert model.download.fraction is None and model.download.text == "looking up a/one…"
+    assert not model.can_download("c/three")  # one at a time
+    model.apply(p.DownloadProgress("a/one", 512 * 1024, 2 * 1024**2, 1024**2, 1.5, "x", 0, 2))
+    assert model.status_text(model.entry("a/one")) == "downloading 25%"
+    assert model.download.text == "512.00 KiB of 2.00 MiB at 1.00 MiB/s, 0:01 left · file 1 of 2"
+    model.apply(p.DownloadProgress("a/one", 0, 0, 0.0, None, "cancelling…", cancelling=True))
+    assert model.download.bytes_done == 512 * 1024 and model.download.cancelling
+    model.apply(p.Error("cancelled", "download of 'a/one' cancelled", True, p.library_request_id("download", "a/one")))
+    assert model.download is None and model.status == "download of 'a/one' cancelled" and not model.status_is_error
+
+    model.apply(p.Error("repo-not-found", "no such", True, p.library_request_id("estimate", "c/three")))
+    assert model.estimate_errors == {"c/three": "no such"} and not model.can_download("c/three")
+    model.apply(p.Error("bad-budget", "a chat error", True, "r1"))  # not the library's
+    assert model.status == "no such"
+    assert parse_request_id("library:download:org/name") == ("download", "org/name")
+    assert parse_request_id("library:list:") == ("list", "")
+
+
+def test_dialog_sends_commands_and_forgets_the_work_of_a_stopped_engine(qtbot):
+    """Widget level, with a scripted engine: which commands the dialog sends, and a restart mid-download."""
+    bridge = EngineBridge(ScriptedClient)
+    bridge.start()
+    qtbot.waitUntil(lambda: bridge.pid == 4242, timeout=5000)
+    dialog = LibraryDialog(bridge)
+    qtbot.addWidget(dialog)
+    dialog.show()
+    client = bridge.client
+    dialog.refresh()
+    client.emit(p.LibraryListing([p.LibraryEntry("a/one", "first"), p.LibraryEntry("b/two", "second")]))
+    qtbot.waitUntil(lambda: dialog.table.rowCount() == 2, timeout=5000)
+    assert dialog.select("a/one")
+    assert client.of(p.EstimateModel) == [p.EstimateModel("a/one")]
+    qtbot.mouseClick(dialog.download_button, LEFT)
+    assert client.of(p.DownloadModel) == [p.DownloadModel("a/one")] and dialog.progress.isVisible()
+    client.emit(p.DownloadProgress("a/one", 1024, 4096, 512.0, 6.0, "x", 0, 1))
+    qtbot.waitUntil(lambda: dialog.progress.value() == 250, timeout=5000)
+    qtbot.mouseClick(dialog.cancel_button, LEFT)
+    assert client.of(p.CancelDownload) == [p.CancelDownload("a/one")]
+
+    client.emit(p.EngineStarted(4343))  # restarted (say from the Engine menu): its download is gone
+    qtbot.waitUntil(lambda: dialog.model.download is None, timeout=5000)
+    assert not dialog.progress.isVisible() and dialog.download_button.isEnabled()
+    assert client.of(p.ListLibrary) == [p.ListLibrary(), p.ListLibrary()]  # visible: listed again
+
+    dialog.search.setText("three")
+    qtbot.keyClick(dialog.search, Qt.Key.Key_Return)
+    assert client.of(p.SearchLibrary) == [p.SearchLibrary("three")]
+    client.emit(p.Error("network", "cannot reach the Hugging Face Hub", True, p.library_request_id("search")))
+    qtbot.waitUntil(lambda: dialog.status.text() == "cannot reach the Hugging Face Hub", timeout=5000)
+    assert dialog.model.searching is None
