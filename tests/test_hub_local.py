@@ -2,9 +2,7 @@
 
 from __future__ import annotations
 
-import hashlib
 import json
-import os
 import shutil
 from pathlib import Path
 
@@ -15,27 +13,9 @@ from engine.hub.errors import HubError
 from engine.hub.local import estimate_folder, find_cached, list_cached_models, remove_cached, resolve_model
 from engine.hub.paths import repo_folder
 from tests.checkpoints import reference_generate
+from tests.hub_fixtures.library_hub import SHA, place_in_cache
 
-SHA = "0123456789abcdef0123456789abcdef01234567"
 PROMPT = [1, 17, 42, 9, 77, 5]
-
-
-def place_in_cache(cache: Path, repo_id: str, folder: Path, *, skip: tuple[str, ...] = ()) -> Path:
-    """Lay `folder` out as huggingface_hub does: blobs/<hash>, snapshots/<sha>/<file> -> blob, refs/main."""
-    repo = repo_folder(cache, repo_id)
-    snapshot, blobs = repo / "snapshots" / SHA, repo / "blobs"
-    snapshot.mkdir(parents=True)
-    blobs.mkdir()
-    for f in sorted(folder.iterdir()):
-        if f.name in skip:
-            continue
-        data = f.read_bytes()
-        blob = blobs / hashlib.sha256(data).hexdigest()
-        blob.write_bytes(data)
-        (snapshot / f.name).symlink_to(os.path.relpath(blob, snapshot))
-    (repo / "refs").mkdir()
-    (repo / "refs" / "main").write_text(SHA)
-    return snapshot
 
 
 @pytest.fixture

@@ -17,6 +17,7 @@ import threading
 from collections.abc import Iterator
 from pathlib import Path
 
+from engine.hub.paths import repo_folder
 from tests.hub_fixtures.fake_hub import FakeHub, _Handler
 
 FIXTURES = Path(__file__).parent
@@ -77,7 +78,7 @@ class _HoldingWriter:
 
 def place_in_cache(cache: Path, repo_id: str, folder: Path, *, skip: tuple[str, ...] = ()) -> Path:
     """Lay `folder` out as huggingface_hub does: blobs/<hash>, snapshots/<sha>/<file> -> blob, refs/main."""
-    repo = cache / ("models--" + repo_id.replace("/", "--"))
+    repo = repo_folder(cache, repo_id)
     snapshot, blobs = repo / "snapshots" / SHA, repo / "blobs"
     snapshot.mkdir(parents=True)
     blobs.mkdir()
