@@ -49,6 +49,7 @@ def run(args) -> dict:
     budgets = [int(b) for b in args.budgets.split(",")]
     prompts = [int(p) for p in args.prompts.split(",")]
     routings = args.routings.split(",")
+    accelerate_prompts = {int(p) for p in args.accelerate_prompts.split(",")} if args.accelerate_prompts else set(prompts)
     threads = str(args.threads)
     report = {"host": platform.node(), "date": dt.datetime.now().isoformat(timespec="seconds"),
               "cpu": platform.processor() or platform.machine(), "threads": args.threads,
@@ -89,7 +90,8 @@ def run(args) -> dict:
                         row["limit"] = {"belady_loads": loads, "belady_bytes_per_token": belady_bytes / tokens,
                                         "time_s": limit_s, "ours_time_s": ours["total_s"],
                                         "efficiency": limit_s / ours["total_s"]}
-                    if routing == routings[0] and not args.skip_accelerate and "error" not in ours:
+                    if (routing == routings[0] and prompt in accelerate_prompts and not args.skip_accelerate
+                            and "error" not in ours):
                         cap = ours["dense_bytes"] + ours["budget_bytes"]
                         row["accelerate"] = measure("accelerate", *common[:2], "--prompt-len", str(prompt),
                                                     "--decode", str(min(args.decode, args.accelerate_decode)),
@@ -194,6 +196,8 @@ def main(argv=None) -> int:
     parser.add_argument("--accelerate-decode", type=int, default=16,
                         help="decode tokens for the accelerate baseline (it is slow; tokens/s is still per token)")
     parser.add_argument("--skip-accelerate", action="store_true")
+    parser.add_argument("--accelerate-prompts", default="",
+                        help="prompt lengths to run the (slow) accelerate baseline at (default: all)")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--out", type=Path, default=RESULTS)
     args = parser.parse_args(argv)

@@ -1,0 +1,10 @@
+#!/usr/bin/env bash
+# The full benchmark set on this machine, as committed under bench/results/ (about 40 minutes on 2 cores).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-.venv/bin/python}
+$PY -m bench.decode_limit --reps 3 --threads 2 --decode 64
+$PY -m bench.telemetry_overhead --model demo --reps 5 --decode 64
+$PY -m bench.run --models qwen3moe-64e,mixtral-8e,demo --budgets 10,25,50,100 --prompts 128,512 \
+    --decode 32 --accelerate-decode 8 --accelerate-prompts 128
+$PY bench/heatmap_bench.py
