@@ -1,0 +1,58 @@
+"""The embedded demo model through the engine: it answers, its experts specialise, offloading is exact."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from engine.demo.corpus import SKILLS, heldout
+from engine.demo.engine_backend import engine_answer_fn, engine_expert_usage
+from engine.demo.evaluate import accuracy_per_skill, specialisation
+from engine.runtime import LoadOptions, MoERuntime
+from resources import DEMO_MODEL_DIR
+
+CARD = json.loads((DEMO_MODEL_DIR / "moescope_demo.json").read_text())
+N_PER_SKILL = CARD["heldout_per_skill"]  # the questions the card's figures come from
+
+
+@pytest.fixture(scope="module")
+def small_budget_runtime():
+    runtime = MoERuntime(LoadOptions(model="demo", budget="25%", store="disk"))
+    yield runtime
+    runtime.close()
+
+
+def test_demo_model_ships_within_size():
+    size = sum(p.stat().st_size for p in DEMO_MODEL_DIR.iterdir() if p.is_file())
+    assert size <= 30 * 2**20
+    assert (DEMO_MODEL_DIR / "README.md").is_file()
+
+
+def test_every_claimed_skill_is_answered_correctly_at_a_small_budget(small_budget_runtime, capsys):
+    assert set(CARD["skills"]) <= set(SKILLS)
+    examples = {skill: heldout(skill, N_PER_SKILL) for skill in CARD["skills"]}
+    report = accuracy_per_skill(engine_answer_fn(small_budget_runtime), examples)
+    with capsys.disabled():
+        print("\n[demo accuracy, engine at 25%] " + ", ".join(f"{s} {r['accuracy']:.0%}" for s, r in report.items()))
+    for skill, result in report.items():
+        assert result["accuracy"] >= 0.9, (skill, result["wrong"][:3])
+
+
+def test_experts_specialise_by_skill(small_budget_runtime, capsys):
+    usage = {skill: engine_expert_usage(small_budget_runtime, [e.user for e in heldout(skill, 20)]) for skill in SKILLS}
+    report = specialisation(usage)
+    with capsys.disabled():
+        print(f"\n[demo specialisation] mean layer-averaged JS divergence {report['mean']:.3f} bits; "
+              f"closest pair {report['min_pair'][0]} {report['min_pair'][1]:.3f}")
+    assert report["mean"] > 0.1
+
+
+def test_answers_at_25_percent_equal_answers_at_all(small_budget_runtime):
+    users = [e.user for skill in SKILLS for e in heldout(skill, 4)]
+    full = MoERuntime(LoadOptions(model="demo", budget="all", store="ram"))
+    try:
+        assert engine_answer_fn(small_budget_runtime)(users) == engine_answer_fn(full)(users)
+    finally:
+        full.close()
+    assert small_budget_runtime.counters.layer_misses.sum() > 0  # the small budget really offloaded
