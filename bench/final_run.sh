@@ -5,6 +5,6 @@ cd "$(dirname "$0")/.."
 PY=${PYTHON:-.venv/bin/python}
 $PY -m bench.decode_limit --reps 3 --threads 2 --decode 64
 $PY -m bench.telemetry_overhead --model demo --reps 5 --decode 64
-$PY -m bench.run --models qwen3moe-64e,mixtral-8e,demo --budgets 10,25,50,100 --prompts 128,512 \
+$PY -m bench.run --models qwen3moe-64e,mixtral-8e-12l,demo --budgets 10,25,50,100 --prompts 128,512 \
     --decode 32 --accelerate-decode 8 --accelerate-prompts 128
 $PY bench/heatmap_bench.py

@@ -187,7 +187,7 @@ def plot(report: dict, target: Path) -> None:
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench.run")
     parser.add_argument("--quick", action="store_true", help="one small model, two budgets (< 5 minutes)")
-    parser.add_argument("--models", default="qwen3moe-64e,mixtral-8e,demo",
+    parser.add_argument("--models", default="qwen3moe-64e,mixtral-8e-12l,demo",
                         help="synthetic geometry names (bench.synthetic), 'demo', or checkpoint folders")
     parser.add_argument("--budgets", default="10,25,50,100")
     parser.add_argument("--prompts", default="128,512")

@@ -24,9 +24,15 @@ GEOMETRIES: dict[str, dict] = {
         num_hidden_layers=8, num_attention_heads=8, num_key_value_heads=4, head_dim=64, num_experts=32,
         num_experts_per_tok=4, vocab_size=8192, max_position_embeddings=2048, tie_word_embeddings=False,
     ),
-    # Coarse, Mixtral-like: 8 big experts, top-2 (issue 10's second geometry).
+    # Coarse, Mixtral-like: 8 big experts, top-2 (issue 10's second geometry, 1.1 GiB of experts).
     "mixtral-8e": dict(
         model_type="mixtral", hidden_size=1024, intermediate_size=2816, num_hidden_layers=8,
+        num_attention_heads=32, num_key_value_heads=8, num_local_experts=8, num_experts_per_tok=2,
+        vocab_size=32000, max_position_embeddings=4096, tie_word_embeddings=False,
+    ),
+    # The same with 12 layers: 1.55 GiB of experts, the size the budget sweep asks for.
+    "mixtral-8e-12l": dict(
+        model_type="mixtral", hidden_size=1024, intermediate_size=2816, num_hidden_layers=12,
         num_attention_heads=32, num_key_value_heads=8, num_local_experts=8, num_experts_per_tok=2,
         vocab_size=32000, max_position_embeddings=4096, tie_word_embeddings=False,
     ),
