@@ -94,6 +94,24 @@ def test_reply_streams_into_the_chat_and_equals_the_engine(qtbot, tmp_path, endl
     assert cli["text"] == done.text and cli["token_ids"] == done.token_ids
 
 
+def test_demo_model_answers_in_the_window_like_the_engine(qtbot, tmp_path, capsys):
+    # What a first start shows: the embedded demo model, a small budget, a question it knows.
+    from resources import DEMO_MODEL_DIR
+
+    window, events = open_window(qtbot, tmp_path, DEMO_MODEL_DIR, budget="25%")
+    greedy(window, 32)
+    window.chat.send("Reverse the word 'engine'.")
+    qtbot.waitUntil(lambda: bool(events.done()), timeout=REPLY_MS)
+    done = events.done()[-1]
+    assert done.finish_reason == "eos" and done.text == "enigne"
+    assert window.chat_view.widgets()[-1].text == done.text
+    assert events.of(p.TelemetrySnapshot)[-1].activation_request.numpy().sum() > 0  # the heatmap's data
+    capsys.readouterr()
+    assert moescope_cli(["generate", "--model", "demo", "--prompt", "Reverse the word 'engine'.",
+                         "--budget", "25%", "--max-new-tokens", "32", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["text"] == done.text
+
+
 def test_panels_budget_slider_and_stop_against_the_engine(qtbot, tmp_path, endless_checkpoint):
     window, events = open_window(qtbot, tmp_path, endless_checkpoint)
     greedy(window, 40)
