@@ -21,6 +21,7 @@ from app.settings import AppSettings
 from engine import protocol as p
 from engine.cli import main as moescope_cli
 from tests.checkpoints import save_tiny_checkpoint
+from tests.test_app_fixtures import Recorder
 
 ROOT = Path(__file__).resolve().parents[1]
 LOAD_MS = 120_000  # spawning the worker imports torch + transformers: slow on a busy 2-core machine
@@ -37,20 +38,6 @@ def endless_checkpoint(tmp_path_factory) -> Path:
     config.pop("eos_token", None)  # the engine falls back to the tokenizer's EOS
     tokenizer_config.write_text(json.dumps(config))
     return path
-
-
-class Recorder:
-    """Every engine event the window saw, in order."""
-
-    def __init__(self, window: MainWindow) -> None:
-        self.events: list = []
-        window.bridge.event.connect(self.events.append)
-
-    def of(self, kind: type) -> list:
-        return [e for e in self.events if isinstance(e, kind)]
-
-    def done(self) -> list[p.Done]:
-        return self.of(p.Done)
 
 
 def open_window(qtbot, tmp_path: Path, model: Path | None, budget: str = "all") -> tuple[MainWindow, Recorder]:

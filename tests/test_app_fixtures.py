@@ -99,3 +99,17 @@ class ScriptedClient:
 
     def of(self, kind: type) -> list:
         return [c for c in self.sent if isinstance(c, kind)]
+
+
+class Recorder:
+    """Every engine event a window saw, in order."""
+
+    def __init__(self, window) -> None:
+        self.events: list = []
+        window.bridge.event.connect(self.events.append)
+
+    def of(self, kind: type) -> list:
+        return [e for e in self.events if isinstance(e, kind)]
+
+    def done(self) -> list[p.Done]:
+        return self.of(p.Done)

@@ -19,7 +19,7 @@ from app.main_window import MainWindow
 from app.settings import AppSettings
 from engine import protocol as p
 from tests.hub_fixtures.library_hub import HoldingHub, fill_hub, hub_environment, place_in_cache
-from tests.test_app_fixtures import ScriptedClient
+from tests.test_app_fixtures import Recorder, ScriptedClient
 
 ROOT = Path(__file__).resolve().parents[1]
 START_MS = 180_000  # the worker imports torch before it answers: slow on a busy 2-core machine
@@ -39,15 +39,6 @@ def hub(tmp_path, mixtral_checkpoint):
         server.cache = tmp_path / "hf-cache"  # type: ignore[attr-defined]
         server.cached = place_in_cache(server.cache, CACHED, mixtral_checkpoint)  # type: ignore[attr-defined]
         yield server
-
-
-class Recorder:
-    def __init__(self, window: MainWindow) -> None:
-        self.events: list = []
-        window.bridge.event.connect(self.events.append)
-
-    def of(self, kind: type) -> list:
-        return [e for e in self.events if isinstance(e, kind)]
 
 
 def open_library(qtbot, tmp_path: Path, hub) -> tuple[MainWindow, LibraryDialog, Recorder]:
