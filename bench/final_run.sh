@@ -3,8 +3,11 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-.venv/bin/python}
+$PY -m bench.profile_decode --geometry qwen3moe-64e --ops 0
+$PY -m bench.profile_decode --geometry qwen3moe-64e --ops 0 --fast-gemv
 $PY -m bench.decode_limit --reps 3 --threads 2 --decode 64
-$PY -m bench.telemetry_overhead --model demo --reps 5 --decode 64
+$PY -m bench.telemetry_overhead --model qwen3moe-64e --budget 50% --reps 5 --decode 64
 $PY -m bench.run --models qwen3moe-64e,mixtral-8e-12l,demo --budgets 10,25,50,100 --prompts 128,512 \
-    --decode 32 --accelerate-decode 8 --accelerate-prompts 128
+    --decode 64 --accelerate-decode 8 --accelerate-prompts 128
+$PY -m bench.lossy_cost --budgets 25,50 --n 20
 $PY bench/heatmap_bench.py

@@ -40,7 +40,7 @@ def measure_ours(args) -> dict:
 
     torch.set_num_threads(args.threads)
     runtime = MoERuntime(LoadOptions(model=args.model, budget=args.budget, store=args.store, device=args.device,
-                                     policy=args.policy, warm=not args.no_cache))
+                                     policy=args.policy, warm=not args.no_cache, fast_gemv=args.fast_gemv))
     layout = runtime.layout
     if args.no_cache:
         runtime.cache.forget_after_use = True  # baseline (c): every expert loaded on demand
@@ -77,6 +77,7 @@ def measure_ours(args) -> dict:
         "bytes_loaded": s.bytes_loaded,
         "dense_bytes": layout.dense_bytes,
         "peak_rss_bytes": peak_rss(),
+        "token_ids": result.token_ids,
     }
 
 
@@ -100,14 +101,15 @@ def _generate_timed(model, ids: list[int], decode: int) -> dict:
     clock = _TokenClock()
     start = time.perf_counter()
     with torch.inference_mode():
-        model.generate(input_ids, attention_mask=torch.ones_like(input_ids), do_sample=False, max_new_tokens=decode,
-                       min_new_tokens=decode, streamer=clock, pad_token_id=0)
+        sequences = model.generate(input_ids, attention_mask=torch.ones_like(input_ids), do_sample=False,
+                                   max_new_tokens=decode, min_new_tokens=decode, streamer=clock, pad_token_id=0)
     first, last = clock.times[1], clock.times[-1]
     return {
         "prefill_tokens_per_s": len(ids) / (first - start),
         "ttft_s": first - start,
         "decode_tokens_per_s": (decode - 1) / (last - first) if decode > 1 else 0.0,
         "decode_s": last - first,
+        "token_ids": sequences[0, len(ids):].tolist(),
     }
 
 
@@ -147,6 +149,7 @@ def main(argv=None) -> int:
     parser.add_argument("--store", default="disk")
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--policy", default="lru")
+    parser.add_argument("--fast-gemv", action="store_true", help="ours: decode GEMVs skip oneDNN (engine.gemv)")
     parser.add_argument("--routing", default="random", choices=["random", "trace"])
     parser.add_argument("--no-cache", action="store_true")
     parser.add_argument("--impl", default="grouped_mm")

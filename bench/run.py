@@ -148,9 +148,35 @@ def write(report: dict, out: Path) -> Path:
             f"{stock.get('decode_tokens_per_s', float('nan')):.2f} ({stock.get('peak_rss_bytes', 0) / 2**20:.0f} MiB) | "
             f"{acc.get('decode_tokens_per_s', float('nan')):.2f} ({acc.get('peak_rss_bytes', 0) / 2**20:.0f} MiB) | "
             f"{'' if eff is None else f'{eff:.2f}'} |")
+    lines += ["", *goal_lines(report)]
     stem.with_suffix(".md").write_text("\n".join(lines) + "\n")
     plot(report, stem.with_suffix(".png"))
     return stem
+
+
+def goal_lines(report: dict) -> list[str]:
+    """Issue 8's goals as ratios per model, prompt and routing (misses are findings, not failures)."""
+    lines = ["## Goals", "",
+             "| model | prompt | routing | ours/transformers at 100 % (goal >= 0.95) | ours/accelerate at 25 % "
+             "(goal >= 5) | ours/limit time at 25 % (goal <= 1.5) | peak RSS within dense + budget + 600 MiB |",
+             "|---|---|---|---|---|---|---|"]
+    rows = [r for r in report["rows"] if r.get("budget_pct") is not None and "error" not in r["moescope"]]
+    for key in sorted({(r["model"], r["prompt"], r["routing"]) for r in rows}, key=str):
+        sel = {r["budget_pct"]: r for r in rows if (r["model"], r["prompt"], r["routing"]) == key}
+
+        def ratio(num: float | None, den: float | None) -> str:
+            return f"{num / den:.2f}" if num and den else "n/a"
+
+        full, quarter = sel.get(100), sel.get(25)
+        vs_stock = ratio(full["moescope"]["decode_tokens_per_s"], full["transformers"].get("decode_tokens_per_s")) if full else "n/a"
+        vs_acc = (ratio(quarter["moescope"]["decode_tokens_per_s"], quarter["accelerate"].get("decode_tokens_per_s"))
+                  if quarter and "accelerate" in quarter else "n/a")
+        eff = quarter.get("limit", {}).get("efficiency") if quarter else None
+        within = [r["moescope"]["peak_rss_bytes"] <= r["moescope"]["dense_bytes"] + r["moescope"]["budget_bytes"] + 600 * 2**20
+                  for r in sel.values()]
+        lines.append(f"| {key[0]} | {key[1]} | {key[2]} | {vs_stock} | {vs_acc} | "
+                     f"{'n/a' if not eff else f'{1 / eff:.2f}'} | {sum(within)}/{len(within)} budgets |")
+    return lines
 
 
 def plot(report: dict, target: Path) -> None:

@@ -7,6 +7,9 @@ through the real worker process, interleaved repetitions, median.
 from __future__ import annotations
 
 import argparse
+import datetime as dt
+import json
+import platform
 import statistics
 import sys
 import threading
@@ -41,6 +44,7 @@ def main(argv=None) -> int:
     parser.add_argument("--budget", default="50%")
     parser.add_argument("--reps", type=int, default=5)
     parser.add_argument("--decode", type=int, default=64)
+    parser.add_argument("--out", type=Path, default=Path(__file__).resolve().parent / "results")
     args = parser.parse_args(argv)
     model = args.model
     if model != "demo" and not Path(model).is_dir():
@@ -66,8 +70,15 @@ def main(argv=None) -> int:
                 done = waiter.wait((p.Done,))
                 speeds[enabled].append(done.stats["decode_tokens_per_s"])
         on, off = statistics.median(speeds[True]), statistics.median(speeds[False])
-        print(f"decode tokens/s with telemetry {on:.2f}, without {off:.2f}: ratio {on / off:.3f} "
-              f"(median of {args.reps}; goal >= 0.98)")
+        line = (f"{args.model} at {args.budget}, disk store, {args.decode} decode tokens: decode tokens/s with telemetry "
+                f"(10 snapshots/s) {on:.2f}, without {off:.2f}: ratio {on / off:.3f} (median of {args.reps} interleaved; "
+                "goal >= 0.98)")
+        print(line)
+        args.out.mkdir(parents=True, exist_ok=True)
+        stem = f"telemetry-overhead-{platform.node() or 'host'}-{dt.date.today().isoformat()}"
+        (args.out / f"{stem}.md").write_text(line + "\n")
+        (args.out / f"{stem}.json").write_text(json.dumps({"model": args.model, "budget": args.budget, "on": speeds[True],
+                                                           "off": speeds[False], "ratio": on / off}, indent=1))
     finally:
         client.stop()
     return 0

@@ -16,6 +16,7 @@ import torch
 from transformers import DynamicCache
 
 from engine.errors import MoEScopeError, PromptTooLongError
+from engine.gemv import native_gemv
 from engine.runtime import MoERuntime
 from engine.sampling import Sampler, SamplingSettings
 
@@ -123,6 +124,7 @@ class Generator:
             )
         max_new = min(settings.max_new_tokens, context - len(prompt_ids))
         device = rt.device
+        fast_gemv = rt.options.fast_gemv and device.type == "cpu"
         sampler = Sampler(settings, device)
         eos = self.eos_ids()
         counters = rt.counters
@@ -142,9 +144,11 @@ class Generator:
         step_input = ids
         for step in range(max_new):
             attention = torch.ones((1, len(prompt_ids) + len(generated)), dtype=torch.long, device=device)
-            out = rt.model(
-                input_ids=step_input, attention_mask=attention, past_key_values=cache, use_cache=True, logits_to_keep=1
-            )
+            with native_gemv(fast_gemv and step > 0):  # prefill keeps oneDNN's GEMM
+                out = rt.model(
+                    input_ids=step_input, attention_mask=attention, past_key_values=cache, use_cache=True,
+                    logits_to_keep=1,
+                )
             token = sampler.next_token(out.logits[0, -1], seen)
             record = counters.end_token()
             rt.cache.policy.on_token_end()

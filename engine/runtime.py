@@ -36,6 +36,7 @@ class LoadOptions:
     allocation: str = "planned"  # planned | uniform: how a budget is split across layers
     cpu_experts: str = "never"  # auto | never: Fiddler's CPU execution of misses (GPU + RAM store only)
     trace: str | None = None  # record routing to this file (JSON lines, see engine.trace)
+    fast_gemv: bool = False  # decode steps skip oneDNN on CPU: faster, not bit-identical (engine.gemv)
 
 
 class MoERuntime:

@@ -54,3 +54,13 @@ def test_json_has_the_promised_stats(capsys, mixtral_checkpoint):
         assert key in stats
     assert stats["prefill_tokens"] == len(PROMPT)
     assert stats["peak_rss_bytes"] > 0
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_fast_gemv_leaves_float32_models_exact(capsys, tiny_checkpoints, references, family):
+    # --fast-gemv only re-routes bf16/fp16 matrix-vector products; float32 uses MKL either way.
+    import torch
+
+    result = run_generate(capsys, tiny_checkpoints[family], "30%", "disk", "--fast-gemv")
+    assert result["token_ids"] == references[family]
+    assert torch.backends.mkldnn.enabled  # the process-wide switch is restored after the reply

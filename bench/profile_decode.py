@@ -1,0 +1,109 @@
+"""Where a decode token's time goes (issue 10): expert matmuls, our bookkeeping, everything else.
+
+Runs the engine at budget `all` (RAM store) on a synthetic geometry, prefills a prompt, then
+decodes with a wall-clock split per token:
+- experts: the expert matmuls themselves (grouped or per-expert kernels, incl. their gathers);
+- bookkeeping: the rest of `ExpertCache.run_layer` (routing counts, cache lookups, telemetry
+  counters, sorting rows by slot);
+- model: everything outside the experts (attention, norms, router, embeddings, LM head, sampling).
+Also prints torch.profiler's top operators.
+
+    python -m bench.profile_decode [--geometry qwen3moe-64e] [--decode 32] [--threads 2] [--ops 15]
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import json
+import platform
+import sys
+import time
+from pathlib import Path
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m bench.profile_decode")
+    parser.add_argument("--geometry", default="qwen3moe-64e")
+    parser.add_argument("--prompt-len", type=int, default=128)
+    parser.add_argument("--decode", type=int, default=32)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--ops", type=int, default=15, help="top operators to list (0: skip the profiler)")
+    parser.add_argument("--fast-gemv", action="store_true", help="decode GEMVs skip oneDNN (engine.gemv)")
+    parser.add_argument("--out", type=Path, default=Path(__file__).resolve().parent / "results")
+    args = parser.parse_args(argv)
+
+    import torch
+
+    import engine.cache as cache_module
+    from bench.measure import prompt_ids
+    from bench.synthetic import build_checkpoint
+    from engine.generation import Generator
+    from engine.runtime import LoadOptions, MoERuntime
+    from engine.sampling import SamplingSettings
+
+    torch.set_num_threads(args.threads)
+    runtime = MoERuntime(LoadOptions(model=str(build_checkpoint(args.geometry)), budget="all", store="ram",
+                                       fast_gemv=args.fast_gemv))
+    clock = {"layer": 0.0, "kernels": 0.0}
+    run_layer, kernels_grouped, kernels_single = runtime.cache.run_layer, cache_module.grouped_expert_mlp, cache_module.expert_mlp
+
+    def timed(fn, key):
+        def wrapper(*a, **kw):
+            start = time.perf_counter()
+            try:
+                return fn(*a, **kw)
+            finally:
+                clock[key] += time.perf_counter() - start
+        return wrapper
+
+    # Instrument for this measurement only (a profiling script, not engine code).
+    runtime.cache.run_layer = timed(run_layer, "layer")
+    cache_module.grouped_expert_mlp = timed(kernels_grouped, "kernels")
+    cache_module.expert_mlp = timed(kernels_single, "kernels")
+    ids = prompt_ids(runtime.model.config.get_text_config().vocab_size, args.prompt_len)
+    generator = Generator(runtime)
+    generator.generate(ids[:8], SamplingSettings(max_new_tokens=4))  # warm-up
+
+    def decode_once() -> tuple[float, dict]:
+        marks: list[float] = []
+        snapshot: dict = {}
+
+        def on_token(_token: int) -> None:
+            marks.append(time.perf_counter())
+            if len(marks) == 1:
+                snapshot.update(clock)
+
+        generator.generate(ids, SamplingSettings(max_new_tokens=args.decode), on_token=on_token)
+        per_token = {k: (clock[k] - snapshot[k]) / (len(marks) - 1) for k in clock}
+        return (marks[-1] - marks[0]) / (len(marks) - 1), per_token
+
+    token_s, split = decode_once()
+    experts, bookkeeping = split["kernels"], split["layer"] - split["kernels"]
+    report = {
+        "geometry": args.geometry, "threads": args.threads, "fast_gemv": args.fast_gemv, "decode_tokens_per_s": 1 / token_s,
+        "ms_per_token": token_s * 1e3, "experts_ms": experts * 1e3, "bookkeeping_ms": bookkeeping * 1e3,
+        "model_ms": (token_s - split["layer"]) * 1e3, "bookkeeping_share": bookkeeping / token_s,
+    }
+    print(f"{args.geometry}, {args.threads} threads{', --fast-gemv' if args.fast_gemv else ''}: "
+          f"{report['decode_tokens_per_s']:.1f} tok/s = "
+          f"{report['ms_per_token']:.2f} ms/token: experts {report['experts_ms']:.2f} ms, "
+          f"bookkeeping {report['bookkeeping_ms']:.2f} ms ({report['bookkeeping_share']:.1%}), "
+          f"model {report['model_ms']:.2f} ms", flush=True)
+    if args.ops:
+        from torch.profiler import ProfilerActivity, profile
+
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            generator.generate(ids[:16], SamplingSettings(max_new_tokens=8))
+        print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=args.ops))
+    print(json.dumps(report))
+    args.out.mkdir(parents=True, exist_ok=True)
+    target = args.out / f"profile-decode-{platform.node() or 'host'}-{dt.date.today().isoformat()}.jsonl"
+    with target.open("a") as results:  # one line per run: before/after profiles side by side
+        results.write(json.dumps(report) + "\n")
+    runtime.close()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
