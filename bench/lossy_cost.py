@@ -2,7 +2,7 @@
 
 swapmoe restricts each router to the experts already resident, so it never misses — and its
 answers change. This measures by how much, at the budgets the speed benchmark uses:
-- perplexity of held-out demo chats (assistant and user text alike) through the engine;
+- perplexity of the answers of held-out demo chats, given their questions, through the engine;
 - held-out greedy accuracy per skill (the model card's metric).
 A lossless policy (lru) at the same budget equals the model itself, so it is the reference.
 
@@ -24,28 +24,48 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 RESULTS = Path(__file__).resolve().parent / "results"
 
 
-def heldout_text_ids(runtime, n_per_skill: int) -> list[int]:
-    """Held-out chats of every skill in the chat template, concatenated as one token stream."""
+def answer_perplexity(runtime, n_per_skill: int) -> float:
+    """exp(mean NLL) of the assistant's answer tokens of held-out chats, given the question.
+
+    Only answers are scored: the demo model is trained on answers only, so its predictions of the
+    user's words are meaningless.
+    """
+    import math
+
+    import torch
+    import torch.nn.functional as F
+
     from engine.demo.corpus import SKILLS, heldout
 
-    ids: list[int] = []
-    for skill in SKILLS:
-        for ex in heldout(skill, n_per_skill):
-            chat = [{"role": "user", "content": ex.user}, {"role": "assistant", "content": ex.assistant}]
-            ids += runtime.tokenizer.apply_chat_template(chat, tokenize=True, return_dict=False)
-    return ids
+    total, count = 0.0, 0
+    with torch.inference_mode():
+        for skill in SKILLS:
+            for ex in heldout(skill, n_per_skill):
+                question = runtime.tokenizer.apply_chat_template([{"role": "user", "content": ex.user}],
+                                                                 add_generation_prompt=True, tokenize=True,
+                                                                 return_dict=False)
+                chat = runtime.tokenizer.apply_chat_template(
+                    [{"role": "user", "content": ex.user}, {"role": "assistant", "content": ex.assistant}],
+                    tokenize=True, return_dict=False)
+                ids = torch.tensor([chat])
+                logits = runtime.model(input_ids=ids, attention_mask=torch.ones_like(ids), use_cache=False).logits
+                runtime.counters.end_token()
+                runtime.cache.policy.on_token_end()
+                start, end = len(question), ids.shape[1] - 1  # the answer through <|im_end|>, not the newline after
+                total += float(F.cross_entropy(logits[0, start - 1 : end - 1].float(), ids[0, start:end], reduction="sum"))
+                count += end - start
+    return math.exp(total / count)
 
 
 def measure(policy: str, budget: str, n: int) -> dict:
     from engine.demo.corpus import SKILLS, heldout
     from engine.demo.engine_backend import engine_answer_fn
     from engine.demo.evaluate import accuracy_per_skill
-    from engine.perplexity import perplexity
     from engine.runtime import LoadOptions, MoERuntime
 
     runtime = MoERuntime(LoadOptions(model="demo", budget=budget, store="ram", policy=policy))
     try:
-        ppl = perplexity(runtime, heldout_text_ids(runtime, n))
+        ppl = answer_perplexity(runtime, n)
         acc = accuracy_per_skill(engine_answer_fn(runtime), {s: heldout(s, n) for s in SKILLS})
     finally:
         runtime.close()
@@ -76,7 +96,7 @@ def write(rows: list[dict], args) -> None:
     (args.out / f"{stem}.json").write_text(json.dumps(rows, indent=1))
     skills = list(rows[0]["accuracy"])
     lines = [f"Quality cost of the lossy policy on the demo model — {args.n} held-out questions per skill, greedy.", "",
-             "| policy | budget | perplexity | mean accuracy | " + " | ".join(skills) + " |",
+             "| policy | budget | answer perplexity | mean accuracy | " + " | ".join(skills) + " |",
              "|---" * (4 + len(skills)) + "|"]
     for r in rows:
         acc = r["accuracy"]
