@@ -67,7 +67,11 @@ def run(args) -> dict:
         link = disk_read_bandwidth(files)
         memory = memory_read_bandwidth(threads=args.threads)
         print(f"== {name}: disk->RAM {link / 1e9:.2f} GB/s, memory read {memory / 1e9:.1f} GB/s", flush=True)
+        context = json.loads((path / "config.json").read_text()).get("max_position_embeddings") or 1 << 30
         for prompt in prompts:
+            if prompt + args.decode >= context:  # e.g. the demo model's 512-token context
+                print(f"   prompt {prompt} + {args.decode} decode tokens do not fit the {context}-token context: skipped")
+                continue
             common = ["--model", str(path), "--prompt-len", str(prompt), "--decode", str(args.decode),
                       "--threads", threads]
             stock = measure("stock", *common)
@@ -190,8 +194,12 @@ def plot(report: dict, target: Path) -> None:
         return
     rows = [r for r in report["rows"] if r.get("budget_pct") is not None and "error" not in r["moescope"]]
     panels = sorted({(r["model"], r["prompt"], r["routing"]) for r in rows})
-    fig, axes = plt.subplots(1, len(panels), figsize=(4.2 * len(panels), 3.4), squeeze=False)
-    for ax, key in zip(axes[0], panels, strict=True):
+    cols = min(4, len(panels))
+    grid_rows = -(-len(panels) // cols)
+    fig, axes = plt.subplots(grid_rows, cols, figsize=(4.2 * cols, 3.4 * grid_rows), squeeze=False)
+    for ax in axes.flat[len(panels):]:
+        ax.set_visible(False)
+    for ax, key in zip(axes.flat, panels, strict=False):
         sel = sorted((r for r in rows if (r["model"], r["prompt"], r["routing"]) == key), key=lambda r: r["budget_pct"])
         x = [r["budget_pct"] for r in sel]
         ax.plot(x, [r["moescope"]["decode_tokens_per_s"] for r in sel], "o-", label="MoEScope")
