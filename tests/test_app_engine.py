@@ -106,7 +106,9 @@ def test_panels_budget_slider_and_stop_against_the_engine(qtbot, tmp_path, endle
     qtbot.waitUntil(lambda: bool(events.done()), timeout=REPLY_MS)
 
     # the heatmap and hit-rate panels got the engine's data and drew it
-    qtbot.waitUntil(lambda: window.heatmap.updates > 0 and window.heatmap.data is not None, timeout=5000)
+    # The panel redraws on its refresh tick, so the reply's last snapshot may land a tick after Done:
+    # wait for a drawn picture with this reply's activations, not just any earlier (empty) one.
+    qtbot.waitUntil(lambda: window.heatmap.data is not None and window.heatmap.data.counts.sum() > 0, timeout=5000)
     loaded = events.of(p.ModelLoaded)[-1]
     assert window.heatmap.image.image.shape == (loaded.num_layers, loaded.num_experts)
     assert window.heatmap.data.counts.sum() > 0 and window.heatmap.peak > 0
