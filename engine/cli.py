@@ -34,7 +34,7 @@ def _add_model_args(p: argparse.ArgumentParser, *, budget_default: str = "all") 
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
     p.add_argument("--fast-gemv", action="store_true",
                    help="CPU decode: bf16/fp16 matrix-vector products through torch's native kernel, not oneDNN "
-                   "(about 1.3-1.4x faster decode; same float32 accumulation in another order, so not "
+                   "(about 1.5-1.7x faster decode in bench.decode_limit; same float32 accumulation in another order, so not "
                    "bit-identical to transformers' default kernel; float32 models unaffected)")
     p.add_argument("--allow-pickle", action="store_true", help="accept .bin/.pt weights (pickle can run code)")
     p.add_argument("--trust-remote-code", action="store_true", help="run Python code shipped with the model")
