@@ -10,18 +10,15 @@ experts implementation — 3 interleaved repetitions, median.
 from __future__ import annotations
 
 import argparse
-import datetime as dt
 import json
-import platform
 import statistics
 import subprocess
 import sys
 from pathlib import Path
 
 from bench.bandwidth import memory_read_bandwidth
+from bench.output import RESULTS_DIR, result_stem
 from bench.synthetic import build_checkpoint
-
-RESULTS = Path(__file__).resolve().parent / "results"
 
 
 def active_bytes_per_token(model_dir: Path) -> tuple[int, int]:
@@ -62,7 +59,7 @@ def main(argv=None) -> int:
     parser.add_argument("--prompt-len", type=int, default=128)
     parser.add_argument("--decode", type=int, default=64)
     parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--out", type=Path, default=RESULTS)
+    parser.add_argument("--out", type=Path, default=RESULTS_DIR)
     args = parser.parse_args(argv)
     common = ["--prompt-len", str(args.prompt_len), "--decode", str(args.decode), "--threads", str(args.threads)]
     rows = []
@@ -102,7 +99,7 @@ def main(argv=None) -> int:
 
 def write_results(rows: list[dict], args) -> None:
     args.out.mkdir(parents=True, exist_ok=True)
-    stem = f"decode-limit-{platform.node() or 'host'}-{dt.date.today().isoformat()}"
+    stem = result_stem("decode-limit")
     (args.out / f"{stem}.json").write_text(json.dumps({"threads": args.threads, "rows": rows}, indent=1))
     lines = [
         f"Decode vs the memory-bandwidth limit — {args.threads} threads, bf16, batch 1, {args.prompt_len}-token prompt, "

@@ -12,16 +12,15 @@ A lossless policy (lru) at the same budget equals the model itself, so it is the
 from __future__ import annotations
 
 import argparse
-import datetime as dt
 import json
 import os
-import platform
 import sys
 from pathlib import Path
 
+from bench.output import RESULTS_DIR, result_stem
+
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-RESULTS = Path(__file__).resolve().parent / "results"
 
 
 def answer_perplexity(runtime, n_per_skill: int) -> float:
@@ -77,7 +76,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench.lossy_cost")
     parser.add_argument("--budgets", default="25,50")
     parser.add_argument("--n", type=int, default=20, help="held-out questions per skill")
-    parser.add_argument("--out", type=Path, default=RESULTS)
+    parser.add_argument("--out", type=Path, default=RESULTS_DIR)
     args = parser.parse_args(argv)
     rows = []
     for budget in args.budgets.split(","):
@@ -92,7 +91,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def write(rows: list[dict], args) -> None:
     args.out.mkdir(parents=True, exist_ok=True)
-    stem = f"lossy-cost-{platform.node() or 'host'}-{dt.date.today().isoformat()}"
+    stem = result_stem("lossy-cost")
     (args.out / f"{stem}.json").write_text(json.dumps(rows, indent=1))
     skills = list(rows[0]["accuracy"])
     lines = [f"Quality cost of the lossy policy on the demo model — {args.n} held-out questions per skill, greedy.", "",

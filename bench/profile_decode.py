@@ -14,12 +14,12 @@ Also prints torch.profiler's top operators.
 from __future__ import annotations
 
 import argparse
-import datetime as dt
 import json
-import platform
 import sys
 import time
 from pathlib import Path
+
+from bench.output import RESULTS_DIR, result_stem
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -30,7 +30,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--ops", type=int, default=15, help="top operators to list (0: skip the profiler)")
     parser.add_argument("--fast-gemv", action="store_true", help="decode GEMVs skip oneDNN (engine.gemv)")
-    parser.add_argument("--out", type=Path, default=Path(__file__).resolve().parent / "results")
+    parser.add_argument("--out", type=Path, default=RESULTS_DIR)
     args = parser.parse_args(argv)
 
     import torch
@@ -98,7 +98,7 @@ def main(argv: list[str] | None = None) -> int:
         print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=args.ops))
     print(json.dumps(report))
     args.out.mkdir(parents=True, exist_ok=True)
-    target = args.out / f"profile-decode-{platform.node() or 'host'}-{dt.date.today().isoformat()}.jsonl"
+    target = args.out / f"{result_stem('profile-decode')}.jsonl"
     with target.open("a") as results:  # one line per run: before/after profiles side by side
         results.write(json.dumps(report) + "\n")
     runtime.close()

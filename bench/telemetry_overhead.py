@@ -7,14 +7,13 @@ through the real worker process, interleaved repetitions, median.
 from __future__ import annotations
 
 import argparse
-import datetime as dt
 import json
-import platform
 import statistics
 import sys
 import threading
 from pathlib import Path
 
+from bench.output import RESULTS_DIR, result_stem
 from engine import protocol as p
 from engine.client import EngineClient
 
@@ -44,7 +43,7 @@ def main(argv=None) -> int:
     parser.add_argument("--budget", default="50%")
     parser.add_argument("--reps", type=int, default=5)
     parser.add_argument("--decode", type=int, default=64)
-    parser.add_argument("--out", type=Path, default=Path(__file__).resolve().parent / "results")
+    parser.add_argument("--out", type=Path, default=RESULTS_DIR)
     args = parser.parse_args(argv)
     model = args.model
     if model != "demo" and not Path(model).is_dir():
@@ -75,7 +74,7 @@ def main(argv=None) -> int:
                 "goal >= 0.98)")
         print(line)
         args.out.mkdir(parents=True, exist_ok=True)
-        stem = f"telemetry-overhead-{platform.node() or 'host'}-{dt.date.today().isoformat()}"
+        stem = result_stem("telemetry-overhead")
         (args.out / f"{stem}.md").write_text(line + "\n")
         (args.out / f"{stem}.json").write_text(json.dumps({"model": args.model, "budget": args.budget, "on": speeds[True],
                                                            "off": speeds[False], "ratio": on / off}, indent=1))
