@@ -70,7 +70,7 @@ def main(argv=None) -> int:
         for _ in range(args.reps):  # interleaved, so drift in machine load hits every system alike
             bandwidth.append(memory_read_bandwidth(threads=args.threads))
             ours.append(run_measure("ours", "--model", str(path), "--budget", "all", "--store", "ram", *common))
-            fast.append(run_measure("ours", "--model", str(path), "--budget", "all", "--store", "ram", "--fast-gemv",
+            fast.append(run_measure("ours", "--model", str(path), "--budget", "all", "--store", "ram", "--fast-decode",
                                     *common))
             stock.append(run_measure("stock", "--model", str(path), *common))
         bw = statistics.median(bandwidth)
@@ -91,7 +91,7 @@ def main(argv=None) -> int:
             "stock_prefill_tokens_per_s": statistics.median(r["prefill_tokens_per_s"] for r in stock),
             "reps": {"ours": ours, "fast": fast, "stock": stock, "bandwidth": bandwidth},
         })
-        print(f"{name}: limit {limit:.1f} tok/s, ours {ours_tps:.1f}, ours --fast-gemv {fast_tps:.1f}, "
+        print(f"{name}: limit {limit:.1f} tok/s, ours {ours_tps:.1f}, ours --fast-decode {fast_tps:.1f}, "
               f"stock {stock_tps:.1f}, ours/limit {ours_tps / limit:.2f}, fast/limit {fast_tps / limit:.2f}", flush=True)
     write_results(rows, args)
     return 0
@@ -105,7 +105,7 @@ def write_results(rows: list[dict], args) -> None:
         f"Decode vs the memory-bandwidth limit — {args.threads} threads, bf16, batch 1, {args.prompt_len}-token prompt, "
         f"{args.decode} decode tokens, median of {args.reps} interleaved runs.",
         "",
-        "| geometry | active MB/token | read GB/s | limit tok/s | MoEScope tok/s | MoEScope --fast-gemv tok/s "
+        "| geometry | active MB/token | read GB/s | limit tok/s | MoEScope tok/s | MoEScope --fast-decode tok/s "
         "| transformers tok/s | MoEScope/limit | fast-gemv/limit | transformers/limit | same tokens as transformers "
         "(default / fast-gemv) | prefill MoEScope / fast-gemv / transformers tok/s |",
         "|---|---|---|---|---|---|---|---|---|---|---|---|",

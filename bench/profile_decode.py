@@ -29,7 +29,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--decode", type=int, default=32)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--ops", type=int, default=15, help="top operators to list (0: skip the profiler)")
-    parser.add_argument("--fast-gemv", action="store_true", help="decode GEMVs skip oneDNN (engine.gemv)")
+    parser.add_argument("--fast-decode", action="store_true", help="decode GEMVs skip oneDNN (engine.fast_decode)")
     parser.add_argument("--out", type=Path, default=RESULTS_DIR)
     args = parser.parse_args(argv)
 
@@ -44,7 +44,7 @@ def main(argv: list[str] | None = None) -> int:
 
     torch.set_num_threads(args.threads)
     runtime = MoERuntime(LoadOptions(model=str(build_checkpoint(args.geometry)), budget="all", store="ram",
-                                       fast_gemv=args.fast_gemv))
+                                       fast_decode=args.fast_decode))
     clock = {"layer": 0.0, "kernels": 0.0}
     run_layer, kernels_grouped, kernels_single = runtime.cache.run_layer, cache_module.grouped_expert_mlp, cache_module.expert_mlp
 
@@ -81,11 +81,11 @@ def main(argv: list[str] | None = None) -> int:
     token_s, split = decode_once()
     experts, bookkeeping = split["kernels"], split["layer"] - split["kernels"]
     report = {
-        "geometry": args.geometry, "threads": args.threads, "fast_gemv": args.fast_gemv, "decode_tokens_per_s": 1 / token_s,
+        "geometry": args.geometry, "threads": args.threads, "fast_decode": args.fast_decode, "decode_tokens_per_s": 1 / token_s,
         "ms_per_token": token_s * 1e3, "experts_ms": experts * 1e3, "bookkeeping_ms": bookkeeping * 1e3,
         "model_ms": (token_s - split["layer"]) * 1e3, "bookkeeping_share": bookkeeping / token_s,
     }
-    print(f"{args.geometry}, {args.threads} threads{', --fast-gemv' if args.fast_gemv else ''}: "
+    print(f"{args.geometry}, {args.threads} threads{', --fast-decode' if args.fast_decode else ''}: "
           f"{report['decode_tokens_per_s']:.1f} tok/s = "
           f"{report['ms_per_token']:.2f} ms/token: experts {report['experts_ms']:.2f} ms, "
           f"bookkeeping {report['bookkeeping_ms']:.2f} ms ({report['bookkeeping_share']:.1%}), "

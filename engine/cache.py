@@ -60,6 +60,7 @@ class ExpertCache:
         self.directory = CacheDirectory(slots_per_layer, policy)
         self.pools = [self._alloc(n) for n in slots_per_layer]
         self.views = [self._typed_views(pool) for pool in self.pools]
+        self.slot_views = [self._per_slot(views) for views in self.views]
         self.predictor = predictor
         self.tracer = None  # engine.trace.TraceWriter while a trace is being recorded
         self.cpu_experts = None  # engine.cpu_experts.CpuExperts when Fiddler's CPU execution is on
@@ -97,6 +98,13 @@ class ExpertCache:
             for p in self.layout.params
         }
 
+    @staticmethod
+    def _per_slot(views: dict[str, torch.Tensor]) -> list[dict[str, torch.Tensor]]:
+        """Each slot's weights as views, made once: indexing the pool per expert and token costs
+        more than the decode step's bookkeeping budget."""
+        count = next(iter(views.values())).shape[0] if views else 0
+        return [{name: view[slot] for name, view in views.items()} for slot in range(count)]
+
     def resident_matrix(self) -> np.ndarray:
         resident = np.zeros((self.layout.num_layers, self.layout.num_experts), dtype=bool)
         for layer, slots in enumerate(self.directory.slot_of):
@@ -123,6 +131,7 @@ class ExpertCache:
                 new[dst] = old[src]
             self.pools[layer] = new
             self.views[layer] = self._typed_views(new)
+            self.slot_views[layer] = self._per_slot(self.views[layer])
 
     def warm(self, order: Sequence[Sequence[int]] | None = None) -> int:
         """Fill every free slot (at load, so the first tokens do not all miss); returns bytes read."""
@@ -249,11 +258,18 @@ class ExpertCache:
         num_tokens, top_k = top_k_index.shape
         flat = top_k_index.reshape(-1)
         flat_host = flat.cpu().numpy()  # the one host sync per layer: which experts must be there
-        counts = np.bincount(flat_host, minlength=self.layout.num_experts)
-        needed = np.flatnonzero(counts).tolist()
+        if num_tokens == 1:  # a decode step: top-k picks are distinct, so no counting is needed
+            needed = sorted(flat_host.tolist())
+            counts = np.zeros(self.layout.num_experts, dtype=np.int64)
+            counts[needed] = 1
+            needed_counts = [1] * len(needed)
+        else:
+            counts = np.bincount(flat_host, minlength=self.layout.num_experts)
+            needed = np.flatnonzero(counts).tolist()
+            needed_counts = counts[needed].tolist()
         if self._jobs:
             self._collect_finished()
-        found = self.directory.lookup(layer, needed, counts[needed].tolist())
+        found = self.directory.lookup(layer, needed, needed_counts)
         self.counters.record_layer(layer, counts, len(found.ready) + len(found.inflight), len(found.missing),
                                    tokens=num_tokens, needed=needed)
         if self.policy.lookahead or self.tracer is not None:
@@ -261,8 +277,11 @@ class ExpertCache:
 
         weights = top_k_weights.reshape(-1)
         out_dtype = torch.promote_types(self.layout.params[0].dtype, weights.dtype)
+        if num_tokens == 1 and len(found.ready) == top_k:  # decode step, all resident: the lean path
+            if self.policy.prefetches:
+                self._prefetch(layer, set(needed))
+            return self._decode_resident(layer, module, hidden_states, flat_host.tolist(), weights, out_dtype)
         out = torch.empty((flat.numel(), hidden_states.shape[-1]), dtype=out_dtype, device=hidden_states.device)
-        views = self.views[layer]
         sorted_rows: list = []  # rows grouped by expert, built only if some expert runs on its own
 
         def rows_of(expert: int) -> torch.Tensor:
@@ -275,7 +294,7 @@ class ExpertCache:
         def compute(expert: int) -> None:
             slot = self.directory.slot_of[layer][expert]
             rows = rows_of(expert)
-            y = expert_mlp(module, hidden_states[rows // top_k], {k: v[slot] for k, v in views.items()})
+            y = expert_mlp(module, hidden_states[rows // top_k], self.slot_views[layer][slot])
             out[rows] = y * weights[rows].unsqueeze(-1)
 
         protected = set(needed)
@@ -316,6 +335,21 @@ class ExpertCache:
         if self.forget_after_use:
             self.directory.drop_all(layer)
         return out.view(num_tokens, top_k, -1).sum(dim=1).to(hidden_states.dtype)
+
+    def _decode_resident(self, layer: int, module: torch.nn.Module, hidden: torch.Tensor, picks: list[int],
+                         weights: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
+        """One token, every pick resident: each expert straight from its slot, in pick order.
+
+        Per expert, one-row `F.linear`s give the same bits as the grouped kernel's per-group
+        matmuls, and the weighting and sum over picks are the same ops as the general path, so
+        the output is identical; it only skips the sorting, gathers and scatters (most of a
+        decode step's bookkeeping at 64 experts)."""
+        slot_of, slots = self.directory.slot_of[layer], self.slot_views[layer]
+        rows = [expert_mlp(module, hidden, slots[slot_of[e]]) for e in picks]
+        out = torch.cat(rows).to(out_dtype) * weights.unsqueeze(-1)
+        if self.forget_after_use:
+            self.directory.drop_all(layer)
+        return out.view(1, len(picks), -1).sum(dim=1).to(hidden.dtype)
 
     def _compute_grouped(self, layer: int, module: torch.nn.Module, hidden: torch.Tensor, flat_host: np.ndarray,
                          experts: list[int], top_k: int, weights: torch.Tensor, out: torch.Tensor) -> None:

@@ -32,10 +32,11 @@ def _add_model_args(p: argparse.ArgumentParser, *, budget_default: str = "all") 
     p.add_argument("--trace", metavar="FILE", default=None,
                    help="record routing (request, token, layer, experts, weights) to FILE as JSON lines")
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
-    p.add_argument("--fast-gemv", action="store_true",
-                   help="CPU decode: bf16/fp16 matrix-vector products through torch's native kernel, not oneDNN "
-                   "(about 1.5-1.7x faster decode in bench.decode_limit; same float32 accumulation in another order, so not "
-                   "bit-identical to transformers' default kernel; float32 models unaffected)")
+    p.add_argument("--fast-decode", action="store_true",
+                   help="CPU decode steps with faster kernels: bf16/fp16 matrix-vector products through torch's native "
+                   "kernel instead of oneDNN, one-query attention as float32 matmuls instead of SDPA's flash kernel. "
+                   "Same arithmetic summed in another order, so not bit-identical to transformers' default kernels "
+                   "(bench.decode_limit counts the greedy tokens that still match); float32 models unaffected")
     p.add_argument("--allow-pickle", action="store_true", help="accept .bin/.pt weights (pickle can run code)")
     p.add_argument("--trust-remote-code", action="store_true", help="run Python code shipped with the model")
 
@@ -112,7 +113,7 @@ def _load(args: argparse.Namespace, *, budget: str | None = None):
         allocation=getattr(args, "allocation", "planned"),
         cpu_experts=getattr(args, "cpu_experts", "never"),
         trace=getattr(args, "trace", None),
-        fast_gemv=getattr(args, "fast_gemv", False),
+        fast_decode=getattr(args, "fast_decode", False),
     )
     runtime = MoERuntime(options)
     for note in (runtime.plan.note, runtime.profile_note, runtime.cpu_experts_note):

@@ -16,7 +16,7 @@ import torch
 from transformers import DynamicCache
 
 from engine.errors import MoEScopeError, PromptTooLongError
-from engine.gemv import native_gemv
+from engine.fast_decode import fast_decode_step
 from engine.runtime import MoERuntime
 from engine.sampling import Sampler, SamplingSettings
 
@@ -124,7 +124,7 @@ class Generator:
             )
         max_new = min(settings.max_new_tokens, context - len(prompt_ids))
         device = rt.device
-        fast_gemv = rt.options.fast_gemv and device.type == "cpu"
+        fast_decode = rt.options.fast_decode and device.type == "cpu"
         sampler = Sampler(settings, device)
         eos = self.eos_ids()
         counters = rt.counters
@@ -144,7 +144,7 @@ class Generator:
         step_input = ids
         for step in range(max_new):
             attention = torch.ones((1, len(prompt_ids) + len(generated)), dtype=torch.long, device=device)
-            with native_gemv(fast_gemv and step > 0):  # prefill keeps oneDNN's GEMM
+            with fast_decode_step(fast_decode and step > 0):  # prefill keeps transformers' kernels
                 out = rt.model(
                     input_ids=step_input, attention_mask=attention, past_key_values=cache, use_cache=True,
                     logits_to_keep=1,

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 import psutil
 import torch
 
-from engine import experts_impl
+from engine import experts_impl, fast_decode
 from engine.cache import ExpertCache
 from engine.counters import EngineCounters
 from engine.errors import MoEScopeError
@@ -36,7 +36,7 @@ class LoadOptions:
     allocation: str = "planned"  # planned | uniform: how a budget is split across layers
     cpu_experts: str = "never"  # auto | never: Fiddler's CPU execution of misses (GPU + RAM store only)
     trace: str | None = None  # record routing to this file (JSON lines, see engine.trace)
-    fast_gemv: bool = False  # decode steps skip oneDNN on CPU: faster, not bit-identical (engine.gemv)
+    fast_decode: bool = False  # CPU decode steps on faster kernels, not bit-identical (engine.fast_decode)
 
 
 class MoERuntime:
@@ -64,6 +64,8 @@ class MoERuntime:
             raise MoEScopeError(f"unknown allocation '{options.allocation}'; use planned or uniform")
         self.plan = self._plan(parse_budget(options.budget))
         policy = make_policy(options.policy)
+        if options.fast_decode and self.device.type == "cpu":
+            fast_decode.install(self.model)
         self.routers = RouterTaps(self.model, self.layout)
         self.cache = ExpertCache(
             self.layout, self.store, self.device, policy, self.plan.slots_per_layer, self.counters,

@@ -85,9 +85,9 @@ def save_tiny_checkpoint(family: str, path: Path, *, seed: int = 0, **overrides)
     return path
 
 
-def reference_generate(path: Path, prompt_ids: list[int], max_new_tokens: int) -> list[int]:
+def reference_generate(path: Path, prompt_ids: list[int], max_new_tokens: int, dtype=torch.float32) -> list[int]:
     """Plain transformers, everything in memory, greedy: the ground truth."""
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
     ids = torch.tensor([prompt_ids])
     out = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=max_new_tokens,
                          pad_token_id=0)
