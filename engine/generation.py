@@ -13,10 +13,10 @@ from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 
 import torch
-from transformers import DynamicCache
 
 from engine.errors import MoEScopeError, PromptTooLongError
 from engine.fast_decode import fast_decode_step
+from engine.kv_cache import new_cache
 from engine.runtime import MoERuntime
 from engine.sampling import Sampler, SamplingSettings
 
@@ -135,7 +135,7 @@ class Generator:
 
         ids = torch.tensor([list(prompt_ids)], dtype=torch.long, device=device)
         seen = ids[0].clone()
-        cache = DynamicCache(config=rt.model.config)
+        cache = new_cache(rt.model.config)
         generated: list[int] = []
         text = ""
         finish = "length"

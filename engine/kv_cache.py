@@ -1,0 +1,58 @@
+"""A key/value cache that grows in blocks instead of re-concatenating every step.
+
+transformers' `DynamicLayer` builds new key and value tensors with `torch.cat` at every token,
+copying the whole history (two allocations + copies per layer and token). `BlockLayer` keeps
+them in a buffer with room for `BLOCK` more tokens and hands out views of its filled part; the
+values are the same, only their storage differs, so attention computes the same result.
+"""
+
+from __future__ import annotations
+
+import torch
+from transformers import DynamicCache
+from transformers.cache_utils import DynamicLayer
+
+BLOCK = 256  # tokens of headroom per growth: at most this much unused memory per layer
+
+
+def _append(buffer: torch.Tensor | None, filled: torch.Tensor, new: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(buffer, view of its first n + m positions) after writing `new` behind the n in `filled`."""
+    n = filled.shape[-2] if filled.dim() == 4 else 0
+    m = new.shape[-2]
+    reusable = (buffer is not None and buffer.shape[:-2] == new.shape[:-2] and buffer.shape[-2] >= n + m
+                and (n == 0 or filled.data_ptr() == buffer.data_ptr()))  # `filled` may have been replaced (crop, beams)
+    if not reusable:
+        capacity = -(-(n + m + BLOCK) // BLOCK) * BLOCK
+        buffer = new.new_empty((*new.shape[:-2], capacity, new.shape[-1]))
+        if n:
+            buffer[..., :n, :].copy_(filled)
+    buffer[..., n : n + m, :].copy_(new)
+    return buffer, buffer[..., : n + m, :]
+
+
+class BlockLayer(DynamicLayer):
+    def __init__(self) -> None:
+        super().__init__()
+        self._key_buffer: torch.Tensor | None = None
+        self._value_buffer: torch.Tensor | None = None
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        self._key_buffer, self.keys = _append(self._key_buffer, self.keys, key_states)
+        self._value_buffer, self.values = _append(self._value_buffer, self.values, value_states)
+        return self.keys, self.values
+
+    def reset(self) -> None:
+        self._key_buffer = self._value_buffer = None
+        super().reset()
+
+
+def new_cache(config) -> DynamicCache:
+    """transformers' dynamic cache for `config`, its plain layers replaced by block-growing ones
+    (sliding-window and other special layers stay as they are)."""
+    cache = DynamicCache(config=config)
+    for index, layer in enumerate(cache.layers):
+        if type(layer) is DynamicLayer:
+            cache.layers[index] = BlockLayer()
+    return cache
