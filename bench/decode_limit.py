@@ -1,8 +1,10 @@
 """Decode speed against the memory-bandwidth limit (issue 10), side by side in one run.
 
 For each geometry: the limit = (bytes of weights one decode token reads) / (memory read
-bandwidth measured now), our engine at budget `all`, and stock transformers with its best
-experts implementation — 3 interleaved repetitions, median.
+bandwidth measured now), our engine at budget `all` (default and --fast-decode kernels), and
+stock transformers with its best experts implementation — 3 interleaved repetitions, median.
+Also the engine at a budget below `all` with the disk store, against time at `all` + the bytes it
+loaded per token / the disk bandwidth measured now (do loads overlap compute?).
 
     python -m bench.decode_limit [--reps 3] [--prompt-len 128] [--decode 64] [--out bench/results]
 """
@@ -16,7 +18,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from bench.bandwidth import memory_read_bandwidth
+from bench.bandwidth import disk_read_bandwidth, memory_read_bandwidth
 from bench.output import RESULTS_DIR, result_stem
 from bench.synthetic import build_checkpoint
 
@@ -52,6 +54,14 @@ def run_measure(*args: str) -> dict:
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
+def decode_s_per_token(run: dict) -> float:
+    return 1.0 / run["decode_tokens_per_s"]
+
+
+def median_of(runs: list[dict], key: str) -> float:
+    return statistics.median(r[key] for r in runs)
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench.decode_limit")
     parser.add_argument("--geometries", default="qwen3moe-64e,mixtral-8e")
@@ -59,6 +69,7 @@ def main(argv=None) -> int:
     parser.add_argument("--prompt-len", type=int, default=128)
     parser.add_argument("--decode", type=int, default=64)
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--offload-budget", default="50%", help="the budget < all run with the disk store")
     parser.add_argument("--out", type=Path, default=RESULTS_DIR)
     args = parser.parse_args(argv)
     common = ["--prompt-len", str(args.prompt_len), "--decode", str(args.decode), "--threads", str(args.threads)]
@@ -66,33 +77,45 @@ def main(argv=None) -> int:
     for name in args.geometries.split(","):
         path = build_checkpoint(name)
         active, _ = active_bytes_per_token(path)
-        ours, fast, stock, bandwidth = [], [], [], []
+        files = sorted(path.glob("*.safetensors"))
+        runs: dict[str, list[dict]] = {k: [] for k in ("ours", "fast", "stock", "ours_disk", "fast_disk")}
+        bandwidth, disk = [], []
+        ours = ["ours", "--model", str(path), *common]
         for _ in range(args.reps):  # interleaved, so drift in machine load hits every system alike
             bandwidth.append(memory_read_bandwidth(threads=args.threads))
-            ours.append(run_measure("ours", "--model", str(path), "--budget", "all", "--store", "ram", *common))
-            fast.append(run_measure("ours", "--model", str(path), "--budget", "all", "--store", "ram", "--fast-decode",
-                                    *common))
-            stock.append(run_measure("stock", "--model", str(path), *common))
-        bw = statistics.median(bandwidth)
+            disk.append(disk_read_bandwidth(files))
+            runs["ours"].append(run_measure(*ours, "--budget", "all", "--store", "ram"))
+            runs["fast"].append(run_measure(*ours, "--budget", "all", "--store", "ram", "--fast-decode"))
+            runs["stock"].append(run_measure("stock", "--model", str(path), *common))
+            runs["ours_disk"].append(run_measure(*ours, "--budget", args.offload_budget, "--store", "disk"))
+            runs["fast_disk"].append(run_measure(*ours, "--budget", args.offload_budget, "--store", "disk",
+                                                 "--fast-decode"))
+        bw, disk_bw = statistics.median(bandwidth), statistics.median(disk)
         limit = bw / active
-        ours_tps = statistics.median(r["decode_tokens_per_s"] for r in ours)
-        stock_tps = statistics.median(r["decode_tokens_per_s"] for r in stock)
-        fast_tps = statistics.median(r["decode_tokens_per_s"] for r in fast)
-        reference = stock[0]["token_ids"]
-        rows.append({
+        tps = {k: median_of(v, "decode_tokens_per_s") for k, v in runs.items()}
+        reference = runs["stock"][0]["token_ids"]
+        row = {
             "geometry": name, "active_bytes_per_token": active, "bandwidth_bytes_per_s": bw,
-            "limit_tokens_per_s": limit, "ours_tokens_per_s": ours_tps, "stock_tokens_per_s": stock_tps,
-            "ours_over_limit": ours_tps / limit, "stock_over_limit": stock_tps / limit,
-            "fast_tokens_per_s": fast_tps, "fast_over_limit": fast_tps / limit,
-            "ours_same_tokens": all(r["token_ids"] == reference for r in ours),
-            "fast_same_tokens_prefix": min(same_prefix(r["token_ids"], reference) for r in fast),
-            "fast_prefill_tokens_per_s": statistics.median(r["prefill_tokens_per_s"] for r in fast),
-            "ours_prefill_tokens_per_s": statistics.median(r["prefill_tokens_per_s"] for r in ours),
-            "stock_prefill_tokens_per_s": statistics.median(r["prefill_tokens_per_s"] for r in stock),
-            "reps": {"ours": ours, "fast": fast, "stock": stock, "bandwidth": bandwidth},
-        })
-        print(f"{name}: limit {limit:.1f} tok/s, ours {ours_tps:.1f}, ours --fast-decode {fast_tps:.1f}, "
-              f"stock {stock_tps:.1f}, ours/limit {ours_tps / limit:.2f}, fast/limit {fast_tps / limit:.2f}", flush=True)
+            "disk_bytes_per_s": disk_bw, "limit_tokens_per_s": limit,
+            **{f"{k}_tokens_per_s": v for k, v in tps.items()},
+            **{f"{k}_over_limit": tps[k] / limit for k in ("ours", "fast", "stock")},
+            **{f"{k}_prefill_tokens_per_s": median_of(runs[k], "prefill_tokens_per_s") for k in ("ours", "fast", "stock")},
+            "ours_same_tokens": all(r["token_ids"] == reference for r in runs["ours"] + runs["ours_disk"]),
+            "fast_same_tokens_prefix": min(same_prefix(r["token_ids"], reference) for r in runs["fast"] + runs["fast_disk"]),
+            "offload_budget": args.offload_budget,
+            "reps": {**runs, "bandwidth": bandwidth, "disk": disk},
+        }
+        for mode in ("ours", "fast"):  # goal: loads overlap compute instead of adding to it
+            loaded = median_of(runs[f"{mode}_disk"], "decode_bytes_per_token")
+            bound = 1 / tps[mode] + loaded / disk_bw
+            row[f"{mode}_disk_bytes_per_token"] = loaded
+            row[f"{mode}_disk_bound_s"] = bound
+            row[f"{mode}_disk_over_bound"] = (1 / tps[f"{mode}_disk"]) / bound
+        rows.append(row)
+        print(f"{name}: limit {limit:.1f} tok/s, ours {tps['ours']:.1f}, ours --fast-decode {tps['fast']:.1f}, "
+              f"stock {tps['stock']:.1f}, ours/limit {tps['ours'] / limit:.2f}, fast/limit {tps['fast'] / limit:.2f}; "
+              f"{args.offload_budget} disk: time/bound {row['ours_disk_over_bound']:.2f} "
+              f"(fast {row['fast_disk_over_bound']:.2f})", flush=True)
     write_results(rows, args)
     return 0
 
@@ -103,11 +126,12 @@ def write_results(rows: list[dict], args) -> None:
     (args.out / f"{stem}.json").write_text(json.dumps({"threads": args.threads, "rows": rows}, indent=1))
     lines = [
         f"Decode vs the memory-bandwidth limit — {args.threads} threads, bf16, batch 1, {args.prompt_len}-token prompt, "
-        f"{args.decode} decode tokens, median of {args.reps} interleaved runs.",
+        f"{args.decode} decode tokens, median of {args.reps} interleaved runs. Bandwidth: float32 sum over 1 GiB "
+        "(pure read, median of 7 passes) measured before each repetition.",
         "",
         "| geometry | active MB/token | read GB/s | limit tok/s | MoEScope tok/s | MoEScope --fast-decode tok/s "
-        "| transformers tok/s | MoEScope/limit | fast-gemv/limit | transformers/limit | same tokens as transformers "
-        "(default / fast-gemv) | prefill MoEScope / fast-gemv / transformers tok/s |",
+        "| transformers tok/s | MoEScope/limit | fast-decode/limit | transformers/limit | same tokens as transformers "
+        "(default / fast-decode) | prefill MoEScope / fast-decode / transformers tok/s |",
         "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
@@ -120,6 +144,22 @@ def write_results(rows: list[dict], args) -> None:
             f"{r['fast_same_tokens_prefix']} of {n} | {r['ours_prefill_tokens_per_s']:.0f} / "
             f"{r['fast_prefill_tokens_per_s']:.0f} / {r['stock_prefill_tokens_per_s']:.0f} |"
         )
+    lines += [
+        "",
+        "Budget < all with the disk store (goal: time per token <= 1.3 x (time at all + loaded bytes / disk "
+        "bandwidth), i.e. loads overlap compute):",
+        "",
+        "| geometry | budget | disk GB/s | mode | ms/token at all | MB loaded/token | bound ms | ms/token | time/bound |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        for mode, label in (("ours", "default"), ("fast", "--fast-decode")):
+            lines.append(
+                f"| {r['geometry']} | {r['offload_budget']} | {r['disk_bytes_per_s'] / 1e9:.2f} | {label} | "
+                f"{1e3 / r[f'{mode}_tokens_per_s']:.1f} | {r[f'{mode}_disk_bytes_per_token'] / 1e6:.0f} | "
+                f"{r[f'{mode}_disk_bound_s'] * 1e3:.1f} | {1e3 / r[f'{mode}_disk_tokens_per_s']:.1f} | "
+                f"{r[f'{mode}_disk_over_bound']:.2f} |"
+            )
     (args.out / f"{stem}.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
 

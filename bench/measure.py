@@ -75,6 +75,7 @@ def measure_ours(args) -> dict:
         "decode_s": decode_time,
         "total_s": s.total_s,
         "bytes_loaded": s.bytes_loaded,
+        "decode_bytes_per_token": s.decode_bytes_loaded / max(1, s.decode_tokens - 1),
         "dense_bytes": layout.dense_bytes,
         "peak_rss_bytes": peak_rss(),
         "token_ids": result.token_ids,

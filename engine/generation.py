@@ -17,7 +17,7 @@ import torch
 from engine.errors import MoEScopeError, PromptTooLongError
 from engine.fast_decode import fast_decode_step
 from engine.kv_cache import new_cache
-from engine.runtime import MoERuntime
+from engine.runtime import MoERuntime, last_position
 from engine.sampling import Sampler, SamplingSettings
 
 TextFn = Callable[[str], None]
@@ -36,6 +36,7 @@ class GenerationStats:
     hits: int = 0
     misses: int = 0
     bytes_loaded: int = 0
+    decode_bytes_loaded: int = 0  # by the steps after the first token (the ones decode_tokens_per_s times)
     stall_s: float = 0.0
     budget_bytes: int = 0
     peak_rss_bytes: int = 0
@@ -131,6 +132,7 @@ class Generator:
         counters.start_request()
         rt.cache.policy.on_request_start()
         stats_start = (counters.bytes_ondemand + counters.bytes_prefetch, counters.stall_s)
+        bytes_at_first = stats_start[0]
         decode_hits = decode_misses = 0
 
         ids = torch.tensor([list(prompt_ids)], dtype=torch.long, device=device)
@@ -147,13 +149,14 @@ class Generator:
             with fast_decode_step(fast_decode and step > 0):  # prefill keeps transformers' kernels
                 out = rt.model(
                     input_ids=step_input, attention_mask=attention, past_key_values=cache, use_cache=True,
-                    logits_to_keep=1,
+                    logits_to_keep=last_position(step_input),
                 )
             token = sampler.next_token(out.logits[0, -1], seen)
             record = counters.end_token()
             rt.cache.policy.on_token_end()
             if step == 0:
                 t_first = time.perf_counter()
+                bytes_at_first = counters.bytes_ondemand + counters.bytes_prefetch
             else:
                 decode_hits += record.hits
                 decode_misses += record.misses
@@ -186,6 +189,7 @@ class Generator:
             hits=int(counters.request_layer_hits.sum()),
             misses=int(counters.request_layer_misses.sum()),
             bytes_loaded=counters.bytes_ondemand + counters.bytes_prefetch - stats_start[0],
+            decode_bytes_loaded=counters.bytes_ondemand + counters.bytes_prefetch - bytes_at_first,
             stall_s=counters.stall_s - stats_start[1],
             budget_bytes=rt.cache.budget_bytes,
             peak_rss_bytes=peak_rss_bytes(),
