@@ -2,7 +2,8 @@
 
 Runs the engine at budget `all` (RAM store) on a synthetic geometry, prefills a prompt, then
 decodes with a wall-clock split per token:
-- experts: the expert matmuls themselves (grouped or per-expert kernels, incl. their gathers);
+- experts: the expert matmuls themselves (grouped or per-expert kernels, incl. their gathers) and,
+  on the one-token path, the routing-weighted sum of their outputs;
 - bookkeeping: the rest of `ExpertCache.run_layer` (routing counts, cache lookups, telemetry
   counters, sorting rows by slot);
 - model: everything outside the experts (attention, norms, router, embeddings, LM head, sampling).
@@ -30,6 +31,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--ops", type=int, default=15, help="top operators to list (0: skip the profiler)")
     parser.add_argument("--fast-decode", action="store_true", help="decode GEMVs skip oneDNN (engine.fast_decode)")
+    parser.add_argument("--label", default="", help="e.g. before/after: named in the results")
     parser.add_argument("--out", type=Path, default=RESULTS_DIR)
     args = parser.parse_args(argv)
 
@@ -43,10 +45,11 @@ def main(argv: list[str] | None = None) -> int:
     from engine.sampling import SamplingSettings
 
     torch.set_num_threads(args.threads)
-    runtime = MoERuntime(LoadOptions(model=str(build_checkpoint(args.geometry)), budget="all", store="ram",
-                                       fast_decode=args.fast_decode))
+    fast = {"fast_decode": True} if args.fast_decode else {}  # (so the script also profiles older engines)
+    runtime = MoERuntime(LoadOptions(model=str(build_checkpoint(args.geometry)), budget="all", store="ram", **fast))
     clock = {"layer": 0.0, "kernels": 0.0}
     run_layer, kernels_grouped, kernels_single = runtime.cache.run_layer, cache_module.grouped_expert_mlp, cache_module.expert_mlp
+    kernels_sum = getattr(cache_module, "weighted_sum", None)
 
     def timed(fn, key):
         def wrapper(*a, **kw):
@@ -61,6 +64,8 @@ def main(argv: list[str] | None = None) -> int:
     runtime.cache.run_layer = timed(run_layer, "layer")
     cache_module.grouped_expert_mlp = timed(kernels_grouped, "kernels")
     cache_module.expert_mlp = timed(kernels_single, "kernels")
+    if kernels_sum is not None:
+        cache_module.weighted_sum = timed(kernels_sum, "kernels")
     ids = prompt_ids(runtime.model.config.get_text_config().vocab_size, args.prompt_len)
     generator = Generator(runtime)
     generator.generate(ids[:8], SamplingSettings(max_new_tokens=4))  # warm-up
@@ -83,21 +88,38 @@ def main(argv: list[str] | None = None) -> int:
     report = {
         "geometry": args.geometry, "threads": args.threads, "fast_decode": args.fast_decode, "decode_tokens_per_s": 1 / token_s,
         "ms_per_token": token_s * 1e3, "experts_ms": experts * 1e3, "bookkeeping_ms": bookkeeping * 1e3,
-        "model_ms": (token_s - split["layer"]) * 1e3, "bookkeeping_share": bookkeeping / token_s,
+        "model_ms": (token_s - split["layer"]) * 1e3, "bookkeeping_share": bookkeeping / token_s, "label": args.label,
     }
     print(f"{args.geometry}, {args.threads} threads{', --fast-decode' if args.fast_decode else ''}: "
           f"{report['decode_tokens_per_s']:.1f} tok/s = "
           f"{report['ms_per_token']:.2f} ms/token: experts {report['experts_ms']:.2f} ms, "
           f"bookkeeping {report['bookkeeping_ms']:.2f} ms ({report['bookkeeping_share']:.1%}), "
           f"model {report['model_ms']:.2f} ms", flush=True)
-    if args.ops:
+    args.out.mkdir(parents=True, exist_ok=True)
+    if args.ops:  # torch.profiler over decode steps only: started at the first token, 8 tokens
         from torch.profiler import ProfilerActivity, profile
 
-        with profile(activities=[ProfilerActivity.CPU]) as prof:
-            generator.generate(ids[:16], SamplingSettings(max_new_tokens=8))
-        print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=args.ops))
+        prof = profile(activities=[ProfilerActivity.CPU])
+        started: list[bool] = []
+
+        def start_at_first_token(_token: int) -> None:
+            if not started:
+                started.append(True)
+                prof.start()
+
+        generator.generate(ids, SamplingSettings(max_new_tokens=9), on_token=start_at_first_token)
+        prof.stop()
+        table = prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=args.ops)
+        print(table)
+        mode = "fast-decode" if args.fast_decode else "default"
+        label = f"-{args.label}" if args.label else ""
+        (args.out / f"{result_stem('profile-decode')}-{args.geometry}-{mode}{label}.txt").write_text(
+            f"{args.geometry}, {args.threads} threads, {mode}{' (' + args.label + ')' if args.label else ''}: "
+            f"8 decode tokens after a {args.prompt_len}-token prompt, torch.profiler, by self CPU time\n"
+            f"split per token: {report['ms_per_token']:.2f} ms = experts {report['experts_ms']:.2f} + bookkeeping "
+            f"{report['bookkeeping_ms']:.2f} ({report['bookkeeping_share']:.1%}) + model {report['model_ms']:.2f}\n\n"
+            + table + "\n")
     print(json.dumps(report))
-    args.out.mkdir(parents=True, exist_ok=True)
     target = args.out / f"{result_stem('profile-decode')}.jsonl"
     with target.open("a") as results:  # one line per run: before/after profiles side by side
         results.write(json.dumps(report) + "\n")

@@ -33,7 +33,7 @@ import torch
 
 from engine.cache_directory import CacheDirectory, NoFreeSlotError
 from engine.counters import EngineCounters
-from engine.expert_mlp import expert_mlp, grouped_available, grouped_expert_mlp
+from engine.expert_mlp import expert_mlp, grouped_available, grouped_expert_mlp, weighted_sum
 from engine.layout import MoELayout
 from engine.loads import JobState, LoadJob, LoadQueue
 from engine.policies.base import CachePolicy
@@ -345,11 +345,10 @@ class ExpertCache:
         the output is identical; it only skips the sorting, gathers and scatters (most of a
         decode step's bookkeeping at 64 experts)."""
         slot_of, slots = self.directory.slot_of[layer], self.slot_views[layer]
-        rows = [expert_mlp(module, hidden, slots[slot_of[e]]) for e in picks]
-        out = torch.cat(rows).to(out_dtype) * weights.unsqueeze(-1)
+        outputs = [expert_mlp(module, hidden, slots[slot_of[e]]) for e in picks]
         if self.forget_after_use:
             self.directory.drop_all(layer)
-        return out.view(1, len(picks), -1).sum(dim=1).to(hidden.dtype)
+        return weighted_sum(outputs, weights, out_dtype, hidden.dtype)
 
     def _compute_grouped(self, layer: int, module: torch.nn.Module, hidden: torch.Tensor, flat_host: np.ndarray,
                          experts: list[int], top_k: int, weights: torch.Tensor, out: torch.Tensor) -> None:

@@ -30,6 +30,14 @@ def expert_mlp(module: torch.nn.Module, x: torch.Tensor, weights: dict[str, torc
     return h
 
 
+def weighted_sum(outputs: list[torch.Tensor], weights: torch.Tensor, out_dtype: torch.dtype,
+                 dtype: torch.dtype) -> torch.Tensor:
+    """One token's expert outputs (in pick order) times their routing weights, summed over picks:
+    the same ops, in the same order, as the many-token path's scatter and sum."""
+    weighted = torch.cat(outputs).to(out_dtype) * weights.unsqueeze(-1)
+    return weighted.view(1, len(outputs), -1).sum(dim=1).to(dtype)
+
+
 def grouped_available(weight: torch.Tensor) -> bool:
     """torch's grouped matmul (one kernel call for many experts) exists for this device and dtype."""
     return hasattr(F, "grouped_mm") and (weight.device.type != "cuda" or torch.cuda.get_device_capability(weight.device) >= (8, 0))
