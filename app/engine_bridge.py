@@ -52,8 +52,11 @@ class EngineBridge(QObject):
         self.model = None
         self.send(p.LoadModel(path=path, budget=budget, policy=policy or "lru"))
 
+    def set_fast_decode(self, enabled: bool) -> None:
+        self.send(p.SetFastDecode(enabled))
+
     def restart(self) -> None:
-        """A new worker, reloading the last model with the budget and policy in force."""
+        """A new worker, reloading the last model with the budget, policy and kernels in force."""
         self.crashed = False
         self.model = None
         self.client.restart(reload=True)

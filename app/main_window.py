@@ -81,6 +81,7 @@ class MainWindow(QMainWindow):
         self.banner.restart_requested.connect(self.restart_engine)
         self.budget.budget_requested.connect(self.set_budget)
         self.system.policy_requested.connect(self.set_policy)
+        self.system.fast_decode_requested.connect(self.bridge.set_fast_decode)
         self.model_bar.open_folder_requested.connect(self.open_model)
         self.model_bar.library_requested.connect(self.open_library)
         self.library: LibraryDialog | None = None  # made on first use, then kept: downloads outlive it closing

@@ -55,3 +55,38 @@ def disk_read_bandwidth(files: list[Path], limit_bytes: int = 1 << 30, chunk: in
         if done >= limit_bytes:
             break
     return done / (time.perf_counter() - start)
+
+
+def disk_random_read_bandwidth(files: list[Path], piece_bytes: int, limit_bytes: int = 512 << 20,
+                               seed: int = 0) -> float:
+    """Bytes/s reading `piece_bytes` pieces (one expert's size) at random offsets, pages dropped:
+    the access pattern of any loader that fetches the experts a token happens to need. On this
+    VM's virtual disk it is 2-3x below the sequential figure whatever the piece size or the
+    number of threads (bench note in bench/decode_limit.py)."""
+    import random
+
+    rng = random.Random(seed)
+    sizes = [(path, path.stat().st_size) for path in files if path.stat().st_size > piece_bytes]
+    buf = bytearray(piece_bytes)
+    view = memoryview(buf)
+    done = 0
+    fds = {path: os.open(path, os.O_RDONLY) for path, _ in sizes}
+    try:
+        for fd in fds.values():
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        start = time.perf_counter()
+        while done < limit_bytes:
+            path, size = rng.choice(sizes)
+            offset = rng.randrange(0, size - piece_bytes) // 4096 * 4096
+            got = 0
+            while got < piece_bytes:
+                n = os.preadv(fds[path], [view[got:]], offset + got)
+                if n <= 0:
+                    break
+                got += n
+            os.posix_fadvise(fds[path], offset, piece_bytes, os.POSIX_FADV_DONTNEED)
+            done += got
+        return done / (time.perf_counter() - start)
+    finally:
+        for fd in fds.values():
+            os.close(fd)

@@ -69,6 +69,8 @@ class EngineClient:
             self.last_load.budget = command.budget  # a restart reloads with the budget in force
         if isinstance(command, p.SetPolicy) and self.last_load is not None:
             self.last_load.policy = command.policy
+        if isinstance(command, p.SetFastDecode) and self.last_load is not None:
+            self.last_load.fast_decode = command.enabled
         with self._send_lock:
             if self._conn is None:
                 raise RuntimeError("the engine is not started")

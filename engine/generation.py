@@ -125,7 +125,6 @@ class Generator:
             )
         max_new = min(settings.max_new_tokens, context - len(prompt_ids))
         device = rt.device
-        fast_decode = rt.options.fast_decode and device.type == "cpu"
         sampler = Sampler(settings, device)
         eos = self.eos_ids()
         counters = rt.counters
@@ -146,7 +145,8 @@ class Generator:
         step_input = ids
         for step in range(max_new):
             attention = torch.ones((1, len(prompt_ids) + len(generated)), dtype=torch.long, device=device)
-            with fast_decode_step(fast_decode and step > 0):  # prefill keeps transformers' kernels
+            fast = rt.options.fast_decode and device.type == "cpu" and step > 0  # read per step: switchable live
+            with fast_decode_step(fast):  # prefill keeps transformers' kernels
                 out = rt.model(
                     input_ids=step_input, attention_mask=attention, past_key_values=cache, use_cache=True,
                     logits_to_keep=last_position(step_input),

@@ -53,6 +53,7 @@ class LoadModel:
     dtype: str = "auto"
     allow_pickle: bool = False
     trust_remote_code: bool = False
+    fast_decode: bool = False  # CPU decode kernels that are faster but not bit-identical
 
 
 @dataclass
@@ -77,6 +78,11 @@ class SetBudget:
 @dataclass
 class SetPolicy:
     policy: str
+
+
+@dataclass
+class SetFastDecode:
+    enabled: bool  # CPU decode kernels that are faster but not bit-identical (engine.fast_decode)
 
 
 @dataclass
@@ -163,7 +169,7 @@ class CancelDownload:
 LIBRARY_COMMANDS = (ListLibrary, SearchLibrary, EstimateModel, DownloadModel, CancelDownload)
 
 Command = (
-    LoadModel | Generate | Cancel | SetBudget | SetPolicy | SetTelemetry | Unload | Shutdown
+    LoadModel | Generate | Cancel | SetBudget | SetPolicy | SetFastDecode | SetTelemetry | Unload | Shutdown
     | ListLibrary | SearchLibrary | EstimateModel | DownloadModel | CancelDownload
 )
 
@@ -207,6 +213,8 @@ class ModelLoaded:
     policies: list[PolicyInfo]
     load_seconds: float
     budget_note: str = ""  # e.g. the budget was clamped to the minimum
+    fast_decode: bool = False  # faster CPU decode kernels on (not bit-identical; engine.fast_decode)
+    fast_decode_available: bool = False  # a CPU engine on a bf16/fp16 model: the switch changes something
 
 
 @dataclass
@@ -223,6 +231,12 @@ class Done:
     text: str
     token_ids: list[int]
     stats: dict  # engine.generation.GenerationStats as a dict
+
+
+@dataclass
+class FastDecodeChanged:
+    enabled: bool
+    available: bool
 
 
 @dataclass

@@ -195,6 +195,18 @@ class MoERuntime:
         self.cache.resize(self.plan.slots_per_layer)
         return self.plan
 
+    @property
+    def fast_decode_available(self) -> bool:
+        """The fast kernels change something here: a CPU engine running bf16/fp16 weights."""
+        return self.device.type == "cpu" and self.dtype in (torch.bfloat16, torch.float16)
+
+    def set_fast_decode(self, enabled: bool) -> bool:
+        """Switch the fast decode kernels, between tokens; returns whether they are on now."""
+        if enabled and self.device.type == "cpu":
+            fast_decode.install(self.model)  # idempotent: the attention only deviates inside a fast step
+        self.options.fast_decode = enabled and self.device.type == "cpu"
+        return self.options.fast_decode
+
     def set_policy(self, name: str) -> None:
         """Switch policy between tokens: residents stay; the new policy learns from here on."""
         policy = make_policy(name)

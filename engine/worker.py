@@ -110,6 +110,8 @@ class Worker:
                 raise MoEScopeError(str(exc)) from None
             name, _ = parse_policy(command.policy)  # "promoe:k=3" -> "promoe"
             self.send(p.PolicyChanged(command.policy, POLICIES[name].lossless))
+        elif isinstance(command, p.SetFastDecode):
+            self.send(p.FastDecodeChanged(runtime.set_fast_decode(command.enabled), runtime.fast_decode_available))
         self._snapshot(force=True)  # the panels show the change at once, even mid-reply
 
     def _require_model(self):
@@ -126,7 +128,7 @@ class Worker:
         self._unload()
         options = LoadOptions(model=command.path, budget=command.budget, store=command.store, device=command.device,
                               policy=command.policy, dtype=command.dtype, allow_pickle=command.allow_pickle,
-                              trust_remote_code=command.trust_remote_code)
+                              trust_remote_code=command.trust_remote_code, fast_decode=command.fast_decode)
         self.send(p.LoadProgress(0.0, f"opening {command.path}"))
         self.state = "loading"
         try:
@@ -148,6 +150,7 @@ class Worker:
             policy=runtime.cache.policy.name,
             policies=[p.PolicyInfo(name, cls.lossless, cls.description) for name, cls in POLICIES.items()],
             load_seconds=runtime.load_seconds, budget_note=runtime.plan.note,
+            fast_decode=runtime.options.fast_decode, fast_decode_available=runtime.fast_decode_available,
         ))
         self._snapshot(force=True)
 
@@ -210,7 +213,7 @@ class Worker:
                 return True
             if isinstance(command, p.Cancel):
                 stop = stop or command.request_id in (None, request_id)
-            elif isinstance(command, (p.SetBudget, p.SetPolicy, p.SetTelemetry)):
+            elif isinstance(command, (p.SetBudget, p.SetPolicy, p.SetFastDecode, p.SetTelemetry)):
                 try:
                     self._apply_live(command)
                 except Exception as exc:

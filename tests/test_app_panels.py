@@ -241,3 +241,22 @@ def test_system_panel_lists_policies_with_lossy_marked(qtbot):
     assert panel.state.text() == "decoding"
     panel.on_event(p.Error("engine-crashed", "killed", False))
     assert panel.state.text() == "crashed" and not panel.policy.isEnabled()
+
+
+def test_system_panel_fast_decode_switch_is_labelled_and_follows_the_engine(qtbot):
+    panel = SystemPanel()
+    qtbot.addWidget(panel)
+    assert not panel.fast_decode.isEnabled()  # nothing loaded yet
+    loaded = model_loaded()
+    loaded.fast_decode_available = True
+    panel.on_event(loaded)
+    assert panel.fast_decode.isEnabled() and not panel.fast_decode.isChecked()
+    assert "not bit-identical" in panel.fast_decode.text()
+    with qtbot.waitSignal(panel.fast_decode_requested) as blocker:
+        panel.fast_decode.click()  # as a user click does: toggles and emits clicked
+    assert blocker.args == [True]
+    panel.on_event(p.FastDecodeChanged(enabled=True, available=True))
+    assert panel.fast_decode.isChecked()
+    panel.on_event(p.FastDecodeChanged(enabled=False, available=False))  # e.g. a float32 model: nothing to switch
+    assert not panel.fast_decode.isEnabled() and not panel.fast_decode.isChecked()
+    assert "bf16" in panel.fast_decode.toolTip()

@@ -57,23 +57,14 @@ def test_streamed_reply_equals_the_cli(engine, endless_checkpoint, capsys):
 
 def test_cancel_stops_within_a_token_and_the_next_request_works(engine):
     client, log = engine
-    cancelled_at: list[int] = []
-
-    def cancel_on_third_token(event) -> None:
-        if isinstance(event, p.Token) and event.request_id == "long" and not cancelled_at:
-            tokens = [e for e in log.of(p.Token) if e.request_id == "long"]
-            if len(tokens) >= 3:
-                cancelled_at.append(len(tokens))
-                client.send(p.Cancel("long"))
-
-    original = client.on_event
-    client.on_event = lambda e: (original(e), cancel_on_third_token(e))
+    # The cancel is in the pipe before the first token: the worker reads it between tokens 1 and 2.
+    # (Sending it on the Nth streamed token instead races the reader thread against a tiny model's
+    # ~1 ms tokens, so how many more tokens come depends on the machine's load, not on the worker.)
     client.send(p.Generate("long", prompt_ids=PROMPT_IDS, sampling=p.SamplingParams(temperature=0, max_new_tokens=200)))
+    client.send(p.Cancel("long"))
     done = done_for(log, "long")
     assert done.finish_reason == "cancelled"
-    # The cancel was sent on token 3; the worker reads it before the next token, and one more may be in flight.
-    assert len(done.token_ids) <= cancelled_at[0] + 2
-    client.on_event = original
+    assert 1 <= len(done.token_ids) <= 2
     client.send(p.Generate("next", prompt_ids=PROMPT_IDS, sampling=p.SamplingParams(temperature=0, max_new_tokens=5)))
     assert done_for(log, "next").finish_reason == "length"
 
@@ -130,6 +121,30 @@ def test_sigkill_mid_reply_is_reported_and_restart_reloads(engine):
     assert isinstance(log.wait_for(lambda e: isinstance(e, (p.ModelLoaded, p.Error)), start=mark), p.ModelLoaded)
     client.send(p.Generate("after", prompt_ids=PROMPT_IDS, sampling=p.SamplingParams(temperature=0, max_new_tokens=4)))
     assert len(done_for(log, "after", mark).token_ids) == 4
+
+
+def test_fast_decode_switch_applies_live_and_survives_a_restart(endless_checkpoint):
+    client, log = started_client()
+    try:
+        client.send(p.LoadModel(path=str(endless_checkpoint), budget="all", store="ram", dtype="bfloat16"))
+        loaded = log.wait_for(lambda e: isinstance(e, (p.ModelLoaded, p.Error)))
+        assert isinstance(loaded, p.ModelLoaded) and not loaded.fast_decode and loaded.fast_decode_available
+        mark = log.mark()
+        client.send(p.SetFastDecode(True))
+        changed = log.wait_for(lambda e: isinstance(e, p.FastDecodeChanged), start=mark)
+        assert changed.enabled and changed.available
+        client.send(p.Generate("f", prompt_ids=PROMPT_IDS, sampling=p.SamplingParams(temperature=0, max_new_tokens=8)))
+        assert len(done_for(log, "f", mark).token_ids) == 8
+        mark = log.mark()
+        client.restart(reload=True)  # e.g. after a crash: the switch stays as the user left it
+        reloaded = log.wait_for(lambda e: isinstance(e, (p.ModelLoaded, p.Error)), start=mark)
+        assert isinstance(reloaded, p.ModelLoaded) and reloaded.fast_decode
+        mark = log.mark()
+        client.send(p.LoadModel(path=str(endless_checkpoint), budget="all", store="ram"))  # float32: exact kernels only
+        plain = log.wait_for(lambda e: isinstance(e, (p.ModelLoaded, p.Error)), start=mark)
+        assert isinstance(plain, p.ModelLoaded) and not plain.fast_decode_available
+    finally:
+        client.stop()
 
 
 def test_corrupt_checkpoint_is_an_error_and_the_worker_stays(tmp_path, endless_checkpoint):

@@ -1,13 +1,19 @@
-"""System: RAM and VRAM use, the engine's state, and the cache policy picker (lossy ones marked)."""
+"""System: RAM and VRAM use, the engine's state, the cache policy picker (lossy ones marked) and the
+fast decode kernels switch (labelled: not bit-identical)."""
 
 from __future__ import annotations
 
 from PySide6.QtCore import Signal
-from PySide6.QtWidgets import QComboBox, QFormLayout, QLabel, QProgressBar, QWidget
+from PySide6.QtWidgets import QCheckBox, QComboBox, QFormLayout, QLabel, QProgressBar, QWidget
 
 from app.panels.base import Panel
 from app.stats_format import format_bytes
 from engine import protocol as p
+
+FAST_DECODE_TEXT = "Fast decode kernels (not bit-identical)"
+FAST_DECODE_TIP = ("CPU decode steps use torch's native matrix-vector kernel and float32-matmul attention: "
+                   "about 1.5x faster decode, same arithmetic summed in another order, so replies can differ "
+                   "from plain transformers in rare near-ties. Off: every token equals transformers'.")
 
 
 def policy_label(info: p.PolicyInfo) -> str:
@@ -24,6 +30,7 @@ class SystemPanel(Panel):
     title = "System"
     dock_name = "dock-system"
     policy_requested = Signal(str)
+    fast_decode_requested = Signal(bool)
 
     def __init__(self, parent: QWidget | None = None) -> None:
         super().__init__(parent)
@@ -42,6 +49,10 @@ class SystemPanel(Panel):
         self.policy.activated.connect(self._picked)
         self.policy_note = QLabel("")
         self.policy_note.setWordWrap(True)
+        self.fast_decode = QCheckBox(FAST_DECODE_TEXT)
+        self.fast_decode.setToolTip(FAST_DECODE_TIP)
+        self.fast_decode.setEnabled(False)
+        self.fast_decode.clicked.connect(self._fast_decode_clicked)  # user clicks only, not setChecked
 
         form = QFormLayout(self)
         form.setContentsMargins(6, 6, 6, 6)
@@ -51,6 +62,7 @@ class SystemPanel(Panel):
         form.addRow(self.vram_label, self.vram)
         form.addRow("Cache policy", self.policy)
         form.addRow("", self.policy_note)
+        form.addRow("Kernels", self.fast_decode)
         self._show_vram(False)
 
     def _show_vram(self, visible: bool) -> None:
@@ -77,13 +89,29 @@ class SystemPanel(Panel):
             self.policy.setEnabled(True)
             self.policies = list(event.policies)
             self._describe()
+            self._show_fast_decode(event.fast_decode, event.fast_decode_available)
+        elif isinstance(event, p.FastDecodeChanged):
+            self._show_fast_decode(event.enabled, event.available)
         elif isinstance(event, p.PolicyChanged):
             self.policy.setCurrentIndex(max(0, self.policy.findData(event.policy)))
             self._describe()
         elif isinstance(event, p.Error) and event.kind == "engine-crashed":
             self.policy.setEnabled(False)
+            self.fast_decode.setEnabled(False)
             self.snapshot = None
             self.set_state("crashed")
+
+    def _fast_decode_clicked(self) -> None:
+        self.fast_decode_requested.emit(self.fast_decode.isChecked())
+
+    def _show_fast_decode(self, enabled: bool, available: bool) -> None:
+        self.fast_decode.setChecked(enabled)
+        self.fast_decode.setEnabled(available)
+        if not available:
+            self.fast_decode.setToolTip("Only for CPU engines running bf16/fp16 weights; this model's kernels are "
+                                        "already the exact ones.")
+        else:
+            self.fast_decode.setToolTip(FAST_DECODE_TIP)
 
     def _describe(self) -> None:
         current = self.policy.currentData()
