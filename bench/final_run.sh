@@ -3,8 +3,8 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-.venv/bin/python}
-$PY -m bench.profile_decode --geometry qwen3moe-64e --ops 0
-$PY -m bench.profile_decode --geometry qwen3moe-64e --ops 0 --fast-decode
+$PY -m bench.profile_decode --geometry qwen3moe-64e --ops 25 --label after
+$PY -m bench.profile_decode --geometry qwen3moe-64e --ops 25 --label after --fast-decode
 $PY -m bench.decode_limit --reps 3 --threads 2 --decode 64
 $PY -m bench.telemetry_overhead --model qwen3moe-64e --budget 50% --reps 5 --decode 64
 $PY -m bench.run --models qwen3moe-64e,mixtral-8e-12l,demo --budgets 10,25,50,100 --prompts 128,512 \

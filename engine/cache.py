@@ -257,13 +257,14 @@ class ExpertCache:
     ) -> torch.Tensor:
         num_tokens, top_k = top_k_index.shape
         flat = top_k_index.reshape(-1)
-        flat_host = flat.cpu().numpy()  # the one host sync per layer: which experts must be there
-        if num_tokens == 1:  # a decode step: top-k picks are distinct, so no counting is needed
-            needed = sorted(flat_host.tolist())
-            counts = np.zeros(self.layout.num_experts, dtype=np.int64)
-            counts[needed] = 1
+        # The one host sync per layer: which experts must be there.
+        picks = flat.tolist() if num_tokens == 1 else None
+        if picks is not None and len(set(picks)) == len(picks):  # a decode step: no counting, no numpy
+            flat_host, counts, needed = None, None, sorted(picks)
             needed_counts = [1] * len(needed)
         else:
+            picks = None
+            flat_host = flat.cpu().numpy()
             counts = np.bincount(flat_host, minlength=self.layout.num_experts)
             needed = np.flatnonzero(counts).tolist()
             needed_counts = counts[needed].tolist()
@@ -272,15 +273,19 @@ class ExpertCache:
         found = self.directory.lookup(layer, needed, needed_counts)
         self.counters.record_layer(layer, counts, len(found.ready) + len(found.inflight), len(found.missing),
                                    tokens=num_tokens, needed=needed)
+        lean = picks is not None and len(found.ready) == top_k  # decode step, every pick resident
+        if counts is None and not lean:
+            flat_host = np.asarray(picks)
+            counts = np.bincount(flat_host, minlength=self.layout.num_experts)
         if self.policy.lookahead or self.tracer is not None:
             self._observe_routing(layer, hidden_states, top_k_index, top_k_weights)
 
         weights = top_k_weights.reshape(-1)
         out_dtype = torch.promote_types(self.layout.params[0].dtype, weights.dtype)
-        if num_tokens == 1 and len(found.ready) == top_k:  # decode step, all resident: the lean path
+        if lean:
             if self.policy.prefetches:
                 self._prefetch(layer, set(needed))
-            return self._decode_resident(layer, module, hidden_states, flat_host.tolist(), weights, out_dtype)
+            return self._decode_resident(layer, module, hidden_states, picks, weights, out_dtype)
         out = torch.empty((flat.numel(), hidden_states.shape[-1]), dtype=out_dtype, device=hidden_states.device)
         sorted_rows: list = []  # rows grouped by expert, built only if some expert runs on its own
 

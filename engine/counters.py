@@ -48,11 +48,18 @@ class EngineCounters:
         self.request_layer_misses[:] = 0
         self.request_stall_s = 0.0
 
-    def record_layer(self, layer: int, counts: np.ndarray, hits: int, misses: int, *, tokens: int = 1,
+    def record_layer(self, layer: int, counts: np.ndarray | None, hits: int, misses: int, *, tokens: int = 1,
                      needed: list[int] | None = None) -> None:
+        """`counts[e]`: tokens routed to expert e; None means one token each for the (distinct) `needed`."""
         self.miss_curves.record(layer, np.flatnonzero(counts) if needed is None else needed, tokens)
-        self.activation_request[layer] += counts
-        self.activation_total[layer] += counts
+        if counts is None:  # a few scalar adds beat numpy's fancy indexing (~3x) at top-k sizes
+            request, total = self.activation_request[layer], self.activation_total[layer]
+            for e in needed:
+                request[e] += 1
+                total[e] += 1
+        else:
+            self.activation_request[layer] += counts
+            self.activation_total[layer] += counts
         self.layer_hits[layer] += hits
         self.layer_misses[layer] += misses
         self.request_layer_hits[layer] += hits
