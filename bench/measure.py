@@ -40,7 +40,8 @@ def measure_ours(args) -> dict:
 
     torch.set_num_threads(args.threads)
     runtime = MoERuntime(LoadOptions(model=args.model, budget=args.budget, store=args.store, device=args.device,
-                                     policy=args.policy, warm=not args.no_cache, fast_decode=args.fast_decode))
+                                     policy=args.policy, warm=not args.no_cache, fast_decode=args.fast_decode,
+                                     pack_weights=not args.no_pack_weights))
     layout = runtime.layout
     if args.no_cache:
         runtime.cache.forget_after_use = True  # baseline (c): every expert loaded on demand
@@ -150,6 +151,7 @@ def main(argv=None) -> int:
     parser.add_argument("--store", default="disk")
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--policy", default="lru")
+    parser.add_argument("--no-pack-weights", action="store_true", help="ours: expert matrices in plain layout")
     parser.add_argument("--fast-decode", action="store_true", help="ours: decode GEMVs skip oneDNN (engine.fast_decode)")
     parser.add_argument("--routing", default="random", choices=["random", "trace"])
     parser.add_argument("--no-cache", action="store_true")

@@ -31,6 +31,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--ops", type=int, default=15, help="top operators to list (0: skip the profiler)")
     parser.add_argument("--fast-decode", action="store_true", help="decode GEMVs skip oneDNN (engine.fast_decode)")
+    parser.add_argument("--no-pack-weights", action="store_true", help="expert matrices in plain layout")
     parser.add_argument("--label", default="", help="e.g. before/after: named in the results")
     parser.add_argument("--out", type=Path, default=RESULTS_DIR)
     args = parser.parse_args(argv)
@@ -46,6 +47,8 @@ def main(argv: list[str] | None = None) -> int:
 
     torch.set_num_threads(args.threads)
     fast = {"fast_decode": True} if args.fast_decode else {}  # (so the script also profiles older engines)
+    if args.no_pack_weights:
+        fast["pack_weights"] = False
     runtime = MoERuntime(LoadOptions(model=str(build_checkpoint(args.geometry)), budget="all", store="ram", **fast))
     clock = {"layer": 0.0, "kernels": 0.0}
     run_layer, kernels_grouped, kernels_single = runtime.cache.run_layer, cache_module.grouped_expert_mlp, cache_module.expert_mlp

@@ -34,8 +34,9 @@ import torch
 from engine.cache_directory import CacheDirectory, NoFreeSlotError
 from engine.counters import EngineCounters
 from engine.expert_mlp import expert_mlp, grouped_available, grouped_expert_mlp, weighted_sum
-from engine.layout import MoELayout
+from engine.layout import ExpertParam, MoELayout
 from engine.loads import JobState, LoadJob, LoadQueue
+from engine.packed_linear import pack
 from engine.policies.base import CachePolicy
 from engine.store import ExpertStore
 
@@ -54,24 +55,30 @@ class ExpertCache:
         load_threads: int = 2,
         *,
         predictor=None,  # engine.routers.RouterTaps: routing guesses for policies with lookahead
+        packed_params: frozenset[str] = frozenset(),  # kept packed for oneDNN per slot (engine.packed_linear)
     ) -> None:
         self.layout, self.store, self.device, self.counters = layout, store, device, counters
         policy.reset(layout.num_layers, layout.num_experts, layout.top_k)
         self.directory = CacheDirectory(slots_per_layer, policy)
+        # Packed matrices (CPU) live as one opaque tensor per slot; the byte pool holds the rest.
+        self.packed_params = packed_params if device.type == "cpu" else frozenset()
+        self._packed = bool(self.packed_params)
+        self._pool_params, self._pool_slot_bytes = self._pool_layout()
         self.pools = [self._alloc(n) for n in slots_per_layer]
         self.views = [self._typed_views(pool) for pool in self.pools]
-        self.slot_views = [self._per_slot(views) for views in self.views]
+        self.slot_views = [self._per_slot(views, n) for views, n in zip(self.views, slots_per_layer, strict=True)]
         self.predictor = predictor
         self.tracer = None  # engine.trace.TraceWriter while a trace is being recorded
         self.cpu_experts = None  # engine.cpu_experts.CpuExperts when Fiddler's CPU execution is on
         self._cuda = device.type == "cuda"
+        self._staging = threading.local()  # one slot-sized buffer per load thread (pinned on CUDA)
         if self._cuda:
             self._copy_stream = torch.cuda.Stream(device)
-            self._staging = threading.local()  # one pinned slot-sized buffer per load thread
         self._jobs: dict[tuple[int, int], LoadJob] = {}  # pending loads by (layer, expert)
         self._queue = LoadQueue(self._move_chunk, workers=load_threads)
-        # Resident experts run as one grouped matmul per weight, read in place from the pool.
-        self._grouped = grouped_available(self.pools[0]) if self.pools else False
+        # Resident experts of a prefill run as one grouped matmul per weight, read in place from the
+        # pool (packed matrices are not in the pool: each expert then runs on its own).
+        self._grouped = (grouped_available(self.pools[0]) if self.pools else False) and not self._packed
         self.forget_after_use = False  # benchmark baseline: keep nothing, load every expert on demand
         self.routing_override = None  # benchmark: engine.routing_override.TraceRouting
 
@@ -88,21 +95,32 @@ class ExpertCache:
     def budget_bytes(self) -> int:
         return sum(self.slots_per_layer) * self.layout.slot_bytes
 
+    def _pool_layout(self) -> tuple[list[ExpertParam], int]:
+        """The params the byte pool holds (all but the packed ones) at their offsets in a pool slot."""
+        if not self._packed:
+            return list(self.layout.params), self.layout.slot_bytes
+        params, offset = [], 0
+        for p in self.layout.params:
+            if p.name not in self.packed_params:
+                params.append(ExpertParam(p.name, p.shape, p.dtype, offset, p.nbytes))
+                offset += -(-p.nbytes // 64) * 64
+        return params, offset
+
     def _alloc(self, slots: int) -> torch.Tensor:
-        return torch.empty((slots, self.layout.slot_bytes), dtype=torch.uint8, device=self.device)
+        return torch.empty((slots, self._pool_slot_bytes), dtype=torch.uint8, device=self.device)
 
     def _typed_views(self, pool: torch.Tensor) -> dict[str, torch.Tensor]:
         n = pool.shape[0]
         return {
             p.name: pool[:, p.offset : p.offset + p.nbytes].view(p.dtype).view(n, *p.shape)
-            for p in self.layout.params
+            for p in self._pool_params
         }
 
     @staticmethod
-    def _per_slot(views: dict[str, torch.Tensor]) -> list[dict[str, torch.Tensor]]:
+    def _per_slot(views: dict[str, torch.Tensor], count: int) -> list[dict[str, torch.Tensor]]:
         """Each slot's weights as views, made once: indexing the pool per expert and token costs
-        more than the decode step's bookkeeping budget."""
-        count = next(iter(views.values())).shape[0] if views else 0
+        more than the decode step's bookkeeping budget. Packed matrices join a slot's dict when
+        they are loaded."""
         return [{name: view[slot] for name, view in views.items()} for slot in range(count)]
 
     def resident_matrix(self) -> np.ndarray:
@@ -129,9 +147,13 @@ class ExpertCache:
                 src = torch.tensor(list(move.keys()), device=self.device)
                 dst = torch.tensor(list(move.values()), device=self.device)
                 new[dst] = old[src]
+            old_slots = self.slot_views[layer]
             self.pools[layer] = new
             self.views[layer] = self._typed_views(new)
-            self.slot_views[layer] = self._per_slot(self.views[layer])
+            self.slot_views[layer] = self._per_slot(self.views[layer], count)
+            for source, target in move.items():  # packed matrices move by reference
+                for name in self.packed_params & old_slots[source].keys():
+                    self.slot_views[layer][target][name] = old_slots[source][name]
 
     def warm(self, order: Sequence[Sequence[int]] | None = None) -> int:
         """Fill every free slot (at load, so the first tokens do not all miss); returns bytes read."""
@@ -156,14 +178,22 @@ class ExpertCache:
         """One weight matrix of `job`'s expert into its slot (runs on a load thread)."""
         p = self.layout.params[chunk]
         target = self.pools[job.layer][job.slot]  # pools are replaced only after `settle`
-        if not self._cuda:
+        if not self._cuda and not self._packed:
             return self.store.fill_param(job.layer, job.expert, p.name, target)
+        if not self._cuda:  # via a slot-shaped buffer: packed, or copied to the param's place in the pool
+            staging = self._staging_buffer(pin=False)
+            moved = self.store.fill_param(job.layer, job.expert, p.name, staging)
+            plain = staging[p.offset : p.offset + p.nbytes]
+            if p.name in self.packed_params:
+                self.slot_views[job.layer][job.slot][p.name] = pack(plain.view(p.dtype).view(p.shape))
+            else:
+                place = next(q for q in self._pool_params if q.name == p.name)
+                target[place.offset : place.offset + p.nbytes].copy_(plain)
+            return moved
         host = self.store.host_view(job.layer, job.expert)
         moved = p.nbytes
         if host is None:
-            host = getattr(self._staging, "buffer", None)
-            if host is None:
-                host = self._staging.buffer = torch.empty(self.layout.slot_bytes, dtype=torch.uint8, pin_memory=True)
+            host = self._staging_buffer(pin=True)
             moved = self.store.fill_param(job.layer, job.expert, p.name, host)
         with torch.cuda.stream(self._copy_stream):
             if job.fence is not None:
@@ -173,6 +203,12 @@ class ExpertCache:
             done.record(self._copy_stream)
         done.synchronize()  # the staging buffer is reused by the next chunk
         return moved
+
+    def _staging_buffer(self, *, pin: bool) -> torch.Tensor:
+        buffer = getattr(self._staging, "buffer", None)
+        if buffer is None:
+            buffer = self._staging.buffer = torch.empty(self.layout.slot_bytes, dtype=torch.uint8, pin_memory=pin)
+        return buffer
 
     def _fence(self):
         if not self._cuda:
@@ -299,7 +335,7 @@ class ExpertCache:
         def compute(expert: int) -> None:
             slot = self.directory.slot_of[layer][expert]
             rows = rows_of(expert)
-            y = expert_mlp(module, hidden_states[rows // top_k], self.slot_views[layer][slot])
+            y = expert_mlp(module, hidden_states[rows // top_k], self.slot_views[layer][slot], self._packed)
             out[rows] = y * weights[rows].unsqueeze(-1)
 
         protected = set(needed)
@@ -350,7 +386,7 @@ class ExpertCache:
         the output is identical; it only skips the sorting, gathers and scatters (most of a
         decode step's bookkeeping at 64 experts)."""
         slot_of, slots = self.directory.slot_of[layer], self.slot_views[layer]
-        outputs = [expert_mlp(module, hidden, slots[slot_of[e]]) for e in picks]
+        outputs = [expert_mlp(module, hidden, slots[slot_of[e]], self._packed) for e in picks]
         if self.forget_after_use:
             self.directory.drop_all(layer)
         return weighted_sum(outputs, weights, out_dtype, hidden.dtype)

@@ -37,6 +37,9 @@ def _add_model_args(p: argparse.ArgumentParser, *, budget_default: str = "all") 
                    "kernel instead of oneDNN, one-query attention as float32 matmuls instead of SDPA's flash kernel. "
                    "Same arithmetic summed in another order, so not bit-identical to transformers' default kernels "
                    "(bench.decode_limit counts the greedy tokens that still match); float32 models unaffected")
+    p.add_argument("--no-pack-weights", dest="pack_weights", action="store_false",
+                   help="CPU bf16/fp16: keep expert matrices in the plain layout instead of pre-arranging them for "
+                   "oneDNN as they are loaded (same results either way; packed decodes faster)")
     p.add_argument("--allow-pickle", action="store_true", help="accept .bin/.pt weights (pickle can run code)")
     p.add_argument("--trust-remote-code", action="store_true", help="run Python code shipped with the model")
 
@@ -114,6 +117,7 @@ def _load(args: argparse.Namespace, *, budget: str | None = None):
         cpu_experts=getattr(args, "cpu_experts", "never"),
         trace=getattr(args, "trace", None),
         fast_decode=getattr(args, "fast_decode", False),
+        pack_weights=getattr(args, "pack_weights", True),
     )
     runtime = MoERuntime(options)
     for note in (runtime.plan.note, runtime.profile_note, runtime.cpu_experts_note):

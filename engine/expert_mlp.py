@@ -10,21 +10,33 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from engine import packed_linear
 
-def _linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, transposed: bool) -> torch.Tensor:
-    out = x @ weight if transposed else F.linear(x, weight)
+
+def _linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, transposed: bool,
+            packed: bool = False) -> torch.Tensor:
+    if packed:  # pre-arranged for oneDNN when loaded (engine.packed_linear): the same bits as F.linear
+        return _with_bias(packed_linear.linear(x, weight), bias)
+    return _with_bias(x @ weight if transposed else F.linear(x, weight), bias)
+
+
+def _with_bias(out: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     if bias is not None:
         out = out + bias
     return out
 
 
-def expert_mlp(module: torch.nn.Module, x: torch.Tensor, weights: dict[str, torch.Tensor]) -> torch.Tensor:
-    """Run one expert on the rows `x` ([n, hidden]) with that expert's `weights` (views of a slot)."""
+def expert_mlp(module: torch.nn.Module, x: torch.Tensor, weights: dict[str, torch.Tensor],
+               packed: bool = False) -> torch.Tensor:
+    """Run one expert on the rows `x` ([n, hidden]) with that expert's `weights` (views of a slot;
+    `packed`: its matrices are pre-arranged for oneDNN, engine.packed_linear)."""
     first = "gate_up_proj" if module.has_gate else "up_proj"
     w_in = weights[first]
-    h = _linear(x.to(w_in.dtype), w_in, weights.get(f"{first}_bias") if module.has_bias else None, module.is_transposed)
+    bias_in = weights.get(f"{first}_bias") if module.has_bias else None
+    h = _linear(x.to(w_in.dtype), w_in, bias_in, module.is_transposed, packed)
     h = module._apply_gate(h) if module.has_gate else module.act_fn(h)
-    h = _linear(h, weights["down_proj"], weights.get("down_proj_bias") if module.has_bias else None, module.is_transposed)
+    bias_down = weights.get("down_proj_bias") if module.has_bias else None
+    h = _linear(h, weights["down_proj"], bias_down, module.is_transposed, packed)
     if module.has_post_expert_norm:
         h = module.post_expert_norm(h)
     return h

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 import psutil
 import torch
 
-from engine import experts_impl, fast_decode
+from engine import experts_impl, fast_decode, packed_linear
 from engine.cache import ExpertCache
 from engine.counters import EngineCounters
 from engine.errors import MoEScopeError
@@ -48,6 +48,7 @@ class LoadOptions:
     cpu_experts: str = "never"  # auto | never: Fiddler's CPU execution of misses (GPU + RAM store only)
     trace: str | None = None  # record routing to this file (JSON lines, see engine.trace)
     fast_decode: bool = False  # CPU decode steps on faster kernels, not bit-identical (engine.fast_decode)
+    pack_weights: bool = True  # CPU bf16/fp16: expert matrices pre-arranged for oneDNN, same bits (engine.packed_linear)
 
 
 class MoERuntime:
@@ -80,7 +81,9 @@ class MoERuntime:
         self.routers = RouterTaps(self.model, self.layout)
         self.cache = ExpertCache(
             self.layout, self.store, self.device, policy, self.plan.slots_per_layer, self.counters,
+            # --fast-decode's native kernel reads plain weights faster than oneDNN reads packed ones
             predictor=self.routers,
+            packed_params=self._packable() if options.pack_weights and not options.fast_decode else frozenset(),
         )
         for layer, module_path in enumerate(self.layout.module_paths):
             setattr(self.model.get_submodule(module_path), experts_impl.RUNTIME_ATTR, (self.cache, layer))
@@ -194,6 +197,13 @@ class MoERuntime:
         self.plan = self._plan(spec)
         self.cache.resize(self.plan.slots_per_layer)
         return self.plan
+
+    def _packable(self) -> frozenset[str]:
+        """Expert matrices the cache can keep pre-arranged for oneDNN (CPU, bf16/fp16, [out, in])."""
+        experts = self.model.get_submodule(self.layout.module_paths[0])
+        if self.device.type != "cpu" or getattr(experts, "is_transposed", False) or not packed_linear.available(self.dtype):
+            return frozenset()
+        return frozenset(p.name for p in self.layout.params if p.name in packed_linear.PACKABLE and len(p.shape) == 2)
 
     @property
     def fast_decode_available(self) -> bool:

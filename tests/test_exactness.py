@@ -101,3 +101,27 @@ def test_bf16_demo_answers_match_transformers_bf16(demo_chats, budget, fast):
     stock = [reference_generate(DEMO_MODEL_DIR, ids, 64, dtype=torch.bfloat16) for ids in demo_chats]
     assert sum(map(len, stock)) >= 64
     assert ours == stock
+
+
+def test_bf16_packed_experts_stay_exact_across_budget_changes(demo_chats):
+    # On CPU the bf16 expert matrices are kept packed for oneDNN (engine.packed_linear); a resize
+    # moves them between slots by reference, and growing or shrinking must not change a token.
+    import torch
+
+    from engine.generation import Generator
+    from engine.runtime import LoadOptions, MoERuntime
+    from engine.sampling import SamplingSettings
+    from resources import DEMO_MODEL_DIR
+
+    chats = demo_chats[:4]
+    stock = [reference_generate(DEMO_MODEL_DIR, ids, 32, dtype=torch.bfloat16) for ids in chats]
+    runtime = MoERuntime(LoadOptions(model="demo", budget="25%", store="disk", dtype="bfloat16"))
+    try:
+        assert runtime.cache.packed_params == {"gate_up_proj", "down_proj"}
+        generator = Generator(runtime)
+        for budget in ("25%", "all", "1", "60%"):
+            runtime.set_budget(budget)
+            ours = [generator.generate(ids, SamplingSettings(max_new_tokens=32)).token_ids for ids in chats]
+            assert ours == stock, budget
+    finally:
+        runtime.close()
