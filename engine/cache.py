@@ -137,6 +137,8 @@ class ExpertCache:
     def resize(self, slots_per_layer: Sequence[int]) -> None:
         """Grow or shrink each layer's pool; experts that stay keep their bytes (no reload)."""
         self.settle()
+        if self._packed and any(n < self.layout.num_experts for n in slots_per_layer):
+            self._unpack()  # below `all`, experts load on demand: packing would sit on every miss's path
         moves = self.directory.resize(slots_per_layer)
         for layer, (count, move) in enumerate(zip(slots_per_layer, moves, strict=True)):
             old = self.pools[layer]
@@ -154,6 +156,24 @@ class ExpertCache:
             for source, target in move.items():  # packed matrices move by reference
                 for name in self.packed_params & old_slots[source].keys():
                     self.slot_views[layer][target][name] = old_slots[source][name]
+
+    def _unpack(self) -> None:
+        """Back to plain weights in full-layout pools (exact either way), for good."""
+        full = self.layout.params
+        for layer, old in enumerate(self.pools):
+            count = old.shape[0]
+            pool = torch.empty((count, self.layout.slot_bytes), dtype=torch.uint8, device=self.device)
+            for slot, weights in enumerate(self.slot_views[layer]):
+                for p in full:
+                    if p.name in weights:
+                        plain = weights[p.name].to_dense() if p.name in self.packed_params else weights[p.name]
+                        pool[slot, p.offset : p.offset + p.nbytes].view(p.dtype).copy_(plain.reshape(-1))
+            self.pools[layer] = pool
+        self.packed_params, self._packed = frozenset(), False
+        self._pool_params, self._pool_slot_bytes = list(full), self.layout.slot_bytes
+        self.views = [self._typed_views(pool) for pool in self.pools]
+        self.slot_views = [self._per_slot(views, pool.shape[0]) for views, pool in zip(self.views, self.pools, strict=True)]
+        self._grouped = grouped_available(self.pools[0]) if self.pools else False
 
     def warm(self, order: Sequence[Sequence[int]] | None = None) -> int:
         """Fill every free slot (at load, so the first tokens do not all miss); returns bytes read."""

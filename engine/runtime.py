@@ -199,9 +199,12 @@ class MoERuntime:
         return self.plan
 
     def _packable(self) -> frozenset[str]:
-        """Expert matrices the cache can keep pre-arranged for oneDNN (CPU, bf16/fp16, [out, in])."""
+        """Expert matrices the cache can keep pre-arranged for oneDNN (CPU, bf16/fp16, [out, in]),
+        when every expert is resident: below `all`, packing would sit on every miss's path."""
         experts = self.model.get_submodule(self.layout.module_paths[0])
         if self.device.type != "cpu" or getattr(experts, "is_transposed", False) or not packed_linear.available(self.dtype):
+            return frozenset()
+        if any(n < self.layout.num_experts for n in self.plan.slots_per_layer):
             return frozenset()
         return frozenset(p.name for p in self.layout.params if p.name in packed_linear.PACKABLE and len(p.shape) == 2)
 
