@@ -12,7 +12,7 @@ from engine import protocol as p
 
 FAST_DECODE_TEXT = "Fast decode kernels (not bit-identical)"
 FAST_DECODE_TIP = ("CPU decode steps use torch's native matrix-vector kernel and float32-matmul attention: "
-                   "about 1.5x faster decode, same arithmetic summed in another order, so replies can differ "
+                   "about 1.2-1.4x faster decode, same arithmetic summed in another order, so replies can differ "
                    "from plain transformers in rare near-ties. Off: every token equals transformers'.")
 
 
