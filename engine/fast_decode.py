@@ -41,7 +41,7 @@ def fast_decode_step(enabled: bool) -> Iterator[None]:
         torch.backends.mkldnn.enabled = previous
 
 
-def _one_query_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+def _one_query_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                          scaling: float | None) -> torch.Tensor:
     """softmax(q k^T * scale) v for one query, key/value heads shared by groups of query heads."""
     batch, heads, _, dim = query.shape
@@ -65,7 +65,7 @@ def attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, v
     if not plain:
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                                       **kwargs)
-    return _one_query_attention(module, query, key, value, scaling), None
+    return _one_query_attention(query, key, value, scaling), None
 
 
 def install(model: torch.nn.Module) -> bool:

@@ -32,7 +32,6 @@ def last_position(input_ids: torch.Tensor) -> torch.Tensor:
     return torch.tensor([input_ids.shape[1] - 1], device=input_ids.device)
 
 
-
 @dataclass
 class LoadOptions:
     model: str
@@ -81,8 +80,8 @@ class MoERuntime:
         self.routers = RouterTaps(self.model, self.layout)
         self.cache = ExpertCache(
             self.layout, self.store, self.device, policy, self.plan.slots_per_layer, self.counters,
-            # --fast-decode's native kernel reads plain weights faster than oneDNN reads packed ones
             predictor=self.routers,
+            # --fast-decode's native kernel reads plain weights faster than oneDNN reads packed ones
             packed_params=self._packable() if options.pack_weights and not options.fast_decode else frozenset(),
         )
         for layer, module_path in enumerate(self.layout.module_paths):
