@@ -19,6 +19,7 @@ import json
 import sys
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 from bench.output import RESULTS_DIR, result_stem
 
@@ -69,6 +70,11 @@ def main(argv: list[str] | None = None) -> int:
     cache_module.expert_mlp = timed(kernels_single, "kernels")
     if kernels_sum is not None:
         cache_module.weighted_sum = timed(kernels_sum, "kernels")
+    native = getattr(cache_module, "decode_kernels", None)
+    if native is not None and native.ready() is not None:  # --fast-decode's fused experts call
+        kernels_native = native.ready()
+        functions = {n: getattr(kernels_native, n) for n in dir(kernels_native) if not n.startswith("_")}
+        native._kernels = SimpleNamespace(**functions | {"moe_decode": timed(kernels_native.moe_decode, "kernels")})
     ids = prompt_ids(runtime.model.config.get_text_config().vocab_size, args.prompt_len)
     generator = Generator(runtime)
     generator.generate(ids[:8], SamplingSettings(max_new_tokens=4))  # warm-up

@@ -31,6 +31,7 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
+from engine import decode_kernels, fast_decode
 from engine.cache_directory import CacheDirectory, NoFreeSlotError
 from engine.counters import EngineCounters
 from engine.expert_mlp import expert_mlp, grouped_available, grouped_expert_mlp, weighted_sum
@@ -138,7 +139,7 @@ class ExpertCache:
         """Grow or shrink each layer's pool; experts that stay keep their bytes (no reload)."""
         self.settle()
         if self._packed and any(n < self.layout.num_experts for n in slots_per_layer):
-            self._unpack()  # below `all`, experts load on demand: packing would sit on every miss's path
+            self.unpack()  # below `all`, experts load on demand: packing would sit on every miss's path
         moves = self.directory.resize(slots_per_layer)
         for layer, (count, move) in enumerate(zip(slots_per_layer, moves, strict=True)):
             old = self.pools[layer]
@@ -157,8 +158,11 @@ class ExpertCache:
                 for name in self.packed_params & old_slots[source].keys():
                     self.slot_views[layer][target][name] = old_slots[source][name]
 
-    def _unpack(self) -> None:
+    def unpack(self) -> None:
         """Back to plain weights in full-layout pools (exact either way), for good."""
+        if not self._packed:
+            return
+        self.settle()
         full = self.layout.params
         for layer, old in enumerate(self.pools):
             count = old.shape[0]
@@ -406,10 +410,18 @@ class ExpertCache:
         the output is identical; it only skips the sorting, gathers and scatters (most of a
         decode step's bookkeeping at 64 experts)."""
         slot_of, slots = self.directory.slot_of[layer], self.slot_views[layer]
-        outputs = [expert_mlp(module, hidden, slots[slot_of[e]], self._packed) for e in picks]
+        chosen = [slots[slot_of[e]] for e in picks]
+        kernels = decode_kernels.ready() if fast_decode.active() and not self._packed else None
+        if kernels is not None and hidden.dtype == torch.bfloat16 and fast_decode.experts_fusable(module):
+            # --fast-decode: the whole layer's experts in one native call (engine.decode_kernels)
+            out = kernels.moe_decode(hidden, [w["gate_up_proj"] for w in chosen], [w["down_proj"] for w in chosen],
+                                     weights)
+        else:
+            outputs = [expert_mlp(module, hidden, weights_of, self._packed) for weights_of in chosen]
+            out = weighted_sum(outputs, weights, out_dtype, hidden.dtype)
         if self.forget_after_use:
             self.directory.drop_all(layer)
-        return weighted_sum(outputs, weights, out_dtype, hidden.dtype)
+        return out
 
     def _compute_grouped(self, layer: int, module: torch.nn.Module, hidden: torch.Tensor, flat_host: np.ndarray,
                          experts: list[int], top_k: int, weights: torch.Tensor, out: torch.Tensor) -> None:

@@ -1,8 +1,12 @@
 """Opt-in CPU decode kernels (`--fast-decode`): the same arithmetic as transformers, summed in a
 different order, so faster but not bit-identical to its default kernels.
 
-Two changes, both for decode steps only (one new token; prefill keeps transformers' kernels):
-- matrix-vector products in bf16/fp16 skip oneDNN for torch's native kernel. oneDNN streams
+Three changes, all for decode steps only (one new token; prefill keeps transformers' kernels):
+- where the native kernels are built (engine.decode_kernels), a layer's experts run in one call
+  (gate/up, SiLU gate, down, weighted sum) and bf16 `nn.Linear`s of one row use its GEMV: both
+  stream weights at close to a plain read's bandwidth. Llama-style RMSNorms run as one call
+  instead of eight small ops.
+- other matrix-vector products in bf16/fp16 skip oneDNN for torch's native kernel. oneDNN streams
   expert-sized weights at about half the memory bandwidth; torch's own kernel at about 85 % of it
   (bench/profile_decode.py: 23 vs 37 GB/s on 2 cores). For many rows oneDNN's GEMM is 15x faster,
   which is why prefill keeps it.
@@ -19,6 +23,9 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 
 import torch
+import torch.nn.functional as F
+
+from engine import decode_kernels
 
 ATTENTION_NAME = "moescope_sdpa"
 _active = False  # inside a fast decode step (one generation at a time per engine process)
@@ -39,6 +46,68 @@ def fast_decode_step(enabled: bool) -> Iterator[None]:
     finally:
         _active = False
         torch.backends.mkldnn.enabled = previous
+
+
+def active() -> bool:
+    """Inside a fast decode step."""
+    return _active
+
+
+class FastLinear(torch.nn.Linear):
+    """`nn.Linear` whose one-row bf16 products use the native GEMV inside a fast decode step."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        kernels = decode_kernels.ready() if _active else None
+        if (kernels is None or x.numel() != self.in_features or x.dtype != torch.bfloat16
+                or self.weight.dtype != torch.bfloat16 or x.device.type != "cpu"):
+            return F.linear(x, self.weight, self.bias)
+        y = kernels.gemv(self.weight, x)
+        return y if self.bias is None else y + self.bias
+
+
+def _llama_rms_norm_code():
+    from transformers.models.llama.modeling_llama import LlamaRMSNorm
+
+    return LlamaRMSNorm.forward.__code__
+
+
+def _is_llama_rms_norm(module: torch.nn.Module) -> bool:
+    """The module's forward is Llama's RMSNorm, as most MoE families copy it (Qwen-MoE, Mixtral...);
+    Gemma-style (1 + weight) norms and others keep their own code."""
+    code, reference = type(module).forward.__code__, _llama_rms_norm_code()
+    return (isinstance(getattr(module, "weight", None), torch.nn.Parameter) and hasattr(module, "variance_epsilon")
+            and (code.co_code, code.co_consts, code.co_names) == (reference.co_code, reference.co_consts, reference.co_names))
+
+
+def _fast_rms_norm_forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+    kernels = decode_kernels.ready() if _active else None
+    if (kernels is None or hidden_states.dtype != torch.bfloat16 or self.weight.dtype != torch.bfloat16
+            or hidden_states.device.type != "cpu"):
+        return self._plain_forward(hidden_states)
+    return kernels.rms_norm(hidden_states, self.weight, self.variance_epsilon)
+
+
+_fast_norm_classes: dict[type, type] = {}
+
+
+def _fast_norm_class(cls: type) -> type:
+    if cls not in _fast_norm_classes:
+        _fast_norm_classes[cls] = type(f"Fast{cls.__name__}", (cls,),
+                                       {"forward": _fast_rms_norm_forward, "_plain_forward": cls.forward})
+    return _fast_norm_classes[cls]
+
+
+def experts_fusable(module: torch.nn.Module) -> bool:
+    """The native MoE kernel computes exactly this experts module's recipe: concatenated gate/up
+    ([2I, H], gate first), SiLU gate, down [H, I], no biases or extra norms (Qwen-MoE, Mixtral,
+    OLMoE, DeepSeek-style experts)."""
+    from transformers.activations import SiLUActivation
+    from transformers.integrations import moe
+
+    return (getattr(module, "has_gate", False) and not module.has_bias and not module.is_transposed
+            and not getattr(module, "has_post_expert_norm", False)
+            and getattr(type(module), "_apply_gate", None) is moe._default_apply_gate
+            and isinstance(module.act_fn, SiLUActivation | torch.nn.SiLU))
 
 
 def _one_query_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
@@ -69,9 +138,17 @@ def attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, v
 
 
 def install(model: torch.nn.Module) -> bool:
-    """Route `model`'s attention through `attention` if it uses SDPA; True if it does now."""
+    """Start building the native kernels, let `model`'s plain linears use them, and route its
+    attention through `attention` if it uses SDPA; True if the attention is routed now."""
     from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    decode_kernels.start_build()
+    for module in model.modules():
+        if type(module) is torch.nn.Linear:  # same parameters, same results outside fast steps
+            module.__class__ = FastLinear
+        elif type(module) not in _fast_norm_classes.values() and _is_llama_rms_norm(module):
+            module.__class__ = _fast_norm_class(type(module))
 
     if model.config._attn_implementation != "sdpa":
         return False

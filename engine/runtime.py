@@ -8,7 +8,7 @@ from dataclasses import dataclass
 import psutil
 import torch
 
-from engine import experts_impl, fast_decode, packed_linear
+from engine import decode_kernels, experts_impl, fast_decode, packed_linear
 from engine.cache import ExpertCache
 from engine.counters import EngineCounters
 from engine.errors import MoEScopeError
@@ -77,6 +77,9 @@ class MoERuntime:
         policy = make_policy(options.policy)
         if options.fast_decode and self.device.type == "cpu":
             fast_decode.install(self.model)
+            if progress is not None and decode_kernels.ready() is None:
+                progress(1.0, "building native decode kernels (first use on this machine)")
+            decode_kernels.wait()  # asked for at load: the first tokens should not run on the slower kernels
         self.routers = RouterTaps(self.model, self.layout)
         self.cache = ExpertCache(
             self.layout, self.store, self.device, policy, self.plan.slots_per_layer, self.counters,
@@ -216,6 +219,8 @@ class MoERuntime:
         """Switch the fast decode kernels, between tokens; returns whether they are on now."""
         if enabled and self.device.type == "cpu":
             fast_decode.install(self.model)  # idempotent: the attention only deviates inside a fast step
+            if not decode_kernels.failed():
+                self.cache.unpack()  # the native experts kernel reads plain weights (for the rest of the session)
         self.options.fast_decode = enabled and self.device.type == "cpu"
         return self.options.fast_decode
 

@@ -126,3 +126,28 @@ def test_bf16_packed_experts_stay_exact_across_budget_changes(demo_chats):
             assert ours == stock, budget
     finally:
         runtime.close()
+
+
+def test_bf16_switching_fast_decode_on_unpacks_experts_and_keeps_answers(demo_chats):
+    # Switched on live, fast decode's native experts kernel needs plain weights: the packed experts
+    # are unpacked (for good), and the demo's greedy answers still equal transformers bf16.
+    import torch
+
+    from engine import decode_kernels
+    from engine.generation import Generator
+    from engine.runtime import LoadOptions, MoERuntime
+    from engine.sampling import SamplingSettings
+    from resources import DEMO_MODEL_DIR
+
+    chats = demo_chats[:4]
+    stock = [reference_generate(DEMO_MODEL_DIR, ids, 32, dtype=torch.bfloat16) for ids in chats]
+    decode_kernels.wait(timeout=600)
+    runtime = MoERuntime(LoadOptions(model="demo", budget="all", store="ram", dtype="bfloat16"))
+    try:
+        assert runtime.cache.packed_params
+        assert runtime.set_fast_decode(True)
+        assert bool(runtime.cache.packed_params) is decode_kernels.failed()
+        generator = Generator(runtime)
+        assert [generator.generate(ids, SamplingSettings(max_new_tokens=32)).token_ids for ids in chats] == stock
+    finally:
+        runtime.close()
