@@ -36,7 +36,7 @@ def _cpu_fingerprint() -> str:
         flags = next((line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags")), "")
     except OSError:
         flags = ""
-    return platform.machine() + platform.processor() + flags
+    return platform.machine() + flags
 
 
 def _build_name() -> str:
@@ -44,17 +44,9 @@ def _build_name() -> str:
     return f"moescope_decode_{digest.hexdigest()[:12]}"
 
 
-def _build() -> None:
+def _build(cpp_extension: ModuleType) -> None:
     global _kernels, _problem
     try:
-        from torch.utils import cpp_extension
-
-        try:  # the pip `ninja` package puts its binary beside the interpreter, not always on PATH
-            import ninja
-
-            os.environ["PATH"] = ninja.BIN_DIR + os.pathsep + os.environ.get("PATH", "")
-        except ImportError:
-            pass
         name = _build_name()
         directory = Path(platformdirs.user_cache_dir("moescope")) / "kernels" / name
         directory.mkdir(parents=True, exist_ok=True)
@@ -77,7 +69,19 @@ def start_build() -> None:
             if platform.system() == "Windows":  # the build flags are GCC/Clang's
                 _set_problem("native decode kernels are built for Linux and macOS only")
                 return
-            _builder = threading.Thread(target=_build, name="moescope-kernel-build", daemon=True)
+            # Imported here, not on the thread: it pulls in setuptools, and imports racing the main
+            # thread's (transformers' lazy modules) have failed with ModuleNotFoundError.
+            from torch.utils import cpp_extension
+
+            try:  # the pip `ninja` package puts its binary beside the interpreter, not always on PATH
+                import ninja
+
+                os.environ["PATH"] = ninja.BIN_DIR + os.pathsep + os.environ.get("PATH", "")
+            except ImportError:
+                pass
+
+            _builder = threading.Thread(target=_build, args=(cpp_extension,), name="moescope-kernel-build",
+                                        daemon=True)
             _builder.start()
 
 

@@ -143,12 +143,12 @@ def install(model: torch.nn.Module) -> bool:
     from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
-    decode_kernels.start_build()
     for module in model.modules():
         if type(module) is torch.nn.Linear:  # same parameters, same results outside fast steps
             module.__class__ = FastLinear
         elif type(module) not in _fast_norm_classes.values() and _is_llama_rms_norm(module):
             module.__class__ = _fast_norm_class(type(module))
+    decode_kernels.start_build()
 
     if model.config._attn_implementation != "sdpa":
         return False
