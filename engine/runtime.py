@@ -79,7 +79,9 @@ class MoERuntime:
             fast_decode.install(self.model)
             if progress is not None and decode_kernels.ready() is None:
                 progress(1.0, "building native decode kernels (first use on this machine)")
-            decode_kernels.wait()  # asked for at load: the first tokens should not run on the slower kernels
+            # Asked for at load: the first tokens should not run on the slower kernels. Bounded, since
+            # torch's builder waits on a lock file that a build killed midway leaves behind.
+            decode_kernels.wait(timeout=decode_kernels.LOAD_WAIT_S)
         self.routers = RouterTaps(self.model, self.layout)
         self.cache = ExpertCache(
             self.layout, self.store, self.device, policy, self.plan.slots_per_layer, self.counters,
