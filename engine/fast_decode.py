@@ -100,11 +100,18 @@ def _fast_norm_class(cls: type) -> type:
 def experts_fusable(module: torch.nn.Module) -> bool:
     """The native MoE kernel computes exactly this experts module's recipe: concatenated gate/up
     ([2I, H], gate first), SiLU gate, down [H, I], no biases or extra norms (Qwen-MoE, Mixtral,
-    OLMoE, DeepSeek-style experts)."""
+    OLMoE, DeepSeek-style experts). Decided once per module: it is asked every layer of every token."""
+    fusable = module.__dict__.get("_moescope_fusable")
+    if fusable is None:
+        fusable = module._moescope_fusable = _fusable_recipe(module)
+    return fusable
+
+
+def _fusable_recipe(module: torch.nn.Module) -> bool:
     from transformers.activations import SiLUActivation
     from transformers.integrations import moe
 
-    return (getattr(module, "has_gate", False) and not module.has_bias and not module.is_transposed
+    return bool(getattr(module, "has_gate", False) and not module.has_bias and not module.is_transposed
             and not getattr(module, "has_post_expert_norm", False)
             and getattr(type(module), "_apply_gate", None) is moe._default_apply_gate
             and isinstance(module.act_fn, SiLUActivation | torch.nn.SiLU))
