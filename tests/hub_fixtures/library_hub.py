@@ -4,8 +4,9 @@
 
 `HoldingHub` can hold a file mid-body until the test releases it, so a download is "in flight" for
 exactly as long as a test needs (to cancel it, to chat beside it) with no timing guesswork.
-`hub_environment` sets what the worker reads at start (HF_ENDPOINT, HF_HUB_CACHE, HF_HUB_OFFLINE):
-the worker is a spawned process, so they must be in os.environ before it starts; they are restored after.
+`hub_environment` sets what the worker reads at start (HF_ENDPOINT, HF_HUB_CACHE, HF_HUB_OFFLINE,
+HF_HUB_DOWNLOAD_TIMEOUT): the worker is a spawned process, so they must be in os.environ before it
+starts; they are restored after.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from tests.hub_fixtures.fake_hub import FakeHub, _Handler
 FIXTURES = Path(__file__).parent
 SHA = "0123456789abcdef0123456789abcdef01234567"
 HOLD_AFTER = 2 * 1024**2 + 1024  # > two of the worker's 1 MiB download chunks, so progress is under way
+HOLD_TIMEOUT_S = 300  # the worker's read timeout: longer than any test holds a body
 
 
 class HoldingHub(FakeHub):
@@ -68,7 +70,7 @@ class _HoldingWriter:
             self.inner.write(data[:HOLD_AFTER])
             self.inner.flush()
             hub.held.set()
-            hub.release.wait(120)
+            hub.release.wait(HOLD_TIMEOUT_S)
             return self.inner.write(data[HOLD_AFTER:]) + HOLD_AFTER
         return self.inner.write(data)
 
@@ -96,10 +98,13 @@ def place_in_cache(cache: Path, repo_id: str, folder: Path, *, skip: tuple[str, 
 
 @contextlib.contextmanager
 def hub_environment(endpoint: str, cache: Path) -> Iterator[None]:
-    """What a worker started inside the block sees: this Hub, this cache, online."""
-    names = ("HF_ENDPOINT", "HF_HUB_CACHE", "HF_HUB_OFFLINE")
+    """What a worker started inside the block sees: this Hub, this cache, online, patient."""
+    names = ("HF_ENDPOINT", "HF_HUB_CACHE", "HF_HUB_OFFLINE", "HF_HUB_DOWNLOAD_TIMEOUT")
     saved = {name: os.environ.get(name) for name in names}
-    os.environ.update(HF_ENDPOINT=endpoint, HF_HUB_CACHE=str(cache), HF_HUB_OFFLINE="0")
+    # huggingface_hub gives up on a silent body after 10 s and resumes with a Range request the hold
+    # does not catch: on a loaded machine a held download then finished before the test's Cancel.
+    os.environ.update(HF_ENDPOINT=endpoint, HF_HUB_CACHE=str(cache), HF_HUB_OFFLINE="0",
+                      HF_HUB_DOWNLOAD_TIMEOUT=str(HOLD_TIMEOUT_S))
     try:
         yield
     finally:
