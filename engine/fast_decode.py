@@ -5,7 +5,9 @@ Three changes, all for decode steps only (one new token; prefill keeps transform
 - where the native kernels are built (engine.decode_kernels), a layer's experts run in one call
   (gate/up, SiLU gate, down, weighted sum) and bf16 `nn.Linear`s of one row use its GEMV: both
   stream weights at close to a plain read's bandwidth. Llama-style RMSNorms run as one call
-  instead of eight small ops.
+  instead of eight small ops, and Llama-style attention (Llama, Mixtral, Qwen3-MoE) as three
+  (q/k/v with q/k norms and rotary, attention over the KV cache, o_proj) instead of ~60: at one
+  token those small ops, not the weights, were most of the attention's time.
 - other matrix-vector products in bf16/fp16 skip oneDNN for torch's native kernel. oneDNN streams
   expert-sized weights at about half the memory bandwidth; torch's own kernel at about 85 % of it
   (bench/profile_decode.py: 23 vs 37 GB/s on 2 cores). For many rows oneDNN's GEMM is 15x faster,
@@ -74,7 +76,8 @@ def _llama_rms_norm_code():
 def _is_llama_rms_norm(module: torch.nn.Module) -> bool:
     """The module's forward is Llama's RMSNorm, as most MoE families copy it (Qwen-MoE, Mixtral...);
     Gemma-style (1 + weight) norms and others keep their own code."""
-    code, reference = type(module).forward.__code__, _llama_rms_norm_code()
+    cls = type(module)
+    code, reference = getattr(cls, "_plain_forward", cls.forward).__code__, _llama_rms_norm_code()
     return (isinstance(getattr(module, "weight", None), torch.nn.Parameter) and hasattr(module, "variance_epsilon")
             and (code.co_code, code.co_consts, code.co_names) == (reference.co_code, reference.co_consts, reference.co_names))
 
@@ -87,14 +90,71 @@ def _fast_rms_norm_forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
     return kernels.rms_norm(hidden_states, self.weight, self.variance_epsilon)
 
 
-_fast_norm_classes: dict[type, type] = {}
+def _llama_attention_codes() -> set:
+    """The attention forwards whose recipe the native path computes: q/k/v projections, optional
+    per-head q/k RMSNorms (Qwen3), Llama's rotary embedding, the KV cache, softmax attention, o_proj."""
+    from transformers.models.llama.modeling_llama import LlamaAttention
+    from transformers.models.mixtral.modeling_mixtral import MixtralAttention
+    from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeAttention
+
+    return {_code_key(cls.forward) for cls in (LlamaAttention, MixtralAttention, Qwen3MoeAttention)}
 
 
-def _fast_norm_class(cls: type) -> type:
-    if cls not in _fast_norm_classes:
-        _fast_norm_classes[cls] = type(f"Fast{cls.__name__}", (cls,),
-                                       {"forward": _fast_rms_norm_forward, "_plain_forward": cls.forward})
-    return _fast_norm_classes[cls]
+def _code_key(fn) -> tuple:
+    code = fn.__code__
+    return code.co_code, code.co_consts, code.co_names
+
+
+def _is_llama_attention(module: torch.nn.Module) -> bool:
+    """Same forward as Llama/Mixtral/Qwen3-MoE attention, bias-free projections, q/k norms (if any)
+    over one head, and the module's rotary helpers are Llama's (Qwen2-MoE has biases, OLMoE norms
+    the whole projection, others rotate differently: they keep their own code)."""
+    from transformers.models.llama import modeling_llama
+
+    forward = type(module).forward
+    if _code_key(forward) not in _llama_attention_codes():
+        return False
+    helpers = forward.__globals__
+    for name in ("apply_rotary_pos_emb", "rotate_half"):
+        if name not in helpers or _code_key(helpers[name]) != _code_key(getattr(modeling_llama, name)):
+            return False
+    projections = [getattr(module, name, None) for name in ("q_proj", "k_proj", "v_proj", "o_proj")]
+    if not all(isinstance(proj, torch.nn.Linear) and proj.bias is None for proj in projections):
+        return False
+    head_dim = getattr(module, "head_dim", 0)
+    norms = [getattr(module, name, None) for name in ("q_norm", "k_norm")]
+    return all(norm is None or (_is_llama_rms_norm(norm) and norm.weight.numel() == head_dim) for norm in norms)
+
+
+def _fast_attention_forward(self, hidden_states: torch.Tensor, position_embeddings: tuple[torch.Tensor, torch.Tensor],
+                            attention_mask: torch.Tensor | None, past_key_values=None, **kwargs):
+    """One token of Llama-style attention in three native calls (q/k/v with norms and rotary, the
+    attention over the cache, o_proj) instead of ~60 small ops; anything else takes the module's
+    own forward."""
+    kernels = decode_kernels.ready() if _active else None
+    cos, sin = position_embeddings
+    if (kernels is None or attention_mask is not None or past_key_values is None or hidden_states.numel()
+            != hidden_states.shape[-1] or hidden_states.dtype != torch.bfloat16 or hidden_states.device.type != "cpu"
+            or self.q_proj.weight.dtype != torch.bfloat16 or cos.numel() != self.head_dim or cos.dtype != torch.bfloat16):
+        return self._plain_forward(hidden_states, position_embeddings, attention_mask, past_key_values, **kwargs)
+    q_norm, k_norm = getattr(self, "q_norm", None), getattr(self, "k_norm", None)
+    query, key, value = kernels.qkv_rope(
+        hidden_states, self.q_proj.weight, self.k_proj.weight, self.v_proj.weight,
+        None if q_norm is None else q_norm.weight, None if k_norm is None else k_norm.weight,
+        q_norm.variance_epsilon if q_norm is not None else 0.0, cos, sin, self.head_dim)
+    key, value = past_key_values.update(key, value, self.layer_idx)
+    out = kernels.attend(query, key, value, self.scaling)
+    return self.o_proj(out.view(*hidden_states.shape[:-1], -1)), None
+
+
+_fast_classes: dict[type, type] = {}
+
+
+def _fast_class(cls: type, forward) -> type:
+    """A subclass of `cls` whose forward is `forward`, the original kept as `_plain_forward`."""
+    if cls not in _fast_classes:
+        _fast_classes[cls] = type(f"Fast{cls.__name__}", (cls,), {"forward": forward, "_plain_forward": cls.forward})
+    return _fast_classes[cls]
 
 
 def experts_fusable(module: torch.nn.Module) -> bool:
@@ -144,17 +204,31 @@ def attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, v
     return _one_query_attention(query, key, value, scaling), None
 
 
+def patch_module(module: torch.nn.Module) -> bool:
+    """Give `module` its fast-decode class if it has one (a plain linear, a Llama-style RMSNorm or
+    attention); True if it has it now. Same parameters, same results outside fast steps."""
+    cls = type(module)
+    if cls is FastLinear or cls in _fast_classes.values():
+        return True  # patched before (a live switch back on)
+    if cls is torch.nn.Linear:
+        module.__class__ = FastLinear
+    elif _is_llama_rms_norm(module):
+        module.__class__ = _fast_class(cls, _fast_rms_norm_forward)
+    elif _is_llama_attention(module):
+        module.__class__ = _fast_class(cls, _fast_attention_forward)
+    else:
+        return False
+    return True
+
+
 def install(model: torch.nn.Module) -> bool:
-    """Start building the native kernels, let `model`'s plain linears use them, and route its
-    attention through `attention` if it uses SDPA; True if the attention is routed now."""
+    """Start building the native kernels, let `model`'s plain linears, norms and Llama-style
+    attention use them, and route other SDPA attention through `attention`; True if routed now."""
     from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
     for module in model.modules():
-        if type(module) is torch.nn.Linear:  # same parameters, same results outside fast steps
-            module.__class__ = FastLinear
-        elif type(module) not in _fast_norm_classes.values() and _is_llama_rms_norm(module):
-            module.__class__ = _fast_norm_class(type(module))
+        patch_module(module)
     decode_kernels.start_build()
 
     if model.config._attn_implementation != "sdpa":

@@ -51,8 +51,10 @@ def test_rms_norm_matches_transformers(kernels):
     close(y, norm(x), "rms_norm")
 
 
-def test_moe_decode_matches_the_expert_path(kernels):
-    # One token through 8 of 64 experts of a real transformers experts module, as the cache runs it.
+@pytest.mark.parametrize("picks", [[3, 60, 17, 0, 42, 5, 33, 8], [9, 2, 50]], ids=["whole-experts", "split-rows"])
+def test_moe_decode_matches_the_expert_path(kernels, picks):
+    # One token through some of 64 experts of a real transformers experts module, as the cache runs
+    # it; 8 picks split whole experts between 2 threads, 3 split every matrix by rows.
     from transformers import Qwen3MoeConfig
     from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeExperts
 
@@ -66,14 +68,82 @@ def test_moe_decode_matches_the_expert_path(kernels):
         module.gate_up_proj.normal_(0, 0.05)
         module.down_proj.normal_(0, 0.05)
     assert fast_decode.experts_fusable(module)
-    picks = [3, 60, 17, 0, 42, 5, 33, 8]
     slots = [{"gate_up_proj": module.gate_up_proj[e], "down_proj": module.down_proj[e]} for e in picks]
     hidden = torch.randn(1, 256).to(torch.bfloat16)
-    weights = torch.softmax(torch.randn(8), dim=0)
+    weights = torch.softmax(torch.randn(len(picks)), dim=0)
     reference = weighted_sum([expert_mlp(module, hidden, w) for w in slots], weights, torch.float32, torch.bfloat16)
     fused = kernels.moe_decode(hidden, [w["gate_up_proj"] for w in slots], [w["down_proj"] for w in slots], weights)
     assert fused.shape == reference.shape and fused.dtype == torch.bfloat16
     close(fused, reference, "moe_decode")
+
+
+def attention_module(family: str, **extra):
+    """A bf16 attention module of a transformers family, its rotary embedding and config."""
+    import importlib
+
+    import transformers
+
+    module_name, prefix = {"qwen3_moe": ("qwen3_moe", "Qwen3Moe"), "mixtral": ("mixtral", "Mixtral"),
+                           "qwen2_moe": ("qwen2_moe", "Qwen2Moe"), "olmoe": ("olmoe", "Olmoe")}[family]
+    modeling = importlib.import_module(f"transformers.models.{module_name}.modeling_{module_name}")
+    config = getattr(transformers, f"{prefix}Config")(hidden_size=256, num_attention_heads=8, num_key_value_heads=2,
+                                                      head_dim=32, num_hidden_layers=1, **extra)
+    config._attn_implementation = "sdpa"
+    torch.manual_seed(3)
+    module = getattr(modeling, f"{prefix}Attention")(config, 0).to(torch.bfloat16)
+    with torch.no_grad():
+        for name, param in module.named_parameters():
+            if "norm" in name:
+                param.uniform_(0.5, 1.5)  # not all ones: the norm weights must be applied
+    return module, getattr(modeling, f"{prefix}RotaryEmbedding")(config), config
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "mixtral"])
+def test_attention_decode_step_matches_transformers(kernels, family):
+    """A decode step of Llama-style attention in native calls: the same new key/value in the cache
+    (bit for bit) and the same output as transformers' SDPA path, to bf16 rounding."""
+    from transformers.cache_utils import DynamicCache
+
+    from engine import fast_decode
+
+    module, rotary, config = attention_module(family)
+    caches = [DynamicCache(config=config), DynamicCache(config=config)]
+    prompt = torch.randn(1, 40, 256).to(torch.bfloat16)
+    token = torch.randn(1, 1, 256).to(torch.bfloat16)
+    with torch.no_grad():
+        for cache in caches:
+            module(prompt, rotary(prompt, torch.arange(40)[None]), None, past_key_values=cache)
+        step = rotary(token, torch.tensor([[40]]))
+        reference, _ = module(token, step, None, past_key_values=caches[0])
+        assert fast_decode.patch_module(module) and type(module).__name__.startswith("Fast")
+        with fast_decode.fast_decode_step(True):
+            ours, _ = module(token, step, None, past_key_values=caches[1])
+    assert ours.shape == reference.shape == (1, 1, 256) and ours.dtype == torch.bfloat16
+    close(ours, reference, f"{family} attention")
+    assert torch.equal(caches[1].layers[0].keys, caches[0].layers[0].keys)
+    assert torch.equal(caches[1].layers[0].values, caches[0].layers[0].values)
+
+
+def test_attention_kernels_follow_the_cache_length(kernels):
+    """attend() reads every cached position: a query that matches one key picks out its value."""
+    keys = torch.zeros(1, 1, 300, 32)
+    values = torch.arange(300).float().view(1, 1, 300, 1).expand(1, 1, 300, 32).contiguous()
+    keys[0, 0, 200, 0] = 1.0  # the only key with a score: the softmax puts (nearly) all weight on it
+    query = torch.zeros(1, 2, 1, 32)
+    query[..., 0] = 40.0
+    out = kernels.attend(query.to(torch.bfloat16), keys.to(torch.bfloat16), values.to(torch.bfloat16), 1.0)
+    assert out.shape == (1, 1, 64)
+    assert torch.allclose(out.float(), torch.full((1, 1, 64), 200.0), atol=1.0)
+
+
+@pytest.mark.parametrize("family, extra", [("qwen2_moe", {}), ("olmoe", {})])
+def test_other_attention_recipes_keep_their_code(family, extra):
+    """Qwen2-MoE projects with biases, OLMoE norms the whole projection: not the native recipe."""
+    from engine import fast_decode
+
+    module, _, _ = attention_module(family, **extra)
+    assert not fast_decode.patch_module(module)
+    assert not type(module).__name__.startswith("Fast")
 
 
 def test_bad_shapes_are_refused_with_a_message(kernels):
@@ -82,6 +152,9 @@ def test_bad_shapes_are_refused_with_a_message(kernels):
         kernels.gemv(weight, torch.randn(1, 17).to(torch.bfloat16))
     with pytest.raises(RuntimeError, match="bf16 CPU tensor"):
         kernels.gemv(weight.float(), torch.randn(1, 16).to(torch.bfloat16))
+    query, keys = torch.zeros(1, 3, 1, 8, dtype=torch.bfloat16), torch.zeros(1, 2, 5, 8, dtype=torch.bfloat16)
+    with pytest.raises(RuntimeError, match="whole groups of heads"):
+        kernels.attend(query, keys, keys, 1.0)  # 3 query heads cannot share 2 kv heads
 
 
 def test_experts_with_biases_or_other_gates_are_not_fused():
