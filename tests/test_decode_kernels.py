@@ -136,6 +136,35 @@ def test_attention_kernels_follow_the_cache_length(kernels):
     assert torch.allclose(out.float(), torch.full((1, 1, 64), 200.0), atol=1.0)
 
 
+@pytest.mark.parametrize("family", ["qwen3_moe", "mixtral"])
+def test_router_decode_step_matches_transformers(kernels, family):
+    """The router of one token with the native GEMV: the same experts, the same weights (to bf16
+    rounding) and the same dtypes as transformers' router (Qwen3 casts to bf16, Mixtral keeps float32)."""
+    import importlib
+
+    import transformers
+
+    from engine import fast_decode
+
+    prefix = {"qwen3_moe": "Qwen3Moe", "mixtral": "Mixtral"}[family]
+    modeling = importlib.import_module(f"transformers.models.{family}.modeling_{family}")
+    extra = {"num_experts": 64, "num_experts_per_tok": 8, "norm_topk_prob": True} if family == "qwen3_moe" else {}
+    config = getattr(transformers, f"{prefix}Config")(hidden_size=256, **extra)
+    router = getattr(modeling, f"{prefix}TopKRouter")(config).to(torch.bfloat16)
+    with torch.no_grad():
+        router.weight.normal_(0, 0.2)
+    token = torch.randn(1, 256).to(torch.bfloat16)
+    with torch.no_grad():
+        ref_logits, ref_weights, ref_index = router(token)
+        assert fast_decode.patch_module(router)
+        with fast_decode.fast_decode_step(True):
+            logits, weights, index = router(token)
+    assert torch.equal(index, ref_index)
+    assert weights.dtype == ref_weights.dtype and logits.dtype == ref_logits.dtype
+    close(weights, ref_weights, f"{family} router weights")
+    close(logits, ref_logits, f"{family} router logits")
+
+
 @pytest.mark.parametrize("family, extra", [("qwen2_moe", {}), ("olmoe", {})])
 def test_other_attention_recipes_keep_their_code(family, extra):
     """Qwen2-MoE projects with biases, OLMoE norms the whole projection: not the native recipe."""
