@@ -122,8 +122,9 @@ def _is_llama_attention(module: torch.nn.Module) -> bool:
     if not all(isinstance(proj, torch.nn.Linear) and proj.bias is None for proj in projections):
         return False
     head_dim = getattr(module, "head_dim", 0)
-    norms = [getattr(module, name, None) for name in ("q_norm", "k_norm")]
-    return all(norm is None or (_is_llama_rms_norm(norm) and norm.weight.numel() == head_dim) for norm in norms)
+    norms = [norm for name in ("q_norm", "k_norm") if (norm := getattr(module, name, None)) is not None]
+    return (all(_is_llama_rms_norm(norm) and norm.weight.numel() == head_dim for norm in norms)
+            and len({norm.variance_epsilon for norm in norms}) <= 1)  # the kernel takes one epsilon
 
 
 def _fast_attention_forward(self, hidden_states: torch.Tensor, position_embeddings: tuple[torch.Tensor, torch.Tensor],
@@ -138,10 +139,11 @@ def _fast_attention_forward(self, hidden_states: torch.Tensor, position_embeddin
             or self.q_proj.weight.dtype != torch.bfloat16 or cos.numel() != self.head_dim or cos.dtype != torch.bfloat16):
         return self._plain_forward(hidden_states, position_embeddings, attention_mask, past_key_values, **kwargs)
     q_norm, k_norm = getattr(self, "q_norm", None), getattr(self, "k_norm", None)
+    eps = next((norm.variance_epsilon for norm in (q_norm, k_norm) if norm is not None), 0.0)  # one for both
     query, key, value = kernels.qkv_rope(
         hidden_states, self.q_proj.weight, self.k_proj.weight, self.v_proj.weight,
-        None if q_norm is None else q_norm.weight, None if k_norm is None else k_norm.weight,
-        q_norm.variance_epsilon if q_norm is not None else 0.0, cos, sin, self.head_dim)
+        None if q_norm is None else q_norm.weight, None if k_norm is None else k_norm.weight, eps, cos, sin,
+        self.head_dim)
     key, value = past_key_values.update(key, value, self.layer_idx)
     out = kernels.attend(query, key, value, self.scaling)
     return self.o_proj(out.view(*hidden_states.shape[:-1], -1)), None
