@@ -55,13 +55,19 @@ def active() -> bool:
     return _active
 
 
+def _native_kernels(x: torch.Tensor, weight: torch.Tensor):
+    """The native kernels, if this is a fast step and they apply: built, bf16 input and weight, CPU."""
+    if not _active or x.dtype != torch.bfloat16 or weight.dtype != torch.bfloat16 or x.device.type != "cpu":
+        return None
+    return decode_kernels.ready()
+
+
 class FastLinear(torch.nn.Linear):
     """`nn.Linear` whose one-row bf16 products use the native GEMV inside a fast decode step."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        kernels = decode_kernels.ready() if _active else None
-        if (kernels is None or x.numel() != self.in_features or x.dtype != torch.bfloat16
-                or self.weight.dtype != torch.bfloat16 or x.device.type != "cpu"):
+        kernels = _native_kernels(x, self.weight)
+        if kernels is None or x.numel() != self.in_features:
             return F.linear(x, self.weight, self.bias)
         y = kernels.gemv(self.weight, x)
         return y if self.bias is None else y + self.bias
@@ -83,9 +89,8 @@ def _is_llama_rms_norm(module: torch.nn.Module) -> bool:
 
 
 def _fast_rms_norm_forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
-    kernels = decode_kernels.ready() if _active else None
-    if (kernels is None or hidden_states.dtype != torch.bfloat16 or self.weight.dtype != torch.bfloat16
-            or hidden_states.device.type != "cpu"):
+    kernels = _native_kernels(hidden_states, self.weight)
+    if kernels is None:
         return self._plain_forward(hidden_states)
     return kernels.rms_norm(hidden_states, self.weight, self.variance_epsilon)
 
@@ -132,11 +137,11 @@ def _fast_attention_forward(self, hidden_states: torch.Tensor, position_embeddin
     """One token of Llama-style attention in three native calls (q/k/v with norms and rotary, the
     attention over the cache, o_proj) instead of ~60 small ops; anything else takes the module's
     own forward."""
-    kernels = decode_kernels.ready() if _active else None
+    kernels = _native_kernels(hidden_states, self.q_proj.weight)
     cos, sin = position_embeddings
-    if (kernels is None or attention_mask is not None or past_key_values is None or hidden_states.numel()
-            != hidden_states.shape[-1] or hidden_states.dtype != torch.bfloat16 or hidden_states.device.type != "cpu"
-            or self.q_proj.weight.dtype != torch.bfloat16 or cos.numel() != self.head_dim or cos.dtype != torch.bfloat16):
+    if (kernels is None or attention_mask is not None or past_key_values is None
+            or hidden_states.numel() != hidden_states.shape[-1] or cos.numel() != self.head_dim
+            or cos.dtype != torch.bfloat16):
         return self._plain_forward(hidden_states, position_embeddings, attention_mask, past_key_values, **kwargs)
     q_norm, k_norm = getattr(self, "q_norm", None), getattr(self, "k_norm", None)
     eps = next((norm.variance_epsilon for norm in (q_norm, k_norm) if norm is not None), 0.0)  # one for both
@@ -169,9 +174,8 @@ def _router_recipe(module: torch.nn.Module) -> tuple[bool, bool] | None:
 def _fast_router_forward(self, hidden_states: torch.Tensor):
     """A top-k router whose one-token linear is the native GEMV (torch's kernel without oneDNN took
     ~45 us for a 64 x 1024 router: most of a layer's routing); softmax and top-k stay torch's."""
-    kernels = decode_kernels.ready() if _active else None
-    if (kernels is None or hidden_states.numel() != self.weight.shape[1] or hidden_states.dtype != torch.bfloat16
-            or self.weight.dtype != torch.bfloat16 or hidden_states.device.type != "cpu"):
+    kernels = _native_kernels(hidden_states, self.weight)
+    if kernels is None or hidden_states.numel() != self.weight.shape[1]:
         return self._plain_forward(hidden_states)
     always_normalize, cast_back = self._moescope_recipe
     logits = kernels.gemv(self.weight, hidden_states.reshape(1, -1))

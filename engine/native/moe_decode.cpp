@@ -45,6 +45,14 @@ inline bf16 to_bf16(float v) {  // round to nearest even, as torch does (NaN kep
 
 inline float round_bf16(float v) { return to_float(to_bf16(v)); }
 
+#if defined(MOESCOPE_AVX512BF16) || defined(MOESCOPE_AVX512F)
+// 16 bf16 values widened to float32 (a bf16 is the top half of a float32).
+inline __m512 widen_bf16(const bf16* p) {
+  return _mm512_castsi512_ps(
+      _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))), 16));
+}
+#endif
+
 // One weight row with x, length k: four independent sums so the loads stream back to back.
 // (Summing 4 rows at once, to share the loads of x, streamed at ~40 GB/s where one row at a time
 // reaches the ~70 GB/s a plain read gets on the same machine.)
@@ -69,14 +77,11 @@ inline float dot_row(const bf16* w, const bf16* x, int64_t k) {
   }
   return _mm512_reduce_add_ps(_mm512_add_ps(_mm512_add_ps(a0, a1), _mm512_add_ps(a2, a3)));
 #elif defined(MOESCOPE_AVX512F)
-  auto widen = [](const bf16* p) {
-    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)p)), 16));
-  };
   __m512 a0 = _mm512_setzero_ps(), a1 = a0;
   int64_t i = 0;
   for (; i + 32 <= k; i += 32) {
-    a0 = _mm512_fmadd_ps(widen(w + i), widen(x + i), a0);
-    a1 = _mm512_fmadd_ps(widen(w + i + 16), widen(x + i + 16), a1);
+    a0 = _mm512_fmadd_ps(widen_bf16(w + i), widen_bf16(x + i), a0);
+    a1 = _mm512_fmadd_ps(widen_bf16(w + i + 16), widen_bf16(x + i + 16), a1);
   }
   float tail = 0.f;
   for (; i < k; ++i) tail += to_float(w[i]) * to_float(x[i]);
@@ -99,11 +104,8 @@ inline void axpy_row(float p, const bf16* v, float* acc, int64_t n) {
   int64_t i = 0;
 #if defined(MOESCOPE_AVX512BF16) || defined(MOESCOPE_AVX512F)
   const __m512 scale = _mm512_set1_ps(p);
-  for (; i + 16 <= n; i += 16) {
-    const __m512 wide = _mm512_castsi512_ps(
-        _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(v + i))), 16));
-    _mm512_storeu_ps(acc + i, _mm512_fmadd_ps(scale, wide, _mm512_loadu_ps(acc + i)));
-  }
+  for (; i + 16 <= n; i += 16)
+    _mm512_storeu_ps(acc + i, _mm512_fmadd_ps(scale, widen_bf16(v + i), _mm512_loadu_ps(acc + i)));
 #endif
   for (; i < n; ++i) acc[i] += p * to_float(v[i]);
 }
