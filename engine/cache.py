@@ -307,6 +307,28 @@ class ExpertCache:
             self._submit(lyr, expert, slot, speculative=True)
 
     # ----- compute -----
+    def fully_resident(self) -> bool:
+        """Every expert of every layer sits ready in its slot, and nothing needs to see a layer's
+        routing while it runs (no lookahead, no trace, no replayed routing, no baseline that
+        forgets): a decode step may then run whole and be accounted for afterwards
+        (`record_resident_token`)."""
+        directory = self.directory
+        return (not self._jobs and not self.forget_after_use and self.routing_override is None
+                and self.tracer is None and not self.policy.lookahead and not directory.any_pending()
+                and all(len(slots) == self.layout.num_experts for slots in directory.slot_of))
+
+    def record_resident_token(self, picks: np.ndarray) -> None:
+        """The bookkeeping `run_layer` does for a decode step whose picks were all resident, for a
+        token computed whole: `picks[layer]` are that layer's experts. Same calls in the same
+        order, so counters, miss curves and the policy see what the per-layer path shows them
+        (prefetching has nothing to do when everything is resident)."""
+        top_k = picks.shape[1]
+        ones = [1] * top_k
+        for layer, row in enumerate(picks.tolist()):
+            needed = sorted(row)
+            self.directory.lookup(layer, needed, ones)
+            self.counters.record_layer(layer, None, top_k, 0, tokens=1, needed=needed)
+
     def run_layer(
         self,
         layer: int,

@@ -60,6 +60,7 @@ class CacheDirectory:
         self.unused_prefetch: list[set[int]] = [set() for _ in slots_per_layer]
         self.prefetch = PrefetchStats()
         self.policy = policy
+        self.changes = 0  # counts placements, evictions and resizes: which expert sits where may differ
         policy.outcomes = self.prefetch
         policy.set_capacity(self.slots_per_layer)
 
@@ -179,6 +180,7 @@ class CacheDirectory:
         return slot, victim
 
     def _place(self, layer: int, expert: int, slot: int, pending: bool) -> None:
+        self.changes += 1
         self.expert_in[layer][slot] = expert
         self.slot_of[layer][expert] = slot
         if pending:
@@ -186,6 +188,7 @@ class CacheDirectory:
         self.policy.on_insert(layer, expert)
 
     def _evict(self, layer: int, expert: int) -> None:
+        self.changes += 1
         slot = self.slot_of[layer].pop(expert)
         self.expert_in[layer][slot] = -1
         if expert in self.unused_prefetch[layer]:
@@ -200,6 +203,7 @@ class CacheDirectory:
         """
         if self.any_pending():
             raise RuntimeError("resize with loads in flight; settle them first")
+        self.changes += 1
         self.policy.set_capacity(slots_per_layer)
         moves: list[dict[int, int]] = []
         for layer, new_count in enumerate(slots_per_layer):

@@ -79,11 +79,10 @@ def _llama_rms_norm_code():
     return LlamaRMSNorm.forward.__code__
 
 
-def _is_llama_rms_norm(module: torch.nn.Module) -> bool:
+def is_llama_rms_norm(module: torch.nn.Module) -> bool:
     """The module's forward is Llama's RMSNorm, as most MoE families copy it (Qwen-MoE, Mixtral...);
     Gemma-style (1 + weight) norms and others keep their own code."""
-    cls = type(module)
-    code, reference = getattr(cls, "_plain_forward", cls.forward).__code__, _llama_rms_norm_code()
+    code, reference = plain_forward(module).__code__, _llama_rms_norm_code()
     return (isinstance(getattr(module, "weight", None), torch.nn.Parameter) and hasattr(module, "variance_epsilon")
             and (code.co_code, code.co_consts, code.co_names) == (reference.co_code, reference.co_consts, reference.co_names))
 
@@ -102,33 +101,39 @@ def _llama_attention_codes() -> set:
     from transformers.models.mixtral.modeling_mixtral import MixtralAttention
     from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeAttention
 
-    return {_code_key(cls.forward) for cls in (LlamaAttention, MixtralAttention, Qwen3MoeAttention)}
+    return {code_key(cls.forward) for cls in (LlamaAttention, MixtralAttention, Qwen3MoeAttention)}
 
 
-def _code_key(fn) -> tuple:
+def code_key(fn) -> tuple:
     code = fn.__code__
     return code.co_code, code.co_consts, code.co_names
 
 
-def _is_llama_attention(module: torch.nn.Module) -> bool:
+def plain_forward(module: torch.nn.Module):
+    """The forward of the module's own class, under its fast-decode class if it has one."""
+    cls = type(module)
+    return getattr(cls, "_plain_forward", cls.forward)
+
+
+def is_llama_attention(module: torch.nn.Module) -> bool:
     """Same forward as Llama/Mixtral/Qwen3-MoE attention, bias-free projections, q/k norms (if any)
     over one head, and the module's rotary helpers are Llama's (Qwen2-MoE has biases, OLMoE norms
     the whole projection, others rotate differently: they keep their own code)."""
     from transformers.models.llama import modeling_llama
 
-    forward = type(module).forward
-    if _code_key(forward) not in _llama_attention_codes():
+    forward = plain_forward(module)
+    if code_key(forward) not in _llama_attention_codes():
         return False
     helpers = forward.__globals__
     for name in ("apply_rotary_pos_emb", "rotate_half"):
-        if name not in helpers or _code_key(helpers[name]) != _code_key(getattr(modeling_llama, name)):
+        if name not in helpers or code_key(helpers[name]) != code_key(getattr(modeling_llama, name)):
             return False
     projections = [getattr(module, name, None) for name in ("q_proj", "k_proj", "v_proj", "o_proj")]
     if not all(isinstance(proj, torch.nn.Linear) and proj.bias is None for proj in projections):
         return False
     head_dim = getattr(module, "head_dim", 0)
     norms = [norm for name in ("q_norm", "k_norm") if (norm := getattr(module, name, None)) is not None]
-    return (all(_is_llama_rms_norm(norm) and norm.weight.numel() == head_dim for norm in norms)
+    return (all(is_llama_rms_norm(norm) and norm.weight.numel() == head_dim for norm in norms)
             and len({norm.variance_epsilon for norm in norms}) <= 1)  # the kernel takes one epsilon
 
 
@@ -161,14 +166,14 @@ def _router_recipes() -> dict[tuple, tuple[bool, bool]]:
     from transformers.models.mixtral.modeling_mixtral import MixtralTopKRouter
     from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeTopKRouter
 
-    return {_code_key(Qwen3MoeTopKRouter.forward): (False, True), _code_key(MixtralTopKRouter.forward): (True, False)}
+    return {code_key(Qwen3MoeTopKRouter.forward): (False, True), code_key(MixtralTopKRouter.forward): (True, False)}
 
 
-def _router_recipe(module: torch.nn.Module) -> tuple[bool, bool] | None:
+def router_recipe(module: torch.nn.Module) -> tuple[bool, bool] | None:
     weight = getattr(module, "weight", None)
     if not isinstance(weight, torch.nn.Parameter) or weight.dim() != 2 or not hasattr(module, "top_k"):
         return None
-    return _router_recipes().get(_code_key(type(module).forward))
+    return _router_recipes().get(code_key(plain_forward(module)))
 
 
 def _fast_router_forward(self, hidden_states: torch.Tensor):
@@ -250,11 +255,11 @@ def patch_module(module: torch.nn.Module) -> bool:
         return True  # patched before (a live switch back on)
     if cls is torch.nn.Linear:
         module.__class__ = FastLinear
-    elif _is_llama_rms_norm(module):
+    elif is_llama_rms_norm(module):
         module.__class__ = _fast_class(cls, _fast_rms_norm_forward)
-    elif _is_llama_attention(module):
+    elif is_llama_attention(module):
         module.__class__ = _fast_class(cls, _fast_attention_forward)
-    elif (recipe := _router_recipe(module)) is not None:
+    elif (recipe := router_recipe(module)) is not None:
         module.__class__ = _fast_class(cls, _fast_router_forward)
         module._moescope_recipe = recipe
     else:

@@ -144,14 +144,18 @@ class Generator:
         t_first = t0
         step_input = ids
         for step in range(max_new):
-            attention = torch.ones((1, len(prompt_ids) + len(generated)), dtype=torch.long, device=device)
             fast = rt.options.fast_decode and device.type == "cpu" and step > 0  # read per step: switchable live
-            with fast_decode_step(fast):  # prefill keeps transformers' kernels
-                out = rt.model(
-                    input_ids=step_input, attention_mask=attention, past_key_values=cache, use_cache=True,
-                    logits_to_keep=last_position(step_input),
-                )
-            token = sampler.next_token(out.logits[0, -1], seen)
+            fused = rt.fused_decoder() if fast else None
+            if fused is not None and fused.applies(cache):  # the whole token in one native call
+                logits = fused.step(generated[-1], cache)
+            else:
+                attention = torch.ones((1, len(prompt_ids) + len(generated)), dtype=torch.long, device=device)
+                with fast_decode_step(fast):  # prefill keeps transformers' kernels
+                    logits = rt.model(
+                        input_ids=step_input, attention_mask=attention, past_key_values=cache, use_cache=True,
+                        logits_to_keep=last_position(step_input),
+                    ).logits
+            token = sampler.next_token(logits[0, -1], seen)
             record = counters.end_token()
             rt.cache.policy.on_token_end()
             if step == 0:

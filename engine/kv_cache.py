@@ -15,17 +15,24 @@ from transformers.cache_utils import DynamicLayer
 BLOCK = 256  # tokens of headroom per growth: at most this much unused memory per layer
 
 
+def _room(buffer: torch.Tensor | None, filled: torch.Tensor, like: torch.Tensor, m: int) -> torch.Tensor:
+    """A buffer holding `filled` (n positions) in its first n, with room for `m` more."""
+    n = filled.shape[-2] if filled.dim() == 4 else 0
+    reusable = (buffer is not None and buffer.shape[:-2] == like.shape[:-2] and buffer.shape[-2] >= n + m
+                and (n == 0 or filled.data_ptr() == buffer.data_ptr()))  # `filled` may have been replaced (crop, beams)
+    if not reusable:
+        capacity = -(-(n + m + BLOCK) // BLOCK) * BLOCK
+        buffer = like.new_empty((*like.shape[:-2], capacity, like.shape[-1]))
+        if n:
+            buffer[..., :n, :].copy_(filled)
+    return buffer
+
+
 def _append(buffer: torch.Tensor | None, filled: torch.Tensor, new: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(buffer, view of its first n + m positions) after writing `new` behind the n in `filled`."""
     n = filled.shape[-2] if filled.dim() == 4 else 0
     m = new.shape[-2]
-    reusable = (buffer is not None and buffer.shape[:-2] == new.shape[:-2] and buffer.shape[-2] >= n + m
-                and (n == 0 or filled.data_ptr() == buffer.data_ptr()))  # `filled` may have been replaced (crop, beams)
-    if not reusable:
-        capacity = -(-(n + m + BLOCK) // BLOCK) * BLOCK
-        buffer = new.new_empty((*new.shape[:-2], capacity, new.shape[-1]))
-        if n:
-            buffer[..., :n, :].copy_(filled)
+    buffer = _room(buffer, filled, new, m)
     buffer[..., n : n + m, :].copy_(new)
     return buffer, buffer[..., : n + m, :]
 
@@ -42,6 +49,18 @@ class BlockLayer(DynamicLayer):
         self._key_buffer, self.keys = _append(self._key_buffer, self.keys, key_states)
         self._value_buffer, self.values = _append(self._value_buffer, self.values, value_states)
         return self.keys, self.values
+
+    def reserve_next(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The key and value buffers, with room for one more position behind the filled ones (for a
+        native decode step that writes it in place, then calls `grow_by_one`)."""
+        self._key_buffer = _room(self._key_buffer, self.keys, self.keys, 1)
+        self._value_buffer = _room(self._value_buffer, self.values, self.values, 1)
+        return self._key_buffer, self._value_buffer
+
+    def grow_by_one(self) -> None:
+        """One more position of the buffers (written by the caller) is part of the cache now."""
+        n = self.keys.shape[-2] + 1
+        self.keys, self.values = self._key_buffer[..., :n, :], self._value_buffer[..., :n, :]
 
     def reset(self) -> None:
         self._key_buffer = self._value_buffer = None

@@ -8,10 +8,11 @@ from dataclasses import dataclass
 import psutil
 import torch
 
-from engine import decode_kernels, experts_impl, fast_decode, packed_linear
+from engine import decode_kernels, experts_impl, fast_decode, fused_decode, packed_linear
 from engine.cache import ExpertCache
 from engine.counters import EngineCounters
 from engine.errors import MoEScopeError
+from engine.fused_decode import FusedDecoder
 from engine.inspect_model import ModelInfo, describe
 from engine.loader import ProgressFn, build_model, resolve_device
 from engine.planner import ALLOCATIONS, BudgetPlan, plan_budget
@@ -92,6 +93,8 @@ class MoERuntime:
         for layer, module_path in enumerate(self.layout.module_paths):
             setattr(self.model.get_submodule(module_path), experts_impl.RUNTIME_ATTR, (self.cache, layer))
         self._restriction: RoutingRestriction | None = None
+        self._fused: FusedDecoder | None = None
+        self._fused_problem: str | None = None  # why this model has no whole-token step ("" = it has one)
         self.profile_note = ""
         self._prepare(policy)
         self.warm_bytes = self.cache.warm() if options.warm else 0
@@ -225,6 +228,18 @@ class MoERuntime:
                 self.cache.unpack()  # the native experts kernel reads plain weights (for the rest of the session)
         self.options.fast_decode = enabled and self.device.type == "cpu"
         return self.options.fast_decode
+
+    def fused_decoder(self) -> FusedDecoder | None:
+        """--fast-decode's whole-token step (engine.fused_decode) when it may run now: fast decode on,
+        kernels built, a model it computes whole, plain weights, no lossy routing restriction."""
+        if not self.options.fast_decode or self._restriction is not None or self._fused_problem:
+            return None
+        if self._fused is None and decode_kernels.ready() is not None:
+            if self._fused_problem is None:
+                self._fused_problem = fused_decode.recognise(self.model)
+            if not self._fused_problem:
+                self._fused = FusedDecoder.build(self.model, self.cache)  # None until every expert is resident
+        return self._fused
 
     def set_policy(self, name: str) -> None:
         """Switch policy between tokens: residents stay; the new policy learns from here on."""

@@ -8,12 +8,17 @@
 // rounded to bf16 where transformers rounds (each projection's output, the activation, the
 // product), so results are close to, not bit-identical with, transformers' kernels.
 #include <torch/extension.h>
+#include <pybind11/stl.h>
 #include <ATen/Parallel.h>
 
 #include <algorithm>
+#include <array>
+#include <chrono>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <map>
+#include <string>
 #include <vector>
 
 #if defined(__AVX512BF16__) && defined(__AVX512F__)
@@ -110,12 +115,30 @@ inline void axpy_row(float p, const bf16* v, float* acc, int64_t n) {
   for (; i < n; ++i) acc[i] += p * to_float(v[i]);
 }
 
+inline const bf16* bf16_data(const torch::Tensor& t) { return reinterpret_cast<const bf16*>(t.data_ptr()); }
+inline bf16* bf16_data(torch::Tensor& t) { return reinterpret_cast<bf16*>(t.data_ptr()); }
+
 void check_matrix(const torch::Tensor& t, const char* name) {
   TORCH_CHECK(t.device().is_cpu() && t.scalar_type() == torch::kBFloat16, name, ": a bf16 CPU tensor is needed");
   TORCH_CHECK(t.dim() == 2 && t.stride(1) == 1, name, ": a 2-D matrix with contiguous rows is needed");
 }
 
+void check_vector(const torch::Tensor& t, int64_t n, const char* name) {
+  TORCH_CHECK(t.device().is_cpu() && t.scalar_type() == torch::kBFloat16 && t.is_contiguous() && t.numel() == n,
+              name, ": a contiguous bf16 CPU vector of ", n, " values is needed");
+}
+
 constexpr int64_t kGrain = 64;  // rows per task: ~128 KB of weights, enough to hide a task's start
+
+// acc = W x over all rows of W, split across threads; then rounded to bf16 into `out`.
+void gemv_into(const torch::Tensor& weight, const bf16* x, float* acc, bf16* out) {
+  const int64_t n = weight.size(0), k = weight.size(1);
+  const bf16* w = bf16_data(weight);
+  at::parallel_for(0, n, kGrain, [&](int64_t begin, int64_t end) {
+    gemv_range(w, weight.stride(0), x, k, begin, end, acc);
+  });
+  for (int64_t i = 0; i < n; ++i) out[i] = to_bf16(acc[i]);
+}
 
 // y = W x for one row x (any leading shape of size 1), as F.linear without bias.
 torch::Tensor gemv(const torch::Tensor& weight, const torch::Tensor& x) {
@@ -124,38 +147,35 @@ torch::Tensor gemv(const torch::Tensor& weight, const torch::Tensor& x) {
   TORCH_CHECK(x.numel() == k && x.scalar_type() == torch::kBFloat16, "x: one bf16 row of the weight's width needed");
   const torch::Tensor xc = x.contiguous();
   std::vector<float> acc(n);
-  const bf16* w = reinterpret_cast<const bf16*>(weight.data_ptr());
-  const bf16* xv = reinterpret_cast<const bf16*>(xc.data_ptr());
-  at::parallel_for(0, n, kGrain, [&](int64_t begin, int64_t end) {
-    gemv_range(w, weight.stride(0), xv, k, begin, end, acc.data());
-  });
   auto sizes = x.sizes().vec();
   sizes.back() = n;
   torch::Tensor y = torch::empty(sizes, x.options());
-  bf16* yv = reinterpret_cast<bf16*>(y.data_ptr());
-  for (int64_t i = 0; i < n; ++i) yv[i] = to_bf16(acc[i]);
+  gemv_into(weight, bf16_data(xc), acc.data(), bf16_data(y));
   return y;
 }
 
-// One token through `k` experts (gate_up [2I, H] and down [H, I] each, SiLU gate) weighted by
-// `weights` (float32, [k]) and summed: what a decode step's MoE block computes.
-torch::Tensor moe_decode(const torch::Tensor& x, const std::vector<torch::Tensor>& gate_up,
-                         const std::vector<torch::Tensor>& down, const torch::Tensor& weights) {
-  const int64_t experts = static_cast<int64_t>(gate_up.size());
-  TORCH_CHECK(experts > 0 && static_cast<int64_t>(down.size()) == experts, "one gate_up and one down per expert");
-  TORCH_CHECK(weights.numel() == experts, "one routing weight per expert");
-  const int64_t hidden = x.numel(), inter = down[0].size(1);
-  for (int64_t e = 0; e < experts; ++e) {
-    check_matrix(gate_up[e], "gate_up");
-    check_matrix(down[e], "down");
-    TORCH_CHECK(gate_up[e].size(0) == 2 * inter && gate_up[e].size(1) == hidden, "gate_up: [2 * intermediate, hidden]");
-    TORCH_CHECK(down[e].size(0) == hidden && down[e].size(1) == inter, "down: [hidden, intermediate]");
-  }
-  const torch::Tensor xc = x.contiguous();
-  const torch::Tensor wf = weights.to(torch::kFloat32).contiguous();
-  const bf16* xv = reinterpret_cast<const bf16*>(xc.data_ptr());
-  const float* route = wf.data_ptr<float>();
+// One expert's matrices: gate_up [2I, H] (gate rows first) and down [H, I], rows contiguous.
+struct ExpertWeights {
+  const bf16* gate_up;
+  int64_t gate_up_ld;
+  const bf16* down;
+  int64_t down_ld;
+};
 
+ExpertWeights expert_weights(const torch::Tensor& gate_up, const torch::Tensor& down, int64_t hidden) {
+  check_matrix(gate_up, "gate_up");
+  check_matrix(down, "down");
+  const int64_t inter = down.size(1);
+  TORCH_CHECK(gate_up.size(0) == 2 * inter && gate_up.size(1) == hidden, "gate_up: [2 * intermediate, hidden]");
+  TORCH_CHECK(down.size(0) == hidden, "down: [hidden, intermediate]");
+  return {bf16_data(gate_up), gate_up.stride(0), bf16_data(down), down.stride(0)};
+}
+
+// One token through `experts` SiLU-gated experts weighted by `route` (float32) and summed in pick
+// order into `out` (bf16): what a decode step's MoE block computes.
+void moe_experts(const bf16* x, int64_t hidden, int64_t inter, const std::vector<ExpertWeights>& picked,
+                 const float* route, bf16* out) {
+  const int64_t experts = static_cast<int64_t>(picked.size());
   std::vector<float> projected(experts * 2 * inter);
   std::vector<bf16> activation(experts * inter);
   auto activate = [&](int64_t e, int64_t begin, int64_t end) {  // rounded as transformers does
@@ -172,39 +192,53 @@ torch::Tensor moe_decode(const torch::Tensor& x, const std::vector<torch::Tensor
     // prefetchers like best (5-10 % faster than splitting every matrix by rows).
     at::parallel_for(0, experts, 1, [&](int64_t first, int64_t last) {
       for (int64_t e = first; e < last; ++e) {
-        gemv_range(reinterpret_cast<const bf16*>(gate_up[e].data_ptr()), gate_up[e].stride(0), xv, hidden, 0,
-                   2 * inter, projected.data() + e * 2 * inter);
+        gemv_range(picked[e].gate_up, picked[e].gate_up_ld, x, hidden, 0, 2 * inter,
+                   projected.data() + e * 2 * inter);
         activate(e, 0, inter);
       }
     });
     at::parallel_for(0, experts, 1, [&](int64_t first, int64_t last) {
       for (int64_t e = first; e < last; ++e)
-        gemv_range(reinterpret_cast<const bf16*>(down[e].data_ptr()), down[e].stride(0),
-                   activation.data() + e * inter, inter, 0, hidden, outputs.data() + e * hidden);
+        gemv_range(picked[e].down, picked[e].down_ld, activation.data() + e * inter, inter, 0, hidden,
+                   outputs.data() + e * hidden);
     });
   } else {
     // Pass 1: gate and up rows of every expert, split by rows; then pass 2: down rows.
     at::parallel_for(0, inter, kGrain / 2, [&](int64_t begin, int64_t end) {
       for (int64_t e = 0; e < experts; ++e) {
-        const bf16* w = reinterpret_cast<const bf16*>(gate_up[e].data_ptr());
         float* gate = projected.data() + e * 2 * inter;
-        gemv_range(w, gate_up[e].stride(0), xv, hidden, begin, end, gate);
-        gemv_range(w, gate_up[e].stride(0), xv, hidden, inter + begin, inter + end, gate);
+        gemv_range(picked[e].gate_up, picked[e].gate_up_ld, x, hidden, begin, end, gate);
+        gemv_range(picked[e].gate_up, picked[e].gate_up_ld, x, hidden, inter + begin, inter + end, gate);
         activate(e, begin, end);
       }
     });
     at::parallel_for(0, hidden, kGrain, [&](int64_t begin, int64_t end) {
       for (int64_t e = 0; e < experts; ++e)
-        gemv_range(reinterpret_cast<const bf16*>(down[e].data_ptr()), down[e].stride(0),
-                   activation.data() + e * inter, inter, begin, end, outputs.data() + e * hidden);
+        gemv_range(picked[e].down, picked[e].down_ld, activation.data() + e * inter, inter, begin, end,
+                   outputs.data() + e * hidden);
     });
   }
   std::vector<float> summed(hidden, 0.f);  // each output rounded, weighted and summed over experts
   for (int64_t e = 0; e < experts; ++e)
     for (int64_t j = 0; j < hidden; ++j) summed[j] += round_bf16(outputs[e * hidden + j]) * route[e];
+  for (int64_t j = 0; j < hidden; ++j) out[j] = to_bf16(summed[j]);
+}
+
+torch::Tensor moe_decode(const torch::Tensor& x, const std::vector<torch::Tensor>& gate_up,
+                         const std::vector<torch::Tensor>& down, const torch::Tensor& weights) {
+  const int64_t experts = static_cast<int64_t>(gate_up.size());
+  TORCH_CHECK(experts > 0 && static_cast<int64_t>(down.size()) == experts, "one gate_up and one down per expert");
+  TORCH_CHECK(weights.numel() == experts, "one routing weight per expert");
+  const int64_t hidden = x.numel(), inter = down[0].size(1);
+  std::vector<ExpertWeights> picked;
+  for (int64_t e = 0; e < experts; ++e) {
+    picked.push_back(expert_weights(gate_up[e], down[e], hidden));
+    TORCH_CHECK(down[e].size(1) == inter, "down: every expert of one intermediate size");
+  }
+  const torch::Tensor xc = x.contiguous();
+  const torch::Tensor wf = weights.to(torch::kFloat32).contiguous();
   torch::Tensor y = torch::empty_like(xc);
-  bf16* yv = reinterpret_cast<bf16*>(y.data_ptr());
-  for (int64_t j = 0; j < hidden; ++j) yv[j] = to_bf16(summed[j]);
+  moe_experts(bf16_data(xc), hidden, inter, picked, wf.data_ptr<float>(), bf16_data(y));
   return y;
 }
 
@@ -225,12 +259,9 @@ torch::Tensor rms_norm(const torch::Tensor& x, const torch::Tensor& weight, doub
                   x.size(-1) == n,
               "rms_norm: bf16 rows and a bf16 weight of their width");
   const torch::Tensor xc = x.contiguous(), wc = weight.contiguous();
-  const bf16* xv = reinterpret_cast<const bf16*>(xc.data_ptr());
-  const bf16* wv = reinterpret_cast<const bf16*>(wc.data_ptr());
   torch::Tensor y = torch::empty_like(xc);
-  bf16* yv = reinterpret_cast<bf16*>(y.data_ptr());
   for (int64_t row = 0; row < xc.numel() / n; ++row)
-    rms_norm_row(xv + row * n, wv, n, static_cast<float>(eps), yv + row * n);
+    rms_norm_row(bf16_data(xc) + row * n, bf16_data(wc), n, static_cast<float>(eps), bf16_data(y) + row * n);
   return y;
 }
 
@@ -238,7 +269,8 @@ torch::Tensor rms_norm(const torch::Tensor& x, const torch::Tensor& weight, doub
 // x * cos + rotate_half(x) * sin, each product and the sum rounded to bf16.
 inline void rope_head(bf16* x, const bf16* cos, const bf16* sin, int64_t d) {
   const int64_t half = d / 2;
-  std::vector<float> in(d);
+  thread_local std::vector<float> in;
+  in.resize(d);
   for (int64_t i = 0; i < d; ++i) in[i] = to_float(x[i]);
   for (int64_t i = 0; i < d; ++i) {
     const float rotated = i < half ? -in[i + half] : in[i - half];
@@ -246,74 +278,151 @@ inline void rope_head(bf16* x, const bf16* cos, const bf16* sin, int64_t d) {
   }
 }
 
-// One token's query, key and value for a layer of Llama-style attention: the three projections
-// (no bias) in one pass over their rows, optional per-head RMSNorms of q and k (Qwen3), then the
-// rotary embedding. Returns q [1, heads, 1, d], k and v [1, kv_heads, 1, d], as the attention
-// module hands them to the KV cache.
+// The weights of one layer's Llama-style attention (no biases), checked once.
+struct AttentionWeights {
+  torch::Tensor wq, wk, wv, q_norm, k_norm;  // norms undefined where the model has none
+  int64_t head_dim;
+  float eps;
+};
+
+AttentionWeights attention_weights(const torch::Tensor& wq, const torch::Tensor& wk, const torch::Tensor& wv,
+                                   const c10::optional<torch::Tensor>& q_norm,
+                                   const c10::optional<torch::Tensor>& k_norm, double eps, int64_t head_dim,
+                                   int64_t hidden) {
+  check_matrix(wq, "q_proj");
+  check_matrix(wk, "k_proj");
+  check_matrix(wv, "v_proj");
+  TORCH_CHECK(wq.size(1) == hidden && wk.size(1) == hidden && wv.size(1) == hidden,
+              "qkv_rope: one bf16 row of the projections' width");
+  TORCH_CHECK(head_dim > 0 && head_dim % 2 == 0 && wq.size(0) % head_dim == 0 && wk.size(0) % head_dim == 0 &&
+                  wv.size(0) == wk.size(0),
+              "qkv_rope: projections of whole heads, as many value heads as key heads");
+  AttentionWeights out{wq, wk, wv, torch::Tensor(), torch::Tensor(), head_dim, static_cast<float>(eps)};
+  if (q_norm.has_value()) check_vector(out.q_norm = q_norm->contiguous(), head_dim, "q_norm");
+  if (k_norm.has_value()) check_vector(out.k_norm = k_norm->contiguous(), head_dim, "k_norm");
+  return out;
+}
+
+// One token's query (into q), key and value (into k, v) for a layer of Llama-style attention: the
+// three projections, optional per-head RMSNorms of q and k (Qwen3), then the rotary embedding.
+// `acc` holds q + k + v rows of float32.
+void qkv_rope_into(const AttentionWeights& a, const bf16* x, const bf16* cos, const bf16* sin, float* acc, bf16* q,
+                   bf16* k, bf16* v) {
+  const int64_t hidden = a.wq.size(1), d = a.head_dim;
+  const int64_t q_heads = a.wq.size(0) / d, kv_heads = a.wk.size(0) / d;
+  const torch::Tensor* mats[3] = {&a.wq, &a.wk, &a.wv};
+  const torch::Tensor* norms[3] = {&a.q_norm, &a.k_norm, nullptr};
+  bf16* out[3] = {q, k, v};
+  const int64_t first_head[4] = {0, q_heads, q_heads + kv_heads, q_heads + 2 * kv_heads};
+  // Whole heads of q, k and v as one range: each thread projects its heads, rounds them, and
+  // applies the norm and rotary embedding itself (no serial pass over all heads afterwards).
+  at::parallel_for(0, first_head[3], 1, [&](int64_t begin, int64_t end) {
+    std::vector<bf16> normed(d);
+    for (int64_t head = begin; head < end; ++head) {
+      const int m = head < first_head[1] ? 0 : head < first_head[2] ? 1 : 2;
+      const int64_t h = head - first_head[m];
+      float* rows = acc + head * d;
+      gemv_range(bf16_data(*mats[m]) + h * d * mats[m]->stride(0), mats[m]->stride(0), x, hidden, 0, d, rows);
+      bf16* o = out[m] + h * d;
+      for (int64_t i = 0; i < d; ++i) o[i] = to_bf16(rows[i]);
+      if (m == 2) continue;  // values are neither normed nor rotated
+      if (norms[m]->defined()) {
+        rms_norm_row(o, bf16_data(*norms[m]), d, a.eps, normed.data());
+        std::memcpy(o, normed.data(), d * sizeof(bf16));
+      }
+      rope_head(o, cos, sin, d);
+    }
+  });
+}
+
+// Returns q [1, heads, 1, d], k and v [1, kv_heads, 1, d], as the attention module hands them to
+// the KV cache.
 std::vector<torch::Tensor> qkv_rope(const torch::Tensor& x, const torch::Tensor& wq, const torch::Tensor& wk,
                                     const torch::Tensor& wv, const c10::optional<torch::Tensor>& q_norm,
                                     const c10::optional<torch::Tensor>& k_norm, double eps, const torch::Tensor& cos,
                                     const torch::Tensor& sin, int64_t head_dim) {
-  check_matrix(wq, "q_proj");
-  check_matrix(wk, "k_proj");
-  check_matrix(wv, "v_proj");
-  const int64_t hidden = x.numel(), nq = wq.size(0), nk = wk.size(0), nv = wv.size(0);
-  TORCH_CHECK(x.scalar_type() == torch::kBFloat16 && wq.size(1) == hidden && wk.size(1) == hidden &&
-                  wv.size(1) == hidden,
-              "qkv_rope: one bf16 row of the projections' width");
-  TORCH_CHECK(head_dim > 0 && head_dim % 2 == 0 && nq % head_dim == 0 && nk % head_dim == 0 && nv == nk,
-              "qkv_rope: projections of whole heads, as many value heads as key heads");
+  TORCH_CHECK(x.scalar_type() == torch::kBFloat16, "qkv_rope: one bf16 row of the projections' width");
+  const AttentionWeights a = attention_weights(wq, wk, wv, q_norm, k_norm, eps, head_dim, x.numel());
   TORCH_CHECK(cos.numel() == head_dim && sin.numel() == head_dim && cos.scalar_type() == torch::kBFloat16 &&
                   sin.scalar_type() == torch::kBFloat16,
               "qkv_rope: one bf16 cos and sin row of the head size");
-  for (const auto* norm : {&q_norm, &k_norm})
-    TORCH_CHECK(!norm->has_value() || ((*norm)->numel() == head_dim && (*norm)->scalar_type() == torch::kBFloat16),
-                "qkv_rope: q/k norm weights of the head size");
   const torch::Tensor xc = x.contiguous(), cc = cos.contiguous(), sc = sin.contiguous();
-  const bf16* xv = reinterpret_cast<const bf16*>(xc.data_ptr());
-  std::vector<float> acc(nq + nk + nv);
-  const torch::Tensor* mats[3] = {&wq, &wk, &wv};
-  const int64_t starts[4] = {0, nq, nq + nk, nq + nk + nv};
-  // The rows of q, k and v as one range: each thread takes a contiguous stretch of it.
-  at::parallel_for(0, starts[3], kGrain, [&](int64_t begin, int64_t end) {
-    for (int m = 0; m < 3; ++m) {
-      const int64_t lo = std::max(begin, starts[m]), hi = std::min(end, starts[m + 1]);
-      if (lo >= hi) continue;
-      const torch::Tensor& w = *mats[m];
-      gemv_range(reinterpret_cast<const bf16*>(w.data_ptr()), w.stride(0), xv, hidden, lo - starts[m],
-                 hi - starts[m], acc.data() + starts[m]);
-    }
-  });
+  const int64_t nq = wq.size(0), nk = wk.size(0);
+  std::vector<float> acc(nq + 2 * nk);
   auto opts = x.options();
   torch::Tensor q = torch::empty({1, nq / head_dim, 1, head_dim}, opts);
   torch::Tensor k = torch::empty({1, nk / head_dim, 1, head_dim}, opts);
-  torch::Tensor v = torch::empty({1, nv / head_dim, 1, head_dim}, opts);
-  bf16* out[3] = {reinterpret_cast<bf16*>(q.data_ptr()), reinterpret_cast<bf16*>(k.data_ptr()),
-                  reinterpret_cast<bf16*>(v.data_ptr())};
-  for (int m = 0; m < 3; ++m)
-    for (int64_t i = 0; i < starts[m + 1] - starts[m]; ++i) out[m][i] = to_bf16(acc[starts[m] + i]);
-  const bf16* cv = reinterpret_cast<const bf16*>(cc.data_ptr());
-  const bf16* sv = reinterpret_cast<const bf16*>(sc.data_ptr());
-  const c10::optional<torch::Tensor>* norms[2] = {&q_norm, &k_norm};
-  for (int m = 0; m < 2; ++m) {
-    torch::Tensor weight = norms[m]->has_value() ? (*norms[m])->contiguous() : torch::Tensor();
-    for (int64_t h = 0; h < (starts[m + 1] - starts[m]) / head_dim; ++h) {
-      bf16* head = out[m] + h * head_dim;
-      if (weight.defined()) {
-        std::vector<bf16> normed(head_dim);
-        rms_norm_row(head, reinterpret_cast<const bf16*>(weight.data_ptr()), head_dim, static_cast<float>(eps),
-                     normed.data());
-        std::memcpy(head, normed.data(), head_dim * sizeof(bf16));
-      }
-      rope_head(head, cv, sv, head_dim);
-    }
-  }
+  torch::Tensor v = torch::empty({1, nk / head_dim, 1, head_dim}, opts);
+  qkv_rope_into(a, bf16_data(xc), bf16_data(cc), bf16_data(sc), acc.data(), bf16_data(q), bf16_data(k),
+                bf16_data(v));
   return {q, k, v};
 }
 
-// softmax(q k^T * scale) v for one query over the cached keys and values ([1, kv_heads, T, d], any
-// strides with contiguous rows), groups of query heads sharing a kv head; float32 throughout,
-// the output rounded to bf16 as [1, 1, heads * d] (what o_proj takes).
+// v[i] = exp(v[i] - shift) for n values; returns their sum. Vectorized where the CPU has AVX-512
+// (Cephes' single-precision polynomial, within ~2 ulp of std::exp): the softmax's exponentials
+// were a third of one-token attention's time.
+inline float exp_shifted(float* v, int64_t n, float shift) {
+  int64_t i = 0;
+  float total = 0.f;
+#if defined(MOESCOPE_AVX512BF16) || defined(MOESCOPE_AVX512F)
+  __m512 sum = _mm512_setzero_ps();
+  const __m512 lo = _mm512_set1_ps(-87.3f), log2e = _mm512_set1_ps(1.44269504088896341f);
+  const __m512 ln2_hi = _mm512_set1_ps(0.693359375f), ln2_lo = _mm512_set1_ps(-2.12194440e-4f);
+  for (; i + 16 <= n; i += 16) {
+    const __m512 x = _mm512_max_ps(_mm512_sub_ps(_mm512_loadu_ps(v + i), _mm512_set1_ps(shift)), lo);
+    const __m512 k = _mm512_roundscale_ps(_mm512_mul_ps(x, log2e), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    const __m512 r = _mm512_fnmadd_ps(k, ln2_lo, _mm512_fnmadd_ps(k, ln2_hi, x));
+    __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+    const __m512 y = _mm512_add_ps(_mm512_fmadd_ps(p, _mm512_mul_ps(r, r), r), _mm512_set1_ps(1.f));
+    const __m512 e = _mm512_scalef_ps(y, k);
+    _mm512_storeu_ps(v + i, e);
+    sum = _mm512_add_ps(sum, e);
+  }
+  total = _mm512_reduce_add_ps(sum);
+#endif
+  for (; i < n; ++i) total += (v[i] = std::exp(v[i] - shift));
+  return total;
+}
+
+// A layer's cached keys or values: [kv_heads, len] rows of d, contiguous within a row.
+struct CacheView {
+  const bf16* data;
+  int64_t head_stride, position_stride;
+};
+
+// softmax(q k^T * scale) v for one query over `len` cached positions, groups of query heads
+// sharing a kv head; float32 throughout, the output rounded to bf16 as [heads * d].
+void attend_into(const bf16* q, int64_t heads, int64_t d, int64_t kv_heads, CacheView keys, CacheView values,
+                 int64_t len, float scale, bf16* out) {
+  const int64_t group = heads / kv_heads;
+  // splitting heads across threads costs a wake-up: not worth it for the first few positions
+  const int64_t grain = heads * len * d >= (1 << 15) ? 1 : heads;
+  at::parallel_for(0, heads, grain, [&](int64_t first, int64_t last) {
+    std::vector<float> scores(len), acc(d);
+    for (int64_t h = first; h < last; ++h) {
+      const int64_t g = h / group;
+      float top = -INFINITY;
+      for (int64_t t = 0; t < len; ++t) {  // bf16 products are exact in float32: q need not be widened first
+        scores[t] = dot_row(keys.data + g * keys.head_stride + t * keys.position_stride, q + h * d, d) * scale;
+        top = std::max(top, scores[t]);
+      }
+      const float total = exp_shifted(scores.data(), len, top);
+      std::fill(acc.begin(), acc.end(), 0.f);
+      for (int64_t t = 0; t < len; ++t)
+        axpy_row(scores[t] / total, values.data + g * values.head_stride + t * values.position_stride, acc.data(),
+                 d);
+      for (int64_t i = 0; i < d; ++i) out[h * d + i] = to_bf16(acc[i]);
+    }
+  });
+}
+
+// One query [1, heads, 1, d] over cached keys and values ([1, kv_heads, T, d], any strides with
+// contiguous rows); returns [1, 1, heads * d] (what o_proj takes).
 torch::Tensor attend(const torch::Tensor& q, const torch::Tensor& keys, const torch::Tensor& values, double scale) {
   TORCH_CHECK(q.dim() == 4 && keys.dim() == 4 && values.dim() == 4 && q.size(0) == 1 && q.size(2) == 1,
               "attend: one query [1, heads, 1, d] and keys/values [1, kv_heads, T, d]");
@@ -324,33 +433,217 @@ torch::Tensor attend(const torch::Tensor& q, const torch::Tensor& keys, const to
   for (const auto* t : {&q, &keys, &values})
     TORCH_CHECK(t->scalar_type() == torch::kBFloat16 && t->device().is_cpu(), "attend: bf16 CPU tensors");
   const torch::Tensor qc = q.contiguous();
-  const bf16* qv = reinterpret_cast<const bf16*>(qc.data_ptr());
-  const bf16* kv = reinterpret_cast<const bf16*>(keys.data_ptr());
-  const bf16* vv = reinterpret_cast<const bf16*>(values.data_ptr());
-  const int64_t group = heads / kv_heads;
   torch::Tensor out = torch::empty({1, 1, heads * d}, q.options());
-  bf16* ov = reinterpret_cast<bf16*>(out.data_ptr());
-  // splitting heads across threads costs a wake-up: worth it only for long contexts
-  const int64_t grain = heads * len * d >= (1 << 18) ? 1 : heads;
-  at::parallel_for(0, heads, grain, [&](int64_t first, int64_t last) {
-    std::vector<float> scores(len), acc(d);
-    for (int64_t h = first; h < last; ++h) {
-      const int64_t g = h / group;
-      float top = -INFINITY;
-      for (int64_t t = 0; t < len; ++t) {  // bf16 products are exact in float32: q need not be widened first
-        scores[t] = dot_row(kv + g * keys.stride(1) + t * keys.stride(2), qv + h * d, d) * static_cast<float>(scale);
-        top = std::max(top, scores[t]);
-      }
-      float total = 0.f;
-      for (int64_t t = 0; t < len; ++t) total += (scores[t] = std::exp(scores[t] - top));
-      std::fill(acc.begin(), acc.end(), 0.f);
-      for (int64_t t = 0; t < len; ++t)
-        axpy_row(scores[t] / total, vv + g * values.stride(1) + t * values.stride(2), acc.data(), d);
-      for (int64_t i = 0; i < d; ++i) ov[h * d + i] = to_bf16(acc[i]);
-    }
-  });
+  attend_into(bf16_data(qc), heads, d, kv_heads, {bf16_data(keys), keys.stride(1), keys.stride(2)},
+              {bf16_data(values), values.stride(1), values.stride(2)}, len, static_cast<float>(scale),
+              bf16_data(out));
   return out;
 }
+
+// out = a + b in bf16, rounded as torch adds two bf16 tensors.
+inline void add_rows(const bf16* a, const bf16* b, int64_t n, bf16* out) {
+  for (int64_t i = 0; i < n; ++i) out[i] = to_bf16(to_float(a[i]) + to_float(b[i]));
+}
+
+// A whole decode step of a Llama-style MoE decoder (Qwen3-MoE, Mixtral) in one call, for when
+// every expert is resident: per layer RMSNorm, attention (q/k/v + rotary, the KV cache, o_proj),
+// residual, RMSNorm, top-k router, the picked experts, residual; then the final norm and lm_head.
+// The same kernels, in the same order, as the per-module fast path; what it saves is the ~250 us
+// per layer of Python and small torch ops between them. The caller does the cache's bookkeeping
+// afterwards from the picks it returns.
+class DecodeStep {
+ public:
+  DecodeStep(torch::Tensor embed, torch::Tensor final_norm, double final_eps, torch::Tensor lm_head, int64_t top_k,
+             bool normalize, bool cast_back)
+      : embed_(std::move(embed)), final_norm_(std::move(final_norm)), lm_head_(std::move(lm_head)),
+        final_eps_(static_cast<float>(final_eps)), top_k_(top_k), normalize_(normalize), cast_back_(cast_back) {
+    check_matrix(embed_, "embed_tokens");
+    check_matrix(lm_head_, "lm_head");
+    hidden_ = embed_.size(1);
+    check_vector(final_norm_, hidden_, "norm");
+    TORCH_CHECK(lm_head_.size(1) == hidden_ && top_k_ > 0, "lm_head: [vocab, hidden]; top_k > 0");
+  }
+
+  void add_layer(const torch::Tensor& input_norm, double input_eps, const torch::Tensor& wq, const torch::Tensor& wk,
+                 const torch::Tensor& wv, const c10::optional<torch::Tensor>& q_norm,
+                 const c10::optional<torch::Tensor>& k_norm, double qk_eps, int64_t head_dim, double scale,
+                 const torch::Tensor& wo, const torch::Tensor& post_norm, double post_eps, const torch::Tensor& router,
+                 const std::vector<torch::Tensor>& gate_up, const std::vector<torch::Tensor>& down) {
+    Layer layer{attention_weights(wq, wk, wv, q_norm, k_norm, qk_eps, head_dim, hidden_)};
+    check_vector(layer.input_norm = input_norm.contiguous(), hidden_, "input_layernorm");
+    check_vector(layer.post_norm = post_norm.contiguous(), hidden_, "post_attention_layernorm");
+    check_matrix(wo, "o_proj");
+    check_matrix(router, "router");
+    TORCH_CHECK(wo.size(0) == hidden_ && wo.size(1) == wq.size(0), "o_proj: [hidden, heads * head_dim]");
+    TORCH_CHECK(router.size(1) == hidden_ && router.size(0) >= top_k_, "router: [experts >= top_k, hidden]");
+    layer.wo = wo;
+    layer.router = router;
+    layer.input_eps = static_cast<float>(input_eps);
+    layer.post_eps = static_cast<float>(post_eps);
+    layer.scale = static_cast<float>(scale);
+    layers_.push_back(std::move(layer));
+    set_experts(static_cast<int64_t>(layers_.size()) - 1, gate_up, down);
+  }
+
+  // Every expert of `layer`, by expert id (they move when the cache re-plans its slots).
+  void set_experts(int64_t layer, const std::vector<torch::Tensor>& gate_up, const std::vector<torch::Tensor>& down) {
+    TORCH_CHECK(layer >= 0 && layer < static_cast<int64_t>(layers_.size()), "set_experts: no such layer");
+    Layer& l = layers_[layer];
+    TORCH_CHECK(static_cast<int64_t>(gate_up.size()) == l.router.size(0) && down.size() == gate_up.size(),
+                "set_experts: one gate_up and one down for every expert the router scores");
+    l.experts.clear();
+    l.expert_tensors.clear();
+    for (size_t e = 0; e < gate_up.size(); ++e) {
+      l.experts.push_back(expert_weights(gate_up[e], down[e], hidden_));
+      TORCH_CHECK(down[e].size(1) == down[0].size(1), "set_experts: every expert of one intermediate size");
+      l.expert_tensors.push_back(gate_up[e]);  // keeps the slot memory alive while referenced
+      l.expert_tensors.push_back(down[e]);
+    }
+    l.inter = down[0].size(1);
+  }
+
+  // One token at `position` (the number of cached positions before it). keys/values: each layer's
+  // cache buffer [1, kv_heads, capacity > position, d]; this token's key and value are written at
+  // `position`. cos/sin: the rotary rows for `position`. picks: int64 [layers, top_k], filled
+  // with each layer's experts in router order. Returns the logits [1, 1, vocab] in bf16.
+  torch::Tensor run(int64_t token, const torch::Tensor& cos, const torch::Tensor& sin,
+                    const std::vector<torch::Tensor>& keys, const std::vector<torch::Tensor>& values,
+                    int64_t position, torch::Tensor picks) {
+    const int64_t layers = static_cast<int64_t>(layers_.size());
+    TORCH_CHECK(token >= 0 && token < embed_.size(0), "run: token id outside the vocabulary");
+    TORCH_CHECK(static_cast<int64_t>(keys.size()) == layers && static_cast<int64_t>(values.size()) == layers,
+                "run: one key and one value buffer per layer");
+    TORCH_CHECK(picks.scalar_type() == torch::kLong && picks.is_contiguous() && picks.numel() == layers * top_k_,
+                "run: picks must be a contiguous int64 [layers, top_k] tensor");
+    int64_t* picked_out = picks.data_ptr<int64_t>();
+    Clock clock(phase_seconds_);
+    std::vector<bf16> x(bf16_data(embed_) + token * embed_.stride(0),
+                        bf16_data(embed_) + token * embed_.stride(0) + hidden_);
+    std::vector<bf16> normed(hidden_), delta(hidden_);
+    for (int64_t i = 0; i < layers; ++i) {
+      const Layer& l = layers_[i];
+      const AttentionWeights& a = l.attention;
+      const int64_t d = a.head_dim, heads = a.wq.size(0) / d, kv_heads = a.wk.size(0) / d;
+      TORCH_CHECK(cos.numel() == d && sin.numel() == d && cos.scalar_type() == torch::kBFloat16 &&
+                      sin.scalar_type() == torch::kBFloat16 && cos.is_contiguous() && sin.is_contiguous(),
+                  "run: one bf16 cos and sin row of the head size");
+      const torch::Tensor &kc = keys[i], &vc = values[i];
+      for (const auto* t : {&kc, &vc})
+        TORCH_CHECK(t->dim() == 4 && t->size(0) == 1 && t->size(1) == kv_heads && t->size(2) > position &&
+                        t->size(3) == d && t->stride(3) == 1 && t->scalar_type() == torch::kBFloat16,
+                    "run: key/value buffers [1, kv_heads, capacity > position, head_dim] in bf16");
+      // attention
+      rms_norm_row(x.data(), bf16_data(l.input_norm), hidden_, l.input_eps, normed.data());
+      clock.lap(kNorms);
+      scratch_.resize(std::max<int64_t>(scratch_.size(), a.wq.size(0) + 2 * a.wk.size(0)));
+      query_.resize(a.wq.size(0));
+      new_key_.resize(a.wk.size(0));
+      new_value_.resize(a.wk.size(0));
+      qkv_rope_into(a, normed.data(), bf16_data(cos), bf16_data(sin), scratch_.data(), query_.data(),
+                    new_key_.data(), new_value_.data());
+      clock.lap(kQkv);
+      bf16* key_rows = reinterpret_cast<bf16*>(kc.data_ptr());
+      bf16* value_rows = reinterpret_cast<bf16*>(vc.data_ptr());
+      for (int64_t g = 0; g < kv_heads; ++g) {
+        std::memcpy(key_rows + g * kc.stride(1) + position * kc.stride(2), new_key_.data() + g * d, d * sizeof(bf16));
+        std::memcpy(value_rows + g * vc.stride(1) + position * vc.stride(2), new_value_.data() + g * d,
+                    d * sizeof(bf16));
+      }
+      attended_.resize(heads * d);
+      attend_into(query_.data(), heads, d, kv_heads, {key_rows, kc.stride(1), kc.stride(2)},
+                  {value_rows, vc.stride(1), vc.stride(2)}, position + 1, l.scale, attended_.data());
+      clock.lap(kAttend);
+      gemv_into(l.wo, attended_.data(), scratch_.data(), delta.data());
+      add_rows(x.data(), delta.data(), hidden_, x.data());
+      clock.lap(kOutProj);
+      // experts
+      rms_norm_row(x.data(), bf16_data(l.post_norm), hidden_, l.post_eps, normed.data());
+      clock.lap(kNorms);
+      const std::vector<float> weights = route(l, normed.data(), picked_out + i * top_k_);
+      std::vector<ExpertWeights> chosen;
+      for (int64_t j = 0; j < top_k_; ++j) chosen.push_back(l.experts[picked_out[i * top_k_ + j]]);
+      clock.lap(kRouter);
+      moe_experts(normed.data(), hidden_, l.inter, chosen, weights.data(), delta.data());
+      add_rows(x.data(), delta.data(), hidden_, x.data());
+      clock.lap(kExperts);
+    }
+    rms_norm_row(x.data(), bf16_data(final_norm_), hidden_, final_eps_, normed.data());
+    clock.lap(kNorms);
+    torch::Tensor logits = torch::empty({1, 1, lm_head_.size(0)}, embed_.options());
+    std::vector<float> acc(lm_head_.size(0));
+    gemv_into(lm_head_, normed.data(), acc.data(), bf16_data(logits));
+    clock.lap(kLmHead);
+    return logits;
+  }
+
+  // Seconds spent in each part of the steps run so far (the profile of a native token, which
+  // torch's profiler cannot see into), by name.
+  std::map<std::string, double> phase_seconds() const {
+    std::map<std::string, double> out;
+    for (int p = 0; p < kPhases; ++p) out[kPhaseNames[p]] = phase_seconds_[p];
+    return out;
+  }
+
+ private:
+  enum Phase { kNorms, kQkv, kAttend, kOutProj, kRouter, kExperts, kLmHead, kPhases };
+  static constexpr const char* kPhaseNames[kPhases] = {"norms", "qkv_rope", "attention", "o_proj",
+                                                       "router", "experts", "lm_head"};
+
+  // Adds the time since the previous lap to a phase (a steady_clock read is ~20 ns).
+  struct Clock {
+    explicit Clock(std::array<double, kPhases>& totals) : totals(totals), last(std::chrono::steady_clock::now()) {}
+    void lap(Phase phase) {
+      const auto now = std::chrono::steady_clock::now();
+      totals[phase] += std::chrono::duration<double>(now - last).count();
+      last = now;
+    }
+    std::array<double, kPhases>& totals;
+    std::chrono::steady_clock::time_point last;
+  };
+
+  struct Layer {
+    AttentionWeights attention;
+    torch::Tensor input_norm, post_norm, wo, router;
+    float input_eps = 0.f, post_eps = 0.f, scale = 1.f;
+    std::vector<ExpertWeights> experts;
+    std::vector<torch::Tensor> expert_tensors;
+    int64_t inter = 0;
+  };
+
+  // The router's top-k experts (into `picked`, best first) and their weights, as transformers'
+  // Qwen3 / Mixtral routers compute them: bf16 logits, softmax in float32 (torch's own kernel, so
+  // the weights match the module path's), top-k, optionally renormalized, optionally cast to bf16.
+  std::vector<float> route(const Layer& l, const bf16* x, int64_t* picked) {
+    const int64_t experts = l.router.size(0);
+    torch::Tensor logits = torch::empty({experts}, embed_.options());
+    std::vector<float> acc(experts);
+    gemv_into(l.router, x, acc.data(), bf16_data(logits));
+    const torch::Tensor probs = at::softmax(logits, -1, torch::kFloat32);
+    const float* p = probs.data_ptr<float>();
+    std::vector<int64_t> order(experts);
+    for (int64_t e = 0; e < experts; ++e) order[e] = e;
+    // best first; ties to the lower expert id
+    std::partial_sort(order.begin(), order.begin() + top_k_, order.end(),
+                      [p](int64_t a, int64_t b) { return p[a] > p[b] || (p[a] == p[b] && a < b); });
+    std::vector<float> weights(top_k_);
+    float total = 0.f;
+    for (int64_t j = 0; j < top_k_; ++j) total += (weights[j] = p[picked[j] = order[j]]);
+    for (int64_t j = 0; j < top_k_; ++j) {
+      if (normalize_) weights[j] /= total;
+      if (cast_back_) weights[j] = round_bf16(weights[j]);
+    }
+    return weights;
+  }
+
+  torch::Tensor embed_, final_norm_, lm_head_;
+  float final_eps_;
+  int64_t top_k_, hidden_ = 0;
+  bool normalize_, cast_back_;
+  std::vector<Layer> layers_;
+  std::vector<float> scratch_;
+  std::vector<bf16> query_, new_key_, new_value_, attended_;
+  std::array<double, kPhases> phase_seconds_{};
+};
 
 }  // namespace
 
@@ -360,4 +653,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("qkv_rope", &qkv_rope, "one token's q, k, v: projections, optional q/k norms, rotary embedding");
   m.def("attend", &attend, "one query's attention over cached keys and values");
   m.def("moe_decode", &moe_decode, "one token through k SiLU-gated experts, weighted and summed");
+  pybind11::class_<DecodeStep>(m, "DecodeStep", "a whole decode step of a Llama-style MoE decoder")
+      .def(pybind11::init<torch::Tensor, torch::Tensor, double, torch::Tensor, int64_t, bool, bool>())
+      .def("add_layer", &DecodeStep::add_layer)
+      .def("set_experts", &DecodeStep::set_experts)
+      .def("run", &DecodeStep::run)
+      .def("phase_seconds", &DecodeStep::phase_seconds);
 }

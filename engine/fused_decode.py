@@ -1,0 +1,170 @@
+"""--fast-decode's whole-token step: one native call per decode token when every expert is resident.
+
+The per-module fast path (engine.fast_decode) runs each layer's weights at close to the memory
+bandwidth, but a Qwen3-MoE-shaped token still spent ~4 ms of its ~12 in Python and small torch ops
+between those kernels (decoder-layer calls, residual adds, the rotary table, the mask, module
+lookups, the router's softmax and top-k as separate ops). For the models whose every piece the
+native kernels already compute - Qwen3-MoE and Mixtral decoders, as transformers writes them,
+in bf16 on the CPU - `FusedDecoder.step` runs the embedding, every layer and the lm_head in one
+call (`DecodeStep` in engine/native/moe_decode.cpp), with the same kernels in the same order, and
+the expert cache then does the bookkeeping of the token from the picks it returns.
+
+It applies only while every expert of every layer is resident and nothing needs a layer's
+routing as it happens (a lookahead policy, a trace, a routing override); otherwise, and for the
+first token of every reply, the model's own forward runs as before.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from engine import decode_kernels, fast_decode
+from engine.fast_decode import code_key, plain_forward
+from engine.kv_cache import BlockLayer
+
+
+def _known_codes() -> dict[str, set]:
+    """The transformers forwards the native step reproduces, by part."""
+    from transformers.models.mixtral import modeling_mixtral as mixtral
+    from transformers.models.qwen3_moe import modeling_qwen3_moe as qwen3
+
+    pairs = {
+        "causal_lm": (qwen3.Qwen3MoeForCausalLM, mixtral.MixtralForCausalLM),
+        "model": (qwen3.Qwen3MoeModel, mixtral.MixtralModel),
+        "layer": (qwen3.Qwen3MoeDecoderLayer, mixtral.MixtralDecoderLayer),
+        "block": (qwen3.Qwen3MoeSparseMoeBlock, mixtral.MixtralSparseMoeBlock),
+    }
+    return {part: {code_key(cls.forward) for cls in classes} for part, classes in pairs.items()}
+
+
+def _matrix(t: torch.Tensor) -> bool:
+    return t.dtype == torch.bfloat16 and t.device.type == "cpu" and t.dim() == 2 and t.stride(1) == 1
+
+
+def recognise(model: torch.nn.Module) -> str:
+    """Why the whole-token step cannot run this model ("" when it can)."""
+    codes = _known_codes()
+    inner = getattr(model, "model", None)
+    if code_key(plain_forward(model)) not in codes["causal_lm"] or inner is None:
+        return "not a Qwen3-MoE or Mixtral causal LM"
+    if code_key(plain_forward(inner)) not in codes["model"]:
+        return "the decoder's forward is not Qwen3-MoE's or Mixtral's"
+    embed, head = getattr(inner, "embed_tokens", None), getattr(model, "lm_head", None)
+    if type(embed) is not torch.nn.Embedding or not isinstance(head, torch.nn.Linear) or head.bias is not None:
+        return "the embedding or lm_head is not plain"
+    if not (_matrix(embed.weight) and _matrix(head.weight)) or not fast_decode.is_llama_rms_norm(inner.norm):
+        return "weights are not bf16 on the CPU, or the final norm is not Llama's"
+    rope_type = getattr(inner.rotary_emb, "rope_type", "default")
+    if "dynamic" in rope_type or "longrope" in rope_type:
+        return f"{rope_type} rotary embeddings change with the length"
+    if len(inner.layers) != model.config.num_hidden_layers:
+        return "the decoder runs a subset of its layers"
+    for index, layer in enumerate(inner.layers):
+        problem = _layer_problem(layer, codes)
+        if problem:
+            return f"layer {index}: {problem}"
+    return ""
+
+
+def _layer_problem(layer: torch.nn.Module, codes: dict[str, set]) -> str:
+    if code_key(plain_forward(layer)) not in codes["layer"]:
+        return "not a Qwen3-MoE or Mixtral decoder layer"
+    block = layer.mlp if hasattr(layer, "mlp") else None
+    if block is None or code_key(plain_forward(block)) not in codes["block"]:
+        return "a dense MLP or another MoE block"
+    norms = (layer.input_layernorm, layer.post_attention_layernorm)
+    if not all(fast_decode.is_llama_rms_norm(norm) for norm in norms):
+        return "its norms are not Llama's RMSNorm"
+    attention = layer.self_attn
+    if not fast_decode.is_llama_attention(attention) or not _matrix(attention.q_proj.weight):
+        return "its attention is not Llama-style in bf16"
+    if fast_decode.router_recipe(block.gate) is None or not _matrix(block.gate.weight):
+        return "its router is not a known top-k router"
+    if not fast_decode.experts_fusable(block.experts):
+        return "its experts are not SiLU-gated gate_up/down experts"
+    return ""
+
+
+class FusedDecoder:
+    """The native whole-token step of one loaded model, kept in step with the expert cache."""
+
+    def __init__(self, model: torch.nn.Module, cache, kernels) -> None:
+        inner = model.model
+        gate = inner.layers[0].mlp.gate
+        always_normalize, cast_back = fast_decode.router_recipe(gate)
+        self.model, self.cache = model, cache
+        self.layers = len(inner.layers)
+        self.sliding_window = getattr(model.config, "sliding_window", None)
+        self._native = kernels.DecodeStep(
+            inner.embed_tokens.weight, inner.norm.weight, inner.norm.variance_epsilon, model.lm_head.weight,
+            gate.top_k, bool(always_normalize or getattr(gate, "norm_topk_prob", False)), cast_back)
+        for index, layer in enumerate(inner.layers):
+            attention, block = layer.self_attn, layer.mlp
+            q_norm, k_norm = getattr(attention, "q_norm", None), getattr(attention, "k_norm", None)
+            eps = next((norm.variance_epsilon for norm in (q_norm, k_norm) if norm is not None), 0.0)
+            self._native.add_layer(
+                layer.input_layernorm.weight, layer.input_layernorm.variance_epsilon,
+                attention.q_proj.weight, attention.k_proj.weight, attention.v_proj.weight,
+                None if q_norm is None else q_norm.weight, None if k_norm is None else k_norm.weight, eps,
+                attention.head_dim, attention.scaling, attention.o_proj.weight,
+                layer.post_attention_layernorm.weight, layer.post_attention_layernorm.variance_epsilon,
+                block.gate.weight, *self._experts(index))
+        self._placed = (cache.slot_views, cache.directory.changes)
+        self._picks = torch.empty((self.layers, gate.top_k), dtype=torch.long)
+        self._embed_row = inner.embed_tokens.weight[:1].unsqueeze(0)  # the rotary call reads its dtype only
+
+    @classmethod
+    def build(cls, model: torch.nn.Module, cache) -> FusedDecoder | None:
+        """The step for `model` (which `recognise` accepted), if the native kernels are built and
+        every expert is resident as plain weights; None otherwise."""
+        kernels = decode_kernels.ready()
+        if kernels is None or cache.packed_params or not cache.fully_resident():
+            return None
+        return cls(model, cache, kernels)
+
+    def _experts(self, layer: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """Every expert's (gate_up, down) of `layer`, by expert id, read in place from its slot."""
+        slot_of, slots = self.cache.directory.slot_of[layer], self.cache.slot_views[layer]
+        chosen = [slots[slot_of[e]] for e in range(len(slot_of))]
+        return [w["gate_up_proj"] for w in chosen], [w["down_proj"] for w in chosen]
+
+    def applies(self, past_key_values) -> bool:
+        """This token can run whole: every expert resident, the cache's layers are ours, and the
+        attention sees every position (no sliding window reached)."""
+        cache = self.cache
+        if cache.packed_params or not cache.fully_resident():
+            return False
+        if any(type(layer) is not BlockLayer for layer in past_key_values.layers):
+            return False
+        length = past_key_values.get_seq_length()
+        return length > 0 and (self.sliding_window is None or length + 1 <= self.sliding_window)
+
+    def step(self, token: int, past_key_values) -> torch.Tensor:
+        """Logits [1, 1, vocab] for `token` at the next position; the KV cache grows by it and the
+        expert cache records the token's routing. Call only when `applies`."""
+        cache = self.cache
+        if self._placed != (cache.slot_views, cache.directory.changes):  # experts moved (a re-plan)
+            for layer in range(self.layers):
+                self._native.set_experts(layer, *self._experts(layer))
+            self._placed = (cache.slot_views, cache.directory.changes)
+        position = past_key_values.get_seq_length()
+        cos, sin = self._rotary(position)
+        buffers = [layer.reserve_next() for layer in past_key_values.layers]
+        logits = self._native.run(token, cos, sin, [k for k, _ in buffers], [v for _, v in buffers], position,
+                                  self._picks)
+        for layer in past_key_values.layers:
+            layer.grow_by_one()
+        cache.record_resident_token(self._picks.numpy())
+        return logits
+
+    def phase_seconds(self) -> dict[str, float]:
+        """Seconds the native steps spent per part so far (norms, qkv_rope, attention, o_proj,
+        router, experts, lm_head): the profile of a token that torch's profiler sees as one call."""
+        return dict(self._native.phase_seconds())
+
+    def _rotary(self, position: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The model's own rotary rows for `position`, from the call its forward makes (a table of
+        many positions could round differently where torch splits the work)."""
+        inner = self.model.model
+        cos, sin = inner.rotary_emb(self._embed_row, position_ids=torch.tensor([[position]]))
+        return cos.reshape(-1), sin.reshape(-1)

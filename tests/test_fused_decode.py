@@ -1,0 +1,152 @@
+"""--fast-decode's whole-token step (engine.fused_decode): with every expert resident, a Qwen3-MoE or
+Mixtral decode token runs in one native call. It must give the very logits of the per-module fast
+path (same kernels, same order), leave the same trail in the counters the panels draw from, and
+step aside whenever something needs a layer's routing as it happens."""
+
+from __future__ import annotations
+
+import shutil
+
+import numpy as np
+import pytest
+import torch
+
+from engine import decode_kernels
+from engine.fused_decode import recognise
+from engine.generation import Generator
+from engine.kv_cache import new_cache
+from engine.runtime import LoadOptions, MoERuntime
+from engine.sampling import SamplingSettings
+from tests.checkpoints import reference_generate
+
+PROMPT = [5, 17, 33, 8, 61, 12, 40, 9, 27, 4]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def kernels():
+    built = decode_kernels.wait(timeout=600)
+    if built is None:
+        if shutil.which("g++") or shutil.which("c++"):
+            pytest.fail(f"a C++ compiler is here but the kernels did not build: {decode_kernels.status()}")
+        pytest.skip(decode_kernels.status())
+    return built
+
+
+def fast_runtime(model: str, budget: str = "all") -> MoERuntime:
+    return MoERuntime(LoadOptions(model=model, budget=budget, store="ram", dtype="bfloat16", fast_decode=True))
+
+
+@pytest.fixture(params=["demo", "mixtral"])
+def model_path(request, tiny_checkpoints) -> str:
+    return "demo" if request.param == "demo" else str(tiny_checkpoints["mixtral"])
+
+
+def prefilled(runtime: MoERuntime):
+    cache = new_cache(runtime.model.config)
+    with torch.inference_mode():
+        runtime.model(input_ids=torch.tensor([PROMPT]), past_key_values=cache, use_cache=True)
+    return cache
+
+
+def test_whole_token_step_gives_the_module_paths_logits(model_path):
+    runtime = fast_runtime(model_path)
+    try:
+        fused = runtime.fused_decoder()
+        assert fused is not None, runtime._fused_problem
+        whole, per_module = prefilled(runtime), prefilled(runtime)
+        from engine.fast_decode import fast_decode_step
+
+        token = PROMPT[-1]
+        with torch.inference_mode():
+            for _ in range(6):  # several positions: the step's cache writes must be where attention reads
+                assert fused.applies(whole)
+                ours = fused.step(token, whole)
+                with fast_decode_step(True):
+                    reference = runtime.model(input_ids=torch.tensor([[token]]), past_key_values=per_module,
+                                              use_cache=True).logits
+                assert ours.dtype == reference.dtype == torch.bfloat16
+                assert torch.equal(ours, reference)
+                token = int(reference[0, -1].argmax())
+        for a, b in zip(whole.layers, per_module.layers, strict=True):
+            assert torch.equal(a.keys, b.keys) and torch.equal(a.values, b.values)
+    finally:
+        runtime.close()
+
+
+def test_answers_and_counters_equal_the_module_path(model_path):
+    # What the user sees: the same reply, and the same expert heatmap / hit counts in the panels.
+    runtime = fast_runtime(model_path)
+    try:
+        generator = Generator(runtime)
+        settings = SamplingSettings(max_new_tokens=24)
+        assert runtime.fused_decoder() is not None
+        fused_reply = generator.generate(PROMPT, settings)
+        fused_activations = runtime.counters.activation_request.copy()
+        fused_hits = runtime.counters.request_layer_hits.copy()
+        runtime._fused_problem = "switched off by the test"  # the per-module fast path only
+        assert runtime.fused_decoder() is None
+        module_reply = generator.generate(PROMPT, settings)
+        assert fused_reply.token_ids == module_reply.token_ids
+        assert np.array_equal(fused_activations, runtime.counters.activation_request)
+        assert np.array_equal(fused_hits, runtime.counters.request_layer_hits)
+        assert fused_reply.stats.decode_hit_rate == 1.0
+    finally:
+        runtime.close()
+
+
+def demo_prompt() -> list[int]:
+    from transformers import AutoTokenizer
+
+    from resources import DEMO_MODEL_DIR
+
+    tokenizer = AutoTokenizer.from_pretrained(DEMO_MODEL_DIR)
+    return tokenizer.apply_chat_template([{"role": "user", "content": "Tell me about the sea."}],
+                                         add_generation_prompt=True, tokenize=True, return_dict=False)
+
+
+def test_budget_changes_move_the_experts_and_the_step_follows():
+    # Shrinking the budget re-plans the slots (the step stands aside while experts are missing);
+    # back at `all`, the pools are new memory and the step must read the experts from there.
+    from resources import DEMO_MODEL_DIR
+
+    prompt = demo_prompt()
+    stock = reference_generate(DEMO_MODEL_DIR, prompt, 32, dtype=torch.bfloat16)
+    assert len(stock) > 8
+    runtime = fast_runtime("demo")
+    try:
+        generator = Generator(runtime)
+        settings = SamplingSettings(max_new_tokens=32)
+        assert generator.generate(prompt, settings).token_ids == stock
+        runtime.set_budget("25%")
+        assert not runtime.cache.fully_resident()
+        assert generator.generate(prompt, settings).token_ids == stock
+        runtime.set_budget("all")  # growing loads nothing by itself: experts come on demand, or
+        runtime.cache.warm()  # all at once, as at load
+        assert runtime.cache.fully_resident()
+        assert generator.generate(prompt, settings).token_ids == stock
+        fused = runtime.fused_decoder()
+        assert fused is not None and fused._placed == (runtime.cache.slot_views, runtime.cache.directory.changes)
+    finally:
+        runtime.close()
+
+
+def test_lookahead_policies_keep_the_per_layer_path(tiny_checkpoints):
+    # A policy that guesses ahead needs each layer's hidden state as it runs: no whole-token step.
+    runtime = MoERuntime(LoadOptions(model=str(tiny_checkpoints["mixtral"]), budget="all", store="ram",
+                                     dtype="bfloat16", fast_decode=True, policy="promoe:k=1"))
+    try:
+        assert not runtime.cache.fully_resident()
+        reply = Generator(runtime).generate(PROMPT, SamplingSettings(max_new_tokens=8))
+        assert len(reply.token_ids) == 8
+    finally:
+        runtime.close()
+
+
+@pytest.mark.parametrize("family", ["qwen2_moe", "olmoe", "deepseek_v3", "gpt_oss"])
+def test_other_families_are_not_taken_for_it(tiny_checkpoints, family):
+    runtime = fast_runtime(str(tiny_checkpoints[family]))
+    try:
+        assert recognise(runtime.model)  # a reason, in words
+        assert runtime.fused_decoder() is None
+    finally:
+        runtime.close()
