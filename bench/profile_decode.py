@@ -7,7 +7,9 @@ decodes with a wall-clock split per token:
 - bookkeeping: the rest of `ExpertCache.run_layer` (routing counts, cache lookups, telemetry
   counters, sorting rows by slot);
 - model: everything outside the experts (attention, norms, router, embeddings, LM head, sampling).
-Also prints torch.profiler's top operators.
+With --fast-decode's whole-token step (engine.fused_decode) the native call reports its own split
+(norms, qkv_rope, attention, o_proj, router, experts, lm_head), and the bookkeeping is the cache's
+record of the token afterwards. Also prints torch.profiler's top operators.
 
     python -m bench.profile_decode [--geometry qwen3moe-64e] [--decode 32] [--threads 2] [--ops 15]
 """
@@ -51,7 +53,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.no_pack_weights:
         fast["pack_weights"] = False
     runtime = MoERuntime(LoadOptions(model=str(build_checkpoint(args.geometry)), budget="all", store="ram", **fast))
-    clock = {"layer": 0.0, "kernels": 0.0}
+    clock = {"layer": 0.0, "kernels": 0.0, "whole_token_bookkeeping": 0.0}
     run_layer, kernels_grouped, kernels_single = runtime.cache.run_layer, cache_module.grouped_expert_mlp, cache_module.expert_mlp
     kernels_sum = getattr(cache_module, "weighted_sum", None)
 
@@ -66,6 +68,8 @@ def main(argv: list[str] | None = None) -> int:
 
     # Instrument for this measurement only (a profiling script, not engine code).
     runtime.cache.run_layer = timed(run_layer, "layer")
+    # --fast-decode's whole-token step (engine.fused_decode) does the cache's bookkeeping afterwards
+    runtime.cache.record_resident_token = timed(runtime.cache.record_resident_token, "whole_token_bookkeeping")
     cache_module.grouped_expert_mlp = timed(kernels_grouped, "kernels")
     cache_module.expert_mlp = timed(kernels_single, "kernels")
     if kernels_sum is not None:
@@ -79,31 +83,46 @@ def main(argv: list[str] | None = None) -> int:
     generator = Generator(runtime)
     generator.generate(ids[:8], SamplingSettings(max_new_tokens=4))  # warm-up
 
-    def decode_once() -> tuple[float, dict]:
+    def native_phases() -> dict[str, float]:  # inside the whole-token step, if it runs
+        fused = getattr(runtime, "_fused", None)
+        return fused.phase_seconds() if fused is not None else {}
+
+    def decode_once() -> tuple[float, dict, dict]:
         marks: list[float] = []
         snapshot: dict = {}
+        phases: dict = {}
 
         def on_token(_token: int) -> None:
             marks.append(time.perf_counter())
             if len(marks) == 1:
                 snapshot.update(clock)
+                phases.update(native_phases())
 
         generator.generate(ids, SamplingSettings(max_new_tokens=args.decode), on_token=on_token)
-        per_token = {k: (clock[k] - snapshot[k]) / (len(marks) - 1) for k in clock}
-        return (marks[-1] - marks[0]) / (len(marks) - 1), per_token
+        tokens = len(marks) - 1
+        per_token = {k: (clock[k] - snapshot[k]) / tokens for k in clock}
+        phase_per_token = {k: (v - phases.get(k, 0.0)) / tokens for k, v in native_phases().items()}
+        return (marks[-1] - marks[0]) / tokens, per_token, phase_per_token
 
-    token_s, split = decode_once()
-    experts, bookkeeping = split["kernels"], split["layer"] - split["kernels"]
+    token_s, split, phases = decode_once()
+    experts = split["kernels"] + phases.get("experts", 0.0)
+    bookkeeping = split["layer"] - split["kernels"] + split["whole_token_bookkeeping"]
     report = {
         "geometry": args.geometry, "threads": args.threads, "fast_decode": args.fast_decode, "decode_tokens_per_s": 1 / token_s,
         "ms_per_token": token_s * 1e3, "experts_ms": experts * 1e3, "bookkeeping_ms": bookkeeping * 1e3,
-        "model_ms": (token_s - split["layer"]) * 1e3, "bookkeeping_share": bookkeeping / token_s, "label": args.label,
+        "model_ms": (token_s - experts - bookkeeping) * 1e3, "bookkeeping_share": bookkeeping / token_s,
+        "label": args.label, "whole_token_step": bool(phases),
+        "native_phase_ms": {k: v * 1e3 for k, v in phases.items()},
     }
     print(f"{args.geometry}, {args.threads} threads{', --fast-decode' if args.fast_decode else ''}: "
           f"{report['decode_tokens_per_s']:.1f} tok/s = "
           f"{report['ms_per_token']:.2f} ms/token: experts {report['experts_ms']:.2f} ms, "
           f"bookkeeping {report['bookkeeping_ms']:.2f} ms ({report['bookkeeping_share']:.1%}), "
           f"model {report['model_ms']:.2f} ms", flush=True)
+    if phases:
+        phase_line = "whole-token native step, per token: " + ", ".join(
+            f"{k} {v:.2f} ms" for k, v in report["native_phase_ms"].items())
+        print(phase_line, flush=True)
     args.out.mkdir(parents=True, exist_ok=True)
     if args.ops:  # torch.profiler over decode steps only: started at the first token, 8 tokens
         from torch.profiler import ProfilerActivity, profile
@@ -126,7 +145,8 @@ def main(argv: list[str] | None = None) -> int:
             f"{args.geometry}, {args.threads} threads, {mode}{' (' + args.label + ')' if args.label else ''}: "
             f"8 decode tokens after a {args.prompt_len}-token prompt, torch.profiler, by self CPU time\n"
             f"split per token: {report['ms_per_token']:.2f} ms = experts {report['experts_ms']:.2f} + bookkeeping "
-            f"{report['bookkeeping_ms']:.2f} ({report['bookkeeping_share']:.1%}) + model {report['model_ms']:.2f}\n\n"
+            f"{report['bookkeeping_ms']:.2f} ({report['bookkeeping_share']:.1%}) + model {report['model_ms']:.2f}\n"
+            + (phase_line + " (torch.profiler below sees this step as one call)\n" if phases else "") + "\n"
             + table + "\n")
     print(json.dumps(report))
     target = args.out / f"{result_stem('profile-decode')}.jsonl"
