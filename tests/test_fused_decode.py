@@ -41,34 +41,54 @@ def model_path(request, tiny_checkpoints) -> str:
     return "demo" if request.param == "demo" else str(tiny_checkpoints["mixtral"])
 
 
-def prefilled(runtime: MoERuntime):
+def prefilled(runtime: MoERuntime, prompt: list[int]):
     cache = new_cache(runtime.model.config)
     with torch.inference_mode():
-        runtime.model(input_ids=torch.tensor([PROMPT]), past_key_values=cache, use_cache=True)
+        runtime.model(input_ids=torch.tensor([prompt]), past_key_values=cache, use_cache=True)
     return cache
+
+
+def assert_steps_match_the_module_path(runtime: MoERuntime, prompt: list[int], steps: int) -> None:
+    """`steps` tokens through the whole-token step and through the per-module fast path, side by
+    side from the same prompt: identical logits at every step, identical KV caches at the end."""
+    from engine.fast_decode import fast_decode_step
+
+    fused = runtime.fused_decoder()
+    assert fused is not None, runtime._fused_problem
+    whole, per_module = prefilled(runtime, prompt), prefilled(runtime, prompt)
+    token = prompt[-1]
+    with torch.inference_mode():
+        for _ in range(steps):
+            assert fused.applies(whole)
+            ours = fused.step(token, whole)
+            with fast_decode_step(True):
+                reference = runtime.model(input_ids=torch.tensor([[token]]), past_key_values=per_module,
+                                          use_cache=True).logits
+            assert ours.dtype == reference.dtype == torch.bfloat16
+            assert torch.equal(ours, reference)
+            token = int(reference[0, -1].argmax())
+    for a, b in zip(whole.layers, per_module.layers, strict=True):
+        assert torch.equal(a.keys, b.keys) and torch.equal(a.values, b.values)
 
 
 def test_whole_token_step_gives_the_module_paths_logits(model_path):
     runtime = fast_runtime(model_path)
-    try:
-        fused = runtime.fused_decoder()
-        assert fused is not None, runtime._fused_problem
-        whole, per_module = prefilled(runtime), prefilled(runtime)
-        from engine.fast_decode import fast_decode_step
+    try:  # several positions: the step's cache writes must be where attention reads them
+        assert_steps_match_the_module_path(runtime, PROMPT, 6)
+    finally:
+        runtime.close()
 
-        token = PROMPT[-1]
-        with torch.inference_mode():
-            for _ in range(6):  # several positions: the step's cache writes must be where attention reads
-                assert fused.applies(whole)
-                ours = fused.step(token, whole)
-                with fast_decode_step(True):
-                    reference = runtime.model(input_ids=torch.tensor([[token]]), past_key_values=per_module,
-                                              use_cache=True).logits
-                assert ours.dtype == reference.dtype == torch.bfloat16
-                assert torch.equal(ours, reference)
-                token = int(reference[0, -1].argmax())
-        for a, b in zip(whole.layers, per_module.layers, strict=True):
-            assert torch.equal(a.keys, b.keys) and torch.equal(a.values, b.values)
+
+def test_the_kv_cache_grows_under_the_step(monkeypatch):
+    # The block buffers keep room for BLOCK more positions; a reply that fills it moves the cache
+    # to a bigger buffer mid-reply, and the step must carry on from there. (A small block, so
+    # that happens within the demo's context.)
+    from engine import kv_cache
+
+    monkeypatch.setattr(kv_cache, "BLOCK", 8)
+    runtime = fast_runtime("demo")
+    try:
+        assert_steps_match_the_module_path(runtime, PROMPT, 3 * 8)
     finally:
         runtime.close()
 
@@ -150,3 +170,4 @@ def test_other_families_are_not_taken_for_it(tiny_checkpoints, family):
         assert runtime.fused_decoder() is None
     finally:
         runtime.close()
+
