@@ -14,6 +14,7 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
+from engine import decode_kernels
 from engine.errors import MoEScopeError, PromptTooLongError
 from engine.fast_decode import fast_decode_step
 from engine.kv_cache import new_cache
@@ -69,6 +70,17 @@ def peak_rss_bytes() -> int:
         pass
     scale = 1 if sys.platform == "darwin" else 1024  # macOS reports bytes, Linux KiB
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * scale
+
+
+def decode_path(fast: bool, whole_token: bool) -> str:
+    """How a decode token runs, for the System panel: the user can see what the switch changed."""
+    if not fast:
+        return "exact: transformers' kernels"
+    if whole_token:
+        return "fast: whole token in one native call"
+    if decode_kernels.ready() is not None:
+        return "fast: native kernels, layer by layer"
+    return "fast: torch kernels (native ones not built)"
 
 
 class Generator:
@@ -146,7 +158,10 @@ class Generator:
         for step in range(max_new):
             fast = rt.options.fast_decode and device.type == "cpu" and step > 0  # read per step: switchable live
             fused = rt.fused_decoder() if fast else None
-            if fused is not None and fused.applies(cache):  # the whole token in one native call
+            whole_token = fused is not None and fused.applies(cache)
+            if step > 0:
+                rt.decode_path = decode_path(fast, whole_token)
+            if whole_token:  # the whole token in one native call
                 logits = fused.step(generated[-1], cache)
             else:
                 attention = torch.ones((1, len(prompt_ids) + len(generated)), dtype=torch.long, device=device)

@@ -292,6 +292,7 @@ class TelemetrySnapshot:
     # per-layer miss-ratio curves for the budget slider's live estimate: [layers, experts + 1] float32,
     # expected misses per token of each layer with s slots (see engine.planner); None until measured
     miss_curves: Array | None = None
+    decode_path: str = ""  # how the last decode token ran (exact kernels, native per layer, whole token...)
     extra: dict = field(default_factory=dict)  # policy-specific figures (prefetch accuracy, ...)
 
 

@@ -95,6 +95,7 @@ class MoERuntime:
         self._restriction: RoutingRestriction | None = None
         self._fused: FusedDecoder | None = None
         self._fused_problem: str | None = None  # why this model has no whole-token step ("" = it has one)
+        self.decode_path = ""  # how the last decode token ran, in words (engine.generation.decode_path)
         self.profile_note = ""
         self._prepare(policy)
         self.warm_bytes = self.cache.warm() if options.warm else 0

@@ -122,6 +122,7 @@ class TelemetryBuilder:
             pcie_rx_bytes_per_s=gpu.get("rx"),
             pcie_tx_bytes_per_s=gpu.get("tx"),
             miss_curves=self._miss_curves(now),
+            decode_path=rt.decode_path,
             extra=extra,
         )
 

@@ -260,3 +260,14 @@ def test_system_panel_fast_decode_switch_is_labelled_and_follows_the_engine(qtbo
     panel.on_event(p.FastDecodeChanged(enabled=False, available=False))  # e.g. a float32 model: nothing to switch
     assert not panel.fast_decode.isEnabled() and not panel.fast_decode.isChecked()
     assert "bf16" in panel.fast_decode.toolTip()
+
+
+def test_system_panel_says_how_the_last_token_ran(qtbot):
+    panel = SystemPanel()
+    qtbot.addWidget(panel)
+    assert panel.decode_path.text() == "–"  # no token yet
+    running = snapshot()
+    running.decode_path = "fast: whole token in one native call"
+    panel.on_event(running)
+    panel.render()
+    assert panel.decode_path.text() == "fast: whole token in one native call"

@@ -101,11 +101,13 @@ def test_answers_and_counters_equal_the_module_path(model_path):
         settings = SamplingSettings(max_new_tokens=24)
         assert runtime.fused_decoder() is not None
         fused_reply = generator.generate(PROMPT, settings)
+        assert runtime.decode_path == "fast: whole token in one native call"  # what the System panel shows
         fused_activations = runtime.counters.activation_request.copy()
         fused_hits = runtime.counters.request_layer_hits.copy()
         runtime._fused_problem = "switched off by the test"  # the per-module fast path only
         assert runtime.fused_decoder() is None
         module_reply = generator.generate(PROMPT, settings)
+        assert runtime.decode_path == "fast: native kernels, layer by layer"
         assert fused_reply.token_ids == module_reply.token_ids
         assert np.array_equal(fused_activations, runtime.counters.activation_request)
         assert np.array_equal(fused_hits, runtime.counters.request_layer_hits)
