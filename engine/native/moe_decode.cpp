@@ -104,17 +104,6 @@ inline void gemv_range(const bf16* weight, int64_t ld, const bf16* x, int64_t k,
   for (int64_t n = begin; n < end; ++n) out[n] = dot_row(weight + n * ld, x, k);
 }
 
-// acc[i] += p * v[i] for a bf16 row v of length n.
-inline void axpy_row(float p, const bf16* v, float* acc, int64_t n) {
-  int64_t i = 0;
-#if defined(MOESCOPE_AVX512BF16) || defined(MOESCOPE_AVX512F)
-  const __m512 scale = _mm512_set1_ps(p);
-  for (; i + 16 <= n; i += 16)
-    _mm512_storeu_ps(acc + i, _mm512_fmadd_ps(scale, widen_bf16(v + i), _mm512_loadu_ps(acc + i)));
-#endif
-  for (; i < n; ++i) acc[i] += p * to_float(v[i]);
-}
-
 inline const bf16* bf16_data(const torch::Tensor& t) { return reinterpret_cast<const bf16*>(t.data_ptr()); }
 inline bf16* bf16_data(torch::Tensor& t) { return reinterpret_cast<bf16*>(t.data_ptr()); }
 
@@ -389,6 +378,40 @@ inline float exp_shifted(float* v, int64_t n, float shift) {
   return total;
 }
 
+// out[0, d) = sum over t of p[t] * rows[t], for `len` bf16 rows `stride` apart. The sums stay in
+// registers across the rows, 64 columns at a time (accumulating in memory made every row wait for
+// the previous row's store: most of one-query attention's time).
+inline void weighted_rows(const float* p, const bf16* rows, int64_t stride, int64_t len, int64_t d, float* out) {
+  int64_t c = 0;
+#if defined(MOESCOPE_AVX512BF16) || defined(MOESCOPE_AVX512F)
+  for (; c + 64 <= d; c += 64) {
+    __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+    for (int64_t t = 0; t < len; ++t) {
+      const __m512 w = _mm512_set1_ps(p[t]);
+      const bf16* row = rows + t * stride + c;
+      a0 = _mm512_fmadd_ps(w, widen_bf16(row), a0);
+      a1 = _mm512_fmadd_ps(w, widen_bf16(row + 16), a1);
+      a2 = _mm512_fmadd_ps(w, widen_bf16(row + 32), a2);
+      a3 = _mm512_fmadd_ps(w, widen_bf16(row + 48), a3);
+    }
+    _mm512_storeu_ps(out + c, a0);
+    _mm512_storeu_ps(out + c + 16, a1);
+    _mm512_storeu_ps(out + c + 32, a2);
+    _mm512_storeu_ps(out + c + 48, a3);
+  }
+  for (; c + 16 <= d; c += 16) {
+    __m512 a = _mm512_setzero_ps();
+    for (int64_t t = 0; t < len; ++t) a = _mm512_fmadd_ps(_mm512_set1_ps(p[t]), widen_bf16(rows + t * stride + c), a);
+    _mm512_storeu_ps(out + c, a);
+  }
+#endif
+  for (; c < d; ++c) {
+    float a = 0.f;
+    for (int64_t t = 0; t < len; ++t) a += p[t] * to_float(rows[t * stride + c]);
+    out[c] = a;
+  }
+}
+
 // A layer's cached keys or values: [kv_heads, len] rows of d, contiguous within a row.
 struct CacheView {
   const bf16* data;
@@ -412,10 +435,8 @@ void attend_into(const bf16* q, int64_t heads, int64_t d, int64_t kv_heads, Cach
         top = std::max(top, scores[t]);
       }
       const float total = exp_shifted(scores.data(), len, top);
-      std::fill(acc.begin(), acc.end(), 0.f);
-      for (int64_t t = 0; t < len; ++t)
-        axpy_row(scores[t] / total, values.data + g * values.head_stride + t * values.position_stride, acc.data(),
-                 d);
+      for (int64_t t = 0; t < len; ++t) scores[t] /= total;
+      weighted_rows(scores.data(), values.data + g * values.head_stride, values.position_stride, len, d, acc.data());
       for (int64_t i = 0; i < d; ++i) out[h * d + i] = to_bf16(acc[i]);
     }
   });
