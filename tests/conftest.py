@@ -27,3 +27,18 @@ def tiny_checkpoints(tmp_path_factory) -> dict:
 @pytest.fixture(scope="session")
 def mixtral_checkpoint(tiny_checkpoints):
     return tiny_checkpoints["mixtral"]
+
+
+@pytest.fixture(scope="session")
+def kernels():
+    """--fast-decode's native kernels, built for this machine (skips where no C++ compiler is)."""
+    import shutil
+
+    from engine import decode_kernels
+
+    built = decode_kernels.wait(timeout=600)
+    if built is None:
+        if shutil.which("g++") or shutil.which("c++"):
+            pytest.fail(f"a C++ compiler is here but the kernels did not build: {decode_kernels.status()}")
+        pytest.skip(decode_kernels.status())
+    return built

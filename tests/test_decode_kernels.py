@@ -3,23 +3,9 @@ a machine with a C++ compiler and compute what transformers' modules compute, to
 
 from __future__ import annotations
 
-import shutil
-
 import pytest
 import torch
 import torch.nn.functional as F
-
-from engine import decode_kernels
-
-
-@pytest.fixture(scope="module")
-def kernels():
-    built = decode_kernels.wait(timeout=600)
-    if built is None:
-        if shutil.which("g++") or shutil.which("c++"):
-            pytest.fail(f"a C++ compiler is here but the kernels did not build: {decode_kernels.status()}")
-        pytest.skip(decode_kernels.status())
-    return built
 
 
 def close(ours: torch.Tensor, reference: torch.Tensor, what: str) -> None:

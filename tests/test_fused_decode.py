@@ -5,13 +5,10 @@ step aside whenever something needs a layer's routing as it happens."""
 
 from __future__ import annotations
 
-import shutil
-
 import numpy as np
 import pytest
 import torch
 
-from engine import decode_kernels
 from engine.fused_decode import recognise
 from engine.generation import Generator
 from engine.kv_cache import new_cache
@@ -22,14 +19,7 @@ from tests.checkpoints import reference_generate
 PROMPT = [5, 17, 33, 8, 61, 12, 40, 9, 27, 4]
 
 
-@pytest.fixture(scope="module", autouse=True)
-def kernels():
-    built = decode_kernels.wait(timeout=600)
-    if built is None:
-        if shutil.which("g++") or shutil.which("c++"):
-            pytest.fail(f"a C++ compiler is here but the kernels did not build: {decode_kernels.status()}")
-        pytest.skip(decode_kernels.status())
-    return built
+pytestmark = pytest.mark.usefixtures("kernels")  # the native kernels (tests/conftest.py)
 
 
 def fast_runtime(model: str, budget: str = "all") -> MoERuntime:
