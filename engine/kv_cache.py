@@ -39,9 +39,44 @@ def _append(buffer: torch.Tensor | None, filled: torch.Tensor, new: torch.Tensor
 
 class BlockLayer(DynamicLayer):
     def __init__(self) -> None:
+        self._grown = 0  # positions a native step wrote behind `_keys`/`_values`, not yet in the views
         super().__init__()
         self._key_buffer: torch.Tensor | None = None
         self._value_buffer: torch.Tensor | None = None
+
+    # The views are made when someone looks (the per-layer path, transformers' cache methods): a
+    # native decode step only counts the positions it wrote (`grow_by_one`), instead of slicing two
+    # tensors per layer and token.
+    @property
+    def keys(self) -> torch.Tensor | None:
+        self._settle()
+        return self._keys
+
+    @keys.setter
+    def keys(self, value: torch.Tensor | None) -> None:
+        self._settle()
+        self._keys = value
+
+    @property
+    def values(self) -> torch.Tensor | None:
+        self._settle()
+        return self._values
+
+    @values.setter
+    def values(self, value: torch.Tensor | None) -> None:
+        self._settle()
+        self._values = value
+
+    def _settle(self) -> None:
+        if self._grown:
+            n = self._keys.shape[-2] + self._grown
+            self._grown = 0
+            self._keys, self._values = self._key_buffer[..., :n, :], self._value_buffer[..., :n, :]
+
+    def get_seq_length(self) -> int:
+        if not self.is_initialized or self._keys is None or self._keys.dim() != 4:
+            return self._grown
+        return self._keys.shape[-2] + self._grown
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
         if not self.is_initialized:
@@ -53,16 +88,20 @@ class BlockLayer(DynamicLayer):
     def reserve_next(self) -> tuple[torch.Tensor, torch.Tensor]:
         """The key and value buffers, with room for one more position behind the filled ones (for a
         native decode step that writes it in place, then calls `grow_by_one`)."""
-        self._key_buffer = _room(self._key_buffer, self.keys, self.keys, 1)
-        self._value_buffer = _room(self._value_buffer, self.values, self.values, 1)
+        keys, values = self._key_buffer, self._value_buffer
+        fits = (keys is not None and values is not None and keys.shape[-2] > self.get_seq_length()
+                and self._keys.data_ptr() == keys.data_ptr() and self._values.data_ptr() == values.data_ptr())
+        if not fits:  # full, or the views were replaced (crop, beams): a new buffer, filled part copied
+            self._key_buffer = _room(keys, self.keys, self.keys, 1)
+            self._value_buffer = _room(values, self.values, self.values, 1)
         return self._key_buffer, self._value_buffer
 
     def grow_by_one(self) -> None:
         """One more position of the buffers (written by the caller) is part of the cache now."""
-        n = self.keys.shape[-2] + 1
-        self.keys, self.values = self._key_buffer[..., :n, :], self._value_buffer[..., :n, :]
+        self._grown += 1
 
     def reset(self) -> None:
+        self._grown = 0
         self._key_buffer = self._value_buffer = None
         super().reset()
 

@@ -38,7 +38,7 @@ def prefilled(runtime: MoERuntime, prompt: list[int]):
     return cache
 
 
-def assert_steps_match_the_module_path(runtime: MoERuntime, prompt: list[int], steps: int) -> None:
+def assert_steps_match_the_module_path(runtime: MoERuntime, prompt: list[int], steps: int):
     """`steps` tokens through the whole-token step and through the per-module fast path, side by
     side from the same prompt: identical logits at every step, identical KV caches at the end."""
     from engine.fast_decode import fast_decode_step
@@ -59,6 +59,7 @@ def assert_steps_match_the_module_path(runtime: MoERuntime, prompt: list[int], s
             token = int(reference[0, -1].argmax())
     for a, b in zip(whole.layers, per_module.layers, strict=True):
         assert torch.equal(a.keys, b.keys) and torch.equal(a.values, b.values)
+    return whole, per_module
 
 
 def test_whole_token_step_gives_the_module_paths_logits(model_path):
@@ -78,7 +79,14 @@ def test_the_kv_cache_grows_under_the_step(monkeypatch):
     monkeypatch.setattr(kv_cache, "BLOCK", 8)
     runtime = fast_runtime("demo")
     try:
-        assert_steps_match_the_module_path(runtime, PROMPT, 3 * 8)
+        whole, per_module = assert_steps_match_the_module_path(runtime, PROMPT, 3 * 8)
+        # transformers' own cache operations still see the positions the step wrote
+        whole.crop(-5)
+        per_module.crop(-5)
+        assert whole.get_seq_length() == per_module.get_seq_length() == len(PROMPT) + 3 * 8 - 5
+        assert all(torch.equal(a.keys, b.keys) for a, b in zip(whole.layers, per_module.layers, strict=True))
+        whole.reset()
+        assert whole.get_seq_length() == 0
     finally:
         runtime.close()
 
