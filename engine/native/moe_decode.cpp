@@ -291,15 +291,29 @@ AttentionWeights attention_weights(const torch::Tensor& wq, const torch::Tensor&
   return out;
 }
 
-// One token's query (into q), key and value (into k, v) for a layer of Llama-style attention: the
-// three projections, optional per-head RMSNorms of q and k (Qwen3), then the rotary embedding.
+// One head of a token's q (m = 0), k (1) or v (2) for Llama-style attention: its rows of the
+// projection, rounded, then for q and k the optional per-head RMSNorm (Qwen3) and the rotary
+// embedding. `rows`: d floats of scratch; `normed`: d bf16 of scratch.
+void project_head(const AttentionWeights& a, int m, int64_t h, const bf16* x, const bf16* cos, const bf16* sin,
+                  float* rows, bf16* normed, bf16* out) {
+  const int64_t d = a.head_dim;
+  const torch::Tensor& w = m == 0 ? a.wq : m == 1 ? a.wk : a.wv;
+  gemv_range(bf16_data(w) + h * d * w.stride(0), w.stride(0), x, w.size(1), 0, d, rows);
+  for (int64_t i = 0; i < d; ++i) out[i] = to_bf16(rows[i]);
+  if (m == 2) return;  // values are neither normed nor rotated
+  const torch::Tensor& norm = m == 0 ? a.q_norm : a.k_norm;
+  if (norm.defined()) {
+    rms_norm_row(out, bf16_data(norm), d, a.eps, normed);
+    std::memcpy(out, normed, d * sizeof(bf16));
+  }
+  rope_head(out, cos, sin, d);
+}
+
+// One token's query (into q), key and value (into k, v) for a layer of Llama-style attention.
 // `acc` holds q + k + v rows of float32.
 void qkv_rope_into(const AttentionWeights& a, const bf16* x, const bf16* cos, const bf16* sin, float* acc, bf16* q,
                    bf16* k, bf16* v) {
-  const int64_t hidden = a.wq.size(1), d = a.head_dim;
-  const int64_t q_heads = a.wq.size(0) / d, kv_heads = a.wk.size(0) / d;
-  const torch::Tensor* mats[3] = {&a.wq, &a.wk, &a.wv};
-  const torch::Tensor* norms[3] = {&a.q_norm, &a.k_norm, nullptr};
+  const int64_t d = a.head_dim, q_heads = a.wq.size(0) / d, kv_heads = a.wk.size(0) / d;
   bf16* out[3] = {q, k, v};
   const int64_t first_head[4] = {0, q_heads, q_heads + kv_heads, q_heads + 2 * kv_heads};
   // Whole heads of q, k and v as one range: each thread projects its heads, rounds them, and
@@ -309,16 +323,7 @@ void qkv_rope_into(const AttentionWeights& a, const bf16* x, const bf16* cos, co
     for (int64_t head = begin; head < end; ++head) {
       const int m = head < first_head[1] ? 0 : head < first_head[2] ? 1 : 2;
       const int64_t h = head - first_head[m];
-      float* rows = acc + head * d;
-      gemv_range(bf16_data(*mats[m]) + h * d * mats[m]->stride(0), mats[m]->stride(0), x, hidden, 0, d, rows);
-      bf16* o = out[m] + h * d;
-      for (int64_t i = 0; i < d; ++i) o[i] = to_bf16(rows[i]);
-      if (m == 2) continue;  // values are neither normed nor rotated
-      if (norms[m]->defined()) {
-        rms_norm_row(o, bf16_data(*norms[m]), d, a.eps, normed.data());
-        std::memcpy(o, normed.data(), d * sizeof(bf16));
-      }
-      rope_head(o, cos, sin, d);
+      project_head(a, m, h, x, cos, sin, acc + head * d, normed.data(), out[m] + h * d);
     }
   });
 }
@@ -419,6 +424,21 @@ struct CacheView {
 
 // softmax(q k^T * scale) v for one query over `len` cached positions, groups of query heads
 // sharing a kv head; float32 throughout, the output rounded to bf16 as [heads * d].
+// Query head h (of a group sharing kv head g) over `len` cached positions into out[0, d).
+// `scores`: len floats and `acc`: d floats of scratch.
+void attend_head(const bf16* q, int64_t d, int64_t g, CacheView keys, CacheView values, int64_t len, float scale,
+                 float* scores, float* acc, bf16* out) {
+  float top = -INFINITY;
+  for (int64_t t = 0; t < len; ++t) {  // bf16 products are exact in float32: q need not be widened first
+    scores[t] = dot_row(keys.data + g * keys.head_stride + t * keys.position_stride, q, d) * scale;
+    top = std::max(top, scores[t]);
+  }
+  const float total = exp_shifted(scores, len, top);
+  for (int64_t t = 0; t < len; ++t) scores[t] /= total;
+  weighted_rows(scores, values.data + g * values.head_stride, values.position_stride, len, d, acc);
+  for (int64_t i = 0; i < d; ++i) out[i] = to_bf16(acc[i]);
+}
+
 void attend_into(const bf16* q, int64_t heads, int64_t d, int64_t kv_heads, CacheView keys, CacheView values,
                  int64_t len, float scale, bf16* out) {
   const int64_t group = heads / kv_heads;
@@ -426,17 +446,33 @@ void attend_into(const bf16* q, int64_t heads, int64_t d, int64_t kv_heads, Cach
   const int64_t grain = heads * len * d >= (1 << 15) ? 1 : heads;
   at::parallel_for(0, heads, grain, [&](int64_t first, int64_t last) {
     std::vector<float> scores(len), acc(d);
-    for (int64_t h = first; h < last; ++h) {
-      const int64_t g = h / group;
-      float top = -INFINITY;
-      for (int64_t t = 0; t < len; ++t) {  // bf16 products are exact in float32: q need not be widened first
-        scores[t] = dot_row(keys.data + g * keys.head_stride + t * keys.position_stride, q + h * d, d) * scale;
-        top = std::max(top, scores[t]);
+    for (int64_t h = first; h < last; ++h)
+      attend_head(q + h * d, d, h / group, keys, values, len, scale, scores.data(), acc.data(), out + h * d);
+  });
+}
+
+// A decode step's q/k/v, KV-cache write and attention in one parallel region, split by kv head:
+// each thread projects its kv heads and the query heads that share them, writes its keys and
+// values at `position`, and attends with them over positions [0, position] - nothing it needs
+// comes from another thread, so there is no barrier between projections and attention.
+void qkv_attend_into(const AttentionWeights& a, const bf16* x, const bf16* cos, const bf16* sin, float* acc,
+                     bf16* q, bf16* key_rows, CacheView keys, bf16* value_rows, CacheView values, int64_t position,
+                     float scale, bf16* out) {
+  const int64_t d = a.head_dim, q_heads = a.wq.size(0) / d, kv_heads = a.wk.size(0) / d, group = q_heads / kv_heads;
+  const int64_t len = position + 1;
+  at::parallel_for(0, kv_heads, 1, [&](int64_t first, int64_t last) {
+    std::vector<bf16> normed(d);
+    std::vector<float> scores(len), sums(d);
+    for (int64_t g = first; g < last; ++g) {
+      float* rows = acc + (q_heads + g) * d;
+      project_head(a, 1, g, x, cos, sin, rows, normed.data(),
+                   key_rows + g * keys.head_stride + position * keys.position_stride);
+      project_head(a, 2, g, x, cos, sin, rows, normed.data(),
+                   value_rows + g * values.head_stride + position * values.position_stride);
+      for (int64_t h = g * group; h < (g + 1) * group; ++h) {
+        project_head(a, 0, h, x, cos, sin, acc + h * d, normed.data(), q + h * d);
+        attend_head(q + h * d, d, g, keys, values, len, scale, scores.data(), sums.data(), out + h * d);
       }
-      const float total = exp_shifted(scores.data(), len, top);
-      for (int64_t t = 0; t < len; ++t) scores[t] /= total;
-      weighted_rows(scores.data(), values.data + g * values.head_stride, values.position_stride, len, d, acc.data());
-      for (int64_t i = 0; i < d; ++i) out[h * d + i] = to_bf16(acc[i]);
     }
   });
 }
@@ -559,20 +595,25 @@ class DecodeStep {
       query_.resize(a.wq.size(0));
       new_key_.resize(a.wk.size(0));
       new_value_.resize(a.wk.size(0));
-      qkv_rope_into(a, normed.data(), bf16_data(cos), bf16_data(sin), scratch_.data(), query_.data(),
-                    new_key_.data(), new_value_.data());
-      clock.lap(kQkv);
       bf16* key_rows = reinterpret_cast<bf16*>(kc.data_ptr());
       bf16* value_rows = reinterpret_cast<bf16*>(vc.data_ptr());
-      for (int64_t g = 0; g < kv_heads; ++g) {
-        std::memcpy(key_rows + g * kc.stride(1) + position * kc.stride(2), new_key_.data() + g * d, d * sizeof(bf16));
-        std::memcpy(value_rows + g * vc.stride(1) + position * vc.stride(2), new_value_.data() + g * d,
-                    d * sizeof(bf16));
-      }
+      const CacheView keys_view{key_rows, kc.stride(1), kc.stride(2)}, values_view{value_rows, vc.stride(1), vc.stride(2)};
       attended_.resize(heads * d);
-      attend_into(query_.data(), heads, d, kv_heads, {key_rows, kc.stride(1), kc.stride(2)},
-                  {value_rows, vc.stride(1), vc.stride(2)}, position + 1, l.scale, attended_.data());
-      clock.lap(kAttend);
+      if (kv_heads % at::get_num_threads() == 0) {  // each thread its own kv heads and their queries
+        qkv_attend_into(a, normed.data(), bf16_data(cos), bf16_data(sin), scratch_.data(), query_.data(), key_rows,
+                        keys_view, value_rows, values_view, position, l.scale, attended_.data());
+      } else {  // too few kv heads to share out: projections by heads, then attention by query heads
+        qkv_rope_into(a, normed.data(), bf16_data(cos), bf16_data(sin), scratch_.data(), query_.data(),
+                      new_key_.data(), new_value_.data());
+        for (int64_t g = 0; g < kv_heads; ++g) {
+          std::memcpy(key_rows + g * kc.stride(1) + position * kc.stride(2), new_key_.data() + g * d, d * sizeof(bf16));
+          std::memcpy(value_rows + g * vc.stride(1) + position * vc.stride(2), new_value_.data() + g * d,
+                      d * sizeof(bf16));
+        }
+        attend_into(query_.data(), heads, d, kv_heads, keys_view, values_view, position + 1, l.scale,
+                    attended_.data());
+      }
+      clock.lap(kAttention);
       gemv_into(l.wo, attended_.data(), scratch_.data(), delta.data());
       add_rows(x.data(), delta.data(), hidden_, x.data());
       clock.lap(kOutProj);
@@ -605,9 +646,10 @@ class DecodeStep {
   }
 
  private:
-  enum Phase { kNorms, kQkv, kAttend, kOutProj, kRouter, kExperts, kLmHead, kPhases };
-  static constexpr const char* kPhaseNames[kPhases] = {"norms", "qkv_rope", "attention", "o_proj",
-                                                       "router", "experts", "lm_head"};
+  enum Phase { kNorms, kAttention, kOutProj, kRouter, kExperts, kLmHead, kPhases };
+  // attention: q/k/v projections with norms and rotary, the KV write, attention over the cache
+  static constexpr const char* kPhaseNames[kPhases] = {"norms", "attention", "o_proj", "router", "experts",
+                                                       "lm_head"};
 
   // Adds the time since the previous lap to a phase (a steady_clock read is ~20 ns).
   struct Clock {
