@@ -14,7 +14,7 @@ FAST_DECODE_TEXT = "Fast decode kernels (not bit-identical)"
 FAST_DECODE_TIP = ("CPU decode steps use MoEScope's native kernels (a layer's experts in one pass, compiled once "
                    "per machine when a C++ compiler is present, else torch's native kernels) and float32-matmul "
                    "attention; with every expert resident, a Qwen3-MoE or Mixtral token runs whole in one native "
-                   "call. About 1.5-2.1x faster decode, the same arithmetic summed in another order, so replies "
+                   "call. About 1.6-2.4x faster decode, the same arithmetic summed in another order, so replies "
                    "can differ from plain transformers in rare near-ties. Off: every token equals transformers'.")
 
 
