@@ -283,8 +283,8 @@ AttentionWeights attention_weights(const torch::Tensor& wq, const torch::Tensor&
   TORCH_CHECK(wq.size(1) == hidden && wk.size(1) == hidden && wv.size(1) == hidden,
               "qkv_rope: one bf16 row of the projections' width");
   TORCH_CHECK(head_dim > 0 && head_dim % 2 == 0 && wq.size(0) % head_dim == 0 && wk.size(0) % head_dim == 0 &&
-                  wv.size(0) == wk.size(0),
-              "qkv_rope: projections of whole heads, as many value heads as key heads");
+                  wv.size(0) == wk.size(0) && wk.size(0) > 0 && (wq.size(0) / head_dim) % (wk.size(0) / head_dim) == 0,
+              "qkv_rope: projections of whole heads, as many value heads as key heads, whole groups of query heads");
   AttentionWeights out{wq, wk, wv, torch::Tensor(), torch::Tensor(), head_dim, static_cast<float>(eps)};
   if (q_norm.has_value()) check_vector(out.q_norm = q_norm->contiguous(), head_dim, "q_norm");
   if (k_norm.has_value()) check_vector(out.k_norm = k_norm->contiguous(), head_dim, "k_norm");
