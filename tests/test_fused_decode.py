@@ -70,6 +70,19 @@ def test_whole_token_step_gives_the_module_paths_logits(model_path):
         runtime.close()
 
 
+def test_kv_heads_that_do_not_divide_among_the_threads():
+    # With 3 threads neither model's kv heads (4 and 2) split evenly: the step projects by heads,
+    # then attends by query heads (its other path), and must still match the module path.
+    threads = torch.get_num_threads()
+    torch.set_num_threads(3)
+    runtime = fast_runtime("demo")
+    try:
+        assert_steps_match_the_module_path(runtime, PROMPT, 4)
+    finally:
+        runtime.close()
+        torch.set_num_threads(threads)
+
+
 def test_the_kv_cache_grows_under_the_step(monkeypatch):
     # The block buffers keep room for BLOCK more positions; a reply that fills it moves the cache
     # to a bigger buffer mid-reply, and the step must carry on from there. (A small block, so
