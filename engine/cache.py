@@ -31,7 +31,7 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
-from engine import decode_kernels, fast_decode
+from engine import decode_kernels, fast_decode, huge_pages
 from engine.cache_directory import CacheDirectory, NoFreeSlotError
 from engine.counters import EngineCounters
 from engine.expert_mlp import expert_mlp, grouped_available, grouped_expert_mlp, weighted_sum
@@ -107,8 +107,11 @@ class ExpertCache:
                 offset += -(-p.nbytes // 64) * 64
         return params, offset
 
-    def _alloc(self, slots: int) -> torch.Tensor:
-        return torch.empty((slots, self._pool_slot_bytes), dtype=torch.uint8, device=self.device)
+    def _alloc(self, slots: int, slot_bytes: int | None = None) -> torch.Tensor:
+        shape = (slots, slot_bytes or self._pool_slot_bytes)
+        if self.device.type == "cpu":
+            return huge_pages.empty(shape, torch.uint8)  # decode streams these: fewer TLB misses
+        return torch.empty(shape, dtype=torch.uint8, device=self.device)
 
     def _typed_views(self, pool: torch.Tensor) -> dict[str, torch.Tensor]:
         n = pool.shape[0]
@@ -166,7 +169,7 @@ class ExpertCache:
         full = self.layout.params
         for layer, old in enumerate(self.pools):
             count = old.shape[0]
-            pool = torch.empty((count, self.layout.slot_bytes), dtype=torch.uint8, device=self.device)
+            pool = self._alloc(count, self.layout.slot_bytes)
             for slot, weights in enumerate(self.slot_views[layer]):
                 for p in full:
                     if p.name in weights:
@@ -319,15 +322,14 @@ class ExpertCache:
 
     def record_resident_token(self, picks: np.ndarray) -> None:
         """The bookkeeping `run_layer` does for a decode step whose picks were all resident, for a
-        token computed whole: `picks[layer]` are that layer's experts. Same calls in the same
-        order, so counters, miss curves and the policy see what the per-layer path shows them
-        (prefetching has nothing to do when everything is resident)."""
-        top_k = picks.shape[1]
-        ones = [1] * top_k
-        for layer, row in enumerate(picks.tolist()):
-            needed = sorted(row)
-            self.directory.lookup(layer, needed, ones)
-            self.counters.record_layer(layer, None, top_k, 0, tokens=1, needed=needed)
+        token computed whole: `picks[layer]` are that layer's experts. The directory and policy see
+        the same calls in the same order; counters and miss curves take the token at once, with
+        the same result (tested against the per-layer path)."""
+        needed = np.sort(picks, axis=1)
+        ones = [1] * needed.shape[1]
+        for layer, row in enumerate(needed.tolist()):
+            self.directory.lookup(layer, row, ones)
+        self.counters.record_resident_token(needed)
 
     def run_layer(
         self,

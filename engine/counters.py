@@ -67,6 +67,18 @@ class EngineCounters:
         self._token.hits += hits
         self._token.misses += misses
 
+    def record_resident_token(self, picks: np.ndarray) -> None:
+        """One decode token whose every layer found its (distinct) `picks[layer]` resident: what
+        `record_layer` with `needed` records for each layer, for all layers in a few array operations."""
+        rows = np.arange(self.num_layers)[:, None]
+        self.miss_curves.record_token(picks)
+        self.activation_request[rows, picks] += 1  # (layer, expert) pairs are distinct: no lost adds
+        self.activation_total[rows, picks] += 1
+        hits = picks.shape[1]
+        for per_layer in (self.layer_hits, self.request_layer_hits):
+            per_layer += hits
+        self._token.hits += hits * self.num_layers
+
     def record_load(self, nbytes: int, *, prefetch: bool = False) -> None:
         if prefetch:
             self.bytes_prefetch += nbytes

@@ -111,7 +111,9 @@ class FusedDecoder:
                 block.gate.weight, *self._experts(index))
         self._placed = (cache.slot_views, cache.directory.changes)
         self._picks = torch.empty((self.layers, gate.top_k), dtype=torch.long)
-        self._embed_row = inner.embed_tokens.weight[:1].unsqueeze(0)  # the rotary call reads its dtype only
+        # the rotary call reads the embedding row's dtype only
+        self._rotary_rows = RotaryRows(inner.rotary_emb, inner.embed_tokens.weight[:1].unsqueeze(0),
+                                       inner.layers[0].self_attn.head_dim)
 
     @classmethod
     def build(cls, model: torch.nn.Module, cache) -> FusedDecoder | None:
@@ -163,8 +165,45 @@ class FusedDecoder:
         return dict(self._native.phase_seconds())
 
     def _rotary(self, position: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """The model's own rotary rows for `position`, from the call its forward makes (a table of
-        many positions could round differently where torch splits the work)."""
-        inner = self.model.model
-        cos, sin = inner.rotary_emb(self._embed_row, position_ids=torch.tensor([[position]]))
+        return self._rotary_rows.at(position)
+
+
+class RotaryRows:
+    """The model's own rotary rows (cos, sin) for one position at a time, computed a block of
+    positions per call where that gives the same bits as one call per position.
+
+    One call of the rotary module per token cost 65-146 us of the step (most of it the module
+    call's fixed cost). Its arithmetic is elementwise (position x frequency, then cos and sin), so
+    a row comes out the same in a call over many positions, as long as torch runs every element
+    through its vectorized loop: the last `len % 32` elements of a call go through the scalar
+    `std::cos`, which may round differently, and a split across threads could cut elsewhere. So
+    blocks are used only when the head size is a multiple of 32, a block stays under torch's
+    one-thread size, and a few rows of the first block match single calls; else one call each.
+    """
+
+    BLOCK_ELEMENTS = 16384  # under at::internal::GRAIN_SIZE (32768): one thread, one vectorized loop
+
+    def __init__(self, rotary: torch.nn.Module, like: torch.Tensor, head_dim: int) -> None:
+        self.rotary, self.like = rotary, like
+        self.rows = self.BLOCK_ELEMENTS // head_dim if head_dim % 32 == 0 else 0
+        self._block, self._cached = -1, ([], [])
+        if self.rows and any(_bits(self.at(p)) != _bits(self._single(p)) for p in (0, 1, 3, self.rows - 1)):
+            self.rows = 0
+
+    def at(self, position: int) -> tuple[torch.Tensor, torch.Tensor]:
+        if not self.rows:
+            return self._single(position)
+        block, row = divmod(position, self.rows)
+        if block != self._block:
+            start = block * self.rows
+            cos, sin = self.rotary(self.like, position_ids=torch.arange(start, start + self.rows).unsqueeze(0))
+            self._block, self._cached = block, (cos[0].unbind(0), sin[0].unbind(0))
+        return self._cached[0][row], self._cached[1][row]
+
+    def _single(self, position: int) -> tuple[torch.Tensor, torch.Tensor]:
+        cos, sin = self.rotary(self.like, position_ids=torch.tensor([[position]]))
         return cos.reshape(-1), sin.reshape(-1)
+
+
+def _bits(rows: tuple[torch.Tensor, torch.Tensor]) -> tuple[bytes, ...]:
+    return tuple(t.view(torch.int16).numpy().tobytes() for t in rows)

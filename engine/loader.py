@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from engine import experts_impl
+from engine import experts_impl, huge_pages
 from engine.checkpoint import CheckpointFiles, open_checkpoint
 from engine.errors import CheckpointError, DeviceError
 from engine.layout import MoELayout, build_layout
@@ -131,6 +131,7 @@ def _load_dense(model: torch.nn.Module, layout: MoELayout, device: torch.device,
                         continue  # checkpoint extras the model does not use (e.g. unused MTP layers)
                     target = state[key]
                     tensor = handle.get_tensor(layout.dense[key].name).to(device=device, dtype=target.dtype)
+                    tensor = huge_pages.rehome(tensor)  # decode streams these every token
                     if tensor.shape != target.shape:
                         raise CheckpointError(f"'{key}' in {file.name} has shape {tuple(tensor.shape)}, the model expects {tuple(target.shape)}")
                     _set_tensor(model, key, tensor)

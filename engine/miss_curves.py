@@ -24,41 +24,62 @@ import numpy as np
 class MissCurveRecorder:
     def __init__(self, num_layers: int, num_experts: int, warm_order: Sequence[Sequence[int]] | None = None) -> None:
         self.num_layers, self.num_experts = num_layers, num_experts
-        # stacks[layer]: experts, most recently used first; it starts in the warm-up order.
-        self.stacks: list[list[int]] = []
+        # The LRU stack as recency stamps: an expert's stack position is the number of experts of
+        # its layer with a larger stamp. The same order as a list stack, but a step's positions
+        # are one comparison, for one layer or for every layer of a token at once.
+        self._stamp = np.zeros((num_layers, num_experts), dtype=np.int64)
         for layer in range(num_layers):
             order = list(warm_order[layer]) if warm_order else list(range(num_experts))
             seen = set(order)
-            self.stacks.append(order + [e for e in range(num_experts) if e not in seen])
-        # Plain lists on the hot path (a few list operations per token beat a dozen numpy calls).
-        self._hist: list[list[int]] = [[0] * num_experts for _ in range(num_layers)]
-        self._tokens: list[int] = [0] * num_layers
+            order += [e for e in range(num_experts) if e not in seen]
+            self._stamp[layer, order] = np.arange(num_experts, 0, -1)  # position 0 most recent
+        self._clock = num_experts + 1  # stamps handed out so far, for every layer alike
+        self._hist = np.zeros((num_layers, num_experts), dtype=np.int64)
+        self._tokens = np.zeros(num_layers, dtype=np.int64)
         self.steps = 0
 
     def record(self, layer: int, experts: Iterable[int], tokens: int = 1) -> None:
         """Layer `layer` needed `experts` (unique) for one forward step over `tokens` tokens."""
-        ids = sorted(experts)
-        stack, hist = self.stacks[layer], self._hist[layer]
-        for e in ids:  # positions on the stack before this step
-            hist[stack.index(e)] += 1
-        for e in reversed(ids):  # then to the top, the smallest id most recent
-            stack.remove(e)
-            stack.insert(0, e)
+        ids = np.array(sorted(experts), dtype=np.int64)
+        stamps = self._stamp[layer]
+        positions = (stamps[None, :] > stamps[ids][:, None]).sum(axis=1)  # positions before this step
+        self._hist[layer, positions] += 1
+        stamps[ids] = self._clock + np.arange(len(ids), 0, -1)  # to the top, the smallest id most recent
+        self._clock += len(ids)
         self._tokens[layer] += tokens
         if layer == 0:
             self.steps += 1
 
+    def record_token(self, picks: np.ndarray) -> None:
+        """One decode token: `picks[layer]` are the (unique) experts every layer needed. The same
+        result as `record` per layer in layer order, in a handful of array operations."""
+        ids = np.sort(picks, axis=1)
+        rows = np.arange(self.num_layers)[:, None]
+        current = self._stamp[rows, ids]
+        positions = (self._stamp[:, None, :] > current[:, :, None]).sum(axis=2)
+        self._hist[rows, positions] += 1  # positions within a layer are distinct: no double counts
+        width = ids.shape[1]
+        self._stamp[rows, ids] = self._clock + np.arange(width, 0, -1)[None, :]
+        self._clock += width
+        self._tokens += 1
+        self.steps += 1
+
+    @property
+    def stacks(self) -> list[list[int]]:
+        """Each layer's experts, most recently used first."""
+        return [np.argsort(-row, kind="stable").tolist() for row in self._stamp]
+
     @property
     def hist(self) -> np.ndarray:
         """[layers, stack position] accesses found at each position."""
-        return np.asarray(self._hist, dtype=np.int64)
+        return self._hist.copy()
 
     @property
     def tokens(self) -> np.ndarray:
-        return np.asarray(self._tokens, dtype=np.int64)
+        return self._tokens.copy()
 
     def has_data(self) -> bool:
-        return any(self._tokens)
+        return bool(self._tokens.any())
 
     def curves(self) -> np.ndarray:
         """[layers, experts + 1] float32: expected misses per token of each layer with s slots."""

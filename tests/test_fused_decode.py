@@ -9,12 +9,12 @@ import numpy as np
 import pytest
 import torch
 
-from engine.fused_decode import recognise
+from engine.fused_decode import RotaryRows, _bits, recognise
 from engine.generation import Generator
 from engine.kv_cache import new_cache
 from engine.runtime import LoadOptions, MoERuntime
 from engine.sampling import SamplingSettings
-from tests.checkpoints import reference_generate
+from tests.checkpoints import reference_generate, save_tiny_checkpoint
 
 PROMPT = [5, 17, 33, 8, 61, 12, 40, 9, 27, 4]
 
@@ -81,6 +81,20 @@ def test_kv_heads_that_do_not_divide_among_the_threads():
     finally:
         runtime.close()
         torch.set_num_threads(threads)
+
+
+def test_rotary_rows_come_a_block_at_a_time_with_the_same_bits(tmp_path):
+    # A head size that is a multiple of 32 lets the step take its rotary rows from one call per
+    # block of positions; every row must be the bits of the model's own one-position call.
+    runtime = fast_runtime(str(save_tiny_checkpoint("mixtral", tmp_path / "wide-heads", head_dim=32)))
+    try:
+        rows = runtime.fused_decoder()._rotary_rows
+        assert rows.rows == RotaryRows.BLOCK_ELEMENTS // 32  # blocks in use
+        for position in [*range(0, rows.rows + 3), 2 * rows.rows - 1, 5 * rows.rows + 17]:
+            assert _bits(rows.at(position)) == _bits(rows._single(position)), position
+        assert_steps_match_the_module_path(runtime, PROMPT, 4)
+    finally:
+        runtime.close()
 
 
 def test_the_kv_cache_grows_under_the_step(monkeypatch):

@@ -34,6 +34,24 @@ def test_stack_distance_curve_by_hand():
     assert curve.tolist() == [9, 8, 7, 0, 0]
 
 
+def test_a_whole_tokens_routing_recorded_at_once_equals_layer_by_layer():
+    # The whole-token decode step records a token's routing in one call; the curves, stacks and
+    # counts must be those of the per-layer path, from any warm-up order.
+    rng = np.random.default_rng(7)
+    layers, experts, top_k = 5, 16, 4
+    warm = [rng.permutation(experts)[:10].tolist() for _ in range(layers)]
+    by_layer, at_once = MissCurveRecorder(layers, experts, warm), MissCurveRecorder(layers, experts, warm)
+    for _ in range(200):
+        picks = np.stack([rng.choice(experts, top_k, replace=False) for _ in range(layers)])
+        for layer in range(layers):
+            by_layer.record(layer, picks[layer].tolist())
+        at_once.record_token(picks)
+    assert np.array_equal(by_layer.hist, at_once.hist)
+    assert by_layer.stacks == at_once.stacks
+    assert np.array_equal(by_layer.tokens, at_once.tokens) and by_layer.steps == at_once.steps == 200
+    assert np.array_equal(by_layer.curves(), at_once.curves())
+
+
 def test_curves_match_lru_replay_for_every_slot_count():
     trace = skewed_trace(num_layers=4, num_experts=16, top_k=1, tokens=400, requests=1, seed=3)
     curves = trace_curves(trace)

@@ -10,8 +10,10 @@
 #include <torch/extension.h>
 #include <pybind11/stl.h>
 #include <ATen/Parallel.h>
+#include <omp.h>
 
 #include <algorithm>
+#include <atomic>
 #include <array>
 #include <chrono>
 #include <cmath>
@@ -58,6 +60,13 @@ inline __m512 widen_bf16(const bf16* p) {
 }
 #endif
 
+// How far ahead (elements) dot_row asks for weight lines, with the non-temporal hint. The weights
+// stream through once per token; fetched as non-temporal they do not evict what is read again soon
+// (the KV cache, activations, the interpreter's own data between tokens): 2-5 % faster steps in an
+// in-process A/B on the 2-core VM, against 1-2 % for the same prefetch with the T0 hint. A line
+// past the end of a matrix is only a hint: prefetches never fault.
+constexpr int64_t kPrefetchAhead = 4096;
+
 // One weight row with x, length k: four independent sums so the loads stream back to back.
 // (Summing 4 rows at once, to share the loads of x, streamed at ~40 GB/s where one row at a time
 // reaches the ~70 GB/s a plain read gets on the same machine.)
@@ -69,6 +78,8 @@ inline float dot_row(const bf16* w, const bf16* x, int64_t k) {
   __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
   int64_t i = 0;
   for (; i + 128 <= k; i += 128) {
+    for (int line = 0; line < 4; ++line)  // non-temporal: weights are read once per token
+      _mm_prefetch(reinterpret_cast<const char*>(w + i + kPrefetchAhead + line * 32), _MM_HINT_NTA);
     a0 = dot(a0, w + i, x + i);
     a1 = dot(a1, w + i + 32, x + i + 32);
     a2 = dot(a2, w + i + 64, x + i + 64);
@@ -85,6 +96,7 @@ inline float dot_row(const bf16* w, const bf16* x, int64_t k) {
   __m512 a0 = _mm512_setzero_ps(), a1 = a0;
   int64_t i = 0;
   for (; i + 32 <= k; i += 32) {
+    _mm_prefetch(reinterpret_cast<const char*>(w + i + kPrefetchAhead), _MM_HINT_NTA);
     a0 = _mm512_fmadd_ps(widen_bf16(w + i), widen_bf16(x + i), a0);
     a1 = _mm512_fmadd_ps(widen_bf16(w + i + 16), widen_bf16(x + i + 16), a1);
   }
@@ -451,32 +463,6 @@ void attend_into(const bf16* q, int64_t heads, int64_t d, int64_t kv_heads, Cach
   });
 }
 
-// A decode step's q/k/v, KV-cache write and attention in one parallel region, split by kv head:
-// each thread projects its kv heads and the query heads that share them, writes its keys and
-// values at `position`, and attends with them over positions [0, position] - nothing it needs
-// comes from another thread, so there is no barrier between projections and attention.
-void qkv_attend_into(const AttentionWeights& a, const bf16* x, const bf16* cos, const bf16* sin, float* acc,
-                     bf16* q, bf16* key_rows, CacheView keys, bf16* value_rows, CacheView values, int64_t position,
-                     float scale, bf16* out) {
-  const int64_t d = a.head_dim, q_heads = a.wq.size(0) / d, kv_heads = a.wk.size(0) / d, group = q_heads / kv_heads;
-  const int64_t len = position + 1;
-  at::parallel_for(0, kv_heads, 1, [&](int64_t first, int64_t last) {
-    std::vector<bf16> normed(d);
-    std::vector<float> scores(len), sums(d);
-    for (int64_t g = first; g < last; ++g) {
-      float* rows = acc + (q_heads + g) * d;
-      project_head(a, 1, g, x, cos, sin, rows, normed.data(),
-                   key_rows + g * keys.head_stride + position * keys.position_stride);
-      project_head(a, 2, g, x, cos, sin, rows, normed.data(),
-                   value_rows + g * values.head_stride + position * values.position_stride);
-      for (int64_t h = g * group; h < (g + 1) * group; ++h) {
-        project_head(a, 0, h, x, cos, sin, acc + h * d, normed.data(), q + h * d);
-        attend_head(q + h * d, d, g, keys, values, len, scale, scores.data(), sums.data(), out + h * d);
-      }
-    }
-  });
-}
-
 // One query [1, heads, 1, d] over cached keys and values ([1, kv_heads, T, d], any strides with
 // contiguous rows); returns [1, 1, heads * d] (what o_proj takes).
 torch::Tensor attend(const torch::Tensor& q, const torch::Tensor& keys, const torch::Tensor& values, double scale) {
@@ -496,6 +482,32 @@ torch::Tensor attend(const torch::Tensor& q, const torch::Tensor& keys, const to
   return out;
 }
 
+inline void cpu_relax() {
+#if defined(__x86_64__) || defined(__i386__)
+  __builtin_ia32_pause();
+#elif defined(__aarch64__)
+  asm volatile("yield");
+#endif
+}
+
+// A barrier for the threads of one parallel region: they spin (as OpenMP's own threads do between
+// regions), so a wait costs a cache line's round trip rather than a wake-up.
+struct SpinBarrier {
+  alignas(64) std::atomic<int> arrived{0};
+  alignas(64) std::atomic<int> generation{0};
+  int count = 1;
+
+  void wait() {
+    const int gen = generation.load(std::memory_order_acquire);
+    if (arrived.fetch_add(1, std::memory_order_acq_rel) == count - 1) {
+      arrived.store(0, std::memory_order_relaxed);
+      generation.fetch_add(1, std::memory_order_release);
+    } else {
+      while (generation.load(std::memory_order_acquire) == gen) cpu_relax();
+    }
+  }
+};
+
 // out = a + b in bf16, rounded as torch adds two bf16 tensors.
 inline void add_rows(const bf16* a, const bf16* b, int64_t n, bf16* out) {
   for (int64_t i = 0; i < n; ++i) out[i] = to_bf16(to_float(a[i]) + to_float(b[i]));
@@ -505,8 +517,9 @@ inline void add_rows(const bf16* a, const bf16* b, int64_t n, bf16* out) {
 // every expert is resident: per layer RMSNorm, attention (q/k/v + rotary, the KV cache, o_proj),
 // residual, RMSNorm, top-k router, the picked experts, residual; then the final norm and lm_head.
 // The same kernels, in the same order, as the per-module fast path; what it saves is the ~250 us
-// per layer of Python and small torch ops between them. The caller does the cache's bookkeeping
-// afterwards from the picks it returns.
+// per layer of Python and small torch ops between them, and (one parallel region for the whole
+// token, spin barriers inside) the start of a region per kernel. The caller does the cache's
+// bookkeeping afterwards from the picks it returns.
 class DecodeStep {
  public:
   DecodeStep(torch::Tensor embed, torch::Tensor final_norm, double final_eps, torch::Tensor lm_head, int64_t top_k,
@@ -571,69 +584,43 @@ class DecodeStep {
                 "run: one key and one value buffer per layer");
     TORCH_CHECK(picks.scalar_type() == torch::kLong && picks.is_contiguous() && picks.numel() == layers * top_k_,
                 "run: picks must be a contiguous int64 [layers, top_k] tensor");
-    int64_t* picked_out = picks.data_ptr<int64_t>();
-    Clock clock(phase_seconds_);
-    std::vector<bf16> x(bf16_data(embed_) + token * embed_.stride(0),
-                        bf16_data(embed_) + token * embed_.stride(0) + hidden_);
-    std::vector<bf16> normed(hidden_), delta(hidden_);
+    // Every check before the parallel region: nothing may throw inside it.
+    std::vector<CacheView> key_views, value_views;
+    int64_t widest = 0, widest_inter = 0;
     for (int64_t i = 0; i < layers; ++i) {
-      const Layer& l = layers_[i];
-      const AttentionWeights& a = l.attention;
-      const int64_t d = a.head_dim, heads = a.wq.size(0) / d, kv_heads = a.wk.size(0) / d;
+      const AttentionWeights& a = layers_[i].attention;
+      const int64_t d = a.head_dim, kv_heads = a.wk.size(0) / d;
       TORCH_CHECK(cos.numel() == d && sin.numel() == d && cos.scalar_type() == torch::kBFloat16 &&
                       sin.scalar_type() == torch::kBFloat16 && cos.is_contiguous() && sin.is_contiguous(),
                   "run: one bf16 cos and sin row of the head size");
-      const torch::Tensor &kc = keys[i], &vc = values[i];
-      for (const auto* t : {&kc, &vc})
+      for (const auto* t : {&keys[i], &values[i]})
         TORCH_CHECK(t->dim() == 4 && t->size(0) == 1 && t->size(1) == kv_heads && t->size(2) > position &&
                         t->size(3) == d && t->stride(3) == 1 && t->scalar_type() == torch::kBFloat16,
                     "run: key/value buffers [1, kv_heads, capacity > position, head_dim] in bf16");
-      // attention
-      rms_norm_row(x.data(), bf16_data(l.input_norm), hidden_, l.input_eps, normed.data());
-      clock.lap(kNorms);
-      scratch_.resize(std::max<int64_t>(scratch_.size(), a.wq.size(0) + 2 * a.wk.size(0)));
-      query_.resize(a.wq.size(0));
-      new_key_.resize(a.wk.size(0));
-      new_value_.resize(a.wk.size(0));
-      bf16* key_rows = reinterpret_cast<bf16*>(kc.data_ptr());
-      bf16* value_rows = reinterpret_cast<bf16*>(vc.data_ptr());
-      const CacheView keys_view{key_rows, kc.stride(1), kc.stride(2)}, values_view{value_rows, vc.stride(1), vc.stride(2)};
-      attended_.resize(heads * d);
-      if (kv_heads % at::get_num_threads() == 0) {  // each thread its own kv heads and their queries
-        qkv_attend_into(a, normed.data(), bf16_data(cos), bf16_data(sin), scratch_.data(), query_.data(), key_rows,
-                        keys_view, value_rows, values_view, position, l.scale, attended_.data());
-      } else {  // too few kv heads to share out: projections by heads, then attention by query heads
-        qkv_rope_into(a, normed.data(), bf16_data(cos), bf16_data(sin), scratch_.data(), query_.data(),
-                      new_key_.data(), new_value_.data());
-        for (int64_t g = 0; g < kv_heads; ++g) {
-          std::memcpy(key_rows + g * kc.stride(1) + position * kc.stride(2), new_key_.data() + g * d, d * sizeof(bf16));
-          std::memcpy(value_rows + g * vc.stride(1) + position * vc.stride(2), new_value_.data() + g * d,
-                      d * sizeof(bf16));
-        }
-        attend_into(query_.data(), heads, d, kv_heads, keys_view, values_view, position + 1, l.scale,
-                    attended_.data());
-      }
-      clock.lap(kAttention);
-      gemv_into(l.wo, attended_.data(), scratch_.data(), delta.data());
-      add_rows(x.data(), delta.data(), hidden_, x.data());
-      clock.lap(kOutProj);
-      // experts
-      rms_norm_row(x.data(), bf16_data(l.post_norm), hidden_, l.post_eps, normed.data());
-      clock.lap(kNorms);
-      const std::vector<float> weights = route(l, normed.data(), picked_out + i * top_k_);
-      std::vector<ExpertWeights> chosen;
-      for (int64_t j = 0; j < top_k_; ++j) chosen.push_back(l.experts[picked_out[i * top_k_ + j]]);
-      clock.lap(kRouter);
-      moe_experts(normed.data(), hidden_, l.inter, chosen, weights.data(), delta.data());
-      add_rows(x.data(), delta.data(), hidden_, x.data());
-      clock.lap(kExperts);
+      key_views.push_back({bf16_data(keys[i]), keys[i].stride(1), keys[i].stride(2)});
+      value_views.push_back({bf16_data(values[i]), values[i].stride(1), values[i].stride(2)});
+      widest = std::max<int64_t>(widest, a.wq.size(0) + 2 * a.wk.size(0));
+      widest_inter = std::max<int64_t>(widest_inter, layers_[i].inter);
     }
-    rms_norm_row(x.data(), bf16_data(final_norm_), hidden_, final_eps_, normed.data());
-    clock.lap(kNorms);
+    scratch_.resize(std::max<int64_t>({widest, hidden_, lm_head_.size(0)}));
+    query_.resize(widest);
+    attended_.resize(widest);
+    delta_.resize(hidden_);
+    projected_.resize(top_k_ * 2 * widest_inter);
+    activation_.resize(top_k_ * widest_inter);
+    expert_out_.resize(top_k_ * hidden_);
+    route_.resize(top_k_);
     torch::Tensor logits = torch::empty({1, 1, lm_head_.size(0)}, embed_.options());
-    std::vector<float> acc(lm_head_.size(0));
-    gemv_into(lm_head_, normed.data(), acc.data(), bf16_data(logits));
-    clock.lap(kLmHead);
+    Shared shared{token, position, picks.data_ptr<int64_t>(), bf16_data(cos), bf16_data(sin), key_views.data(),
+                  value_views.data(), bf16_data(logits)};
+    const int threads = std::max(1, at::get_num_threads());
+    SpinBarrier barrier;
+#pragma omp parallel num_threads(threads)
+    {
+#pragma omp single
+      barrier.count = omp_get_num_threads();  // the team may be smaller than asked for
+      step_thread(shared, barrier, omp_get_thread_num(), omp_get_num_threads());
+    }
     return logits;
   }
 
@@ -652,14 +639,18 @@ class DecodeStep {
                                                        "lm_head"};
 
   // Adds the time since the previous lap to a phase (a steady_clock read is ~20 ns).
+  // Only one thread of a step keeps it (its laps include its waits at the barriers).
   struct Clock {
-    explicit Clock(std::array<double, kPhases>& totals) : totals(totals), last(std::chrono::steady_clock::now()) {}
+    Clock(std::array<double, kPhases>& totals, bool enabled)
+        : totals(totals), enabled(enabled), last(std::chrono::steady_clock::now()) {}
     void lap(Phase phase) {
+      if (!enabled) return;
       const auto now = std::chrono::steady_clock::now();
       totals[phase] += std::chrono::duration<double>(now - last).count();
       last = now;
     }
     std::array<double, kPhases>& totals;
+    bool enabled;
     std::chrono::steady_clock::time_point last;
   };
 
@@ -675,7 +666,7 @@ class DecodeStep {
   // The router's top-k experts (into `picked`, best first) and their weights, as transformers'
   // Qwen3 / Mixtral routers compute them: bf16 logits, softmax in float32 (torch's own kernel, so
   // the weights match the module path's), top-k, optionally renormalized, optionally cast to bf16.
-  std::vector<float> route(const Layer& l, const bf16* x, int64_t* picked) {
+  void route(const Layer& l, const bf16* x, int64_t* picked, float* weights) {
     const int64_t experts = l.router.size(0);
     torch::Tensor logits = torch::empty({experts}, embed_.options());
     std::vector<float> acc(experts);
@@ -687,14 +678,164 @@ class DecodeStep {
     // best first; ties to the lower expert id
     std::partial_sort(order.begin(), order.begin() + top_k_, order.end(),
                       [p](int64_t a, int64_t b) { return p[a] > p[b] || (p[a] == p[b] && a < b); });
-    std::vector<float> weights(top_k_);
     float total = 0.f;
     for (int64_t j = 0; j < top_k_; ++j) total += (weights[j] = p[picked[j] = order[j]]);
     for (int64_t j = 0; j < top_k_; ++j) {
       if (normalize_) weights[j] /= total;
       if (cast_back_) weights[j] = round_bf16(weights[j]);
     }
-    return weights;
+  }
+
+  // What one step's threads share: inputs, and where they write.
+  struct Shared {
+    int64_t token, position;
+    int64_t* picked;
+    const bf16 *cos, *sin;
+    const CacheView *keys, *values;
+    bf16* logits;
+  };
+
+  // One thread's part of a step. The whole token is one parallel region: every thread walks all
+  // layers, takes its share of each matrix, and meets the others at spin barriers where a result
+  // it needs comes from them. (A parallel region per kernel cost 3-7 us to start on the 2-core VM,
+  // three per layer: ~0.3 ms of a ~9 ms token.) Each thread keeps its own copy of the hidden state
+  // and computes the norms and residual adds itself, identically, rather than wait for one copy.
+  void step_thread(const Shared& in, SpinBarrier& barrier, int tid, int team) {
+    Clock clock(phase_seconds_, tid == 0);
+    std::vector<bf16> x(bf16_data(embed_) + in.token * embed_.stride(0),
+                        bf16_data(embed_) + in.token * embed_.stride(0) + hidden_);
+    std::vector<bf16> normed(hidden_), head_scratch(hidden_);
+    std::vector<float> scores(in.position + 1), sums(hidden_);
+    auto share = [&](int64_t n) {  // this thread's [begin, end) of n items
+      const int64_t chunk = (n + team - 1) / team;
+      return std::make_pair(std::min<int64_t>(n, tid * chunk), std::min<int64_t>(n, (tid + 1) * chunk));
+    };
+    const int64_t len = in.position + 1;
+    for (size_t i = 0; i < layers_.size(); ++i) {
+      const Layer& l = layers_[i];
+      const AttentionWeights& a = l.attention;
+      const int64_t d = a.head_dim, heads = a.wq.size(0) / d, kv_heads = a.wk.size(0) / d, group = heads / kv_heads;
+      const CacheView keys = in.keys[i], values = in.values[i];
+      bf16* key_rows = const_cast<bf16*>(keys.data) + in.position * keys.position_stride;
+      bf16* value_rows = const_cast<bf16*>(values.data) + in.position * values.position_stride;
+      rms_norm_row(x.data(), bf16_data(l.input_norm), hidden_, l.input_eps, normed.data());
+      clock.lap(kNorms);
+      if (kv_heads % team == 0) {
+        // Each thread its own kv heads and the query heads sharing them: projections (one stream
+        // of rows per kv head), the KV write, then attention; nothing comes from another thread.
+        const auto [first, last] = share(kv_heads);
+        for (int64_t g = first; g < last; ++g) {
+          for (int64_t h = g * group; h < (g + 1) * group; ++h)
+            project_head(a, 0, h, normed.data(), in.cos, in.sin, scratch_.data() + h * d, head_scratch.data(),
+                         query_.data() + h * d);
+          float* rows = scratch_.data() + (heads + g) * d;
+          project_head(a, 1, g, normed.data(), in.cos, in.sin, rows, head_scratch.data(), key_rows + g * keys.head_stride);
+          project_head(a, 2, g, normed.data(), in.cos, in.sin, rows, head_scratch.data(),
+                       value_rows + g * values.head_stride);
+        }
+        for (int64_t h = first * group; h < last * group; ++h)
+          attend_head(query_.data() + h * d, d, h / group, keys, values, len, l.scale, scores.data(), sums.data(),
+                      attended_.data() + h * d);
+      } else {
+        // Too few kv heads to share out: projections by heads, then attention by query heads.
+        const auto [first, last] = share(heads + 2 * kv_heads);
+        for (int64_t head = first; head < last; ++head) {
+          const int m = head < heads ? 0 : head < heads + kv_heads ? 1 : 2;
+          const int64_t h = m == 0 ? head : m == 1 ? head - heads : head - heads - kv_heads;
+          bf16* out = m == 0 ? query_.data() + h * d
+                      : m == 1 ? key_rows + h * keys.head_stride
+                               : value_rows + h * values.head_stride;
+          project_head(a, m, h, normed.data(), in.cos, in.sin, scratch_.data() + head * d, head_scratch.data(), out);
+        }
+        barrier.wait();
+        const auto [q_first, q_last] = share(heads);
+        for (int64_t h = q_first; h < q_last; ++h)
+          attend_head(query_.data() + h * d, d, h / group, keys, values, len, l.scale, scores.data(), sums.data(),
+                      attended_.data() + h * d);
+      }
+      barrier.wait();
+      clock.lap(kAttention);
+      rows_of(l.wo, attended_.data(), share(hidden_), delta_.data());
+      barrier.wait();
+      add_rows(x.data(), delta_.data(), hidden_, x.data());
+      clock.lap(kOutProj);
+      rms_norm_row(x.data(), bf16_data(l.post_norm), hidden_, l.post_eps, normed.data());
+      clock.lap(kNorms);
+      if (tid == 0) route(l, normed.data(), in.picked + i * top_k_, route_.data());
+      barrier.wait();
+      clock.lap(kRouter);
+      experts_share(l, normed.data(), in.picked + i * top_k_, barrier, tid, team);
+      barrier.wait();
+      // the experts' outputs rounded, weighted and summed in pick order, by slices of the row
+      const auto [j_first, j_last] = share(hidden_);
+      for (int64_t j = j_first; j < j_last; ++j) {
+        float total = 0.f;
+        for (int64_t e = 0; e < top_k_; ++e) total += round_bf16(expert_out_[e * hidden_ + j]) * route_[e];
+        delta_[j] = to_bf16(total);
+      }
+      barrier.wait();
+      add_rows(x.data(), delta_.data(), hidden_, x.data());
+      clock.lap(kExperts);
+    }
+    rms_norm_row(x.data(), bf16_data(final_norm_), hidden_, final_eps_, normed.data());
+    clock.lap(kNorms);
+    rows_of(lm_head_, normed.data(), share(lm_head_.size(0)), in.logits);
+    barrier.wait();
+    clock.lap(kLmHead);
+  }
+
+  // out[rows) = W[rows) x, rounded to bf16 (this thread's rows of a projection).
+  void rows_of(const torch::Tensor& w, const bf16* x, std::pair<int64_t, int64_t> rows, bf16* out) {
+    gemv_range(bf16_data(w), w.stride(0), x, w.size(1), rows.first, rows.second, scratch_.data());
+    for (int64_t n = rows.first; n < rows.second; ++n) out[n] = to_bf16(scratch_[n]);
+  }
+
+  // This thread's part of the picked experts, into expert_out_ [top_k, hidden] (float32 sums):
+  // whole experts per thread where they divide evenly (each streams its matrices end to end, no
+  // barrier between gate/up and down), else every expert's rows split, gate/up then down.
+  void experts_share(const Layer& l, const bf16* x, const int64_t* picked, SpinBarrier& barrier, int tid, int team) {
+    const int64_t inter = l.inter;
+    auto activate = [&](int64_t e, int64_t begin, int64_t end) {  // rounded as transformers does
+      const float* gate = projected_.data() + e * 2 * inter;
+      for (int64_t i = begin; i < end; ++i) {
+        const float g = round_bf16(gate[i]), u = round_bf16(gate[inter + i]);
+        const float silu = round_bf16(g / (1.f + std::exp(-g)));
+        activation_[e * inter + i] = to_bf16(silu * u);
+      }
+    };
+    auto share = [&](int64_t n) {
+      const int64_t chunk = (n + team - 1) / team;
+      return std::make_pair(std::min<int64_t>(n, tid * chunk), std::min<int64_t>(n, (tid + 1) * chunk));
+    };
+    if (top_k_ % team == 0) {
+      const auto [first, last] = share(top_k_);
+      for (int64_t e = first; e < last; ++e) {
+        const ExpertWeights& w = l.experts[picked[e]];
+        gemv_range(w.gate_up, w.gate_up_ld, x, hidden_, 0, 2 * inter, projected_.data() + e * 2 * inter);
+        activate(e, 0, inter);
+      }
+      for (int64_t e = first; e < last; ++e) {
+        const ExpertWeights& w = l.experts[picked[e]];
+        gemv_range(w.down, w.down_ld, activation_.data() + e * inter, inter, 0, hidden_,
+                   expert_out_.data() + e * hidden_);
+      }
+      return;
+    }
+    const auto [begin, end] = share(inter);
+    for (int64_t e = 0; e < top_k_; ++e) {
+      const ExpertWeights& w = l.experts[picked[e]];
+      float* gate = projected_.data() + e * 2 * inter;
+      gemv_range(w.gate_up, w.gate_up_ld, x, hidden_, begin, end, gate);
+      gemv_range(w.gate_up, w.gate_up_ld, x, hidden_, inter + begin, inter + end, gate);
+      activate(e, begin, end);
+    }
+    barrier.wait();
+    const auto [h_begin, h_end] = share(hidden_);
+    for (int64_t e = 0; e < top_k_; ++e) {
+      const ExpertWeights& w = l.experts[picked[e]];
+      gemv_range(w.down, w.down_ld, activation_.data() + e * inter, inter, h_begin, h_end,
+                 expert_out_.data() + e * hidden_);
+    }
   }
 
   torch::Tensor embed_, final_norm_, lm_head_;
@@ -702,8 +843,9 @@ class DecodeStep {
   int64_t top_k_, hidden_ = 0;
   bool normalize_, cast_back_;
   std::vector<Layer> layers_;
-  std::vector<float> scratch_;
-  std::vector<bf16> query_, new_key_, new_value_, attended_;
+  // buffers the threads share within a step (each writes its own part)
+  std::vector<float> scratch_, projected_, expert_out_, route_;
+  std::vector<bf16> query_, attended_, delta_, activation_;
   std::array<double, kPhases> phase_seconds_{};
 };
 
