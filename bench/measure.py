@@ -15,6 +15,7 @@ import os
 import sys
 import tempfile
 import time
+from contextlib import contextmanager
 
 import numpy as np
 
@@ -55,7 +56,8 @@ def measure_ours(args) -> dict:
     generator.generate(ids[:8], SamplingSettings(max_new_tokens=2))  # warm-up, as for the baselines
     if args.trace_out:
         runtime.start_trace(args.trace_out)  # the routing this run saw, for Belady's bound
-    result = generator.generate(ids, SamplingSettings(max_new_tokens=args.decode))
+    with bandwidth_around(args) as bandwidth:
+        result = generator.generate(ids, SamplingSettings(max_new_tokens=args.decode))
     runtime.stop_trace()
     s = result.stats
     decode_time = (s.decode_tokens - 1) / s.decode_tokens_per_s if s.decode_tokens_per_s else 0.0
@@ -80,7 +82,25 @@ def measure_ours(args) -> dict:
         "dense_bytes": layout.dense_bytes,
         "peak_rss_bytes": peak_rss(),
         "token_ids": result.token_ids,
+        **bandwidth,
     }
+
+
+@contextmanager
+def bandwidth_around(args):
+    """With --bandwidth: the memory read bandwidth measured in this process just before and just
+    after the timed run (keys bandwidth_before / bandwidth_after in the yielded dict, filled on
+    exit). The VM this was built on switches between bandwidth levels for seconds at a time, so
+    a limit measured minutes apart could belong to another level than the run it is set against."""
+    measured: dict[str, float] = {}
+    if not args.bandwidth:
+        yield measured
+        return
+    from bench.bandwidth import memory_read_bandwidth
+
+    measured["bandwidth_before"] = memory_read_bandwidth(threads=args.threads)
+    yield measured
+    measured["bandwidth_after"] = memory_read_bandwidth(threads=args.threads)
 
 
 class _TokenClock:
@@ -123,8 +143,9 @@ def measure_stock(args) -> dict:
     model = AutoModelForCausalLM.from_pretrained(args.model, dtype="auto", experts_implementation=args.impl)
     ids = prompt_ids(model.config.get_text_config().vocab_size, args.prompt_len, args.seed)
     _generate_timed(model, ids[:8], 2)  # warm-up: first-call costs are not decode speed
-    out = _generate_timed(model, ids, args.decode)
-    return {"system": f"transformers ({args.impl})", **out, "peak_rss_bytes": peak_rss()}
+    with bandwidth_around(args) as bandwidth:
+        out = _generate_timed(model, ids, args.decode)
+    return {"system": f"transformers ({args.impl})", **out, "peak_rss_bytes": peak_rss(), **bandwidth}
 
 
 def measure_accelerate(args) -> dict:
@@ -161,6 +182,8 @@ def main(argv=None) -> int:
     parser.add_argument("--decode", type=int, default=64)
     parser.add_argument("--threads", type=int, default=os.cpu_count() or 1)
     parser.add_argument("--seed", type=int, default=1)
+    parser.add_argument("--bandwidth", action="store_true",
+                        help="also measure the memory read bandwidth just before and after the timed run")
     parser.add_argument("--trace-out", default=None, help="record this run's routing (ours only)")
     args = parser.parse_args(argv)
     fn = {"ours": measure_ours, "stock": measure_stock, "accelerate": measure_accelerate}[args.system]
