@@ -322,13 +322,10 @@ class ExpertCache:
 
     def record_resident_token(self, picks: np.ndarray) -> None:
         """The bookkeeping `run_layer` does for a decode step whose picks were all resident, for a
-        token computed whole: `picks[layer]` are that layer's experts. The directory and policy see
-        the same calls in the same order; counters and miss curves take the token at once, with
-        the same result (tested against the per-layer path)."""
+        token computed whole: `picks[layer]` are that layer's experts. Directory, policy, counters
+        and miss curves take the token at once, with the result of the per-layer calls (tested)."""
         needed = np.sort(picks, axis=1)
-        ones = [1] * needed.shape[1]
-        for layer, row in enumerate(needed.tolist()):
-            self.directory.lookup(layer, row, ones)
+        self.directory.record_resident_token(needed)
         self.counters.record_resident_token(needed)
 
     def run_layer(

@@ -17,6 +17,8 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
+import numpy as np
+
 from engine.policies.base import CachePolicy
 
 
@@ -106,6 +108,16 @@ class CacheDirectory:
                     result.prefetch_hits.append(e)
         self.policy.on_access(layer, experts, counts)
         return result
+
+    def record_resident_token(self, picks: np.ndarray) -> None:
+        """What `lookup` records for one decode token whose sorted `picks[layer]` were all ready:
+        the policy's accesses, and any speculative load among them counted as a prefetch hit."""
+        if any(self.unused_prefetch):
+            ones = [1] * picks.shape[1]
+            for layer, row in enumerate(picks.tolist()):
+                self.lookup(layer, row, ones)
+        else:
+            self.policy.on_token_access(picks)
 
     def split(self, layer: int, experts: Sequence[int]) -> tuple[list[int], list[int]]:
         """(resident, missing) for `experts`, telling the policy about the access."""

@@ -166,6 +166,31 @@ def test_eam_collection_is_bounded_and_replaces_the_most_similar():
     assert stored == {(0,), (3,)}  # the duplicate was replaced, the distinct one kept
 
 
+@pytest.mark.parametrize("name", sorted(LOSSLESS))
+def test_a_whole_token_of_accesses_at_once_leaves_the_state_of_layer_by_layer(name):
+    # The whole-token decode step tells the policy a token's accesses in one call; what it then
+    # evicts must be what the per-layer calls would have made it evict.
+    rng = np.random.default_rng(3)
+    layers, experts, top_k = 4, 12, 2
+    by_layer, at_once = make_policy(name), make_policy(name)
+    for policy in (by_layer, at_once):
+        policy.reset(layers, experts, top_k)
+        policy.set_capacity([experts] * layers)
+        for layer in range(layers):
+            for e in range(experts):
+                policy.on_insert(layer, e)
+    for _ in range(30):
+        picks = np.sort(np.stack([rng.choice(experts, top_k, replace=False) for _ in range(layers)]), axis=1)
+        for layer, row in enumerate(picks.tolist()):
+            by_layer.on_access(layer, row, [1] * top_k)
+        at_once.on_token_access(picks)
+    everyone = list(range(experts))
+    for layer in range(layers):
+        for keep in range(experts - 1):
+            candidates = everyone[keep:]
+            assert by_layer.choose_victim(layer, candidates) == at_once.choose_victim(layer, candidates)
+
+
 def test_lfu_evicts_the_least_frequently_used():
     policy = make_policy("lfu")
     policy.reset(1, 8, 1)

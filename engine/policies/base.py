@@ -61,6 +61,13 @@ class CachePolicy:
     def on_access(self, layer: int, experts: Sequence[int], counts: Sequence[int] | None = None) -> None:
         """`experts` (sorted, unique) are used by layer `layer` now; `counts[i]`: tokens routed to experts[i]."""
 
+    def on_token_access(self, picks: np.ndarray) -> None:
+        """One decode token used `picks[layer]` (sorted, unique) in every layer, in layer order: the
+        same as `on_access` per layer (one token each), which is what this does unless a policy
+        knows a shorter way."""
+        for layer, row in enumerate(picks.tolist()):
+            self.on_access(layer, row, [1] * len(row))
+
     def on_prediction(self, layer: int, predicted: dict[int, list[int]]) -> None:
         """At layer `layer`: `predicted[target]` are the experts layer `target`'s router picks on this hidden state."""
 

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+import numpy as np
+
 from engine.policies.base import CachePolicy
 
 
@@ -14,16 +16,24 @@ class LRUPolicy(CachePolicy):
     def reset(self, num_layers: int, num_experts: int, top_k: int) -> None:
         super().reset(num_layers, num_experts, top_k)
         self._clock = 0
-        # last_use[layer][expert]: a global counter value; 0 = never used.
-        self._last_use = [[0] * num_experts for _ in range(num_layers)]
-        self._accessed_at = [-1] * num_layers  # clock of each layer's latest access
+        # last_use[layer, expert]: a global counter value; 0 = never used.
+        self._last_use = np.zeros((num_layers, num_experts), dtype=np.int64)
+        self._accessed_at = np.full(num_layers, -1, dtype=np.int64)  # clock of each layer's latest access
 
     def on_access(self, layer: int, experts: Sequence[int], counts: Sequence[int] | None = None) -> None:
         self._clock += 1
         self._accessed_at[layer] = self._clock
-        row = self._last_use[layer]
-        for e in experts:
-            row[e] = self._clock
+        self._last_use[layer, list(experts)] = self._clock
+
+    def on_token_access(self, picks: np.ndarray) -> None:
+        if type(self).on_access is not LRUPolicy.on_access:  # a subclass adds to it: call that per layer
+            return super().on_token_access(picks)
+        layers = picks.shape[0]
+        clocks = self._clock + np.arange(1, layers + 1)  # one tick per layer, in layer order
+        self._last_use[np.arange(layers)[:, None], picks] = clocks[:, None]
+        self._accessed_at[:] = clocks
+        self._clock += layers
+        return None
 
     def on_insert(self, layer: int, expert: int) -> None:
         super().on_insert(layer, expert)
@@ -34,5 +44,5 @@ class LRUPolicy(CachePolicy):
             self._last_use[layer][expert] = self._clock
 
     def choose_victim(self, layer: int, candidates: Sequence[int]) -> int:
-        row = self._last_use[layer]
-        return min(candidates, key=row.__getitem__)
+        candidates = list(candidates)
+        return candidates[int(np.argmin(self._last_use[layer, candidates]))]  # the first of equals, as min()
