@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 
@@ -40,6 +41,8 @@ class Sampler:
             picked = torch.where(picked < 0, picked * s.repetition_penalty, picked / s.repetition_penalty)
             logits = logits.scatter(0, seen, picked)
         if s.greedy:
+            if logits.device.type == "cpu":  # numpy's argmax: same first-maximum (and NaN) rule, ~20 us less a token
+                return int(np.argmax(logits.numpy()))
             return int(torch.argmax(logits))
         logits = logits / s.temperature
         if s.top_k > 0:

@@ -611,6 +611,12 @@ class DecodeStep {
     activation_.resize(top_k_ * widest_inter);
     expert_out_.resize(top_k_ * hidden_);
     route_.resize(top_k_);
+    int64_t router_width = 0;
+    for (const Layer& l : layers_) router_width = std::max<int64_t>(router_width, l.router.size(0));
+    if (router_in_.numel() != router_width) {
+      router_in_ = torch::empty({router_width}, torch::kFloat32);
+      router_probs_ = torch::empty({router_width}, torch::kFloat32);
+    }
     torch::Tensor logits = torch::empty({1, 1, lm_head_.size(0)}, embed_.options());
     Shared shared{token, position, picks.data_ptr<int64_t>(), bf16_data(cos), bf16_data(sin), key_views.data(),
                   value_views.data(), bf16_data(logits)};
@@ -669,10 +675,16 @@ class DecodeStep {
   // the weights match the module path's), top-k, optionally renormalized, optionally cast to bf16.
   void route(const Layer& l, const bf16* x, int64_t* picked, float* weights) {
     const int64_t experts = l.router.size(0);
-    torch::Tensor logits = torch::empty({experts}, embed_.options());
     std::vector<float> acc(experts);
-    gemv_into(l.router, x, acc.data(), bf16_data(logits));
-    const torch::Tensor probs = at::softmax(logits, -1, torch::kFloat32);
+    std::vector<bf16> logits(experts);
+    gemv_into(l.router, x, acc.data(), logits.data());
+    // softmax(bf16 logits, dtype=float32) is ATen's _softmax of the logits converted to float32;
+    // called on buffers of our own, without the dispatch of the conversion and the allocations
+    torch::Tensor in = router_in_.size(0) == experts ? router_in_ : router_in_.narrow(0, 0, experts);
+    torch::Tensor probs = router_probs_.size(0) == experts ? router_probs_ : router_probs_.narrow(0, 0, experts);
+    float* widened = in.data_ptr<float>();
+    for (int64_t e = 0; e < experts; ++e) widened[e] = to_float(logits[e]);
+    at::_softmax_out(probs, in, -1, false);
     const float* p = probs.data_ptr<float>();
     std::vector<int64_t> order(experts);
     for (int64_t e = 0; e < experts; ++e) order[e] = e;
@@ -846,6 +858,7 @@ class DecodeStep {
   std::vector<Layer> layers_;
   // buffers the threads share within a step (each writes its own part)
   std::vector<float> scratch_, projected_, expert_out_, route_;
+  torch::Tensor router_in_, router_probs_;  // the router's float32 logits and probabilities
   std::vector<bf16> query_, attended_, delta_, activation_;
   std::array<double, kPhases> phase_seconds_{};
 };
