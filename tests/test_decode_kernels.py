@@ -122,6 +122,24 @@ def test_attention_kernels_follow_the_cache_length(kernels):
     assert torch.allclose(out.float(), torch.full((1, 1, 64), 200.0), atol=1.0)
 
 
+@pytest.mark.parametrize("head_dim", [32, 48, 64, 128])
+@pytest.mark.parametrize("length", [1, 15, 16, 47])
+def test_attention_matches_float32_attention_for_any_length_and_head_size(kernels, head_dim, length):
+    """Keys are scored 16 positions at a time where the head size allows, one at a time for the
+    rest: every length and head size must give the float32 attention of the same bf16 inputs."""
+    torch.manual_seed(head_dim + length)
+    query = torch.randn(1, 4, 1, head_dim).to(torch.bfloat16)
+    keys = torch.randn(1, 2, length, head_dim).to(torch.bfloat16)
+    values = torch.randn(1, 2, length, head_dim).to(torch.bfloat16)
+    scale = head_dim ** -0.5
+    grouped = [t.float().repeat_interleave(2, dim=1) for t in (keys, values)]
+    weights = torch.softmax(query.float() @ grouped[0].transpose(-1, -2) * scale, dim=-1)
+    reference = (weights @ grouped[1]).transpose(1, 2).reshape(1, 1, 4 * head_dim)
+    ours = kernels.attend(query, keys, values, scale)
+    assert ours.shape == reference.shape
+    assert torch.allclose(ours.float(), reference, atol=0.02, rtol=0.02)
+
+
 @pytest.mark.parametrize("family", ["qwen3_moe", "mixtral"])
 def test_router_decode_step_matches_transformers(kernels, family):
     """The router of one token with the native GEMV: the same experts, the same weights (to bf16
