@@ -21,6 +21,7 @@
 #include <cstring>
 #include <map>
 #include <string>
+#include <utility>
 #include <vector>
 
 #if defined(__AVX512BF16__) && defined(__AVX512F__)
@@ -173,6 +174,22 @@ ExpertWeights expert_weights(const torch::Tensor& gate_up, const torch::Tensor& 
   return {bf16_data(gate_up), gate_up.stride(0), bf16_data(down), down.stride(0)};
 }
 
+// An expert's activation for intermediate rows [begin, end): SiLU(gate) * up from its gate/up
+// projection (float32 sums, gate rows first), rounded where transformers rounds.
+inline void silu_gate_rows(const float* gate_up, int64_t inter, int64_t begin, int64_t end, bf16* out) {
+  for (int64_t i = begin; i < end; ++i) {
+    const float g = round_bf16(gate_up[i]), u = round_bf16(gate_up[inter + i]);
+    const float silu = round_bf16(g / (1.f + std::exp(-g)));
+    out[i] = to_bf16(silu * u);
+  }
+}
+
+// This thread's [begin, end) of n items, split evenly over a team.
+inline std::pair<int64_t, int64_t> thread_share(int64_t n, int tid, int team) {
+  const int64_t chunk = (n + team - 1) / team;
+  return {std::min<int64_t>(n, tid * chunk), std::min<int64_t>(n, (tid + 1) * chunk)};
+}
+
 // One token through `experts` SiLU-gated experts weighted by `route` (float32) and summed in pick
 // order into `out` (bf16): what a decode step's MoE block computes.
 void moe_experts(const bf16* x, int64_t hidden, int64_t inter, const std::vector<ExpertWeights>& picked,
@@ -180,13 +197,8 @@ void moe_experts(const bf16* x, int64_t hidden, int64_t inter, const std::vector
   const int64_t experts = static_cast<int64_t>(picked.size());
   std::vector<float> projected(experts * 2 * inter);
   std::vector<bf16> activation(experts * inter);
-  auto activate = [&](int64_t e, int64_t begin, int64_t end) {  // rounded as transformers does
-    const float* gate = projected.data() + e * 2 * inter;
-    for (int64_t i = begin; i < end; ++i) {
-      const float g = round_bf16(gate[i]), u = round_bf16(gate[inter + i]);
-      const float silu = round_bf16(g / (1.f + std::exp(-g)));
-      activation[e * inter + i] = to_bf16(silu * u);
-    }
+  auto activate = [&](int64_t e, int64_t begin, int64_t end) {
+    silu_gate_rows(projected.data() + e * 2 * inter, inter, begin, end, activation.data() + e * inter);
   };
   std::vector<float> outputs(experts * hidden);  // each expert's down projection, summed in pick order below
   if (experts % at::get_num_threads() == 0) {
@@ -789,10 +801,7 @@ class DecodeStep {
                         bf16_data(embed_) + in.token * embed_.stride(0) + hidden_);
     std::vector<bf16> normed(hidden_), head_scratch(hidden_);
     std::vector<float> scores(in.position + 1), sums(hidden_);
-    auto share = [&](int64_t n) {  // this thread's [begin, end) of n items
-      const int64_t chunk = (n + team - 1) / team;
-      return std::make_pair(std::min<int64_t>(n, tid * chunk), std::min<int64_t>(n, (tid + 1) * chunk));
-    };
+    auto share = [&](int64_t n) { return thread_share(n, tid, team); };
     const int64_t len = in.position + 1;
     for (size_t i = 0; i < layers_.size(); ++i) {
       const Layer& l = layers_[i];
@@ -878,18 +887,10 @@ class DecodeStep {
   // barrier between gate/up and down), else every expert's rows split, gate/up then down.
   void experts_share(const Layer& l, const bf16* x, const int64_t* picked, SpinBarrier& barrier, int tid, int team) {
     const int64_t inter = l.inter;
-    auto activate = [&](int64_t e, int64_t begin, int64_t end) {  // rounded as transformers does
-      const float* gate = projected_.data() + e * 2 * inter;
-      for (int64_t i = begin; i < end; ++i) {
-        const float g = round_bf16(gate[i]), u = round_bf16(gate[inter + i]);
-        const float silu = round_bf16(g / (1.f + std::exp(-g)));
-        activation_[e * inter + i] = to_bf16(silu * u);
-      }
+    auto activate = [&](int64_t e, int64_t begin, int64_t end) {
+      silu_gate_rows(projected_.data() + e * 2 * inter, inter, begin, end, activation_.data() + e * inter);
     };
-    auto share = [&](int64_t n) {
-      const int64_t chunk = (n + team - 1) / team;
-      return std::make_pair(std::min<int64_t>(n, tid * chunk), std::min<int64_t>(n, (tid + 1) * chunk));
-    };
+    auto share = [&](int64_t n) { return thread_share(n, tid, team); };
     if (top_k_ % team == 0) {
       const auto [first, last] = share(top_k_);
       for (int64_t e = first; e < last; ++e) {
