@@ -1,0 +1,167 @@
+"""Decode against the memory-bandwidth limit, token by token: each decode token is followed by a
+pure read of as many bytes as a token reads, and the two are set side by side.
+
+On the 2-core VM the memory bandwidth jumps between two levels for seconds at a time, so a limit
+measured seconds away from a run (bench.decode_limit) can belong to the other level. Here the
+limit is measured between every two tokens of the same reply: for token i, t_i is the time the
+token took and r_i the time a float32 sum over `active bytes per token` took right after it (in
+2 MiB pages, like the weights). The share of the limit is sum(r_i) / sum(t_i): how long the
+tokens would have taken at the bandwidth of their own moments, over how long they took. The
+read between tokens also evicts the caches, so each token starts colder than in a plain reply:
+if anything, this flatters the limit.
+
+Stock transformers is measured the same way, the read done in its streamer's callback.
+
+    python -m bench.decode_pair [--geometries qwen3moe-64e,mixtral-8e] [--decode 64] [--reps 3]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+from bench.decode_limit import active_bytes_per_token
+from bench.measure import prompt_ids
+from bench.output import RESULTS_DIR, result_stem
+from bench.synthetic import build_checkpoint
+
+
+class TokenAndRead:
+    """Timestamps tokens, and after each one reads `nbytes` once and times that read; the read's
+    time is left out of the next token's time."""
+
+    def __init__(self, nbytes: int) -> None:
+        import torch
+
+        from engine import huge_pages
+
+        self.buffer = huge_pages.empty((nbytes // 4,), torch.float32)
+        self.buffer.fill_(1.0)
+        self.token_s: list[float] = []
+        self.read_s: list[float] = []
+        self._since = 0.0
+
+    def start(self) -> None:
+        self._since = time.perf_counter()
+
+    def token(self, *_args) -> None:
+        now = time.perf_counter()
+        self.token_s.append(now - self._since)
+        self.buffer.sum()
+        self._since = time.perf_counter()
+        self.read_s.append(self._since - now)
+
+    def share(self) -> float:
+        # the first token is the prompt's (prefill): left out
+        return sum(self.read_s[1:]) / sum(self.token_s[1:])
+
+
+def run_ours(path: Path, active: int, args, fast: bool) -> dict:
+    from engine.generation import Generator
+    from engine.runtime import LoadOptions, MoERuntime
+    from engine.sampling import SamplingSettings
+
+    runtime = MoERuntime(LoadOptions(model=str(path), budget="all", store="ram", fast_decode=fast))
+    ids = prompt_ids(runtime.model.config.get_text_config().vocab_size, args.prompt_len)
+    generator = Generator(runtime)
+    generator.generate(ids[:8], SamplingSettings(max_new_tokens=2))  # warm-up
+    clock = TokenAndRead(active)
+    clock.start()  # the first on_token call ends the prompt's step
+    result = generator.generate(ids, SamplingSettings(max_new_tokens=args.decode), on_token=clock.token)
+    runtime.close()
+    return {"share": clock.share(), "token_ids": result.token_ids,
+            "tokens_per_s": (len(clock.token_s) - 1) / sum(clock.token_s[1:]),
+            "limit_tokens_per_s": (len(clock.read_s) - 1) / sum(clock.read_s[1:])}
+
+
+def run_stock(path: Path, active: int, args) -> dict:
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(path, dtype="auto", experts_implementation="grouped_mm")
+    ids = torch.tensor([prompt_ids(model.config.get_text_config().vocab_size, args.prompt_len)])
+    clock = TokenAndRead(active)
+
+    class Streamer:  # generate() calls put() with the prompt first, then once per token
+        calls = 0
+
+        def put(self, _value) -> None:
+            if self.calls:
+                clock.token()
+            else:
+                clock.start()
+            self.calls += 1
+
+        def end(self) -> None:
+            pass
+
+    with torch.inference_mode():
+        model.generate(ids[:, :8], attention_mask=torch.ones_like(ids[:, :8]), do_sample=False, max_new_tokens=2,
+                       pad_token_id=0)
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=args.decode,
+                             min_new_tokens=args.decode, streamer=Streamer(), pad_token_id=0)
+    return {"share": clock.share(), "token_ids": out[0, ids.shape[1]:].tolist(),
+            "tokens_per_s": (len(clock.token_s) - 1) / sum(clock.token_s[1:]),
+            "limit_tokens_per_s": (len(clock.read_s) - 1) / sum(clock.read_s[1:])}
+
+
+def main(argv=None) -> int:
+    import torch
+
+    parser = argparse.ArgumentParser(prog="python -m bench.decode_pair")
+    parser.add_argument("--geometries", default="qwen3moe-64e,mixtral-8e")
+    parser.add_argument("--prompt-len", type=int, default=128)
+    parser.add_argument("--decode", type=int, default=64)
+    parser.add_argument("--reps", type=int, default=3)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--out", type=Path, default=RESULTS_DIR)
+    args = parser.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    rows = []
+    for name in args.geometries.split(","):
+        path = build_checkpoint(name)
+        active = active_bytes_per_token(path)[0]
+        runs: dict[str, list[dict]] = {"exact": [], "fast": [], "stock": []}
+        for _ in range(args.reps):  # interleaved, as in decode_limit
+            runs["exact"].append(run_ours(path, active, args, fast=False))
+            runs["fast"].append(run_ours(path, active, args, fast=True))
+            runs["stock"].append(run_stock(path, active, args))
+        reference = runs["stock"][0]["token_ids"]
+        row = {"geometry": name, "active_bytes_per_token": active, "runs": runs}
+        for mode, mode_runs in runs.items():
+            row[f"{mode}_share"] = statistics.median(r["share"] for r in mode_runs)
+            row[f"{mode}_tokens_per_s"] = statistics.median(r["tokens_per_s"] for r in mode_runs)
+            row[f"{mode}_same_tokens"] = all(r["token_ids"] == reference for r in mode_runs)
+        rows.append(row)
+        print(f"{name}: share of the limit, token by token: exact {row['exact_share']:.2f}, "
+              f"fast {row['fast_share']:.2f}, transformers {row['stock_share']:.2f}", flush=True)
+    lines = [
+        f"Decode against the memory-bandwidth limit, token by token — {args.threads} threads, bf16, budget all, "
+        f"{args.prompt_len}-token prompt, {args.decode} decode tokens, median of {args.reps} interleaved runs. After "
+        "every token, a float32 sum over as many bytes as a token reads (2 MiB pages); share = sum of the reads' "
+        "times / sum of the tokens' times.",
+        "",
+        "| geometry | active MB/token | MoEScope exact: share (tok/s) | MoEScope --fast-decode: share (tok/s) "
+        "| transformers: share (tok/s) | same greedy tokens as transformers (exact / fast) |",
+        "|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        lines.append(
+            f"| {r['geometry']} | {r['active_bytes_per_token'] / 1e6:.0f} | {r['exact_share']:.2f} "
+            f"({r['exact_tokens_per_s']:.1f}) | {r['fast_share']:.2f} ({r['fast_tokens_per_s']:.1f}) | "
+            f"{r['stock_share']:.2f} ({r['stock_tokens_per_s']:.1f}) | "
+            f"{'yes' if r['exact_same_tokens'] else 'no'} / {'yes' if r['fast_same_tokens'] else 'no'} |")
+    args.out.mkdir(parents=True, exist_ok=True)
+    stem = result_stem("decode-pair")
+    (args.out / f"{stem}.json").write_text(json.dumps({"threads": args.threads, "rows": rows}, indent=1))
+    (args.out / f"{stem}.md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
