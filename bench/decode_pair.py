@@ -123,7 +123,7 @@ def main(argv=None) -> int:
     torch.set_num_threads(args.threads)
     rows = []
     for name in args.geometries.split(","):
-        path = build_checkpoint(name)
+        path = Path(name) if Path(name).is_dir() else build_checkpoint(name)  # a geometry or a folder
         active = active_bytes_per_token(path)[0]
         runs: dict[str, list[dict]] = {"exact": [], "fast": [], "stock": []}
         for _ in range(args.reps):  # interleaved, as in decode_limit

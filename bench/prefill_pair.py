@@ -72,8 +72,8 @@ def main(argv=None) -> int:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--out", type=Path, default=RESULTS_DIR)
     args = parser.parse_args(argv)
-    rows = [pair(build_checkpoint(name), args.prompt_len, args.turns, args.threads)
-            for name in args.geometries.split(",")]
+    rows = [pair(Path(name) if Path(name).is_dir() else build_checkpoint(name),  # a geometry or a folder
+                 args.prompt_len, args.turns, args.threads) for name in args.geometries.split(",")]
     lines = [
         f"Prefill, MoEScope (exact, budget all) vs transformers (grouped_mm), one process, {args.threads} threads, "
         f"{args.prompt_len}-token prompt, {args.turns} alternating turns each (medians; ratio = median of the "

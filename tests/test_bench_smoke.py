@@ -29,3 +29,24 @@ def test_harness_measures_every_system_and_the_limit(tmp_path, mixtral_checkpoin
     assert nocache and all(r["hit_rate"] == 0.0 for r in nocache)
     table = report_path.with_suffix(".md").read_text()
     assert "| mixtral |" in table and "no cache" in table
+
+
+def test_token_by_token_limit_and_prefill_pairs_run_and_report(tmp_path, mixtral_checkpoint):
+    from bench.decode_pair import main as decode_pair
+    from bench.prefill_pair import main as prefill_pair
+
+    out = tmp_path / "results"
+    assert decode_pair(["--geometries", str(mixtral_checkpoint), "--prompt-len", "12", "--decode", "5", "--reps", "1",
+                        "--threads", "1", "--out", str(out)]) == 0
+    (pair_report,) = out.glob("decode-pair-*.json")
+    (row,) = json.loads(pair_report.read_text())["rows"]
+    for mode in ("exact", "fast", "stock"):
+        assert row[f"{mode}_share"] > 0 and row[f"{mode}_tokens_per_s"] > 0
+        (run,) = row["runs"][mode]
+        assert len(run["token_ids"]) == 5
+    assert row["exact_same_tokens"]  # the exact engine answers as transformers does
+    assert prefill_pair(["--geometries", str(mixtral_checkpoint), "--prompt-len", "12", "--turns", "2",
+                         "--threads", "1", "--out", str(out)]) == 0
+    (prefill_report,) = out.glob("prefill-pair-*.json")
+    (row,) = json.loads(prefill_report.read_text())["rows"]
+    assert row["ours_tokens_per_s"] > 0 and row["stock_tokens_per_s"] > 0 and len(row["seconds"]["ours"]) == 2
