@@ -19,7 +19,7 @@ import sys
 from pathlib import Path
 
 from bench.bandwidth import disk_random_read_bandwidth, disk_read_bandwidth, memory_read_bandwidth
-from bench.output import RESULTS_DIR, result_stem
+from bench.output import RESULTS_DIR, write_report
 from bench.synthetic import build_checkpoint
 
 
@@ -135,9 +135,6 @@ def main(argv=None) -> int:
 
 
 def write_results(rows: list[dict], args) -> None:
-    args.out.mkdir(parents=True, exist_ok=True)
-    stem = result_stem("decode-limit")
-    (args.out / f"{stem}.json").write_text(json.dumps({"threads": args.threads, "rows": rows}, indent=1))
     lines = [
         f"Decode vs the memory-bandwidth limit — {args.threads} threads, bf16, batch 1, {args.prompt_len}-token prompt, "
         f"{args.decode} decode tokens, median of {args.reps} interleaved runs. Bandwidth: float32 sum over 1 GiB "
@@ -181,8 +178,7 @@ def write_results(rows: list[dict], args) -> None:
                 f"{r[f'{mode}_disk_bound_s'] * 1e3:.1f} | {1e3 / r[f'{mode}_disk_tokens_per_s']:.1f} | "
                 f"{r[f'{mode}_disk_over_bound']:.2f} ({r[f'{mode}_disk_over_random_bound']:.2f}) |"
             )
-    (args.out / f"{stem}.md").write_text("\n".join(lines) + "\n")
-    print("\n".join(lines))
+    write_report(args.out, "decode-limit", {"threads": args.threads, "rows": rows}, lines)
 
 
 if __name__ == "__main__":

@@ -18,7 +18,6 @@ Stock transformers is measured the same way, the read done in its streamer's cal
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 import time
@@ -26,7 +25,7 @@ from pathlib import Path
 
 from bench.decode_limit import active_bytes_per_token
 from bench.measure import prompt_ids
-from bench.output import RESULTS_DIR, result_stem
+from bench.output import RESULTS_DIR, write_report
 from bench.synthetic import build_checkpoint
 
 
@@ -155,11 +154,7 @@ def main(argv=None) -> int:
             f"({r['exact_tokens_per_s']:.1f}) | {r['fast_share']:.2f} ({r['fast_tokens_per_s']:.1f}) | "
             f"{r['stock_share']:.2f} ({r['stock_tokens_per_s']:.1f}) | "
             f"{'yes' if r['exact_same_tokens'] else 'no'} / {'yes' if r['fast_same_tokens'] else 'no'} |")
-    args.out.mkdir(parents=True, exist_ok=True)
-    stem = result_stem("decode-pair")
-    (args.out / f"{stem}.json").write_text(json.dumps({"threads": args.threads, "rows": rows}, indent=1))
-    (args.out / f"{stem}.md").write_text("\n".join(lines) + "\n")
-    print("\n".join(lines))
+    write_report(args.out, "decode-pair", {"threads": args.threads, "rows": rows}, lines)
     return 0
 
 

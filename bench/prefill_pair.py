@@ -12,14 +12,13 @@ form of logits_to_keep, engine.runtime.last_position; transformers with logits_t
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 import time
 from pathlib import Path
 
 from bench.measure import prompt_ids
-from bench.output import RESULTS_DIR, result_stem
+from bench.output import RESULTS_DIR, write_report
 from bench.synthetic import build_checkpoint
 
 
@@ -85,11 +84,7 @@ def main(argv=None) -> int:
     for r in rows:
         lines.append(f"| {r['geometry']} | {r['ours_tokens_per_s']:.0f} | {r['stock_tokens_per_s']:.0f} | "
                      f"{r['ours_over_stock']:.2f} | {r['turns_ours_faster']} of {r['turns']} |")
-    args.out.mkdir(parents=True, exist_ok=True)
-    stem = result_stem("prefill-pair")
-    (args.out / f"{stem}.json").write_text(json.dumps({"threads": args.threads, "rows": rows}, indent=1))
-    (args.out / f"{stem}.md").write_text("\n".join(lines) + "\n")
-    print("\n".join(lines))
+    write_report(args.out, "prefill-pair", {"threads": args.threads, "rows": rows}, lines)
     return 0
 
 
