@@ -174,6 +174,32 @@ ExpertWeights expert_weights(const torch::Tensor& gate_up, const torch::Tensor& 
   return {bf16_data(gate_up), gate_up.stride(0), bf16_data(down), down.stride(0)};
 }
 
+inline void cpu_relax() {
+#if defined(__x86_64__) || defined(__i386__)
+  __builtin_ia32_pause();
+#elif defined(__aarch64__)
+  asm volatile("yield");
+#endif
+}
+
+// A barrier for the threads of one parallel region: they spin (as OpenMP's own threads do between
+// regions), so a wait costs a cache line's round trip rather than a wake-up.
+struct SpinBarrier {
+  alignas(64) std::atomic<int> arrived{0};
+  alignas(64) std::atomic<int> generation{0};
+  int count = 1;
+
+  void wait() {
+    const int gen = generation.load(std::memory_order_acquire);
+    if (arrived.fetch_add(1, std::memory_order_acq_rel) == count - 1) {
+      arrived.store(0, std::memory_order_relaxed);
+      generation.fetch_add(1, std::memory_order_release);
+    } else {
+      while (generation.load(std::memory_order_acquire) == gen) cpu_relax();
+    }
+  }
+};
+
 // An expert's activation for intermediate rows [begin, end): SiLU(gate) * up from its gate/up
 // projection (float32 sums, gate rows first), rounded where transformers rounds.
 inline void silu_gate_rows(const float* gate_up, int64_t inter, int64_t begin, int64_t end, bf16* out) {
@@ -190,51 +216,66 @@ inline std::pair<int64_t, int64_t> thread_share(int64_t n, int tid, int team) {
   return {std::min<int64_t>(n, tid * chunk), std::min<int64_t>(n, (tid + 1) * chunk)};
 }
 
-// One token through `experts` SiLU-gated experts weighted by `route` (float32) and summed in pick
+// This thread's part of one token through k SiLU-gated experts, into `outputs` [k, hidden] (each
+// expert's down projection, float32 sums). Whole experts per thread where they divide evenly:
+// each thread streams its matrices end to end, which the hardware prefetchers like best (5-10 %
+// faster than splitting every matrix by rows), and an expert's down projection needs only its own
+// activation, so there is no barrier between the passes. Otherwise every expert's gate/up rows are
+// split, then (after the barrier) its down rows. Scratch: projected [k, 2I], activation [k, I].
+void experts_part(const bf16* x, int64_t hidden, int64_t inter, const ExpertWeights* const* picked, int64_t k,
+                  float* projected, bf16* activation, float* outputs, SpinBarrier& barrier, int tid, int team) {
+  if (k % team == 0) {
+    const auto [first, last] = thread_share(k, tid, team);
+    for (int64_t e = first; e < last; ++e) {
+      gemv_range(picked[e]->gate_up, picked[e]->gate_up_ld, x, hidden, 0, 2 * inter, projected + e * 2 * inter);
+      silu_gate_rows(projected + e * 2 * inter, inter, 0, inter, activation + e * inter);
+    }
+    for (int64_t e = first; e < last; ++e)
+      gemv_range(picked[e]->down, picked[e]->down_ld, activation + e * inter, inter, 0, hidden, outputs + e * hidden);
+    return;
+  }
+  const auto [begin, end] = thread_share(inter, tid, team);
+  for (int64_t e = 0; e < k; ++e) {
+    float* gate = projected + e * 2 * inter;
+    gemv_range(picked[e]->gate_up, picked[e]->gate_up_ld, x, hidden, begin, end, gate);
+    gemv_range(picked[e]->gate_up, picked[e]->gate_up_ld, x, hidden, inter + begin, inter + end, gate);
+    silu_gate_rows(gate, inter, begin, end, activation + e * inter);
+  }
+  barrier.wait();
+  const auto [h_begin, h_end] = thread_share(hidden, tid, team);
+  for (int64_t e = 0; e < k; ++e)
+    gemv_range(picked[e]->down, picked[e]->down_ld, activation + e * inter, inter, h_begin, h_end,
+               outputs + e * hidden);
+}
+
+// out[begin, end) = the experts' outputs rounded, weighted by `route` and summed in pick order.
+inline void weighted_sum_rows(const float* outputs, const float* route, int64_t k, int64_t hidden, int64_t begin,
+                              int64_t end, bf16* out) {
+  for (int64_t j = begin; j < end; ++j) {
+    float total = 0.f;
+    for (int64_t e = 0; e < k; ++e) total += round_bf16(outputs[e * hidden + j]) * route[e];
+    out[j] = to_bf16(total);
+  }
+}
+
+// One token through `picked` SiLU-gated experts weighted by `route` (float32) and summed in pick
 // order into `out` (bf16): what a decode step's MoE block computes.
 void moe_experts(const bf16* x, int64_t hidden, int64_t inter, const std::vector<ExpertWeights>& picked,
                  const float* route, bf16* out) {
-  const int64_t experts = static_cast<int64_t>(picked.size());
-  std::vector<float> projected(experts * 2 * inter);
-  std::vector<bf16> activation(experts * inter);
-  auto activate = [&](int64_t e, int64_t begin, int64_t end) {
-    silu_gate_rows(projected.data() + e * 2 * inter, inter, begin, end, activation.data() + e * inter);
-  };
-  std::vector<float> outputs(experts * hidden);  // each expert's down projection, summed in pick order below
-  if (experts % at::get_num_threads() == 0) {
-    // Whole experts per thread: each thread streams its matrices end to end, which the hardware
-    // prefetchers like best (5-10 % faster than splitting every matrix by rows).
-    // An expert's down projection needs only its own activation: no barrier between the passes.
-    at::parallel_for(0, experts, 1, [&](int64_t first, int64_t last) {
-      for (int64_t e = first; e < last; ++e) {
-        gemv_range(picked[e].gate_up, picked[e].gate_up_ld, x, hidden, 0, 2 * inter,
-                   projected.data() + e * 2 * inter);
-        activate(e, 0, inter);
-      }
-      for (int64_t e = first; e < last; ++e)
-        gemv_range(picked[e].down, picked[e].down_ld, activation.data() + e * inter, inter, 0, hidden,
-                   outputs.data() + e * hidden);
-    });
-  } else {
-    // Pass 1: gate and up rows of every expert, split by rows; then pass 2: down rows.
-    at::parallel_for(0, inter, kGrain / 2, [&](int64_t begin, int64_t end) {
-      for (int64_t e = 0; e < experts; ++e) {
-        float* gate = projected.data() + e * 2 * inter;
-        gemv_range(picked[e].gate_up, picked[e].gate_up_ld, x, hidden, begin, end, gate);
-        gemv_range(picked[e].gate_up, picked[e].gate_up_ld, x, hidden, inter + begin, inter + end, gate);
-        activate(e, begin, end);
-      }
-    });
-    at::parallel_for(0, hidden, kGrain, [&](int64_t begin, int64_t end) {
-      for (int64_t e = 0; e < experts; ++e)
-        gemv_range(picked[e].down, picked[e].down_ld, activation.data() + e * inter, inter, begin, end,
-                   outputs.data() + e * hidden);
-    });
+  const int64_t k = static_cast<int64_t>(picked.size());
+  std::vector<float> projected(k * 2 * inter), outputs(k * hidden);
+  std::vector<bf16> activation(k * inter);
+  std::vector<const ExpertWeights*> experts;
+  for (const ExpertWeights& w : picked) experts.push_back(&w);
+  SpinBarrier barrier;
+#pragma omp parallel num_threads(std::max(1, at::get_num_threads()))
+  {
+#pragma omp single
+    barrier.count = omp_get_num_threads();
+    experts_part(x, hidden, inter, experts.data(), k, projected.data(), activation.data(), outputs.data(), barrier,
+                 omp_get_thread_num(), omp_get_num_threads());
   }
-  std::vector<float> summed(hidden, 0.f);  // each output rounded, weighted and summed over experts
-  for (int64_t e = 0; e < experts; ++e)
-    for (int64_t j = 0; j < hidden; ++j) summed[j] += round_bf16(outputs[e * hidden + j]) * route[e];
-  for (int64_t j = 0; j < hidden; ++j) out[j] = to_bf16(summed[j]);
+  weighted_sum_rows(outputs.data(), route, k, hidden, 0, hidden, out);
 }
 
 torch::Tensor moe_decode(const torch::Tensor& x, const std::vector<torch::Tensor>& gate_up,
@@ -565,32 +606,6 @@ torch::Tensor attend(const torch::Tensor& q, const torch::Tensor& keys, const to
   return out;
 }
 
-inline void cpu_relax() {
-#if defined(__x86_64__) || defined(__i386__)
-  __builtin_ia32_pause();
-#elif defined(__aarch64__)
-  asm volatile("yield");
-#endif
-}
-
-// A barrier for the threads of one parallel region: they spin (as OpenMP's own threads do between
-// regions), so a wait costs a cache line's round trip rather than a wake-up.
-struct SpinBarrier {
-  alignas(64) std::atomic<int> arrived{0};
-  alignas(64) std::atomic<int> generation{0};
-  int count = 1;
-
-  void wait() {
-    const int gen = generation.load(std::memory_order_acquire);
-    if (arrived.fetch_add(1, std::memory_order_acq_rel) == count - 1) {
-      arrived.store(0, std::memory_order_relaxed);
-      generation.fetch_add(1, std::memory_order_release);
-    } else {
-      while (generation.load(std::memory_order_acquire) == gen) cpu_relax();
-    }
-  }
-};
-
 // out = a + b in bf16, rounded as torch adds two bf16 tensors.
 inline void add_rows(const bf16* a, const bf16* b, int64_t n, bf16* out) {
   for (int64_t i = 0; i < n; ++i) out[i] = to_bf16(to_float(a[i]) + to_float(b[i]));
@@ -693,6 +708,7 @@ class DecodeStep {
     activation_.resize(top_k_ * widest_inter);
     expert_out_.resize(top_k_ * hidden_);
     route_.resize(top_k_);
+    chosen_.resize(top_k_);
     int64_t router_width = 0;
     for (const Layer& l : layers_) router_width = std::max<int64_t>(router_width, l.router.size(0));
     if (router_in_.numel() != router_width) {
@@ -853,18 +869,17 @@ class DecodeStep {
       clock.lap(kOutProj);
       rms_norm_row(x.data(), bf16_data(l.post_norm), hidden_, l.post_eps, normed.data());
       clock.lap(kNorms);
-      if (tid == 0) route(l, normed.data(), in.picked + i * top_k_, route_.data());
+      if (tid == 0) {
+        route(l, normed.data(), in.picked + i * top_k_, route_.data());
+        for (int64_t e = 0; e < top_k_; ++e) chosen_[e] = &l.experts[in.picked[i * top_k_ + e]];
+      }
       barrier.wait();
       clock.lap(kRouter);
-      experts_share(l, normed.data(), in.picked + i * top_k_, barrier, tid, team);
+      experts_part(normed.data(), hidden_, l.inter, chosen_.data(), top_k_, projected_.data(), activation_.data(),
+                   expert_out_.data(), barrier, tid, team);
       barrier.wait();
-      // the experts' outputs rounded, weighted and summed in pick order, by slices of the row
-      const auto [j_first, j_last] = share(hidden_);
-      for (int64_t j = j_first; j < j_last; ++j) {
-        float total = 0.f;
-        for (int64_t e = 0; e < top_k_; ++e) total += round_bf16(expert_out_[e * hidden_ + j]) * route_[e];
-        delta_[j] = to_bf16(total);
-      }
+      const auto [j_first, j_last] = share(hidden_);  // the weighted sum by slices of the row
+      weighted_sum_rows(expert_out_.data(), route_.data(), top_k_, hidden_, j_first, j_last, delta_.data());
       barrier.wait();
       add_rows(x.data(), delta_.data(), hidden_, x.data());
       clock.lap(kExperts);
@@ -882,46 +897,6 @@ class DecodeStep {
     for (int64_t n = rows.first; n < rows.second; ++n) out[n] = to_bf16(scratch_[n]);
   }
 
-  // This thread's part of the picked experts, into expert_out_ [top_k, hidden] (float32 sums):
-  // whole experts per thread where they divide evenly (each streams its matrices end to end, no
-  // barrier between gate/up and down), else every expert's rows split, gate/up then down.
-  void experts_share(const Layer& l, const bf16* x, const int64_t* picked, SpinBarrier& barrier, int tid, int team) {
-    const int64_t inter = l.inter;
-    auto activate = [&](int64_t e, int64_t begin, int64_t end) {
-      silu_gate_rows(projected_.data() + e * 2 * inter, inter, begin, end, activation_.data() + e * inter);
-    };
-    auto share = [&](int64_t n) { return thread_share(n, tid, team); };
-    if (top_k_ % team == 0) {
-      const auto [first, last] = share(top_k_);
-      for (int64_t e = first; e < last; ++e) {
-        const ExpertWeights& w = l.experts[picked[e]];
-        gemv_range(w.gate_up, w.gate_up_ld, x, hidden_, 0, 2 * inter, projected_.data() + e * 2 * inter);
-        activate(e, 0, inter);
-      }
-      for (int64_t e = first; e < last; ++e) {
-        const ExpertWeights& w = l.experts[picked[e]];
-        gemv_range(w.down, w.down_ld, activation_.data() + e * inter, inter, 0, hidden_,
-                   expert_out_.data() + e * hidden_);
-      }
-      return;
-    }
-    const auto [begin, end] = share(inter);
-    for (int64_t e = 0; e < top_k_; ++e) {
-      const ExpertWeights& w = l.experts[picked[e]];
-      float* gate = projected_.data() + e * 2 * inter;
-      gemv_range(w.gate_up, w.gate_up_ld, x, hidden_, begin, end, gate);
-      gemv_range(w.gate_up, w.gate_up_ld, x, hidden_, inter + begin, inter + end, gate);
-      activate(e, begin, end);
-    }
-    barrier.wait();
-    const auto [h_begin, h_end] = share(hidden_);
-    for (int64_t e = 0; e < top_k_; ++e) {
-      const ExpertWeights& w = l.experts[picked[e]];
-      gemv_range(w.down, w.down_ld, activation_.data() + e * inter, inter, h_begin, h_end,
-                 expert_out_.data() + e * hidden_);
-    }
-  }
-
   torch::Tensor embed_, final_norm_, lm_head_;
   float final_eps_;
   int64_t top_k_, hidden_ = 0;
@@ -931,6 +906,7 @@ class DecodeStep {
   std::vector<float> scratch_, projected_, expert_out_, route_;
   torch::Tensor router_in_, router_probs_;  // the router's float32 logits and probabilities
   std::vector<bf16> query_, attended_, delta_, activation_;
+  std::vector<const ExpertWeights*> chosen_;  // this layer's picked experts, in pick order
   std::array<double, kPhases> phase_seconds_{};
 };
 
