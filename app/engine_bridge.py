@@ -16,7 +16,7 @@ ClientFactory = Callable[[Callable[[object], None]], object]
 
 
 def _default_client(on_event: Callable[[object], None]):
-    from engine.client import EngineClient  # torch-free: the worker imports the heavy modules
+    from engine.process.client import EngineClient  # torch-free: the worker imports the heavy modules
 
     return EngineClient(on_event)
 

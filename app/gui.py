@@ -35,8 +35,8 @@ def make_application() -> QApplication:
 
 def run_gui(args: argparse.Namespace) -> int:
     app = make_application()
-    from app.history import HistoryStore
     from app.main_window import MainWindow
+    from app.models.history import HistoryStore
     from app.settings import AppSettings
 
     screenshot = bool(args.screenshot)

@@ -36,7 +36,7 @@ def is_engine_command(argv: Sequence[str]) -> bool:
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if is_engine_command(argv):
-        from engine.cli import main as engine_main  # lazy: the GUI path never imports torch
+        from engine.cli.main import main as engine_main  # lazy: the GUI path never imports torch
 
         return engine_main(argv)
     args = build_gui_parser().parse_args(argv)

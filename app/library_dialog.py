@@ -26,7 +26,7 @@ from PySide6.QtWidgets import (
     QWidget,
 )
 
-from app.library_model import LibraryModel, fit_lines
+from app.models.library import LibraryModel, fit_lines
 from engine import protocol as p
 
 COLUMNS = ("Model", "Status", "Size", "Description")

@@ -12,15 +12,15 @@ from PySide6.QtCore import Qt, QTimer
 from PySide6.QtGui import QAction, QActionGroup, QCloseEvent, QKeySequence, QShortcut
 from PySide6.QtWidgets import QDockWidget, QFileDialog, QMainWindow, QMessageBox, QVBoxLayout, QWidget
 
-from app import export
 from app.banner import CRASH_KINDS, Banner
 from app.chat.chat_view import ChatView
 from app.chat.controller import ChatController
 from app.chat.conversation_list import ConversationList
 from app.engine_bridge import EngineBridge
-from app.history import HistoryStore
 from app.library_dialog import LibraryDialog
 from app.model_bar import ModelBar
+from app.models import export
+from app.models.history import HistoryStore
 from app.panels.base import Panel
 from app.panels.budget import BudgetPanel
 from app.panels.heatmap import HeatmapPanel

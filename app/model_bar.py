@@ -5,7 +5,7 @@ from __future__ import annotations
 from PySide6.QtCore import Signal
 from PySide6.QtWidgets import QFileDialog, QHBoxLayout, QLabel, QProgressBar, QPushButton, QWidget
 
-from app.stats_format import format_bytes
+from app.models.stats_format import format_bytes
 from engine import protocol as p
 
 

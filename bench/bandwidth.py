@@ -20,7 +20,7 @@ def memory_read_bandwidth(nbytes: int = 1 << 30, repeats: int = 7, threads: int 
     """
     import torch
 
-    from engine import huge_pages
+    from engine.system import huge_pages
 
     if threads:
         torch.set_num_threads(threads)

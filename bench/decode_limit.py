@@ -26,8 +26,8 @@ from bench.synthetic import build_checkpoint
 def active_bytes_per_token(model_dir: Path) -> tuple[int, int, int]:
     """(bytes a decode token reads, expert bytes of those, one expert's bytes): every dense weight
     but the embedding table (one row), plus top-k experts per MoE layer."""
-    from engine.inspect_model import inspect_checkpoint
-    from engine.loader import build_model
+    from engine.model.inspect import inspect_checkpoint
+    from engine.model.loader import build_model
 
     info = inspect_checkpoint(str(model_dir))
     loaded = build_model(str(model_dir), device=__import__("torch").device("meta"), load_dense=False)

@@ -36,7 +36,7 @@ class TokenAndRead:
     def __init__(self, nbytes: int) -> None:
         import torch
 
-        from engine import huge_pages
+        from engine.system import huge_pages
 
         self.buffer = huge_pages.empty((nbytes // 4,), torch.float32)
         self.buffer.fill_(1.0)
@@ -60,17 +60,17 @@ class TokenAndRead:
 
 
 def run_ours(path: Path, active: int, args, fast: bool) -> dict:
-    from engine.generation import Generator
-    from engine.runtime import LoadOptions, MoERuntime
-    from engine.sampling import SamplingSettings
+    from engine.decode.generation import Generator
+    from engine.decode.runtime import MoERuntime
+    from engine.protocol import LoadModel, SamplingSettings
 
-    runtime = MoERuntime(LoadOptions(model=str(path), budget="all", store="ram", fast_decode=fast))
+    runtime = MoERuntime(LoadModel(path=str(path), budget="all", store="ram", fast_decode=fast))
     ids = prompt_ids(runtime.model.config.get_text_config().vocab_size, args.prompt_len)
     generator = Generator(runtime)
-    generator.generate(ids[:8], SamplingSettings(max_new_tokens=2))  # warm-up
+    generator.generate(ids[:8], SamplingSettings(temperature=0, max_new_tokens=2))  # warm-up
     clock = TokenAndRead(active)
     clock.start()  # the first on_token call ends the prompt's step
-    result = generator.generate(ids, SamplingSettings(max_new_tokens=args.decode), on_token=clock.token)
+    result = generator.generate(ids, SamplingSettings(temperature=0, max_new_tokens=args.decode), on_token=clock.token)
     runtime.close()
     return {"share": clock.share(), "token_ids": result.token_ids,
             "tokens_per_s": (len(clock.token_s) - 1) / sum(clock.token_s[1:]),

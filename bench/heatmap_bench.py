@@ -24,8 +24,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import numpy as np
 from PySide6.QtWidgets import QApplication
 
+from app.models.heatmap import HeatmapData
 from app.panels.heatmap import HeatmapPanel
-from app.panels.heatmap_model import HeatmapData
 
 
 def main() -> None:

@@ -57,12 +57,13 @@ def answer_perplexity(runtime, n_per_skill: int) -> float:
 
 
 def measure(policy: str, budget: str, n: int) -> dict:
+    from engine.decode.runtime import MoERuntime
     from engine.demo.corpus import SKILLS, heldout
     from engine.demo.engine_backend import engine_answer_fn
     from engine.demo.evaluate import accuracy_per_skill
-    from engine.runtime import LoadOptions, MoERuntime
+    from engine.protocol import LoadModel
 
-    runtime = MoERuntime(LoadOptions(model="demo", budget=budget, store="ram", policy=policy))
+    runtime = MoERuntime(LoadModel(path="demo", budget=budget, store="ram", policy=policy))
     try:
         ppl = answer_perplexity(runtime, n)
         acc = accuracy_per_skill(engine_answer_fn(runtime), {s: heldout(s, n) for s in SKILLS})

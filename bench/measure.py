@@ -26,7 +26,7 @@ def prompt_ids(vocab: int, length: int, seed: int = 1) -> list[int]:
 
 
 def peak_rss() -> int:
-    from engine.generation import peak_rss_bytes
+    from engine.decode.generation import peak_rss_bytes
 
     return peak_rss_bytes()
 
@@ -34,30 +34,30 @@ def peak_rss() -> int:
 def measure_ours(args) -> dict:
     import torch
 
-    from engine.generation import Generator
-    from engine.routing_override import TraceRouting, synthetic_locality_trace
-    from engine.runtime import LoadOptions, MoERuntime
-    from engine.sampling import SamplingSettings
+    from bench.routing import bench_cache, synthetic_locality_trace
+    from engine.decode.generation import Generator
+    from engine.decode.runtime import MoERuntime
+    from engine.model.inspect import inspect_checkpoint
+    from engine.protocol import LoadModel, SamplingSettings
 
     torch.set_num_threads(args.threads)
-    runtime = MoERuntime(LoadOptions(model=args.model, budget=args.budget, store=args.store, device=args.device,
-                                     policy=args.policy, warm=not args.no_cache, fast_decode=args.fast_decode,
-                                     pack_weights=not args.no_pack_weights))
-    layout = runtime.layout
-    if args.no_cache:
-        runtime.cache.forget_after_use = True  # baseline (c): every expert loaded on demand
     trace = None
     if args.routing == "trace":
-        trace = synthetic_locality_trace(args.prompt_len + args.decode + 8, layout.num_layers, layout.num_experts,
-                                         layout.top_k, seed=args.seed)
-        runtime.cache.routing_override = TraceRouting(trace)
+        info = inspect_checkpoint(args.model)
+        trace = synthetic_locality_trace(args.prompt_len + args.decode + 8, info.num_moe_layers, info.num_experts,
+                                         info.top_k, seed=args.seed)
+    cache_type = bench_cache(choices=trace, forget=args.no_cache)  # no cache: baseline (c), every expert on demand
+    runtime = MoERuntime(LoadModel(path=args.model, budget=args.budget, store=args.store, device=args.device,
+                                   policy=args.policy, warm=not args.no_cache, fast_decode=args.fast_decode,
+                                   pack_weights=not args.no_pack_weights), cache_type=cache_type)
+    layout = runtime.layout
     ids = prompt_ids(runtime.model.config.get_text_config().vocab_size, args.prompt_len, args.seed)
     generator = Generator(runtime)
-    generator.generate(ids[:8], SamplingSettings(max_new_tokens=2))  # warm-up, as for the baselines
+    generator.generate(ids[:8], SamplingSettings(temperature=0, max_new_tokens=2))  # warm-up, as for the baselines
     if args.trace_out:
         runtime.start_trace(args.trace_out)  # the routing this run saw, for Belady's bound
     with bandwidth_around(args) as bandwidth:
-        result = generator.generate(ids, SamplingSettings(max_new_tokens=args.decode))
+        result = generator.generate(ids, SamplingSettings(temperature=0, max_new_tokens=args.decode))
     runtime.stop_trace()
     s = result.stats
     decode_time = (s.decode_tokens - 1) / s.decode_tokens_per_s if s.decode_tokens_per_s else 0.0
@@ -173,7 +173,7 @@ def main(argv=None) -> int:
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--policy", default="lru")
     parser.add_argument("--no-pack-weights", action="store_true", help="ours: expert matrices in plain layout")
-    parser.add_argument("--fast-decode", action="store_true", help="ours: decode GEMVs skip oneDNN (engine.fast_decode)")
+    parser.add_argument("--fast-decode", action="store_true", help="ours: decode GEMVs skip oneDNN (engine.decode.paths.native_layers)")
     parser.add_argument("--routing", default="random", choices=["random", "trace"])
     parser.add_argument("--no-cache", action="store_true")
     parser.add_argument("--impl", default="grouped_mm")

@@ -4,7 +4,7 @@ Separate processes run at whatever memory bandwidth and core placement the host 
 moment (on the 2-core VM both jump for seconds at a time), so decode_limit's per-process prefill
 medians can land either way. Here both models sit in one process and take turns on the same
 prompts: each side's forward is called as its own generate loop calls it (ours with the index
-form of logits_to_keep, engine.runtime.last_position; transformers with logits_to_keep=1).
+form of logits_to_keep, engine.decode.runtime.last_position; transformers with logits_to_keep=1).
 
     python -m bench.prefill_pair [--geometries qwen3moe-64e,mixtral-8e] [--prompt-len 128] [--turns 10]
 """
@@ -26,11 +26,13 @@ def pair(path: Path, prompt_len: int, turns: int, threads: int) -> dict:
     import torch
     from transformers import AutoModelForCausalLM, DynamicCache
 
-    from engine.kv_cache import new_cache
-    from engine.runtime import LoadOptions, MoERuntime, last_position
+    from engine.decode.kv_cache import new_cache
+    from engine.decode.paths.transformers_path import last_position
+    from engine.decode.runtime import MoERuntime
+    from engine.protocol import LoadModel
 
     torch.set_num_threads(threads)
-    ours = MoERuntime(LoadOptions(model=str(path), budget="all", store="ram"))
+    ours = MoERuntime(LoadModel(path=str(path), budget="all", store="ram"))
     stock = AutoModelForCausalLM.from_pretrained(path, dtype="auto", experts_implementation="grouped_mm")
     ids = torch.tensor([prompt_ids(stock.config.get_text_config().vocab_size, prompt_len)])
     mask = torch.ones_like(ids)

@@ -7,7 +7,7 @@ decodes with a wall-clock split per token:
 - bookkeeping: the rest of `ExpertCache.run_layer` (routing counts, cache lookups, telemetry
   counters, sorting rows by slot);
 - model: everything outside the experts (attention, norms, router, embeddings, LM head, sampling).
-With --fast-decode's whole-token step (engine.fused_decode) the native call reports its own split
+With --fast-decode's whole-token step (engine.decode.paths.whole_token) the native call reports its own split
 (norms, qkv_rope, attention, o_proj, router, experts, lm_head), and the bookkeeping is the cache's
 record of the token afterwards. Also prints torch.profiler's top operators.
 
@@ -21,7 +21,6 @@ import json
 import sys
 import time
 from pathlib import Path
-from types import SimpleNamespace
 
 from bench.output import RESULTS_DIR, result_stem
 
@@ -33,7 +32,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--decode", type=int, default=32)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--ops", type=int, default=15, help="top operators to list (0: skip the profiler)")
-    parser.add_argument("--fast-decode", action="store_true", help="decode GEMVs skip oneDNN (engine.fast_decode)")
+    parser.add_argument("--fast-decode", action="store_true", help="decode GEMVs skip oneDNN (engine.decode.paths.native_layers)")
     parser.add_argument("--no-pack-weights", action="store_true", help="expert matrices in plain layout")
     parser.add_argument("--label", default="", help="e.g. before/after: named in the results")
     parser.add_argument("--out", type=Path, default=RESULTS_DIR)
@@ -41,21 +40,19 @@ def main(argv: list[str] | None = None) -> int:
 
     import torch
 
-    import engine.cache as cache_module
+    import engine.offload.expert_cache as cache_module
     from bench.measure import prompt_ids
     from bench.synthetic import build_checkpoint
-    from engine.generation import Generator
-    from engine.runtime import LoadOptions, MoERuntime
-    from engine.sampling import SamplingSettings
+    from engine.decode.generation import Generator
+    from engine.decode.paths import native_layers
+    from engine.decode.runtime import MoERuntime
+    from engine.protocol import LoadModel, SamplingSettings
 
     torch.set_num_threads(args.threads)
-    fast = {"fast_decode": True} if args.fast_decode else {}  # (so the script also profiles older engines)
-    if args.no_pack_weights:
-        fast["pack_weights"] = False
-    runtime = MoERuntime(LoadOptions(model=str(build_checkpoint(args.geometry)), budget="all", store="ram", **fast))
+    runtime = MoERuntime(LoadModel(path=str(build_checkpoint(args.geometry)), budget="all", store="ram",
+                                   fast_decode=args.fast_decode, pack_weights=not args.no_pack_weights))
     clock = {"layer": 0.0, "kernels": 0.0, "whole_token_bookkeeping": 0.0}
-    run_layer, kernels_grouped, kernels_single = runtime.cache.run_layer, cache_module.grouped_expert_mlp, cache_module.expert_mlp
-    kernels_sum = getattr(cache_module, "weighted_sum", None)
+    in_layer: list[bool] = []
 
     def timed(fn, key):
         def wrapper(*a, **kw):
@@ -67,25 +64,30 @@ def main(argv: list[str] | None = None) -> int:
         return wrapper
 
     # Instrument for this measurement only (a profiling script, not engine code).
-    runtime.cache.run_layer = timed(run_layer, "layer")
-    # --fast-decode's whole-token step (engine.fused_decode) does the cache's bookkeeping afterwards
-    runtime.cache.record_resident_token = timed(runtime.cache.record_resident_token, "whole_token_bookkeeping")
-    cache_module.grouped_expert_mlp = timed(kernels_grouped, "kernels")
-    cache_module.expert_mlp = timed(kernels_single, "kernels")
-    if kernels_sum is not None:
-        cache_module.weighted_sum = timed(kernels_sum, "kernels")
-    native = getattr(cache_module, "decode_kernels", None)
-    if native is not None and native.ready() is not None:  # --fast-decode's fused experts call
-        kernels_native = native.ready()
-        functions = {n: getattr(kernels_native, n) for n in dir(kernels_native) if not n.startswith("_")}
-        native._kernels = SimpleNamespace(**functions | {"moe_decode": timed(kernels_native.moe_decode, "kernels")})
+    run_layer, record = runtime.cache.run_layer, runtime.cache.record
+
+    def layer(*a, **kw):
+        in_layer.append(True)
+        try:
+            return timed(run_layer, "layer")(*a, **kw)
+        finally:
+            in_layer.pop()
+
+    def record_step(step):  # the whole-token path records a token outside any layer
+        return record(step) if in_layer else timed(record, "whole_token_bookkeeping")(step)
+
+    runtime.cache.run_layer, runtime.cache.record = layer, record_step
+    cache_module.grouped_expert_mlp = timed(cache_module.grouped_expert_mlp, "kernels")
+    cache_module.expert_mlp = timed(cache_module.expert_mlp, "kernels")
+    runtime.cache._one_token = timed(runtime.cache._one_token, "kernels")  # the exact one-token path
+    native_layers.NativeExperts.__call__ = timed(native_layers.NativeExperts.__call__, "kernels")
     ids = prompt_ids(runtime.model.config.get_text_config().vocab_size, args.prompt_len)
     generator = Generator(runtime)
-    generator.generate(ids[:8], SamplingSettings(max_new_tokens=4))  # warm-up
+    generator.generate(ids[:8], SamplingSettings(temperature=0, max_new_tokens=4))  # warm-up
 
     def native_phases() -> dict[str, float]:  # inside the whole-token step, if it runs
-        fused = getattr(runtime, "_fused", None)
-        return fused.phase_seconds() if fused is not None else {}
+        decoder = runtime.whole_token._decoder
+        return decoder.phase_seconds() if decoder is not None else {}
 
     def decode_once() -> tuple[float, dict, dict]:
         marks: list[float] = []
@@ -98,7 +100,7 @@ def main(argv: list[str] | None = None) -> int:
                 snapshot.update(clock)
                 phases.update(native_phases())
 
-        generator.generate(ids, SamplingSettings(max_new_tokens=args.decode), on_token=on_token)
+        generator.generate(ids, SamplingSettings(temperature=0, max_new_tokens=args.decode), on_token=on_token)
         tokens = len(marks) - 1
         per_token = {k: (clock[k] - snapshot[k]) / tokens for k in clock}
         phase_per_token = {k: (v - phases.get(k, 0.0)) / tokens for k, v in native_phases().items()}
@@ -135,7 +137,7 @@ def main(argv: list[str] | None = None) -> int:
                 started.append(True)
                 prof.start()
 
-        generator.generate(ids, SamplingSettings(max_new_tokens=9), on_token=start_at_first_token)
+        generator.generate(ids, SamplingSettings(temperature=0, max_new_tokens=9), on_token=start_at_first_token)
         prof.stop()
         table = prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=args.ops)
         print(table)

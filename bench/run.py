@@ -36,8 +36,8 @@ def measure(*args: str) -> dict:
 
 def belady_loads(trace_path: Path, slots_per_layer: list[int]) -> tuple[int, int]:
     """(expert loads, tokens) of Belady's MIN on a recorded trace with these slots."""
-    from engine.replay import belady_for, replay
-    from engine.trace import read_trace
+    from engine.traces.replay import belady_for, replay
+    from engine.traces.trace import read_trace
 
     trace = read_trace(trace_path)
     result = replay(trace, belady_for(trace), slots_per_layer)

@@ -15,7 +15,7 @@ from pathlib import Path
 
 from bench.output import RESULTS_DIR, result_stem
 from engine import protocol as p
-from engine.client import EngineClient
+from engine.process.client import EngineClient
 
 
 class _Waiter:
@@ -65,7 +65,7 @@ def main(argv=None) -> int:
             for enabled in (True, False):  # interleaved, so machine drift hits both alike
                 client.send(p.SetTelemetry(enabled=enabled, interval_s=0.1))
                 client.send(p.Generate(f"{rep}-{enabled}", prompt_ids=prompt,
-                                       sampling=p.SamplingParams(temperature=0, max_new_tokens=args.decode)))
+                                       sampling=p.SamplingSettings(temperature=0, max_new_tokens=args.decode)))
                 done = waiter.wait((p.Done,))
                 speeds[enabled].append(done.stats["decode_tokens_per_s"])
         on, off = statistics.median(speeds[True]), statistics.median(speeds[False])

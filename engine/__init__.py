@@ -1,6 +1,6 @@
 """MoEScope engine: offloaded, exact inference for Mixture-of-Experts models.
 
-This package never imports Qt. `engine.protocol` and `engine.client` are also kept free of
+This package never imports Qt. `engine.protocol` and `engine.process.client` are also kept free of
 torch so the GUI process can import them.
 """
 

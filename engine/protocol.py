@@ -7,7 +7,7 @@ as `Array` (the raw bytes of a numpy array plus dtype and shape), never as neste
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 
 import numpy as np
 
@@ -32,28 +32,66 @@ class Array:
 # ---------------------------------------------------------------- commands (GUI -> engine)
 
 
+@dataclass(frozen=True)
+class SettingProblem:
+    """One setting out of range: which field, and what is wrong, in words for the user."""
+
+    field: str
+    message: str
+
+
 @dataclass
-class SamplingParams:
-    temperature: float = 0.7
+class SamplingSettings:
+    """How to pick tokens: the one definition (the window, `moescope chat`, the server), validated by
+    `problem()`. `moescope generate` asks for greedy explicitly (temperature 0)."""
+
+    temperature: float = 0.7  # 0 = greedy
     top_p: float = 0.95
-    top_k: int = 0
+    top_k: int = 0  # 0 = off
     repetition_penalty: float = 1.0
     max_new_tokens: int = 512
     seed: int | None = None
     stop: list[str] = field(default_factory=list)
 
+    @property
+    def greedy(self) -> bool:
+        return self.temperature <= 0
+
+    def problem(self) -> SettingProblem | None:
+        """The first setting out of range, or None when all are usable."""
+        checks = (
+            ("temperature", self.temperature >= 0, f"must be 0 (greedy) or more, got {self.temperature:g}"),
+            ("top_p", 0 < self.top_p <= 1, f"must be above 0 and at most 1, got {self.top_p:g}"),
+            ("top_k", self.top_k >= 0, f"must be 0 (off) or more, got {self.top_k}"),
+            ("repetition_penalty", self.repetition_penalty > 0, f"must be above 0, got {self.repetition_penalty:g}"),
+            ("max_new_tokens", self.max_new_tokens >= 1, f"must be at least 1, got {self.max_new_tokens}"),
+        )
+        for name, ok, message in checks:
+            if not ok:  # NaN fails every comparison, so it is caught here too
+                return SettingProblem(name, message)
+        if any(not isinstance(s, str) for s in self.stop):
+            return SettingProblem("stop", "must be a list of strings")
+        return None
+
 
 @dataclass
 class LoadModel:
-    path: str  # a checkpoint folder, or "demo"
+    """Load a model: the one definition of the load settings (the window, the CLI, the runtime)."""
+
+    path: str  # a checkpoint folder, a downloaded Hub id (org/name), or "demo"
     budget: str = "all"  # 512MiB | 2GiB | 25% | all
     store: str = "auto"  # auto | disk | ram
     device: str = "auto"  # auto | cpu | cuda
     policy: str = "lru"
-    dtype: str = "auto"
+    dtype: str = "auto"  # auto | float32 | bfloat16 | float16
     allow_pickle: bool = False
     trust_remote_code: bool = False
-    fast_decode: bool = False  # CPU decode kernels that are faster but not bit-identical
+    fast_decode: bool = False  # CPU decode on the native kernels: faster, not bit-identical
+    allocation: str = "planned"  # planned | uniform: how a budget is split across layers
+    cpu_experts: str = "never"  # auto | never: Fiddler's CPU execution of misses (GPU + RAM store only)
+    trace: str | None = None  # record routing to this file (JSON lines, engine.traces.trace)
+    warm: bool = True  # fill the cache at load, so the first tokens do not all miss
+    pack_weights: bool = True  # CPU bf16/fp16: expert matrices pre-arranged for oneDNN at `all` (same bits)
 
 
 @dataclass
@@ -62,7 +100,7 @@ class Generate:
     messages: list[dict] | None = None  # chat turns: {"role": ..., "content": ...}
     prompt: str | None = None  # raw text (no chat template)
     prompt_ids: list[int] | None = None
-    sampling: SamplingParams = field(default_factory=SamplingParams)
+    sampling: SamplingSettings = field(default_factory=SamplingSettings)
 
 
 @dataclass
@@ -82,7 +120,7 @@ class SetPolicy:
 
 @dataclass
 class SetFastDecode:
-    enabled: bool  # CPU decode kernels that are faster but not bit-identical (engine.fast_decode)
+    enabled: bool  # CPU decode kernels that are faster but not bit-identical (engine.decode.paths.native_layers)
 
 
 @dataclass
@@ -213,7 +251,7 @@ class ModelLoaded:
     policies: list[PolicyInfo]
     load_seconds: float
     budget_note: str = ""  # e.g. the budget was clamped to the minimum
-    fast_decode: bool = False  # faster CPU decode kernels on (not bit-identical; engine.fast_decode)
+    fast_decode: bool = False  # faster CPU decode kernels on (not bit-identical; engine.decode.paths.native_layers)
     fast_decode_available: bool = False  # a CPU engine on a bf16/fp16 model: the switch changes something
 
 
@@ -225,12 +263,39 @@ class Token:
 
 
 @dataclass
+class ReplyStats:
+    """What one reply cost: shown under it, kept in the chat history."""
+
+    prefill_tokens: int = 0
+    decode_tokens: int = 0
+    ttft_s: float = 0.0
+    prefill_tokens_per_s: float = 0.0
+    decode_tokens_per_s: float = 0.0
+    hit_rate: float = 1.0
+    decode_hit_rate: float = 1.0
+    hits: int = 0
+    misses: int = 0
+    bytes_loaded: int = 0
+    decode_bytes_loaded: int = 0  # by the steps after the first token (the ones decode_tokens_per_s times)
+    stall_s: float = 0.0
+    budget_bytes: int = 0
+    peak_rss_bytes: int = 0
+    total_s: float = 0.0
+
+    @classmethod
+    def from_dict(cls, data: dict) -> ReplyStats:
+        """From stored JSON: unknown keys (a newer version's) are dropped, missing ones take defaults."""
+        known = {f.name for f in fields(cls)}
+        return cls(**{k: v for k, v in data.items() if k in known})
+
+
+@dataclass
 class Done:
     request_id: str
     finish_reason: str  # eos | length | stop | cancelled | error
     text: str
     token_ids: list[int]
-    stats: dict  # engine.generation.GenerationStats as a dict
+    stats: ReplyStats
 
 
 @dataclass
@@ -290,9 +355,10 @@ class TelemetrySnapshot:
     pcie_rx_bytes_per_s: float | None = None  # the driver's counter (nvidia-ml-py), host -> GPU
     pcie_tx_bytes_per_s: float | None = None
     # per-layer miss-ratio curves for the budget slider's live estimate: [layers, experts + 1] float32,
-    # expected misses per token of each layer with s slots (see engine.planner); None until measured
+    # expected misses per token of each layer with s slots (see engine.accounting.planner); None until measured
     miss_curves: Array | None = None
     decode_path: str = ""  # how the last decode token ran (exact kernels, native per layer, whole token...)
+    decode_path_reason: str = ""  # why the next faster path did not run it ("" when the fastest did)
     extra: dict = field(default_factory=dict)  # policy-specific figures (prefetch accuracy, ...)
 
 
@@ -396,6 +462,6 @@ def is_library_event(event) -> bool:
 
 
 Event = (
-    LoadProgress | ModelLoaded | Token | Done | BudgetChanged | PolicyChanged | TelemetrySnapshot | Error | Log
-    | EngineStarted | LibraryListing | FitEstimateReady | DownloadProgress | DownloadFinished
+    LoadProgress | ModelLoaded | Token | Done | BudgetChanged | PolicyChanged | FastDecodeChanged | TelemetrySnapshot
+    | Error | Log | EngineStarted | LibraryListing | FitEstimateReady | DownloadProgress | DownloadFinished
 )

@@ -45,7 +45,7 @@ if ! "$python" -c "import PyInstaller" 2>/dev/null; then
     echo "build.sh: installing PyInstaller into $("$python" -c 'import sys; print(sys.prefix)')"
     "$python" -m pip install --quiet "pyinstaller>=6.10"
 fi
-"$python" -c "import app.launcher, engine.client, resources" \
+"$python" -c "import app.launcher, engine.process.client, resources" \
     || { echo "build.sh: the project is not importable by $python; run: pip install -e \".[gui]\"" >&2; exit 1; }
 
 version="$("$python" -c 'import sys, tomllib; print(tomllib.load(open(sys.argv[1], "rb"))["project"]["version"])' "$root/pyproject.toml")"

@@ -13,7 +13,7 @@ os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
 import pytest  # noqa: E402
 from transformers.utils import logging as hf_logging  # noqa: E402
 
-from tests.checkpoints import FAMILIES, save_tiny_checkpoint  # noqa: E402
+from tests.helpers.checkpoints import FAMILIES, save_tiny_checkpoint  # noqa: E402
 
 hf_logging.disable_progress_bar()
 
@@ -34,7 +34,7 @@ def kernels():
     """--fast-decode's native kernels, built for this machine (skips where no C++ compiler is)."""
     import shutil
 
-    from engine import decode_kernels
+    from engine.decode.native import kernels as decode_kernels
 
     built = decode_kernels.wait(timeout=600)
     if built is None:
@@ -42,3 +42,23 @@ def kernels():
             pytest.fail(f"a C++ compiler is here but the kernels did not build: {decode_kernels.status()}")
         pytest.skip(decode_kernels.status())
     return built
+
+
+HEAVY = ("kernels", "process", "bench")  # what `--quick` leaves out
+
+
+def pytest_addoption(parser) -> None:
+    parser.addoption("--quick", action="store_true",
+                     help="the inner-loop subset: leaves out tests marked " + ", ".join(HEAVY) + " (CI runs everything)")
+
+
+def pytest_collection_modifyitems(config, items) -> None:
+    """Tests that use the native kernels carry the `kernels` marker; `--quick` deselects the heavy ones."""
+    for item in items:
+        if "kernels" in getattr(item, "fixturenames", ()):
+            item.add_marker(pytest.mark.kernels)
+    if config.getoption("--quick"):
+        heavy = [item for item in items if any(item.get_closest_marker(m) for m in HEAVY)]
+        if heavy:
+            config.hook.pytest_deselected(items=heavy)
+            items[:] = [item for item in items if item not in heavy]

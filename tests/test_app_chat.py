@@ -10,16 +10,16 @@ from PySide6.QtCore import Qt
 from app.chat.composer import Composer
 from app.chat.controller import title_from
 from app.engine_bridge import EngineBridge
-from app.export import to_json, to_markdown
-from app.history import HistoryStore
 from app.main_window import MainWindow
-from app.markdown_render import HAVE_PYGMENTS, close_open_fence, render_markdown
+from app.models.export import to_json, to_markdown
+from app.models.history import HistoryStore
+from app.models.markdown_render import HAVE_PYGMENTS, close_open_fence, render_markdown
+from app.models.stats_format import reply_stats_line
 from app.settings import AppSettings
-from app.stats_format import reply_stats_line
 from engine import protocol as p
-from tests.test_app_fixtures import ScriptedClient, model_loaded, snapshot
+from tests.helpers.app_fixtures import ScriptedClient, model_loaded, snapshot
 
-STATS = dict(prefill_tokens=12, decode_tokens=5, ttft_s=0.25, prefill_tokens_per_s=48.0, decode_tokens_per_s=20.0,
+STATS = p.ReplyStats(prefill_tokens=12, decode_tokens=5, ttft_s=0.25, prefill_tokens_per_s=48.0, decode_tokens_per_s=20.0,
              hit_rate=0.9, decode_hit_rate=0.92, hits=90, misses=10, bytes_loaded=1024, stall_s=0.01,
              budget_bytes=4096, peak_rss_bytes=10**8, total_s=0.5)
 

@@ -15,13 +15,15 @@ from pathlib import Path
 import pytest
 from PySide6.QtCore import Qt
 
-from app.history import HistoryStore
 from app.main_window import MainWindow
+from app.models.history import HistoryStore
 from app.settings import AppSettings
 from engine import protocol as p
-from engine.cli import main as moescope_cli
-from tests.checkpoints import save_tiny_checkpoint
-from tests.test_app_fixtures import Recorder
+from engine.cli.main import main as moescope_cli
+from tests.helpers.app_fixtures import Recorder
+from tests.helpers.checkpoints import save_tiny_checkpoint
+
+pytestmark = pytest.mark.process
 
 ROOT = Path(__file__).resolve().parents[1]
 LOAD_MS = 120_000  # spawning the worker imports torch + transformers: slow on a busy 2-core machine
@@ -140,7 +142,7 @@ def test_panels_budget_slider_and_stop_against_the_engine(qtbot, tmp_path, endle
     qtbot.waitUntil(lambda: len(events.done()) > before, timeout=REPLY_MS)
     stopped = events.done()[-1]
     assert stopped.finish_reason == "cancelled" and len(stopped.token_ids) < 200
-    assert stopped.stats["budget_bytes"] == loaded.min_budget_bytes
+    assert stopped.stats.budget_bytes == loaded.min_budget_bytes
     assert "stopped" in window.chat_view.widgets()[-1].stats.text()
     assert window.chat_view.widgets()[-1].text == stopped.text
 

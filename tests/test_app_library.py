@@ -12,14 +12,14 @@ import pytest
 from PySide6.QtCore import Qt
 
 from app.engine_bridge import EngineBridge
-from app.history import HistoryStore
 from app.library_dialog import LibraryDialog
-from app.library_model import LibraryModel, parse_request_id
 from app.main_window import MainWindow
+from app.models.history import HistoryStore
+from app.models.library import LibraryModel, parse_request_id
 from app.settings import AppSettings
 from engine import protocol as p
-from tests.hub_fixtures.library_hub import HoldingHub, fill_hub, hub_environment, place_in_cache
-from tests.test_app_fixtures import Recorder, ScriptedClient
+from tests.helpers.app_fixtures import Recorder, ScriptedClient
+from tests.helpers.hub.library_hub import HoldingHub, fill_hub, hub_environment, place_in_cache
 
 ROOT = Path(__file__).resolve().parents[1]
 START_MS = 180_000  # the worker imports torch before it answers: slow on a busy 2-core machine

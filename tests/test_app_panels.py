@@ -6,17 +6,17 @@ import numpy as np
 import pytest
 from PySide6.QtCore import QPointF
 
-from app.budget_estimate import Estimate, Estimator, scaled_tokens_per_s, slot_bytes_of
+from app.models.budget import BudgetScale, free_for_budget
+from app.models.budget_estimate import Estimate, Estimator, scaled_tokens_per_s, slot_bytes_of
+from app.models.heatmap import HeatmapData, OutlineCache, colour_values, overlay_scale
 from app.panels.budget import BudgetPanel
-from app.panels.budget_model import BudgetScale, free_for_budget
 from app.panels.heatmap import HeatmapPanel
-from app.panels.heatmap_model import HeatmapData, OutlineCache, colour_values, overlay_scale
 from app.panels.hit_rate import HitRatePanel
 from app.panels.system import SystemPanel, policy_label
 from app.panels.traffic import TrafficPanel
 from app.telemetry_history import RingSeries, TelemetryHistory
 from engine import protocol as p
-from tests.test_app_fixtures import model_loaded, snapshot
+from tests.helpers.app_fixtures import model_loaded, snapshot
 
 
 # ----------------------------------------------------------------- Qt-free models
@@ -86,13 +86,13 @@ def test_tokens_per_second_scales_the_stall_with_the_misses():
 
 
 def test_estimator_uses_the_planner_on_the_engine_curves():
-    pytest.importorskip("engine.planner")
+    pytest.importorskip("engine.accounting.planner")
     model = model_loaded(layers=4, experts=8)
     snap = snapshot(layers=4, experts=8, slots=4)
     estimate = Estimator()
     low, high = estimate(model.min_budget_bytes, model, snap), estimate(model.max_budget_bytes, model, snap)
     if low is None:
-        pytest.skip("engine.planner has no estimate() yet")
+        pytest.skip("engine.accounting.planner has no estimate() yet")
     assert sum(low.slots_per_layer) == 4 * 2 and sum(high.slots_per_layer) == 4 * 8
     assert low.hit_rate < high.hit_rate == pytest.approx(1.0)
     assert slot_bytes_of(model) == 1024
@@ -271,3 +271,10 @@ def test_system_panel_says_how_the_last_token_ran(qtbot):
     panel.on_event(running)
     panel.render()
     assert panel.decode_path.text() == "fast: whole token in one native call"
+    assert "Why not faster" not in panel.decode_path.toolTip()
+    slower = snapshot()
+    slower.decode_path = "fast: native kernels, layer by layer"
+    slower.decode_path_reason = "not every expert is resident (the budget is below all)"
+    panel.on_event(slower)
+    panel.render()
+    assert "Why not faster: not every expert is resident" in panel.decode_path.toolTip()

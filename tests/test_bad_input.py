@@ -11,8 +11,8 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from engine.cli import main as moescope
-from tests.checkpoints import save_tiny_checkpoint, set_config_field, tree_snapshot
+from engine.cli.main import main as moescope
+from tests.helpers.checkpoints import save_tiny_checkpoint, set_config_field, tree_snapshot
 
 
 def run(capsys, *args: str) -> tuple[int, str, str]:
@@ -139,7 +139,7 @@ def test_bad_budget_text(capsys, mixtral_checkpoint):
 
 def test_installed_entry_point_reports_errors(tmp_path):
     """The real `moescope` executable, as a user runs it."""
-    proc = subprocess.run([sys.executable, "-m", "engine.cli", "generate", "--model", str(tmp_path / "x"),
+    proc = subprocess.run([sys.executable, "-m", "engine.cli.main", "generate", "--model", str(tmp_path / "x"),
                            "--prompt-ids", "1"], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2
     assert proc.stderr.strip().startswith("moescope: error:") and "does not exist" in proc.stderr

@@ -5,7 +5,11 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from bench.run import main as bench_main
+
+pytestmark = pytest.mark.bench
 
 
 def test_harness_measures_every_system_and_the_limit(tmp_path, mixtral_checkpoint):

@@ -1,4 +1,4 @@
-"""The native one-token kernels behind --fast-decode (engine/native/moe_decode.cpp): they build on
+"""The native one-token kernels behind --fast-decode (engine/decode/native/moe_decode.cpp): they build on
 a machine with a C++ compiler and compute what transformers' modules compute, to bf16 rounding."""
 
 from __future__ import annotations
@@ -7,12 +7,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-
-def close(ours: torch.Tensor, reference: torch.Tensor, what: str) -> None:
-    # bf16 results summed in another order: within a couple of bf16 steps of the reference
-    scale = reference.float().abs().max().item()
-    error = (ours.float() - reference.float()).abs().max().item()
-    assert error <= 0.02 * scale, f"{what}: max error {error} vs scale {scale}"
+from tests.helpers.numerics import close
 
 
 @pytest.mark.parametrize("shape", [(1024, 1024), (300, 96), (17, 200)], ids=str)
@@ -44,8 +39,8 @@ def test_moe_decode_matches_the_expert_path(kernels, picks):
     from transformers import Qwen3MoeConfig
     from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeExperts
 
-    from engine import fast_decode
-    from engine.expert_mlp import expert_mlp, weighted_sum
+    from engine.decode.paths import native_layers
+    from engine.offload.expert_compute import expert_mlp, weighted_sum
 
     config = Qwen3MoeConfig(hidden_size=256, moe_intermediate_size=96, num_experts=64, num_experts_per_tok=8)
     config._experts_implementation = "eager"
@@ -53,7 +48,7 @@ def test_moe_decode_matches_the_expert_path(kernels, picks):
     with torch.no_grad():
         module.gate_up_proj.normal_(0, 0.05)
         module.down_proj.normal_(0, 0.05)
-    assert fast_decode.experts_fusable(module)
+    assert native_layers.experts_fusable(module)
     slots = [{"gate_up_proj": module.gate_up_proj[e], "down_proj": module.down_proj[e]} for e in picks]
     hidden = torch.randn(1, 256).to(torch.bfloat16)
     weights = torch.softmax(torch.randn(len(picks)), dim=0)
@@ -90,7 +85,7 @@ def test_attention_decode_step_matches_transformers(kernels, family):
     (bit for bit) and the same output as transformers' SDPA path, to bf16 rounding."""
     from transformers.cache_utils import DynamicCache
 
-    from engine import fast_decode
+    from engine.decode.paths import native_layers
 
     module, rotary, config = attention_module(family)
     caches = [DynamicCache(config=config), DynamicCache(config=config)]
@@ -101,8 +96,9 @@ def test_attention_decode_step_matches_transformers(kernels, family):
             module(prompt, rotary(prompt, torch.arange(40)[None]), None, past_key_values=cache)
         step = rotary(token, torch.tensor([[40]]))
         reference, _ = module(token, step, None, past_key_values=caches[0])
-        assert fast_decode.patch_module(module) and type(module).__name__.startswith("Fast")
-        with fast_decode.fast_decode_step(True):
+        switch = native_layers.NativeSwitch()
+        assert native_layers.patch_module(module, switch) and type(module).__name__.startswith("Fast")
+        with switch.active():
             ours, _ = module(token, step, None, past_key_values=caches[1])
     assert ours.shape == reference.shape == (1, 1, 256) and ours.dtype == torch.bfloat16
     close(ours, reference, f"{family} attention")
@@ -148,7 +144,7 @@ def test_router_decode_step_matches_transformers(kernels, family):
 
     import transformers
 
-    from engine import fast_decode
+    from engine.decode.paths import native_layers
 
     prefix = {"qwen3_moe": "Qwen3Moe", "mixtral": "Mixtral"}[family]
     modeling = importlib.import_module(f"transformers.models.{family}.modeling_{family}")
@@ -160,8 +156,10 @@ def test_router_decode_step_matches_transformers(kernels, family):
     token = torch.randn(1, 256).to(torch.bfloat16)
     with torch.no_grad():
         ref_logits, ref_weights, ref_index = router(token)
-        assert fast_decode.patch_module(router)
-        with fast_decode.fast_decode_step(True):
+        switch = native_layers.NativeSwitch()
+        assert native_layers.patch_module(router, switch)
+        assert all(torch.equal(a, b) for a, b in zip(router(token), (ref_logits, ref_weights, ref_index), strict=True))
+        with switch.active():
             logits, weights, index = router(token)
     assert torch.equal(index, ref_index)
     assert weights.dtype == ref_weights.dtype and logits.dtype == ref_logits.dtype
@@ -172,10 +170,10 @@ def test_router_decode_step_matches_transformers(kernels, family):
 @pytest.mark.parametrize("family, extra", [("qwen2_moe", {}), ("olmoe", {})])
 def test_other_attention_recipes_keep_their_code(family, extra):
     """Qwen2-MoE projects with biases, OLMoE norms the whole projection: not the native recipe."""
-    from engine import fast_decode
+    from engine.decode.paths import native_layers
 
     module, _, _ = attention_module(family, **extra)
-    assert not fast_decode.patch_module(module)
+    assert not native_layers.patch_module(module, native_layers.NativeSwitch())
     assert not type(module).__name__.startswith("Fast")
 
 
@@ -195,7 +193,7 @@ def test_experts_with_biases_or_other_gates_are_not_fused():
     from transformers import GptOssConfig
     from transformers.models.gpt_oss.modeling_gpt_oss import GptOssExperts
 
-    from engine import fast_decode
+    from engine.decode.paths import native_layers
 
     config = GptOssConfig(hidden_size=64, intermediate_size=32, num_local_experts=4)
-    assert not fast_decode.experts_fusable(GptOssExperts(config))
+    assert not native_layers.experts_fusable(GptOssExperts(config))

@@ -6,10 +6,11 @@ import json
 
 import pytest
 
+from engine.decode.runtime import MoERuntime
 from engine.demo.corpus import SKILLS, heldout
 from engine.demo.engine_backend import engine_answer_fn, engine_expert_usage
 from engine.demo.evaluate import accuracy_per_skill, specialisation
-from engine.runtime import LoadOptions, MoERuntime
+from engine.protocol import LoadModel
 from resources import DEMO_MODEL_DIR
 
 CARD = json.loads((DEMO_MODEL_DIR / "moescope_demo.json").read_text())
@@ -18,7 +19,7 @@ N_PER_SKILL = CARD["heldout_per_skill"]  # the questions the card's figures come
 
 @pytest.fixture(scope="module")
 def small_budget_runtime():
-    runtime = MoERuntime(LoadOptions(model="demo", budget="25%", store="disk"))
+    runtime = MoERuntime(LoadModel(path="demo", budget="25%", store="disk"))
     yield runtime
     runtime.close()
 
@@ -50,7 +51,7 @@ def test_experts_specialise_by_skill(small_budget_runtime, capsys):
 
 def test_answers_at_25_percent_equal_answers_at_all(small_budget_runtime):
     users = [e.user for skill in SKILLS for e in heldout(skill, 4)]
-    full = MoERuntime(LoadOptions(model="demo", budget="all", store="ram"))
+    full = MoERuntime(LoadModel(path="demo", budget="all", store="ram"))
     try:
         assert engine_answer_fn(small_budget_runtime)(users) == engine_answer_fn(full)(users)
     finally:

@@ -13,11 +13,12 @@ import json
 
 import pytest
 
+from engine.decode.runtime import MoERuntime
 from engine.demo.corpus import SKILLS, heldout
 from engine.demo.engine_backend import engine_answer_fn
 from engine.demo.evaluate import accuracy_per_skill
 from engine.demo.train import TrainConfig, train
-from engine.runtime import LoadOptions, MoERuntime
+from engine.protocol import LoadModel
 from resources import DEMO_MODEL_DIR
 
 CARD = json.loads((DEMO_MODEL_DIR / "moescope_demo.json").read_text())
@@ -27,7 +28,7 @@ CARD = json.loads((DEMO_MODEL_DIR / "moescope_demo.json").read_text())
 def test_retraining_with_the_cards_seed_reproduces_its_accuracy(tmp_path, capsys):
     out = tmp_path / "demo"
     train(TrainConfig(seed=CARD["seed"], steps=CARD["steps"]), out, max_minutes=60)
-    runtime = MoERuntime(LoadOptions(model=str(out), budget="25%", store="disk"))
+    runtime = MoERuntime(LoadModel(path=str(out), budget="25%", store="disk"))
     try:
         n = CARD["heldout_per_skill"]
         report = accuracy_per_skill(engine_answer_fn(runtime), {s: heldout(s, n) for s in SKILLS})

@@ -6,8 +6,8 @@ import json
 
 import pytest
 
-from engine.cli import main as moescope
-from tests.checkpoints import FAMILIES, reference_generate
+from engine.cli.main import main as moescope
+from tests.helpers.checkpoints import FAMILIES, reference_generate
 
 PROMPT = [1, 17, 42, 9, 77, 5, 63, 30, 11]
 NEW_TOKENS = 12
@@ -87,15 +87,15 @@ def test_bf16_demo_answers_match_transformers_bf16(demo_chats, budget, fast):
     # (its kernels sum in another order; on the demo model the tokens must still agree).
     import torch
 
-    from engine.generation import Generator
-    from engine.runtime import LoadOptions, MoERuntime
-    from engine.sampling import SamplingSettings
+    from engine.decode.generation import Generator
+    from engine.decode.runtime import MoERuntime
+    from engine.protocol import LoadModel, SamplingSettings
     from resources import DEMO_MODEL_DIR
 
-    runtime = MoERuntime(LoadOptions(model="demo", budget=budget, store="ram", dtype="bfloat16", fast_decode=fast))
+    runtime = MoERuntime(LoadModel(path="demo", budget=budget, store="ram", dtype="bfloat16", fast_decode=fast))
     try:
         generator = Generator(runtime)
-        ours = [generator.generate(ids, SamplingSettings(max_new_tokens=64)).token_ids for ids in demo_chats]
+        ours = [generator.generate(ids, SamplingSettings(temperature=0, max_new_tokens=64)).token_ids for ids in demo_chats]
     finally:
         runtime.close()
     stock = [reference_generate(DEMO_MODEL_DIR, ids, 64, dtype=torch.bfloat16) for ids in demo_chats]
@@ -104,25 +104,25 @@ def test_bf16_demo_answers_match_transformers_bf16(demo_chats, budget, fast):
 
 
 def test_bf16_packed_experts_stay_exact_across_budget_changes(demo_chats):
-    # At budget `all` on CPU the bf16 expert matrices are kept packed for oneDNN (engine.packed_linear);
+    # At budget `all` on CPU the bf16 expert matrices are kept packed for oneDNN (engine.offload.packed_linear);
     # a smaller budget unpacks them for good (misses would pay for packing). No token may change.
     import torch
 
-    from engine.generation import Generator
-    from engine.runtime import LoadOptions, MoERuntime
-    from engine.sampling import SamplingSettings
+    from engine.decode.generation import Generator
+    from engine.decode.runtime import MoERuntime
+    from engine.protocol import LoadModel, SamplingSettings
     from resources import DEMO_MODEL_DIR
 
     chats = demo_chats[:4]
     stock = [reference_generate(DEMO_MODEL_DIR, ids, 32, dtype=torch.bfloat16) for ids in chats]
-    runtime = MoERuntime(LoadOptions(model="demo", budget="all", store="disk", dtype="bfloat16"))
+    runtime = MoERuntime(LoadModel(path="demo", budget="all", store="disk", dtype="bfloat16"))
     try:
         assert runtime.cache.packed_params == {"gate_up_proj", "down_proj"}
         generator = Generator(runtime)
         for budget, packed in (("all", True), ("25%", False), ("1", False), ("all", False)):
             runtime.set_budget(budget)
             assert bool(runtime.cache.packed_params) is packed, budget
-            ours = [generator.generate(ids, SamplingSettings(max_new_tokens=32)).token_ids for ids in chats]
+            ours = [generator.generate(ids, SamplingSettings(temperature=0, max_new_tokens=32)).token_ids for ids in chats]
             assert ours == stock, budget
     finally:
         runtime.close()
@@ -133,21 +133,21 @@ def test_bf16_switching_fast_decode_on_unpacks_experts_and_keeps_answers(demo_ch
     # are unpacked (for good), and the demo's greedy answers still equal transformers bf16.
     import torch
 
-    from engine import decode_kernels
-    from engine.generation import Generator
-    from engine.runtime import LoadOptions, MoERuntime
-    from engine.sampling import SamplingSettings
+    from engine.decode.generation import Generator
+    from engine.decode.native import kernels as decode_kernels
+    from engine.decode.runtime import MoERuntime
+    from engine.protocol import LoadModel, SamplingSettings
     from resources import DEMO_MODEL_DIR
 
     chats = demo_chats[:4]
     stock = [reference_generate(DEMO_MODEL_DIR, ids, 32, dtype=torch.bfloat16) for ids in chats]
     decode_kernels.wait(timeout=600)
-    runtime = MoERuntime(LoadOptions(model="demo", budget="all", store="ram", dtype="bfloat16"))
+    runtime = MoERuntime(LoadModel(path="demo", budget="all", store="ram", dtype="bfloat16"))
     try:
         assert runtime.cache.packed_params
         assert runtime.set_fast_decode(True)
         assert bool(runtime.cache.packed_params) is decode_kernels.failed()
         generator = Generator(runtime)
-        assert [generator.generate(ids, SamplingSettings(max_new_tokens=32)).token_ids for ids in chats] == stock
+        assert [generator.generate(ids, SamplingSettings(temperature=0, max_new_tokens=32)).token_ids for ids in chats] == stock
     finally:
         runtime.close()

@@ -1,7 +1,7 @@
-"""--fast-decode's whole-token step (engine.fused_decode): with every expert resident, a Qwen3-MoE or
-Mixtral decode token runs in one native call. It must give the very logits of the per-module fast
-path (same kernels, same order), leave the same trail in the counters the panels draw from, and
-step aside whenever something needs a layer's routing as it happens."""
+"""--fast-decode's whole-token path (engine.decode.paths.whole_token): with every expert resident, a
+Qwen3-MoE or Mixtral decode token runs in one native call. It must give the very logits of the
+native per-layer path (same kernels, same order), leave the same trail in the counters the panels
+draw from, and step aside, saying why, whenever something needs a layer's routing as it happens."""
 
 from __future__ import annotations
 
@@ -9,12 +9,13 @@ import numpy as np
 import pytest
 import torch
 
-from engine.fused_decode import RotaryRows, _bits, recognise
-from engine.generation import Generator
-from engine.kv_cache import new_cache
-from engine.runtime import LoadOptions, MoERuntime
-from engine.sampling import SamplingSettings
-from tests.checkpoints import reference_generate, save_tiny_checkpoint
+from engine.decode.generation import Generator
+from engine.decode.kv_cache import new_cache
+from engine.decode.paths.base import Step
+from engine.decode.paths.whole_token import RotaryRows, _bits, recognise
+from engine.decode.runtime import MoERuntime
+from engine.protocol import LoadModel, SamplingSettings
+from tests.helpers.checkpoints import reference_generate, save_tiny_checkpoint
 
 PROMPT = [5, 17, 33, 8, 61, 12, 40, 9, 27, 4]
 
@@ -23,7 +24,7 @@ pytestmark = pytest.mark.usefixtures("kernels")  # the native kernels (tests/con
 
 
 def fast_runtime(model: str, budget: str = "all") -> MoERuntime:
-    return MoERuntime(LoadOptions(model=model, budget=budget, store="ram", dtype="bfloat16", fast_decode=True))
+    return MoERuntime(LoadModel(path=model, budget=budget, store="ram", dtype="bfloat16", fast_decode=True))
 
 
 @pytest.fixture(params=["demo", "mixtral"])
@@ -39,21 +40,16 @@ def prefilled(runtime: MoERuntime, prompt: list[int]):
 
 
 def assert_steps_match_the_module_path(runtime: MoERuntime, prompt: list[int], steps: int):
-    """`steps` tokens through the whole-token step and through the per-module fast path, side by
+    """`steps` tokens through the whole-token path and through the native per-layer path, side by
     side from the same prompt: identical logits at every step, identical KV caches at the end."""
-    from engine.fast_decode import fast_decode_step
-
-    fused = runtime.fused_decoder()
-    assert fused is not None, runtime._fused_problem
     whole, per_module = prefilled(runtime, prompt), prefilled(runtime, prompt)
     token = prompt[-1]
     with torch.inference_mode():
         for _ in range(steps):
-            assert fused.applies(whole)
-            ours = fused.step(token, whole)
-            with fast_decode_step(True):
-                reference = runtime.model(input_ids=torch.tensor([[token]]), past_key_values=per_module,
-                                          use_cache=True).logits
+            step = Step(torch.tensor([[token]]), whole, whole.get_seq_length())
+            assert runtime.whole_token.unavailable(step) is None
+            ours = runtime.whole_token.run(step)
+            reference = runtime.native_layers.run(Step(torch.tensor([[token]]), per_module, per_module.get_seq_length()))
             assert ours.dtype == reference.dtype == torch.bfloat16
             assert torch.equal(ours, reference)
             token = int(reference[0, -1].argmax())
@@ -88,7 +84,7 @@ def test_rotary_rows_come_a_block_at_a_time_with_the_same_bits(tmp_path):
     # block of positions; every row must be the bits of the model's own one-position call.
     runtime = fast_runtime(str(save_tiny_checkpoint("mixtral", tmp_path / "wide-heads", head_dim=32)))
     try:
-        rows = runtime.fused_decoder()._rotary_rows
+        rows = runtime.whole_token.decoder._rotary_rows
         assert rows.rows == RotaryRows.BLOCK_ELEMENTS // 32  # blocks in use
         for position in [*range(0, rows.rows + 3), 2 * rows.rows - 1, 5 * rows.rows + 17]:
             assert _bits(rows.at(position)) == _bits(rows._single(position)), position
@@ -101,7 +97,7 @@ def test_the_kv_cache_grows_under_the_step(monkeypatch):
     # The block buffers keep room for BLOCK more positions; a reply that fills it moves the cache
     # to a bigger buffer mid-reply, and the step must carry on from there. (A small block, so
     # that happens within the demo's context.)
-    from engine import kv_cache
+    from engine.decode import kv_cache
 
     monkeypatch.setattr(kv_cache, "BLOCK", 8)
     runtime = fast_runtime("demo")
@@ -123,16 +119,16 @@ def test_answers_and_counters_equal_the_module_path(model_path):
     runtime = fast_runtime(model_path)
     try:
         generator = Generator(runtime)
-        settings = SamplingSettings(max_new_tokens=24)
-        assert runtime.fused_decoder() is not None
+        settings = SamplingSettings(temperature=0, max_new_tokens=24)
         fused_reply = generator.generate(PROMPT, settings)
         assert runtime.decode_path == "fast: whole token in one native call"  # what the System panel shows
+        assert runtime.decode_path_reason == ""
         fused_activations = runtime.counters.activation_request.copy()
         fused_hits = runtime.counters.request_layer_hits.copy()
-        runtime._fused_problem = "switched off by the test"  # the per-module fast path only
-        assert runtime.fused_decoder() is None
+        runtime.whole_token._problem = "switched off by the test"  # the native per-layer path only
         module_reply = generator.generate(PROMPT, settings)
         assert runtime.decode_path == "fast: native kernels, layer by layer"
+        assert runtime.decode_path_reason == "switched off by the test"
         assert fused_reply.token_ids == module_reply.token_ids
         assert np.array_equal(fused_activations, runtime.counters.activation_request)
         assert np.array_equal(fused_hits, runtime.counters.request_layer_hits)
@@ -162,29 +158,32 @@ def test_budget_changes_move_the_experts_and_the_step_follows():
     runtime = fast_runtime("demo")
     try:
         generator = Generator(runtime)
-        settings = SamplingSettings(max_new_tokens=32)
+        settings = SamplingSettings(temperature=0, max_new_tokens=32)
         assert generator.generate(prompt, settings).token_ids == stock
         runtime.set_budget("25%")
-        assert not runtime.cache.fully_resident()
+        assert runtime.cache.whole_token_problem() == "not every expert is resident (the budget is below all)"
         assert generator.generate(prompt, settings).token_ids == stock
+        assert runtime.decode_path_reason.startswith("not every expert is resident")
         runtime.set_budget("all")  # growing loads nothing by itself: experts come on demand, or
         runtime.cache.warm()  # all at once, as at load
-        assert runtime.cache.fully_resident()
+        assert runtime.cache.whole_token_problem() is None
         assert generator.generate(prompt, settings).token_ids == stock
-        fused = runtime.fused_decoder()
-        assert fused is not None and fused._placed == (runtime.cache.slot_views, runtime.cache.directory.changes)
+        assert runtime.decode_path == "fast: whole token in one native call"
+        fused = runtime.whole_token.decoder
+        assert fused._placed == (runtime.cache.slot_views, runtime.cache.directory.changes)
     finally:
         runtime.close()
 
 
 def test_lookahead_policies_keep_the_per_layer_path(tiny_checkpoints):
     # A policy that guesses ahead needs each layer's hidden state as it runs: no whole-token step.
-    runtime = MoERuntime(LoadOptions(model=str(tiny_checkpoints["mixtral"]), budget="all", store="ram",
+    runtime = MoERuntime(LoadModel(path=str(tiny_checkpoints["mixtral"]), budget="all", store="ram",
                                      dtype="bfloat16", fast_decode=True, policy="promoe:k=1"))
     try:
-        assert not runtime.cache.fully_resident()
-        reply = Generator(runtime).generate(PROMPT, SamplingSettings(max_new_tokens=8))
+        assert runtime.cache.whole_token_problem() == "the policy looks ahead at each layer's routing"
+        reply = Generator(runtime).generate(PROMPT, SamplingSettings(temperature=0, max_new_tokens=8))
         assert len(reply.token_ids) == 8
+        assert runtime.decode_path == "fast: native kernels, layer by layer"
     finally:
         runtime.close()
 
@@ -193,8 +192,10 @@ def test_lookahead_policies_keep_the_per_layer_path(tiny_checkpoints):
 def test_other_families_are_not_taken_for_it(tiny_checkpoints, family):
     runtime = fast_runtime(str(tiny_checkpoints[family]))
     try:
-        assert recognise(runtime.model)  # a reason, in words
-        assert runtime.fused_decoder() is None
+        reason = recognise(runtime.model)  # a reason, in words
+        assert reason
+        Generator(runtime).generate(PROMPT, SamplingSettings(temperature=0, max_new_tokens=3))
+        assert runtime.decode_path_reason == reason
     finally:
         runtime.close()
 

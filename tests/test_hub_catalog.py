@@ -9,8 +9,8 @@ import pytest
 from engine.hub.catalog import catalog_path, load_catalog
 from engine.hub.remote import REPO_ID, search_models, select_files
 from engine.hub.supported import supported_model_types
-from tests.checkpoints import FAMILIES
-from tests.hub_fixtures.fake_hub import FakeHub
+from tests.helpers.checkpoints import FAMILIES
+from tests.helpers.hub.fake_hub import FakeHub
 
 
 def test_catalog_lists_hub_ids_and_descriptions_only():
@@ -74,7 +74,7 @@ def test_search_keeps_moe_families_the_engine_runs(online, monkeypatch, capsys):
         assert (hits[1].quantization, hits[1].gated) == ("mxfp4", True)
         assert search_models("tiny", limit=1, endpoint=hub.url, token=False)[0].repo_id == "org/tiny-mixtral-chat"
 
-        from engine.cli import main as moescope
+        from engine.cli.main import main as moescope
 
         monkeypatch.setenv("HF_ENDPOINT", hub.url)
         assert moescope(["models", "search", "tiny"]) == 0

@@ -22,10 +22,10 @@ from engine.hub.errors import (
     RepoNotFoundError,
 )
 from engine.hub.paths import repo_folder
-from tests.hub_fixtures.fake_hub import FakeHub
+from tests.helpers.hub.fake_hub import FakeHub
 
 REPO = "moescope-test/tiny-mixtral"
-FIXTURES = Path(__file__).parent / "hub_fixtures"
+FIXTURES = Path(__file__).parent / "helpers" / "hub"
 
 
 @pytest.fixture
@@ -233,7 +233,7 @@ def test_unreachable_hub(online, tmp_path):
 
 
 def test_cli_download_info_list_remove(hub, mixtral_checkpoint, tmp_path, monkeypatch, capsys):
-    from engine.cli import main as moescope
+    from engine.cli.main import main as moescope
 
     monkeypatch.setenv("HF_ENDPOINT", hub.url)
     monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path))
@@ -278,7 +278,7 @@ def test_cli_download_info_list_remove(hub, mixtral_checkpoint, tmp_path, monkey
 
 
 def test_cli_list_without_a_reachable_hub_asks_it_once(online, tmp_path, monkeypatch, capsys):
-    from engine.cli import main as moescope
+    from engine.cli.main import main as moescope
 
     monkeypatch.setenv("HF_ENDPOINT", "http://127.0.0.1:9")
     monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path))

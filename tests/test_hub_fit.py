@@ -12,10 +12,10 @@ from engine.errors import CheckpointError
 from engine.hub.estimate import estimate_from_config
 from engine.hub.fit import assess, budget_arg
 from engine.hub.machine import MachineInfo
-from engine.layout import SLOT_ALIGN
-from tests.checkpoints import FAMILIES
+from engine.model.layout import SLOT_ALIGN
+from tests.helpers.checkpoints import FAMILIES
 
-FIXTURES = Path(__file__).parent / "hub_fixtures"
+FIXTURES = Path(__file__).parent / "helpers" / "hub"
 GiB = 1024**3
 
 # Published totals and active counts (billions). `embedding_in_active`: whether the publisher's active
@@ -81,7 +81,7 @@ def test_plain_checkpoints_are_runnable(estimates):
 @pytest.mark.parametrize("family", list(FAMILIES))
 def test_estimate_agrees_with_the_engines_own_layout(tiny_checkpoints, family):
     from engine.hub.local import estimate_folder
-    from engine.inspect_model import inspect_checkpoint
+    from engine.model.inspect import inspect_checkpoint
 
     path = tiny_checkpoints[family]
     est, info = estimate_folder(path), inspect_checkpoint(str(path))
@@ -171,6 +171,6 @@ def test_budget_arg_never_goes_below_the_minimum(estimates):
     assert budget_arg(est.all_expert_bytes, est) == "all"
     assert budget_arg(int(10.77 * GiB), est) == "10.7GiB"
     assert budget_arg(est.min_budget_bytes, est) == "3.3GiB" or budget_arg(est.min_budget_bytes, est).endswith("MiB")
-    from engine.sizes import parse_size
+    from engine.accounting.sizes import parse_size
 
     assert parse_size(budget_arg(est.min_budget_bytes, est)) >= est.min_budget_bytes

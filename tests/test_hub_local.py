@@ -12,8 +12,8 @@ from engine.errors import CheckpointError
 from engine.hub.errors import HubError
 from engine.hub.local import estimate_folder, find_cached, list_cached_models, remove_cached, resolve_model
 from engine.hub.paths import repo_folder
-from tests.checkpoints import reference_generate
-from tests.hub_fixtures.library_hub import SHA, place_in_cache
+from tests.helpers.checkpoints import reference_generate
+from tests.helpers.hub.library_hub import SHA, place_in_cache
 
 PROMPT = [1, 17, 42, 9, 77, 5]
 
@@ -26,9 +26,9 @@ def cache(tmp_path, monkeypatch) -> Path:
 
 
 def test_a_model_in_the_hf_cache_is_listed_and_runs(cache, mixtral_checkpoint):
-    from engine.generation import Generator
-    from engine.runtime import LoadOptions, MoERuntime
-    from engine.sampling import SamplingSettings
+    from engine.decode.generation import Generator
+    from engine.decode.runtime import MoERuntime
+    from engine.protocol import LoadModel, SamplingSettings
 
     snapshot = place_in_cache(cache, "someone/tiny-mixtral", mixtral_checkpoint)
     [model] = list_cached_models()  # HF_HUB_CACHE decides where to look
@@ -38,10 +38,10 @@ def test_a_model_in_the_hf_cache_is_listed_and_runs(cache, mixtral_checkpoint):
 
     path = resolve_model("someone/tiny-mixtral")
     assert path == snapshot
-    runtime = MoERuntime(LoadOptions(model=str(path), budget="1", store="disk", device="cpu"))
+    runtime = MoERuntime(LoadModel(path=str(path), budget="1", store="disk", device="cpu"))
     try:
         assert "below this model's minimum" in runtime.plan.note  # the smallest budget there is
-        result = Generator(runtime).generate(PROMPT, SamplingSettings(max_new_tokens=6))
+        result = Generator(runtime).generate(PROMPT, SamplingSettings(temperature=0, max_new_tokens=6))
     finally:
         runtime.close()
     assert result.token_ids == reference_generate(mixtral_checkpoint, PROMPT, 6)
@@ -102,7 +102,7 @@ def test_remove_goes_through_the_hub_cache_api(cache, mixtral_checkpoint):
 
 
 def test_cli_info_on_a_local_folder(capsys, mixtral_checkpoint):
-    from engine.cli import main as moescope
+    from engine.cli.main import main as moescope
 
     assert moescope(["models", "info", str(mixtral_checkpoint), "--json"]) == 0
     report = json.loads(capsys.readouterr().out)

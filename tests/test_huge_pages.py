@@ -1,4 +1,4 @@
-"""CPU weights in memory advised for 2 MiB pages (engine.huge_pages): decode streams every active
+"""CPU weights in memory advised for 2 MiB pages (engine.system.huge_pages): decode streams every active
 weight once per token, and with huge pages the same reads ran 2-5 % faster on the test VM."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import sys
 import pytest
 import torch
 
-from engine import huge_pages
+from engine.system import huge_pages
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux") or not hasattr(mmap, "MADV_HUGEPAGE"),
                                 reason="transparent huge pages are a Linux feature")

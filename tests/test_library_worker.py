@@ -15,11 +15,13 @@ from pathlib import Path
 import pytest
 
 from engine import protocol as p
-from engine.client import EngineClient
-from engine.library_service import LibraryService
-from tests.checkpoints import save_tiny_checkpoint
-from tests.engine_events import EventLog, started_client
-from tests.hub_fixtures.library_hub import HoldingHub, fill_hub, hub_environment, padding_weights, place_in_cache
+from engine.process.client import EngineClient
+from engine.process.library_service import LibraryService
+from tests.helpers.checkpoints import save_tiny_checkpoint
+from tests.helpers.engine_events import EventLog, started_client
+from tests.helpers.hub.library_hub import HoldingHub, fill_hub, hub_environment, padding_weights, place_in_cache
+
+pytestmark = pytest.mark.process
 
 START_S = 180  # the first answer waits for the worker to import torch on a busy machine
 CATALOG = [m["repo"] for m in json.loads((Path(__file__).parents[1] / "resources" / "catalog.json").read_text())["models"]]
@@ -120,7 +122,7 @@ def test_download_runs_beside_a_reply_refuses_a_second_and_cancels(library, mixt
     assert busy.kind == "download-busy" and busy.message.startswith(f"'{slow}' is still downloading")
 
     # the worker chats while the download waits on the Hub
-    done = library.ask(p.Generate("r1", prompt="Hello", sampling=p.SamplingParams(temperature=0, max_new_tokens=6)),
+    done = library.ask(p.Generate("r1", prompt="Hello", sampling=p.SamplingSettings(temperature=0, max_new_tokens=6)),
                        lambda e: isinstance(e, p.Done) and e.request_id == "r1")
     assert done.finish_reason in ("length", "eos") and not hub.release.is_set()
     progress = [e for e in library.log.events[start:] if isinstance(e, p.DownloadProgress)]
@@ -157,7 +159,7 @@ def test_a_download_starts_mid_reply_and_its_errors_leave_the_reply_alone(librar
     hub.hold_file(slow, "model.safetensors")
     loaded = library.ask(p.LoadModel(str(endless)), lambda e: isinstance(e, (p.ModelLoaded, p.Error)))
     assert isinstance(loaded, p.ModelLoaded), loaded
-    library.ask(p.Generate("long", prompt="Tell", sampling=p.SamplingParams(temperature=0, max_new_tokens=200)),
+    library.ask(p.Generate("long", prompt="Tell", sampling=p.SamplingSettings(temperature=0, max_new_tokens=200)),
                 lambda e: isinstance(e, p.Token) and e.request_id == "long")
     mark = library.log.mark()
     library.client.send(p.DownloadModel(slow))
@@ -193,7 +195,7 @@ def test_failed_downloads_are_one_line_errors_and_the_worker_stays_up(library):
 
 
 def test_a_crashing_download_thread_becomes_an_error_and_frees_the_slot(monkeypatch):
-    import engine.library_service as service
+    import engine.process.library_service as service
 
     def explode(repo_id, cancel, send):
         raise RuntimeError("boom")

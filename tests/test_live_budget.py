@@ -2,17 +2,17 @@
 
 from __future__ import annotations
 
-from engine.generation import Generator
-from engine.runtime import LoadOptions, MoERuntime
-from engine.sampling import SamplingSettings
-from tests.checkpoints import reference_generate
+from engine.decode.generation import Generator
+from engine.decode.runtime import MoERuntime
+from engine.protocol import LoadModel, SamplingSettings
+from tests.helpers.checkpoints import reference_generate
 
 PROMPT = [1, 23, 45, 67, 8, 9, 10]
 
 
 def test_budget_change_mid_reply_applies_between_tokens_and_stays_exact(mixtral_checkpoint):
     expected = reference_generate(mixtral_checkpoint, PROMPT, 16)
-    runtime = MoERuntime(LoadOptions(model=str(mixtral_checkpoint), budget="all", store="disk"))
+    runtime = MoERuntime(LoadModel(path=str(mixtral_checkpoint), budget="all", store="disk"))
     full_slots = runtime.cache.slots_per_layer
     generator = Generator(runtime)
     slots_seen: list[list[int]] = []
@@ -27,7 +27,7 @@ def test_budget_change_mid_reply_applies_between_tokens_and_stays_exact(mixtral_
             runtime.set_budget("75%")
         return False
 
-    result = generator.generate(PROMPT, SamplingSettings(max_new_tokens=16), on_token=tokens_seen.append,
+    result = generator.generate(PROMPT, SamplingSettings(temperature=0, max_new_tokens=16), on_token=tokens_seen.append,
                                 between_tokens=between_tokens)
     runtime.close()
     assert result.token_ids == expected
@@ -39,7 +39,7 @@ def test_budget_change_mid_reply_applies_between_tokens_and_stays_exact(mixtral_
 
 
 def test_growing_keeps_resident_experts(mixtral_checkpoint):
-    runtime = MoERuntime(LoadOptions(model=str(mixtral_checkpoint), budget="1", store="ram"))
+    runtime = MoERuntime(LoadModel(path=str(mixtral_checkpoint), budget="1", store="ram"))
     before = runtime.cache.resident_matrix()
     runtime.set_budget("all")
     after = runtime.cache.resident_matrix()

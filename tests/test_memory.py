@@ -8,7 +8,9 @@ import sys
 
 import pytest
 
-from tests.checkpoints import write_large_qwen3_moe
+from tests.helpers.checkpoints import write_large_qwen3_moe
+
+pytestmark = pytest.mark.process
 
 BUDGET = 128 * 2**20
 SLACK = 600 * 2**20  # Python, torch and transformers themselves
@@ -22,7 +24,7 @@ def large_checkpoint(tmp_path_factory):
 
 
 def moescope(*args: str) -> dict:
-    proc = subprocess.run([sys.executable, "-m", "engine.cli", *args], capture_output=True, text=True, timeout=600)
+    proc = subprocess.run([sys.executable, "-m", "engine.cli.main", *args], capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr
     return json.loads(proc.stdout)
 

@@ -304,7 +304,7 @@ def test_bundle_screenshot_runs_frozen(bundle, tmp_path):
 
 
 def _tiny_checkpoint(tmp_path: Path, family: str = "qwen2_moe") -> Path:
-    from tests.checkpoints import save_tiny_checkpoint
+    from tests.helpers.checkpoints import save_tiny_checkpoint
 
     return save_tiny_checkpoint(family, tmp_path / f"tiny-{family}")
 
@@ -316,7 +316,7 @@ def test_bundle_engine_cli_runs_frozen(bundle, tmp_path, family):
     the frozen transformers finds each model class and its @use_experts_implementation source."""
     import json
 
-    from tests.checkpoints import reference_generate
+    from tests.helpers.checkpoints import reference_generate
 
     path = _tiny_checkpoint(tmp_path, family)
     ids = [1, 17, 42, 9, 77, 5, 63, 30, 11]

@@ -9,16 +9,17 @@ import time
 import numpy as np
 import pytest
 
-from engine.miss_curves import MissCurveRecorder
-from engine.planner import Geometry, estimate, plan_budget, planned_allocation, predict, uniform_allocation
-from engine.policies import make_policy
-from engine.replay import plan_slots, replay, trace_curves
-from tests.traces import skewed_trace
+from engine.accounting.miss_curves import MissCurveRecorder
+from engine.accounting.planner import Geometry, estimate, plan_budget, planned_allocation, predict, uniform_allocation
+from engine.accounting.policies import make_policy
+from engine.accounting.routing import RoutingStep
+from engine.traces.replay import plan_slots, replay, trace_curves
+from tests.helpers.traces import skewed_trace
 
 
 def test_planner_imports_without_torch():
     # The GUI calls the planner while the slider is dragged; it must not pull torch in.
-    code = ("import sys; import engine.planner, engine.miss_curves, engine.replay, engine.trace; "
+    code = ("import sys; import engine.accounting.planner, engine.accounting.miss_curves, engine.traces.replay, engine.traces.trace; "
             "assert 'torch' not in sys.modules, 'torch was imported'")
     subprocess.run([sys.executable, "-c", code], check=True)
 
@@ -27,7 +28,7 @@ def test_stack_distance_curve_by_hand():
     # one layer, top-1: 0 1 2 0 1 2 ... after warm-up order 0,1,2,3 (0 most recent)
     rec = MissCurveRecorder(1, 4)
     for e in [0, 1, 2] * 3:
-        rec.record(0, [e])
+        rec.record(RoutingStep.of_layer(0, [e]))
     curve = rec.curves()[0] * 9  # misses in total, per slot count
     # 1 slot: only the first access (0, on top of the warm stack) hits; 2 slots: the first two;
     # 3 slots hold the whole cycle
@@ -35,8 +36,8 @@ def test_stack_distance_curve_by_hand():
 
 
 def test_a_whole_tokens_routing_recorded_at_once_equals_layer_by_layer():
-    # The whole-token decode step records a token's routing in one call; the curves, stacks and
-    # counts must be those of the per-layer path, from any warm-up order.
+    # The whole-token path records a token's routing as one step of every layer; the curves,
+    # stacks and counts must be those of the per-layer path, from any warm-up order.
     rng = np.random.default_rng(7)
     layers, experts, top_k = 5, 16, 4
     warm = [rng.permutation(experts)[:10].tolist() for _ in range(layers)]
@@ -44,8 +45,8 @@ def test_a_whole_tokens_routing_recorded_at_once_equals_layer_by_layer():
     for _ in range(200):
         picks = np.stack([rng.choice(experts, top_k, replace=False) for _ in range(layers)])
         for layer in range(layers):
-            by_layer.record(layer, picks[layer].tolist())
-        at_once.record_token(picks)
+            by_layer.record(RoutingStep.of_layer(layer, sorted(picks[layer].tolist())))
+        at_once.record(RoutingStep.of_token(picks))
     assert np.array_equal(by_layer.hist, at_once.hist)
     assert by_layer.stacks == at_once.stacks
     assert np.array_equal(by_layer.tokens, at_once.tokens) and by_layer.steps == at_once.steps == 200
@@ -126,7 +127,7 @@ def test_replanning_64_layers_by_256_experts_is_fast(capsys):
     for _ in range(100):
         for layer in range(64):
             width = 16 + 3 * layer
-            rec.record(layer, np.unique(rng.zipf(1.2, size=16) % width)[:8], 1)
+            rec.record(RoutingStep.of_layer(layer, np.unique(rng.zipf(1.2, size=16) % width)[:8]))
     curves = rec.curves()
     times = []
     for total in (64 * 8, 64 * 40, 64 * 128, 64 * 200):
@@ -140,14 +141,14 @@ def test_replanning_64_layers_by_256_experts_is_fast(capsys):
 
 
 def test_runtime_measures_miss_curves_and_replans_from_them_exactly(mixtral_checkpoint):
-    from engine.generation import Generator
-    from engine.runtime import LoadOptions, MoERuntime
-    from engine.sampling import SamplingSettings
-    from tests.checkpoints import reference_generate
+    from engine.decode.generation import Generator
+    from engine.decode.runtime import MoERuntime
+    from engine.protocol import LoadModel, SamplingSettings
+    from tests.helpers.checkpoints import reference_generate
 
     prompt = [1, 23, 45, 67, 8, 9, 10]
     expected = reference_generate(mixtral_checkpoint, prompt, 16)
-    runtime = MoERuntime(LoadOptions(model=str(mixtral_checkpoint), budget="all", store="disk"))
+    runtime = MoERuntime(LoadModel(path=str(mixtral_checkpoint), budget="all", store="disk"))
     assert runtime.miss_curves() is None  # nothing routed yet
     plans = []
     tokens: list[int] = []
@@ -157,7 +158,7 @@ def test_runtime_measures_miss_curves_and_replans_from_them_exactly(mixtral_chec
             plans.append(runtime.set_budget("40%" if len(tokens) == 4 else "1"))
         return False
 
-    result = Generator(runtime).generate(prompt, SamplingSettings(max_new_tokens=16), on_token=tokens.append,
+    result = Generator(runtime).generate(prompt, SamplingSettings(temperature=0, max_new_tokens=16), on_token=tokens.append,
                                          between_tokens=between_tokens)
     curves = runtime.miss_curves()
     runtime.close()

@@ -10,18 +10,19 @@ import numpy as np
 import pytest
 import torch
 
-from engine.cache_directory import CacheDirectory, NoFreeSlotError
-from engine.cli import main as moescope
-from engine.generation import Generator
-from engine.loads import ChunkScheduler, LoadJob
-from engine.perplexity import perplexity
-from engine.policies import LOSSLESS, POLICIES, PolicyError, make_policy
-from engine.replay import compare, replay
-from engine.runtime import LoadOptions, MoERuntime
-from engine.sampling import SamplingSettings
-from engine.sizes import parse_budget
-from tests.checkpoints import FAMILIES, reference_generate
-from tests.traces import request_types_trace
+from bench.perplexity import perplexity
+from engine.accounting.directory import CacheDirectory, NoFreeSlotError
+from engine.accounting.policies import LOSSLESS, POLICIES, PolicyError, make_policy
+from engine.accounting.routing import RoutingStep
+from engine.accounting.sizes import parse_budget
+from engine.cli.main import main as moescope
+from engine.decode.generation import Generator
+from engine.decode.runtime import MoERuntime
+from engine.offload.loads import ChunkScheduler, LoadJob
+from engine.protocol import LoadModel, SamplingSettings
+from engine.traces.replay import compare, replay
+from tests.helpers.checkpoints import FAMILIES, reference_generate
+from tests.helpers.traces import request_types_trace
 
 PROMPT = [1, 17, 42, 9, 77, 5, 63, 30, 11]
 NEW_TOKENS = 12
@@ -78,7 +79,7 @@ def test_bad_policy_names_are_refused(capsys, mixtral_checkpoint):
 
 def test_switching_policies_mid_reply_stays_exact(mixtral_checkpoint):
     expected = reference_generate(mixtral_checkpoint, PROMPT, 20)
-    runtime = MoERuntime(LoadOptions(model=str(mixtral_checkpoint), budget="1", store="disk", policy="lru"))
+    runtime = MoERuntime(LoadModel(path=str(mixtral_checkpoint), budget="1", store="disk", policy="lru"))
     order = iter(["eam", "promoe", "popularity", "lfu", "promoe:k=1", "lru"])
     tokens: list[int] = []
     seen: list[tuple[str, np.ndarray]] = []
@@ -90,7 +91,7 @@ def test_switching_policies_mid_reply_stays_exact(mixtral_checkpoint):
             seen.append((runtime.cache.policy.name, before == runtime.cache.resident_matrix()))
         return False
 
-    result = Generator(runtime).generate(PROMPT, SamplingSettings(max_new_tokens=20), on_token=tokens.append,
+    result = Generator(runtime).generate(PROMPT, SamplingSettings(temperature=0, max_new_tokens=20), on_token=tokens.append,
                                          between_tokens=between_tokens)
     runtime.close()
     assert result.token_ids == expected
@@ -103,7 +104,7 @@ def test_switching_policies_mid_reply_stays_exact(mixtral_checkpoint):
 def test_budget_changes_with_prefetches_in_flight_stay_exact(tiny_checkpoints, policy, store):
     path = tiny_checkpoints["qwen2_moe"]
     expected = reference_generate(path, PROMPT, 20)
-    runtime = MoERuntime(LoadOptions(model=str(path), budget="30%", store=store, policy=policy))
+    runtime = MoERuntime(LoadModel(path=str(path), budget="30%", store=store, policy=policy))
     tokens: list[int] = []
     slots: list[int] = []
 
@@ -113,7 +114,7 @@ def test_budget_changes_with_prefetches_in_flight_stay_exact(tiny_checkpoints, p
             slots.append(sum(runtime.cache.slots_per_layer))
         return False
 
-    result = Generator(runtime).generate(PROMPT, SamplingSettings(max_new_tokens=20), on_token=tokens.append,
+    result = Generator(runtime).generate(PROMPT, SamplingSettings(temperature=0, max_new_tokens=20), on_token=tokens.append,
                                          between_tokens=between_tokens)
     stats = runtime.policy_stats()
     runtime.close()
@@ -126,8 +127,8 @@ def test_budget_changes_with_prefetches_in_flight_stay_exact(tiny_checkpoints, p
 
 
 def test_promoe_reports_prediction_accuracy_and_goodpred(mixtral_checkpoint):
-    runtime = MoERuntime(LoadOptions(model=str(mixtral_checkpoint), budget="1", store="disk", policy="promoe:k=1"))
-    Generator(runtime).generate(PROMPT, SamplingSettings(max_new_tokens=NEW_TOKENS))
+    runtime = MoERuntime(LoadModel(path=str(mixtral_checkpoint), budget="1", store="disk", policy="promoe:k=1"))
+    Generator(runtime).generate(PROMPT, SamplingSettings(temperature=0, max_new_tokens=NEW_TOKENS))
     stats = runtime.policy_stats()
     runtime.close()
     assert stats["predicted_sets"] > 0
@@ -159,7 +160,7 @@ def test_eam_collection_is_bounded_and_replaces_the_most_similar():
     policy.reset(1, 4, 1)
     for experts in ([0], [0], [3]):  # two identical requests, then a different one
         policy.on_request_start()
-        policy.on_access(0, experts, [5])
+        policy.on_access(RoutingStep.of_layer(0, experts, [5]))
     policy.on_request_start()
     assert policy.collection_len == 2
     stored = {tuple(np.flatnonzero(m[0])) for m in policy.collection}
@@ -168,8 +169,8 @@ def test_eam_collection_is_bounded_and_replaces_the_most_similar():
 
 @pytest.mark.parametrize("name", sorted(LOSSLESS))
 def test_a_whole_token_of_accesses_at_once_leaves_the_state_of_layer_by_layer(name):
-    # The whole-token decode step tells the policy a token's accesses in one call; what it then
-    # evicts must be what the per-layer calls would have made it evict.
+    # The whole-token path tells the policy a token's accesses as one step of every layer; what it
+    # then evicts must be what the per-layer steps would have made it evict.
     rng = np.random.default_rng(3)
     layers, experts, top_k = 4, 12, 2
     by_layer, at_once = make_policy(name), make_policy(name)
@@ -182,8 +183,8 @@ def test_a_whole_token_of_accesses_at_once_leaves_the_state_of_layer_by_layer(na
     for _ in range(30):
         picks = np.sort(np.stack([rng.choice(experts, top_k, replace=False) for _ in range(layers)]), axis=1)
         for layer, row in enumerate(picks.tolist()):
-            by_layer.on_access(layer, row, [1] * top_k)
-        at_once.on_token_access(picks)
+            by_layer.on_access(RoutingStep.of_layer(layer, row))
+        at_once.on_access(RoutingStep.of_token(picks))
     everyone = list(range(experts))
     for layer in range(layers):
         for keep in range(experts - 1):
@@ -196,10 +197,10 @@ def test_lfu_evicts_the_least_frequently_used():
     policy.reset(1, 8, 1)
     d = CacheDirectory([2], policy)
     for e in (0, 0, 0, 1):
-        _, misses = d.split(0, [e])
+        misses = d.lookup(RoutingStep.of_layer(0, [e]))[0].missing
         for m in misses:
             d.assign(0, m, {m})
-    _, misses = d.split(0, [2])
+    misses = d.lookup(RoutingStep.of_layer(0, [2]))[0].missing
     _, evicted = d.assign(0, 2, {2})
     assert evicted == 1  # used once, although more recently than expert 0
 
@@ -213,7 +214,7 @@ def test_popularity_pins_the_profile_favourites():
     for e in (1, 5, 2):
         d.assign(0, e, {e})
     for e in (3, 4, 6, 7):  # a stream of other experts only ever evicts the unpinned slot
-        d.split(0, [e])
+        d.lookup(RoutingStep.of_layer(0, [e]))
         _, evicted = d.assign(0, e, {e})
         assert evicted not in (1, 5)
     assert {1, 5} <= set(d.resident(0))
@@ -224,8 +225,8 @@ def test_popularity_pins_the_profile_favourites():
 
 def test_swapmoe_routes_only_among_residents_and_is_exact_with_everything_resident(mixtral_checkpoint, references):
     for budget, exact in (("all", True), ("1", False)):
-        runtime = MoERuntime(LoadOptions(model=str(mixtral_checkpoint), budget=budget, store="disk", policy="swapmoe"))
-        result = Generator(runtime).generate(PROMPT, SamplingSettings(max_new_tokens=NEW_TOKENS))
+        runtime = MoERuntime(LoadModel(path=str(mixtral_checkpoint), budget=budget, store="disk", policy="swapmoe"))
+        result = Generator(runtime).generate(PROMPT, SamplingSettings(temperature=0, max_new_tokens=NEW_TOKENS))
         stats = runtime.policy_stats()
         runtime.close()
         assert result.stats.misses == 0  # the router never asks for a non-resident expert
@@ -244,7 +245,7 @@ def test_perplexity_through_the_engine(mixtral_checkpoint):
         exact = math.exp(float(model(torch.tensor([ids]), labels=torch.tensor([ids])).loss))
     results = {}
     for policy, budget in (("lru", "1"), ("swapmoe", "all"), ("swapmoe", "1")):
-        runtime = MoERuntime(LoadOptions(model=str(mixtral_checkpoint), budget=budget, store="disk", policy=policy))
+        runtime = MoERuntime(LoadModel(path=str(mixtral_checkpoint), budget=budget, store="disk", policy=policy))
         results[policy, budget] = perplexity(runtime, ids)
         runtime.close()
     assert results["lru", "1"] == pytest.approx(exact, rel=1e-4)  # lossless at the minimum budget
@@ -304,9 +305,9 @@ def test_prefetch_never_takes_protected_or_loading_slots():
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_cpu_execution_of_misses_on_gpu(tiny_checkpoints, references):
     for family in ("mixtral", "gpt_oss"):
-        runtime = MoERuntime(LoadOptions(model=str(tiny_checkpoints[family]), budget="1", store="ram",
+        runtime = MoERuntime(LoadModel(path=str(tiny_checkpoints[family]), budget="1", store="ram",
                                          device="cuda", cpu_experts="auto", dtype="float32"))
-        result = Generator(runtime).generate(PROMPT, SamplingSettings(max_new_tokens=NEW_TOKENS))
+        result = Generator(runtime).generate(PROMPT, SamplingSettings(temperature=0, max_new_tokens=NEW_TOKENS))
         stats = runtime.policy_stats()
         runtime.close()
         assert "cpu_expert_runs" in stats

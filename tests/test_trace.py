@@ -6,15 +6,15 @@ import json
 
 import pytest
 
-from engine.cli import main as moescope
-from engine.generation import Generator
-from engine.policies import POLICIES, make_policy
-from engine.replay import belady_for, replay
-from engine.runtime import LoadOptions, MoERuntime
-from engine.sampling import SamplingSettings
-from engine.trace import TraceError, read_trace
-from tests.checkpoints import reference_generate
-from tests.traces import hand_trace, skewed_trace, write_csv
+from engine.accounting.policies import POLICIES, make_policy
+from engine.cli.main import main as moescope
+from engine.decode.generation import Generator
+from engine.decode.runtime import MoERuntime
+from engine.protocol import LoadModel, SamplingSettings
+from engine.traces.replay import belady_for, replay
+from engine.traces.trace import TraceError, read_trace
+from tests.helpers.checkpoints import reference_generate
+from tests.helpers.traces import hand_trace, skewed_trace, write_csv
 
 PROMPTS = [[1, 17, 42, 9, 77, 5, 63, 30, 11], [1, 23, 45, 67, 8, 9, 10], [1, 50, 51, 52, 53]]
 NEW_TOKENS = 40
@@ -25,9 +25,9 @@ BUDGETS = "30%,45%,60%"
 def recorded(tmp_path_factory, tiny_checkpoints):
     """A trace recorded by the engine: three requests to the tiny OLMoE checkpoint, with the outputs."""
     path = tmp_path_factory.mktemp("traces") / "olmoe.jsonl"
-    runtime = MoERuntime(LoadOptions(model=str(tiny_checkpoints["olmoe"]), budget="30%", store="disk", trace=str(path)))
+    runtime = MoERuntime(LoadModel(path=str(tiny_checkpoints["olmoe"]), budget="30%", store="disk", trace=str(path)))
     generator = Generator(runtime)
-    outputs = [generator.generate(p, SamplingSettings(max_new_tokens=NEW_TOKENS)).token_ids for p in PROMPTS]
+    outputs = [generator.generate(p, SamplingSettings(temperature=0, max_new_tokens=NEW_TOKENS)).token_ids for p in PROMPTS]
     layers = runtime.layout.num_layers
     runtime.close()
     return path, outputs, layers

@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import pytest
 
-from engine.cache_directory import CacheDirectory
+from engine.accounting.directory import CacheDirectory
+from engine.accounting.planner import uniform_allocation
+from engine.accounting.policies import make_policy
+from engine.accounting.routing import RoutingStep
+from engine.accounting.sizes import parse_budget
 from engine.errors import BudgetError
-from engine.planner import uniform_allocation
-from engine.policies import make_policy
-from engine.sizes import parse_budget
 
 
 @pytest.mark.parametrize(
@@ -37,7 +38,7 @@ def test_lru_directory_evicts_least_recently_used():
     d = CacheDirectory([3], policy)
     misses_per_access = []
     for experts in ([0, 1], [2], [0], [3], [1]):
-        _, misses = d.split(0, experts)
+        misses = d.lookup(RoutingStep.of_layer(0, experts))[0].missing
         for e in misses:
             d.assign(0, e, set(experts))
         misses_per_access.append(misses)
@@ -50,7 +51,7 @@ def test_protected_experts_are_never_evicted():
     policy = make_policy("lru")
     policy.reset(1, 8, 2)
     d = CacheDirectory([2], policy)
-    d.split(0, [0, 1])
+    d.lookup(RoutingStep.of_layer(0, [0, 1]))
     d.assign(0, 0, {0, 1})
     d.assign(0, 1, {0, 1})
     _, evicted = d.assign(0, 5, {0})
@@ -62,7 +63,7 @@ def test_resize_keeps_most_recent():
     policy.reset(1, 8, 2)
     d = CacheDirectory([4], policy)
     for e in range(4):
-        d.split(0, [e])
+        d.lookup(RoutingStep.of_layer(0, [e]))
         d.assign(0, e, {e})
     d.resize([2])
     assert d.resident(0) == [2, 3]

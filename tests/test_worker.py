@@ -13,9 +13,11 @@ import time
 import pytest
 
 from engine import protocol as p
-from engine.cli import main as moescope
-from tests.checkpoints import reference_generate, save_tiny_checkpoint
-from tests.engine_events import started_client
+from engine.cli.main import main as moescope
+from tests.helpers.checkpoints import reference_generate, save_tiny_checkpoint
+from tests.helpers.engine_events import started_client
+
+pytestmark = pytest.mark.process
 
 PROMPT_IDS = [1, 23, 45, 67, 8, 9, 10]
 
@@ -43,7 +45,7 @@ def done_for(log, rid: str, start: int = 0, timeout: float = 60):
 def test_streamed_reply_equals_the_cli(engine, endless_checkpoint, capsys):
     client, log = engine
     client.send(p.Generate("r1", messages=[{"role": "user", "content": "Hello there"}],
-                           sampling=p.SamplingParams(temperature=0, max_new_tokens=20)))
+                           sampling=p.SamplingSettings(temperature=0, max_new_tokens=20)))
     done = done_for(log, "r1")
     streamed = "".join(e.text for e in log.of(p.Token) if e.request_id == "r1")
     assert streamed == done.text
@@ -60,12 +62,12 @@ def test_cancel_stops_within_a_token_and_the_next_request_works(engine):
     # The cancel is in the pipe before the first token: the worker reads it between tokens 1 and 2.
     # (Sending it on the Nth streamed token instead races the reader thread against a tiny model's
     # ~1 ms tokens, so how many more tokens come depends on the machine's load, not on the worker.)
-    client.send(p.Generate("long", prompt_ids=PROMPT_IDS, sampling=p.SamplingParams(temperature=0, max_new_tokens=200)))
+    client.send(p.Generate("long", prompt_ids=PROMPT_IDS, sampling=p.SamplingSettings(temperature=0, max_new_tokens=200)))
     client.send(p.Cancel("long"))
     done = done_for(log, "long")
     assert done.finish_reason == "cancelled"
     assert 1 <= len(done.token_ids) <= 2
-    client.send(p.Generate("next", prompt_ids=PROMPT_IDS, sampling=p.SamplingParams(temperature=0, max_new_tokens=5)))
+    client.send(p.Generate("next", prompt_ids=PROMPT_IDS, sampling=p.SamplingSettings(temperature=0, max_new_tokens=5)))
     assert done_for(log, "next").finish_reason == "length"
 
 
@@ -85,7 +87,7 @@ def test_budget_change_mid_reply_shows_in_the_next_snapshot_and_stays_exact(engi
 
     client.on_event = shrink_on_fifth_token
     mark = log.mark()
-    client.send(p.Generate("b", prompt_ids=PROMPT_IDS, sampling=p.SamplingParams(temperature=0, max_new_tokens=40)))
+    client.send(p.Generate("b", prompt_ids=PROMPT_IDS, sampling=p.SamplingSettings(temperature=0, max_new_tokens=40)))
     changed = log.wait_for(lambda e: isinstance(e, p.BudgetChanged), start=mark)
     after = log.events.index(changed)
     snapshot = log.wait_for(lambda e: isinstance(e, p.TelemetrySnapshot), start=after)
@@ -110,7 +112,7 @@ def test_sigkill_mid_reply_is_reported_and_restart_reloads(engine):
             os.kill(client.pid, signal.SIGKILL)
 
     client.on_event = kill_on_second_token
-    client.send(p.Generate("k", prompt_ids=PROMPT_IDS, sampling=p.SamplingParams(temperature=0, max_new_tokens=500)))
+    client.send(p.Generate("k", prompt_ids=PROMPT_IDS, sampling=p.SamplingSettings(temperature=0, max_new_tokens=500)))
     crash = log.wait_for(lambda e: isinstance(e, p.Error) and e.kind == "engine-crashed", timeout=10)
     reported = time.monotonic()
     assert reported - killed.at < 2.0
@@ -119,7 +121,7 @@ def test_sigkill_mid_reply_is_reported_and_restart_reloads(engine):
     mark = log.mark()
     client.restart(reload=True)
     assert isinstance(log.wait_for(lambda e: isinstance(e, (p.ModelLoaded, p.Error)), start=mark), p.ModelLoaded)
-    client.send(p.Generate("after", prompt_ids=PROMPT_IDS, sampling=p.SamplingParams(temperature=0, max_new_tokens=4)))
+    client.send(p.Generate("after", prompt_ids=PROMPT_IDS, sampling=p.SamplingSettings(temperature=0, max_new_tokens=4)))
     assert len(done_for(log, "after", mark).token_ids) == 4
 
 
@@ -133,7 +135,7 @@ def test_fast_decode_switch_applies_live_and_survives_a_restart(endless_checkpoi
         client.send(p.SetFastDecode(True))
         changed = log.wait_for(lambda e: isinstance(e, p.FastDecodeChanged), start=mark)
         assert changed.enabled and changed.available
-        client.send(p.Generate("f", prompt_ids=PROMPT_IDS, sampling=p.SamplingParams(temperature=0, max_new_tokens=8)))
+        client.send(p.Generate("f", prompt_ids=PROMPT_IDS, sampling=p.SamplingSettings(temperature=0, max_new_tokens=8)))
         assert len(done_for(log, "f", mark).token_ids) == 8
         mark = log.mark()
         client.restart(reload=True)  # e.g. after a crash: the switch stays as the user left it
@@ -169,7 +171,7 @@ def test_corrupt_checkpoint_is_an_error_and_the_worker_stays(tmp_path, endless_c
 def test_telemetry_agrees_with_the_engine_counts(engine):
     client, log = engine
     mark = log.mark()
-    client.send(p.Generate("t", prompt_ids=PROMPT_IDS, sampling=p.SamplingParams(temperature=0, max_new_tokens=12)))
+    client.send(p.Generate("t", prompt_ids=PROMPT_IDS, sampling=p.SamplingSettings(temperature=0, max_new_tokens=12)))
     done = done_for(log, "t", mark)
     final = [e for e in log.events[mark:] if isinstance(e, p.TelemetrySnapshot)][-1]
     loaded = log.of(p.ModelLoaded)[0]
@@ -177,7 +179,7 @@ def test_telemetry_agrees_with_the_engine_counts(engine):
     assert activation.shape == (loaded.num_layers, loaded.num_experts)
     forwarded = len(PROMPT_IDS) + len(done.token_ids) - 1  # the last token is sampled, never fed back
     assert (activation.sum(axis=1) == forwarded * loaded.top_k).all()
-    assert final.hit_rate_request == pytest.approx(done.stats["hit_rate"])
+    assert final.hit_rate_request == pytest.approx(done.stats.hit_rate)
     assert final.tokens_generated == len(done.token_ids)
     assert final.resident.numpy().sum(axis=1).tolist() == final.slots_per_layer
     assert final.link == "disk -> RAM" and final.rss_bytes > 0
@@ -186,7 +188,7 @@ def test_telemetry_agrees_with_the_engine_counts(engine):
 
 
 def test_gui_side_imports_pull_in_neither_torch_nor_qt():
-    code = ("import sys, engine.protocol, engine.client; "
+    code = ("import sys, engine.protocol, engine.process.client; "
             "bad = [m for m in sys.modules if m == 'torch' or m.startswith(('torch.', 'PySide', 'PyQt', 'transformers'))]; "
             "print(bad)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True).stdout

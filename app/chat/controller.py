@@ -15,7 +15,7 @@ from PySide6.QtCore import QObject, QTimer, Signal
 from app.chat.chat_view import ChatView
 from app.chat.message_widget import MessageWidget
 from app.engine_bridge import EngineBridge
-from app.history import DEFAULT_TITLE, Conversation, HistoryStore, Message, default_sampling
+from app.models.history import DEFAULT_TITLE, Conversation, HistoryStore, Message
 from engine import protocol as p
 
 SAVE_INTERVAL_MS = 500
@@ -52,7 +52,7 @@ class ChatController(QObject):
         self.queued: str | None = None  # sent before the model finished loading
         self._next_render = 0.0
         self.draft_system_prompt = ""
-        self.draft_sampling = default_sampling()
+        self.draft_sampling = p.SamplingSettings()
         self._save_timer = QTimer(self, interval=SAVE_INTERVAL_MS)
         self._save_timer.timeout.connect(self.save_partial)
 
@@ -113,7 +113,7 @@ class ChatController(QObject):
             self.view.title.setText(DEFAULT_TITLE)
         self.conversations_changed.emit()
 
-    def update_settings(self, system_prompt: str, sampling: p.SamplingParams) -> None:
+    def update_settings(self, system_prompt: str, sampling: p.SamplingSettings) -> None:
         if self.conversation is None:
             self.draft_system_prompt, self.draft_sampling = system_prompt, sampling
             return
@@ -220,7 +220,7 @@ class ChatController(QObject):
             if widget is not None:
                 widget.set_error(event.message)
 
-    def _finish(self, text: str, stats: dict | None, finish_reason: str) -> None:
+    def _finish(self, text: str, stats: p.ReplyStats | None, finish_reason: str) -> None:
         active = self.active
         assert active is not None
         self.active = None

@@ -6,7 +6,7 @@ from PySide6.QtCore import QPoint, Qt, Signal
 from PySide6.QtGui import QKeySequence, QShortcut
 from PySide6.QtWidgets import QLineEdit, QListWidget, QListWidgetItem, QMenu, QPushButton, QVBoxLayout, QWidget
 
-from app.history import Conversation
+from app.models.history import Conversation
 
 ID_ROLE = Qt.ItemDataRole.UserRole
 

@@ -16,9 +16,10 @@ from PySide6.QtWidgets import (
 )
 
 from app.chat.rich_text import AutoHeightBrowser
-from app.markdown_render import render_markdown, stylesheet
-from app.stats_format import reply_stats_line
+from app.models.markdown_render import render_markdown, stylesheet
+from app.models.stats_format import reply_stats_line
 from app.themes import LIGHT, Theme
+from engine.protocol import ReplyStats
 
 ROLE_NAMES = {"user": "You", "assistant": "Assistant", "system": "System"}
 FINISH_NOTES = {"cancelled": "stopped", "length": "reached max tokens", "error": "failed",
@@ -118,7 +119,7 @@ class MessageWidget(QFrame):
         self.render()
         self.copy_button.setEnabled(not streaming)
 
-    def set_stats(self, stats: dict | None, finish_reason: str | None = None) -> None:
+    def set_stats(self, stats: ReplyStats | None, finish_reason: str | None = None) -> None:
         parts = []
         if stats:
             parts.append(reply_stats_line(stats))

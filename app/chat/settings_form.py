@@ -5,11 +5,11 @@ from __future__ import annotations
 from PySide6.QtCore import Signal
 from PySide6.QtWidgets import QDoubleSpinBox, QFormLayout, QPlainTextEdit, QSpinBox, QWidget
 
-from engine.protocol import SamplingParams
+from engine.protocol import SamplingSettings
 
 
 class ConversationSettingsForm(QWidget):
-    changed = Signal(str, object)  # system prompt, SamplingParams
+    changed = Signal(str, object)  # system prompt, SamplingSettings
 
     def __init__(self, parent: QWidget | None = None) -> None:
         super().__init__(parent)
@@ -46,7 +46,7 @@ class ConversationSettingsForm(QWidget):
         box.setToolTip(tip)
         return box
 
-    def load(self, system_prompt: str, sampling: SamplingParams) -> None:
+    def load(self, system_prompt: str, sampling: SamplingSettings) -> None:
         self._loading = True  # programmatic: not a user edit
         self.system_prompt.setPlainText(system_prompt)
         self.temperature.setValue(sampling.temperature)
@@ -56,9 +56,9 @@ class ConversationSettingsForm(QWidget):
         self.max_tokens.setValue(sampling.max_new_tokens)
         self._loading = False
 
-    def sampling(self, base: SamplingParams | None = None) -> SamplingParams:
-        base = base or SamplingParams()
-        return SamplingParams(
+    def sampling(self, base: SamplingSettings | None = None) -> SamplingSettings:
+        base = base or SamplingSettings()
+        return SamplingSettings(
             temperature=self.temperature.value(), top_p=self.top_p.value(), top_k=self.top_k.value(),
             repetition_penalty=self.repetition_penalty.value(), max_new_tokens=self.max_tokens.value(),
             seed=base.seed, stop=list(base.stop),

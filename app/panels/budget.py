@@ -11,10 +11,10 @@ from PySide6.QtCore import QRectF, Qt, QTimer, Signal
 from PySide6.QtGui import QColor, QPainter, QPen
 from PySide6.QtWidgets import QHBoxLayout, QLabel, QSizePolicy, QSlider, QVBoxLayout, QWidget
 
-from app.budget_estimate import Estimate, Estimator
+from app.models.budget import BudgetScale, free_compute_memory
+from app.models.budget_estimate import Estimate, Estimator
+from app.models.stats_format import format_bytes
 from app.panels.base import Panel, integer_ticks, quiet_plot, style_plot
-from app.panels.budget_model import BudgetScale, free_compute_memory
-from app.stats_format import format_bytes
 from app.themes import LIGHT, Theme
 from engine import protocol as p
 

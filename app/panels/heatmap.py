@@ -8,8 +8,8 @@ from PySide6.QtCore import QPointF, QRectF
 from PySide6.QtGui import QColor
 from PySide6.QtWidgets import QComboBox, QHBoxLayout, QLabel, QToolTip, QVBoxLayout, QWidget
 
+from app.models.heatmap import HeatmapData, OutlineCache, colour_values, overlay_scale
 from app.panels.base import Panel, integer_ticks, quiet_plot, style_plot
-from app.panels.heatmap_model import HeatmapData, OutlineCache, colour_values, overlay_scale
 from app.panels.overlay_item import MaskOverlay
 from app.themes import LIGHT, Theme
 from engine import protocol as p

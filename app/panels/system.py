@@ -6,16 +6,20 @@ from __future__ import annotations
 from PySide6.QtCore import Signal
 from PySide6.QtWidgets import QCheckBox, QComboBox, QFormLayout, QLabel, QProgressBar, QWidget
 
+from app.models.stats_format import format_bytes
 from app.panels.base import Panel
-from app.stats_format import format_bytes
 from engine import protocol as p
 
 FAST_DECODE_TEXT = "Fast decode kernels (not bit-identical)"
-FAST_DECODE_TIP = ("CPU decode steps use MoEScope's native kernels (a layer's experts in one pass, compiled once "
-                   "per machine when a C++ compiler is present, else torch's native kernels) and float32-matmul "
-                   "attention; with every expert resident, a Qwen3-MoE or Mixtral token runs whole in one native "
-                   "call. About 1.6-2.4x faster decode, the same arithmetic summed in another order, so replies "
+FAST_DECODE_TIP = ("bf16 decode steps on the CPU use MoEScope's native kernels (a layer's experts in one pass, "
+                   "compiled once per machine; a C++ compiler is needed) and float32-matmul attention; with every "
+                   "expert resident, a Qwen3-MoE or Mixtral token runs whole in one native call. Several times "
+                   "faster decode (docs/performance.md), the same arithmetic summed in another order, so replies "
                    "can differ from plain transformers in rare near-ties. Off: every token equals transformers'.")
+
+
+DECODE_PATH_TIP = ("How the last decode token ran. The whole-token native step needs every expert resident "
+                   "(budget `all`), a Qwen3-MoE or Mixtral model, and a lossless policy that does not look ahead.")
 
 
 def policy_label(info: p.PolicyInfo) -> str:
@@ -57,9 +61,7 @@ class SystemPanel(Panel):
         self.fast_decode.clicked.connect(self._fast_decode_clicked)  # user clicks only, not setChecked
         self.decode_path = QLabel("–")
         self.decode_path.setObjectName("decode-path")
-        self.decode_path.setToolTip("How the last decode token ran. The whole-token native step needs every expert "
-                                    "resident (budget `all`), a Qwen3-MoE or Mixtral model, and a lossless policy "
-                                    "that does not look ahead.")
+        self.decode_path.setToolTip(DECODE_PATH_TIP)
 
         form = QFormLayout(self)
         form.setContentsMargins(6, 6, 6, 6)
@@ -116,8 +118,8 @@ class SystemPanel(Panel):
         self.fast_decode.setChecked(enabled)
         self.fast_decode.setEnabled(available)
         if not available:
-            self.fast_decode.setToolTip("Only for CPU engines running bf16/fp16 weights; this model's kernels are "
-                                        "already the exact ones.")
+            self.fast_decode.setToolTip("Only for CPU engines running bf16 weights; this model runs on the exact "
+                                        "kernels.")
         else:
             self.fast_decode.setToolTip(FAST_DECODE_TIP)
 
@@ -138,6 +140,8 @@ class SystemPanel(Panel):
             return
         self.set_state(s.state)
         self.decode_path.setText(s.decode_path or "–")
+        why = f"\n\nWhy not faster: {s.decode_path_reason}." if s.decode_path_reason else ""
+        self.decode_path.setToolTip(DECODE_PATH_TIP + why)
         _usage(self.ram, s.ram_used_bytes, s.ram_total_bytes)
         self.engine_rss.setText(f"{format_bytes(s.rss_bytes)} resident · cache {format_bytes(s.budget_bytes)}")
         has_gpu = s.gpu_total_bytes is not None and s.gpu_used_bytes is not None

@@ -6,9 +6,9 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from engine.generation import Generator
-from engine.runtime import MoERuntime
-from engine.sampling import SamplingSettings
+from engine.decode.generation import Generator
+from engine.decode.runtime import MoERuntime
+from engine.protocol import SamplingSettings
 
 
 def engine_answer_fn(runtime: MoERuntime, max_new_tokens: int = 48):

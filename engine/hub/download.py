@@ -18,12 +18,12 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+from engine.accounting.sizes import format_bytes
 from engine.errors import CheckpointError
 from engine.hub.errors import DiskFullError, DownloadCancelled, HubError, is_disk_full, translate
 from engine.hub.machine import disk_free
 from engine.hub.paths import hub_cache_dir, hub_endpoint, repo_folder
 from engine.hub.remote import RemoteFile, RemoteModel, fetch_remote
-from engine.sizes import format_bytes
 
 
 @dataclass(frozen=True)
@@ -277,7 +277,7 @@ def _write_ref(folder: Path, revision: str, sha: str) -> None:
 
 def _verify(repo_id: str, snapshot: Path, names: list[str]) -> None:
     """Read every new safetensors header: a truncated or corrupt shard is named now, not at load time."""
-    from engine.checkpoint import read_safetensors_header
+    from engine.model.checkpoint import read_safetensors_header
 
     for name in names:
         if name.endswith(".safetensors"):

@@ -2,7 +2,7 @@
 
 The model is built on the meta device (no memory, a second even for 46B parameters) and its
 parameters are counted: those of `@use_experts_implementation` modules are experts, the rest is
-dense. Bytes follow the engine's own rules (engine.layout): one expert is a slot of aligned
+dense. Bytes follow the engine's own rules (engine.model.layout): one expert is a slot of aligned
 parameters in the compute dtype, and the minimum budget is top-k slots per MoE layer.
 """
 
@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 
 from engine.errors import CheckpointError
 from engine.hub.supported import config_problem, quantization_of
+from engine.model.dtypes import dtype_name
 
 CONTEXT_TOKENS = 4096  # the context the working-memory estimate assumes
 
@@ -57,9 +58,9 @@ class SizeEstimate:
 
 def estimate_from_config(config: dict, *, weight_file_bytes: int | None = None) -> SizeEstimate:
     """Sizes from a config.json dict; `weight_file_bytes` (the safetensors files' total) when known."""
-    from engine.layout import SLOT_ALIGN, find_top_k, is_experts_module
-    from engine.loader import resolve_dtype
-    from engine.sizes import format_bytes
+    from engine.accounting.sizes import format_bytes
+    from engine.model.dtypes import resolve_dtype
+    from engine.model.layout import SLOT_ALIGN, find_top_k, is_experts_module
 
     model, cfg = _meta_model(config)
     dtype = resolve_dtype("auto", config)
@@ -127,10 +128,6 @@ def estimate_from_config(config: dict, *, weight_file_bytes: int | None = None) 
     )
 
 
-def dtype_name(dtype) -> str:
-    return str(dtype).removeprefix("torch.")
-
-
 def _meta_model(config: dict):
     """Build the model with no memory. Only transformers' built-in classes, never downloaded code."""
     from accelerate import init_empty_weights
@@ -154,7 +151,7 @@ def _meta_model(config: dict):
 
 
 def _slot_bytes(experts, itemsize: int, align: int) -> int:
-    """One expert as engine.layout.build_layout lays it out: each parameter aligned, then the slot."""
+    """One expert as engine.model.layout.build_layout lays it out: each parameter aligned, then the slot."""
     offset = 0
     for p in experts.parameters(recurse=False):
         offset += -(-(p[0].numel() * itemsize) // align) * align

@@ -4,17 +4,18 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from pathlib import Path
 
-from engine.hub.estimate import CONTEXT_TOKENS, SizeEstimate
+from engine.accounting.sizes import format_bytes
+from engine.hub.estimate import CONTEXT_TOKENS, SizeEstimate, estimate_from_config
 from engine.hub.machine import MachineInfo
-from engine.sizes import format_bytes
 
 GiB = 1024**3
 MiB = 1024**2
 RUNTIME_RAM = 768 * MiB  # Python + torch + transformers + tokenizer (~0.4 GiB measured, README) with headroom
 GPU_RESERVE = 768 * MiB  # CUDA context, kernel workspaces, allocator slack
 CPU_CACHE_SHARE = 0.8  # of the RAM left after dense weights: the rest stays free for the page cache and other apps
-RAM_STORE_SHARE = 0.6  # the engine keeps experts in RAM (GPU runs) only below this share of free RAM (engine.runtime)
+RAM_STORE_SHARE = 0.6  # the engine keeps experts in RAM (GPU runs) only below this share of free RAM (engine.decode.runtime)
 
 
 @dataclass
@@ -117,3 +118,79 @@ def budget_arg(nbytes: int, est: SizeEstimate) -> str:
     if gib >= 1 and gib * GiB >= est.min_budget_bytes:
         return f"{gib:g}GiB"
     return f"{max(math.floor(nbytes / MiB), math.ceil(est.min_budget_bytes / MiB))}MiB"
+
+
+@dataclass
+class ModelFit:
+    """Everything the CLI's `models info` and the window's library show about one model on this machine."""
+
+    source: str  # the folder or Hub id asked about
+    estimate: SizeEstimate
+    verdict: FitVerdict
+    machine: MachineInfo
+    files: str  # where the weights are, or what is left to download, in one line
+    missing_bytes: int = 0  # still to download
+    local_path: Path | None = None  # a complete checkpoint folder, ready to load
+    gated: bool = False
+    remote: object | None = None  # engine.hub.remote's look-up, when the Hub was asked
+
+    @property
+    def notes(self) -> list[str]:
+        gated = ["gated: accept its terms on the Hub and log in (`hf auth login`) before downloading"] if self.gated else []
+        return list(self.verdict.details) + list(self.estimate.notes) + gated
+
+
+def fit_model(ref: str, *, revision: str = "main", cache_dir: Path | None = None) -> ModelFit:
+    """The fit verdict of a folder or a Hub id: from the files when they are here (a folder, or a
+    complete copy in the HF cache: the Hub is not asked), else from the Hub's config.json, else,
+    with no Hub, from a config.json an earlier look-up left in the cache."""
+    from engine.hub.errors import HubError
+    from engine.hub.local import estimate_folder, find_cached
+    from engine.hub.machine import probe_machine
+    from engine.hub.paths import hub_cache_dir
+
+    cache_dir = cache_dir or hub_cache_dir()
+    machine = probe_machine(cache_dir)
+    folder = Path(ref).expanduser()
+    if folder.exists():
+        est = estimate_folder(folder)
+        files = f"{format_bytes(est.download_bytes or 0)} of weights in {folder}"
+        return ModelFit(str(folder), est, assess(est, machine), machine, files, local_path=folder)
+    cached = find_cached(ref, cache_dir)
+    if cached is not None and cached.complete:
+        est = estimate_folder(cached.snapshot)
+        files = f"downloaded: {format_bytes(cached.size_on_disk)} in the cache at {cached.snapshot}"
+        return ModelFit(ref, est, assess(est, machine), machine, files, local_path=cached.snapshot)
+    try:
+        return remote_fit(ref, revision, machine, cache_dir)
+    except HubError as exc:
+        if cached is None or not cached.config:
+            raise
+        est = estimate_from_config(cached.config)  # the Hub is out of reach: the cached config still answers
+        est.notes.append(f"from the config.json in the cache; the Hub did not answer ({exc})")
+        missing = est.download_bytes or 0
+        files = f"download about {format_bytes(missing)} (Hub not reachable)"
+        return ModelFit(ref, est, assess(est, machine, missing_bytes=missing), machine, files, missing)
+
+
+def remote_fit(repo_id: str, revision: str, machine: MachineInfo, cache_dir: Path) -> ModelFit:
+    """The verdict from the Hub's look-up of `repo_id` (asked even when a copy is in the cache)."""
+    from engine.hub.download import plan_download
+    from engine.hub.remote import fetch_remote
+
+    remote = fetch_remote(repo_id, revision=revision, cache_dir=cache_dir)
+    est = estimate_from_config(remote.config, weight_file_bytes=remote.weight_bytes)
+    est.notes.extend(remote.notes)
+    plan = plan_download(remote, cache_dir)
+    verdict = assess(est, machine, missing_bytes=plan.missing_bytes)
+    return ModelFit(repo_id, est, verdict, machine, _files_line(plan), plan.missing_bytes, gated=remote.gated,
+                    remote=remote)
+
+
+def _files_line(plan) -> str:
+    weights = sum(f.size or 0 for f in plan.present if f.name.endswith(".safetensors"))
+    if not plan.missing:
+        return f"downloaded: {format_bytes(sum(f.size or 0 for f in plan.present))} in the cache at {plan.snapshot}"
+    more = f", {format_bytes(weights)} of weights already in the cache" if weights else ""
+    count = len(plan.missing)
+    return f"download {format_bytes(plan.missing_bytes)} ({count} file{'s' if count != 1 else ''}{more})"

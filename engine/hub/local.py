@@ -12,6 +12,7 @@ from engine.hub.estimate import SizeEstimate, estimate_from_config
 from engine.hub.paths import hub_cache_dir
 from engine.hub.remote import INDEX_FILE, REPO_ID
 from engine.hub.supported import config_problem
+from engine.model.checkpoint import read_config
 
 
 @dataclass
@@ -61,9 +62,14 @@ def find_cached(repo_id: str, cache_dir: Path | None = None) -> CachedModel | No
 
 
 def resolve_model(ref: str, cache_dir: Path | None = None) -> Path:
-    """A checkpoint folder from a path or a Hub id already downloaded (org/name)."""
+    """The checkpoint folder a model reference names: 'demo', a path, or a Hub id already downloaded
+    (org/name). A path that does not exist is returned as it is, for the loader to say so."""
+    if ref == "demo":
+        from resources import DEMO_MODEL_DIR
+
+        return DEMO_MODEL_DIR
     path = Path(ref).expanduser()
-    if path.exists():
+    if path.exists() or path.is_absolute():
         return path
     if REPO_ID.match(ref):
         cached = find_cached(ref, cache_dir)
@@ -75,13 +81,7 @@ def resolve_model(ref: str, cache_dir: Path | None = None) -> Path:
 
 def estimate_folder(folder: Path) -> SizeEstimate:
     """Sizes of a local checkpoint folder: its config plus the real size of its weight files."""
-    config_path = folder / "config.json"
-    if not config_path.is_file():
-        raise CheckpointError(f"'{folder}' has no config.json; it is not a Hugging Face checkpoint folder")
-    try:
-        config = json.loads(config_path.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError):
-        raise CheckpointError(f"{config_path} is not valid JSON") from None
+    config = read_config(folder)
     shards = [p for p in folder.glob("*.safetensors") if p.exists()]  # exists(): skips broken cache links
     return estimate_from_config(config, weight_file_bytes=sum(p.stat().st_size for p in shards) if shards else None)
 

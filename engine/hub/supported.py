@@ -54,5 +54,5 @@ def config_problem(config: dict) -> str | None:
     if quant := quantization_of(config):
         return f"{quant} quantized weights are not supported by MoEScope yet"
     # auto_map alone is no problem here: supported types are built into transformers, whose own code
-    # is used (engine.checkpoint refuses auto_map only for architectures transformers does not ship).
+    # is used (engine.model.checkpoint refuses auto_map only for architectures transformers does not ship).
     return None

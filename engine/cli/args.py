@@ -1,0 +1,87 @@
+"""The load and sampling options of the command line, taken from the protocol's dataclasses.
+
+`engine.protocol.LoadModel` and `SamplingSettings` are the one definition of these settings:
+their defaults are the CLI's, and `SamplingSettings.problem()` is the one check of their ranges.
+"""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import fields
+
+from engine import protocol as p
+from engine.errors import MoEScopeError
+
+LOAD = {f.name: f.default for f in fields(p.LoadModel) if f.name != "path"}
+SAMPLING = {f.name: f.default for f in fields(p.SamplingSettings) if f.name != "stop"}
+
+
+def add_model_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", required=True,
+                        help="checkpoint folder, a downloaded Hub id (org/name), or 'demo' for the embedded demo model")
+    parser.add_argument("--budget", default=LOAD["budget"],
+                        help="expert cache size: 512MiB, 2GiB, 25%% (of all expert bytes) or all")
+    parser.add_argument("--store", default=LOAD["store"], choices=["auto", "disk", "ram"],
+                        help="where experts live outside the cache")
+    parser.add_argument("--device", default=LOAD["device"], choices=["auto", "cpu", "cuda"])
+    parser.add_argument("--policy", default=LOAD["policy"], type=_policy_spec,
+                        metavar="{" + ",".join(_policy_names()) + "}",
+                        help="cache policy; options after a colon, e.g. promoe:k=3 (see `moescope policies`)")
+    parser.add_argument("--allocation", default=LOAD["allocation"], choices=["planned", "uniform"],
+                        help="split the budget across layers by measured miss curves (planned; uniform until routing "
+                        "is seen) or evenly")
+    parser.add_argument("--cpu-experts", default=LOAD["cpu_experts"], choices=["auto", "never"],
+                        help="with a CUDA GPU and --store ram: compute a missing expert on the CPU when a latency model "
+                        "calibrated at load says that beats copying it (Fiddler). No effect on CPU-only machines")
+    parser.add_argument("--trace", metavar="FILE", default=LOAD["trace"],
+                        help="record routing (request, token, layer, experts, weights) to FILE as JSON lines")
+    parser.add_argument("--dtype", default=LOAD["dtype"], choices=["auto", "float32", "bfloat16", "float16"])
+    parser.add_argument("--fast-decode", action="store_true", default=LOAD["fast_decode"],
+                        help="bf16 decode on MoEScope's native CPU kernels (a layer's experts in one pass, Llama-style "
+                        "attention in three calls; a whole Qwen3-MoE or Mixtral token in one call when every expert "
+                        "is resident). Same arithmetic summed in another order, so not bit-identical to "
+                        "transformers' kernels (bench.decode_pair counts the greedy tokens that still match)")
+    parser.add_argument("--no-pack-weights", dest="pack_weights", action="store_false", default=LOAD["pack_weights"],
+                        help="CPU bf16/fp16: keep expert matrices in the plain layout instead of pre-arranging them for "
+                        "oneDNN as they are loaded (same results either way; packed decodes faster)")
+    parser.add_argument("--allow-pickle", action="store_true", help="accept .bin/.pt weights (pickle can run code)")
+    parser.add_argument("--trust-remote-code", action="store_true", help="run Python code shipped with the model")
+
+
+def load_settings(args: argparse.Namespace) -> p.LoadModel:
+    """The parsed options as the engine's load settings."""
+    return p.LoadModel(path=args.model, **{name: getattr(args, name) for name in LOAD if hasattr(args, name)})
+
+
+def add_sampling_args(parser: argparse.ArgumentParser, *, temperature: float = SAMPLING["temperature"]) -> None:
+    parser.add_argument("--max-new-tokens", type=int, default=SAMPLING["max_new_tokens"])
+    parser.add_argument("--temperature", type=float, default=temperature, help="0 = greedy")
+    parser.add_argument("--top-p", type=float, default=SAMPLING["top_p"])
+    parser.add_argument("--top-k", type=int, default=SAMPLING["top_k"], help="0 = off")
+    parser.add_argument("--repetition-penalty", type=float, default=SAMPLING["repetition_penalty"])
+    parser.add_argument("--seed", type=int, default=SAMPLING["seed"])
+    parser.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+
+
+def sampling_settings(args: argparse.Namespace) -> p.SamplingSettings:
+    """The parsed options as sampling settings; one clear line naming the option when one is out of range."""
+    settings = p.SamplingSettings(stop=list(args.stop), **{name: getattr(args, name) for name in SAMPLING})
+    if problem := settings.problem():
+        raise MoEScopeError(f"--{problem.field.replace('_', '-')} {problem.message}")
+    return settings
+
+
+def _policy_names() -> list[str]:
+    from engine.accounting.policies import POLICIES
+
+    return list(POLICIES)
+
+
+def _policy_spec(text: str) -> str:
+    from engine.accounting.policies import parse_policy
+
+    try:
+        parse_policy(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    return text

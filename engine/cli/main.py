@@ -1,0 +1,184 @@
+"""`moescope` on the command line: generate, chat, info (the headless face of the engine).
+
+Heavy imports (torch, transformers) happen inside the commands, so `--help` is instant.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from collections.abc import Sequence
+
+from engine.cli.args import add_model_args, add_sampling_args, load_settings, sampling_settings
+from engine.cli.models import add_models_parser, run_models
+from engine.cli.trace import add_trace_parser, run_trace
+from engine.errors import MoEScopeError
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="moescope", description="Run and inspect Mixture-of-Experts models under a memory budget.")
+    sub = parser.add_subparsers(dest="command")
+
+    gen = sub.add_parser("generate", help="generate a reply to one prompt")
+    add_model_args(gen)
+    prompt = gen.add_mutually_exclusive_group(required=True)
+    prompt.add_argument("--prompt", help="prompt text (chat template applied unless --raw)")
+    prompt.add_argument("--prompt-ids", help="comma-separated token ids (implies --raw)")
+    gen.add_argument("--raw", action="store_true", help="do not apply the chat template")
+    gen.add_argument("--system", default=None, help="system prompt (chat template only)")
+    gen.add_argument("--json", action="store_true", help="print one JSON object instead of streaming text")
+    add_sampling_args(gen, temperature=0.0)  # a one-shot answer is deterministic unless asked otherwise
+
+    chat = sub.add_parser("chat", help="chat in the terminal, replies streamed")
+    add_model_args(chat)
+    chat.add_argument("--system", default=None)
+    add_sampling_args(chat)
+
+    info = sub.add_parser("info", help="a model's MoE geometry and memory needs")
+    info.add_argument("--model", required=True)
+    info.add_argument("--json", action="store_true")
+    info.add_argument("--trust-remote-code", action="store_true")
+    info.add_argument("--allow-pickle", action="store_true")
+
+    sub.add_parser("policies", help="list the cache policies")
+    add_trace_parser(sub)
+    add_models_parser(sub)
+    return parser
+
+
+def _load(args: argparse.Namespace):
+    from engine.decode.runtime import MoERuntime
+
+    runtime = MoERuntime(load_settings(args))
+    for note in (runtime.plan.note, runtime.profile_note, runtime.cpu_experts_note):
+        if note:
+            print(f"moescope: note: {note}", file=sys.stderr)
+    return runtime
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    from engine.decode.generation import Generator
+
+    if args.prompt_ids is not None:
+        try:
+            prompt_ids = [int(x) for x in args.prompt_ids.split(",") if x.strip()]
+        except ValueError:
+            raise MoEScopeError("--prompt-ids takes comma-separated integers, e.g. 1,2,3") from None
+    settings = sampling_settings(args)  # checked before anything loads
+    runtime = _load(args)
+    generator = Generator(runtime)
+    if args.prompt_ids is None:
+        if args.raw:
+            prompt_ids = generator.encode_raw(args.prompt)
+        else:
+            messages = ([{"role": "system", "content": args.system}] if args.system else []) + [
+                {"role": "user", "content": args.prompt}
+            ]
+            prompt_ids = generator.encode_chat(messages)
+    vocab = runtime.model.config.get_text_config().vocab_size
+    if any(not 0 <= t < vocab for t in prompt_ids):
+        raise MoEScopeError(f"--prompt-ids has ids outside this model's vocabulary (0..{vocab - 1})")
+    stream = None if args.json else (lambda delta: print(delta, end="", flush=True))
+    result = generator.generate(prompt_ids, settings, on_text=stream)
+    if args.json:
+        print(json.dumps(result.to_dict()))
+    else:
+        print()
+        s = result.stats
+        print(
+            f"[{s.prefill_tokens} prompt tokens at {s.prefill_tokens_per_s:.1f} tok/s, {s.decode_tokens} generated at "
+            f"{s.decode_tokens_per_s:.1f} tok/s, TTFT {s.ttft_s:.2f} s, hit rate {s.hit_rate:.1%}]",
+            file=sys.stderr,
+        )
+    runtime.close()
+    return 0
+
+
+def cmd_chat(args: argparse.Namespace) -> int:
+    from engine.decode.generation import Generator
+
+    settings = sampling_settings(args)
+    runtime = _load(args)
+    generator = Generator(runtime)
+    messages: list[dict] = [{"role": "system", "content": args.system}] if args.system else []
+    info = runtime.info()
+    print(f"{info.name}: {info.num_experts} experts x {info.num_moe_layers} MoE layers, budget "
+          f"{runtime.cache.budget_bytes / 2**20:.0f} MiB. Empty line or Ctrl-D quits.", file=sys.stderr)
+    while True:
+        try:
+            user = input("> ")
+        except EOFError:
+            break
+        if not user.strip():
+            break
+        messages.append({"role": "user", "content": user})
+        try:
+            result = generator.generate(generator.encode_chat(messages), settings,
+                                        on_text=lambda d: print(d, end="", flush=True))
+        except KeyboardInterrupt:
+            print("\n[stopped]", file=sys.stderr)
+            messages.pop()
+            continue
+        print()
+        messages.append({"role": "assistant", "content": result.text})
+        s = result.stats
+        print(f"[{s.decode_tokens_per_s:.1f} tok/s, hit rate {s.hit_rate:.1%}]", file=sys.stderr)
+    runtime.close()
+    return 0
+
+
+def cmd_info(args: argparse.Namespace) -> int:
+    from dataclasses import asdict
+
+    from engine.accounting.sizes import format_bytes
+    from engine.hub.local import resolve_model
+    from engine.model.inspect import inspect_checkpoint
+
+    info = inspect_checkpoint(resolve_model(args.model), allow_pickle=args.allow_pickle,
+                              trust_remote_code=args.trust_remote_code)
+    if args.json:
+        print(json.dumps(asdict(info)))
+        return 0
+    print(f"model            {info.name} ({info.architecture})")
+    print(f"layers           {info.num_layers} ({info.num_moe_layers} with experts)")
+    print(f"experts          {info.num_experts} per layer, top-{info.top_k}")
+    print(f"bytes per expert {format_bytes(info.expert_bytes)} ({info.dtype})")
+    print(f"all experts      {format_bytes(info.all_expert_bytes)}")
+    print(f"dense weights    {format_bytes(info.dense_bytes)}")
+    print(f"minimum budget   {format_bytes(info.min_budget_bytes)}")
+    print(f"context          {info.context_length} tokens")
+    return 0
+
+
+def cmd_policies(_: argparse.Namespace) -> int:
+    from engine.accounting.policies import POLICIES
+
+    for name, cls in POLICIES.items():
+        print(f"{name:12s} {'lossless' if cls.lossless else 'LOSSY   '} {cls.description}")
+    return 0
+
+
+COMMANDS = {"generate": cmd_generate, "chat": cmd_chat, "info": cmd_info, "policies": cmd_policies, "trace": run_trace}
+COMMANDS["models"] = run_models
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.command is None:
+        parser.print_help()
+        return 0
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    try:
+        return COMMANDS[args.command](args)
+    except MoEScopeError as exc:
+        print(f"moescope: error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

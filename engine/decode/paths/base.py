@@ -1,0 +1,61 @@
+"""The ways a forward step can run, behind one interface, and the chooser that asks them in order.
+
+A decode path says why it cannot run a step in the current state (`unavailable`, None when it
+can) and runs it (`run`, the logits of the last position). The generation loop asks the chooser
+once per step; the first path that can run it does, and its label is what the System panel shows.
+To add a path: implement `DecodePath` and put it in `MoERuntime`'s list, fastest first.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+
+import torch
+from transformers import DynamicCache
+
+
+@dataclass
+class Step:
+    """One forward step of the generation loop."""
+
+    input_ids: torch.Tensor  # [1, n]: the prompt (prefill) or the last token (decode)
+    kv: DynamicCache
+    position: int  # tokens already in the KV cache
+
+    @property
+    def prefill(self) -> bool:
+        return self.position == 0 or self.input_ids.shape[1] > 1
+
+    @property
+    def last_token(self) -> int:
+        return int(self.input_ids[0, -1])
+
+
+class DecodePath(ABC):
+    label: str  # how a decode token ran, for the user: "exact: transformers' kernels", ...
+
+    @abstractmethod
+    def unavailable(self, step: Step) -> str | None:
+        """Why this path cannot run `step` now, in words for the user; None when it can."""
+
+    @abstractmethod
+    def run(self, step: Step) -> torch.Tensor:
+        """Run the step; the logits of its last position, [1, 1, vocab]."""
+
+
+class PathChooser:
+    """Asks the paths in order (fastest first); the last one must always be able to run."""
+
+    def __init__(self, paths: list[DecodePath]) -> None:
+        self.paths = paths
+
+    def choose(self, step: Step) -> tuple[DecodePath, str]:
+        """The first path that can run `step`, and why the one before it could not ("" if none was)."""
+        reason = ""
+        for path in self.paths:
+            why = path.unavailable(step)
+            if why is None:
+                return path, reason
+            reason = why
+        raise RuntimeError(f"no decode path can run this step: {reason}")

@@ -1,0 +1,165 @@
+"""Which transformers classes the native decode kernels compute, recognised by class, not by code.
+
+Each entry names classes of transformers' own model modules (`transformers.models.<module>`)
+whose arithmetic a native kernel reproduces: Llama-style RMSNorms, Llama-style attention (q/k/v,
+optional per-head q/k norms, Llama's rotary embedding, softmax attention, o_proj), top-k routers
+with a known recipe after the linear, and the decoders the whole-token step runs end to end.
+A module qualifies when its class is one of these (checked exactly, so a subclass with its own
+forward does not), plus the structural checks of its path (bias-free projections, one epsilon...).
+
+A transformers release that rewrites one of these forwards does not switch anything off silently:
+tests/test_decode_families.py pins which families take which path and compares every listed
+class's output with its native counterpart, so a change in arithmetic fails there.
+"""
+
+from __future__ import annotations
+
+import importlib
+from dataclasses import dataclass
+from functools import cache
+
+import torch
+
+# After the router's linear: (always renormalise the top-k weights, cast them back to the logits'
+# dtype). Qwen3-MoE's routers renormalise when `norm_topk_prob` and cast back; Mixtral's always
+# renormalise and keep float32 weights.
+QWEN3_ROUTER = (False, True)
+MIXTRAL_ROUTER = (True, False)
+
+
+@dataclass(frozen=True)
+class Family:
+    """The classes of one transformers model module that the native kernels compute."""
+
+    module: str  # transformers.models.<module>.modeling_<module>
+    norms: tuple[str, ...] = ()  # Llama-style RMSNorm classes
+    attention: tuple[str, ...] = ()  # Llama-style attention classes
+    routers: tuple[tuple[str, tuple[bool, bool]], ...] = ()  # top-k router classes and their recipe
+    # the whole-token step: (causal LM, decoder, decoder layer, sparse MoE block) classes
+    whole_token: tuple[str, str, str, str] | None = None
+
+
+FAMILIES = (
+    Family("qwen3_moe", ("Qwen3MoeRMSNorm",), ("Qwen3MoeAttention",), (("Qwen3MoeTopKRouter", QWEN3_ROUTER),),
+           ("Qwen3MoeForCausalLM", "Qwen3MoeModel", "Qwen3MoeDecoderLayer", "Qwen3MoeSparseMoeBlock")),
+    Family("mixtral", ("MixtralRMSNorm",), ("MixtralAttention",), (("MixtralTopKRouter", MIXTRAL_ROUTER),),
+           ("MixtralForCausalLM", "MixtralModel", "MixtralDecoderLayer", "MixtralSparseMoeBlock")),
+    Family("qwen2_moe", ("Qwen2MoeRMSNorm",), (), (("Qwen2MoeTopKRouter", QWEN3_ROUTER),)),  # q/k/v have biases
+    Family("olmoe", ("OlmoeRMSNorm",), (), (("OlmoeTopKRouter", QWEN3_ROUTER),)),
+    Family("qwen3_next", (), (), (("Qwen3NextTopKRouter", QWEN3_ROUTER),)),
+    Family("qwen4_exp", (), (), (("Qwen4ExpTextTopKRouter", QWEN3_ROUTER),)),
+    Family("flex_olmo", (), (), (("FlexOlmoTopKRouter", QWEN3_ROUTER),)),
+    Family("mellum", ("MellumRMSNorm",), ("MellumAttention",), (("MellumTopKRouter", QWEN3_ROUTER),)),
+    Family("minimax", ("MiniMaxRMSNorm",), ("MiniMaxAttention",), (("MiniMaxTopKRouter", MIXTRAL_ROUTER),)),
+    Family("aria", ("AriaTextRMSNorm",), ("AriaTextAttention",)),
+    Family("dots1", ("Dots1RMSNorm",), ("Dots1Attention",)),
+    Family("granitemoe", ("GraniteMoeRMSNorm",), ("GraniteMoeAttention",)),
+    Family("granitemoeshared", ("GraniteMoeSharedRMSNorm",), ("GraniteMoeSharedAttention",)),
+    Family("solar_open", ("SolarOpenRMSNorm",), ("SolarOpenAttention",)),
+    Family("phimoe", (), ("PhimoeAttention",)),
+    Family("deepseek_v2", ("DeepseekV2RMSNorm",)),
+    Family("deepseek_v3", ("DeepseekV3RMSNorm",)),
+    Family("deepseek_v32", ("DeepseekV32RMSNorm",)),
+    Family("glm4_moe", ("Glm4MoeRMSNorm",)),
+    Family("glm4_moe_lite", ("Glm4MoeLiteRMSNorm",)),
+    Family("glm_moe_dsa", ("GlmMoeDsaRMSNorm",)),
+    Family("ernie4_5_moe", ("Ernie4_5_MoeRMSNorm",)),
+    Family("dots3_note", ("Dots3NoteRMSNorm",)),
+    Family("axk1", ("AXK1RMSNorm",)),
+    Family("axk2", ("AXK2RMSNorm",)),
+    Family("bailing_hybrid", ("BailingHybridRMSNorm",)),
+    Family("cohere2_moe", ("Cohere2MoeRMSNorm",)),
+    Family("exaone_moe", ("ExaoneMoeRMSNorm",)),
+    Family("granitemoe_swa", ("GraniteMoeSWARMSNorm",)),
+    Family("granitemoehybrid", ("GraniteMoeHybridRMSNorm",)),
+    Family("hunyuan_v1_moe", ("HunYuanMoEV1RMSNorm",)),
+    Family("hy_v3", ("HYV3RMSNorm",)),
+    Family("hy_v4", ("HYV4RMSNorm",)),
+    Family("inkling", ("InklingRMSNorm",)),
+    Family("jamba", ("JambaRMSNorm",)),
+    Family("kimi_linear", ("KimiLinearRMSNorm",)),
+    Family("kolibri1", ("Kolibri1RMSNorm",)),
+    Family("laguna", ("LagunaRMSNorm",)),
+    Family("lfm2_moe", ("Lfm2MoeRMSNorm",)),
+    Family("mimo_v2_flash", ("MiMoV2FlashRMSNorm",)),
+    Family("minimax_m2", ("MiniMaxM2RMSNorm",)),
+    Family("zaya", ("ZayaRMSNorm",)),
+)
+
+
+def _module(name: str):
+    try:
+        return importlib.import_module(f"transformers.models.{name}.modeling_{name}")
+    except ImportError:  # not in this transformers: its classes simply do not qualify
+        return None
+
+
+def _classes(family: Family, names) -> list[type]:
+    module = _module(family.module)
+    return [cls for name in names if module is not None and (cls := getattr(module, name, None)) is not None]
+
+
+@cache
+def norm_classes() -> frozenset[type]:
+    return frozenset(cls for f in FAMILIES for cls in _classes(f, f.norms))
+
+
+@cache
+def attention_classes() -> frozenset[type]:
+    return frozenset(cls for f in FAMILIES for cls in _classes(f, f.attention))
+
+
+@cache
+def router_recipes() -> dict[type, tuple[bool, bool]]:
+    return {cls: recipe for f in FAMILIES for (name, recipe) in f.routers for cls in _classes(f, (name,))}
+
+
+@cache
+def whole_token_classes() -> dict[str, frozenset[type]]:
+    """Per part ("causal_lm", "model", "layer", "block"): the classes the whole-token step runs."""
+    parts: dict[str, set[type]] = {"causal_lm": set(), "model": set(), "layer": set(), "block": set()}
+    for family in FAMILIES:
+        if family.whole_token is None:
+            continue
+        for part, cls in zip(parts, _classes(family, family.whole_token), strict=False):
+            parts[part].add(cls)
+    return {part: frozenset(classes) for part, classes in parts.items()}
+
+
+def own_class(module: torch.nn.Module) -> type:
+    """The module's transformers class, under the native-kernel subclass it may have been given."""
+    cls = type(module)
+    return getattr(cls, "_moescope_plain", cls)
+
+
+def is_llama_rms_norm(module: torch.nn.Module) -> bool:
+    """A Llama-style RMSNorm (x * rsqrt(mean(x^2) + eps) * weight), as most MoE families copy it;
+    Gemma-style (1 + weight) norms and others are not listed."""
+    return (own_class(module) in norm_classes() and isinstance(getattr(module, "weight", None), torch.nn.Parameter)
+            and hasattr(module, "variance_epsilon"))
+
+
+def is_llama_attention(module: torch.nn.Module) -> bool:
+    """Llama-style attention with bias-free projections and q/k norms (if any) over one head with
+    one epsilon (Qwen2-MoE's projections have biases: it keeps its own code)."""
+    if own_class(module) not in attention_classes():
+        return False
+    projections = [getattr(module, name, None) for name in ("q_proj", "k_proj", "v_proj", "o_proj")]
+    if not all(isinstance(proj, torch.nn.Linear) and proj.bias is None for proj in projections):
+        return False
+    head_dim = getattr(module, "head_dim", 0)
+    norms = [norm for name in ("q_norm", "k_norm") if (norm := getattr(module, name, None)) is not None]
+    return (all(is_llama_rms_norm(norm) and norm.weight.numel() == head_dim for norm in norms)
+            and len({norm.variance_epsilon for norm in norms}) <= 1)  # the kernel takes one epsilon
+
+
+def router_recipe(module: torch.nn.Module) -> tuple[bool, bool] | None:
+    """(always renormalise, cast back) for a listed top-k router with a plain 2-D weight; else None."""
+    weight = getattr(module, "weight", None)
+    if not isinstance(weight, torch.nn.Parameter) or weight.dim() != 2 or not hasattr(module, "top_k"):
+        return None
+    return router_recipes().get(own_class(module))
+
+
+def whole_token_part(module: torch.nn.Module | None, part: str) -> bool:
+    return module is not None and own_class(module) in whole_token_classes()[part]

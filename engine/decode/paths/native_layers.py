@@ -1,0 +1,268 @@
+"""The native per-layer path (`--fast-decode`): a decode token through the model's own forward,
+with the modules the native kernels compute switched onto them. The same arithmetic as
+transformers, summed in a different order: faster, not bit-identical.
+
+For one new token (prefill keeps transformers' kernels), while the path runs:
+- a layer's resident experts run in one native call (gate/up, SiLU gate, down, weighted sum):
+  the expert cache is handed that kernel (`ExpertCache.experts_kernel`);
+- plain bf16 `nn.Linear`s of one row use the native GEMV, Llama-style RMSNorms one call instead
+  of eight small ops, Llama-style attention three (q/k/v with q/k norms and rotary, attention over
+  the KV cache, o_proj) instead of ~60, and listed top-k routers the GEMV for their linear;
+- other attention of one query runs as two float32 matmuls and a softmax instead of SDPA's
+  flash kernel (which costs ~120 us a layer on 2 cores for one query).
+Which modules qualify is decided by their class (engine.decode.paths.families). Each patched
+module reads a switch that belongs to its model and is on only inside this path's `run`, so
+outside it every module computes exactly as transformers does; no process-wide torch setting
+is touched.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from types import ModuleType
+
+import torch
+import torch.nn.functional as F
+
+from engine.decode.native import kernels as native
+from engine.decode.paths.base import DecodePath, Step
+from engine.decode.paths.families import is_llama_attention, is_llama_rms_norm, router_recipe
+from engine.decode.paths.transformers_path import model_forward
+from engine.offload.expert_compute import torch_one_token
+
+ATTENTION_NAME = "moescope_sdpa"
+SWITCH_ATTR = "_moescope_switch"
+
+
+class NativeSwitch:
+    """On while a native decode step runs this model (one per loaded model)."""
+
+    def __init__(self) -> None:
+        self.on = False
+
+    @contextmanager
+    def active(self) -> Iterator[None]:
+        self.on = True
+        try:
+            yield
+        finally:
+            self.on = False
+
+
+def _native_kernels(module: torch.nn.Module, x: torch.Tensor, weight: torch.Tensor) -> ModuleType | None:
+    """The kernels, if `module`'s model is in a native step and they apply: bf16 input and weight, CPU."""
+    switch = module.__dict__.get(SWITCH_ATTR)
+    if switch is None or not switch.on or x.dtype != torch.bfloat16 or weight.dtype != torch.bfloat16 \
+            or x.device.type != "cpu":
+        return None
+    return native.ready()
+
+
+class FastLinear(torch.nn.Linear):
+    """`nn.Linear` whose one-row bf16 products use the native GEMV inside a native step."""
+
+    _moescope_plain = torch.nn.Linear
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        kernels = _native_kernels(self, x, self.weight)
+        if kernels is None or x.numel() != self.in_features:
+            return F.linear(x, self.weight, self.bias)
+        y = kernels.gemv(self.weight, x)
+        return y if self.bias is None else y + self.bias
+
+
+def _fast_rms_norm_forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+    kernels = _native_kernels(self, hidden_states, self.weight)
+    if kernels is None:
+        return self._plain_forward(hidden_states)
+    return kernels.rms_norm(hidden_states, self.weight, self.variance_epsilon)
+
+
+def _fast_attention_forward(self, hidden_states: torch.Tensor, position_embeddings: tuple[torch.Tensor, torch.Tensor],
+                            attention_mask: torch.Tensor | None, past_key_values=None, **kwargs):
+    """One token of Llama-style attention in three native calls (q/k/v with norms and rotary, the
+    attention over the cache, o_proj); anything else takes the module's own forward."""
+    kernels = _native_kernels(self, hidden_states, self.q_proj.weight)
+    cos, sin = position_embeddings
+    if (kernels is None or attention_mask is not None or past_key_values is None
+            or hidden_states.numel() != hidden_states.shape[-1] or cos.numel() != self.head_dim
+            or cos.dtype != torch.bfloat16):
+        return self._plain_forward(hidden_states, position_embeddings, attention_mask, past_key_values, **kwargs)
+    q_norm, k_norm = getattr(self, "q_norm", None), getattr(self, "k_norm", None)
+    eps = next((norm.variance_epsilon for norm in (q_norm, k_norm) if norm is not None), 0.0)  # one for both
+    query, key, value = kernels.qkv_rope(
+        hidden_states, self.q_proj.weight, self.k_proj.weight, self.v_proj.weight,
+        None if q_norm is None else q_norm.weight, None if k_norm is None else k_norm.weight, eps, cos, sin,
+        self.head_dim)
+    key, value = past_key_values.update(key, value, self.layer_idx)
+    out = kernels.attend(query, key, value, self.scaling)
+    return self.o_proj(out.view(*hidden_states.shape[:-1], -1)), None
+
+
+def _fast_router_forward(self, hidden_states: torch.Tensor):
+    """A top-k router whose one-token linear is the native GEMV (torch's bf16 kernel took ~45 us for
+    a 64 x 1024 router: most of a layer's routing); softmax and top-k stay torch's."""
+    kernels = _native_kernels(self, hidden_states, self.weight)
+    if kernels is None or hidden_states.numel() != self.weight.shape[1]:
+        return self._plain_forward(hidden_states)
+    always_normalize, cast_back = self._moescope_recipe
+    logits = kernels.gemv(self.weight, hidden_states.reshape(1, -1))
+    top_value, top_index = torch.topk(torch.softmax(logits, dim=-1, dtype=torch.float), self.top_k, dim=-1)
+    if always_normalize or getattr(self, "norm_topk_prob", False):
+        top_value /= top_value.sum(dim=-1, keepdim=True)
+    return logits, top_value.to(logits.dtype) if cast_back else top_value, top_index
+
+
+_fast_classes: dict[type, type] = {}
+
+
+def _fast_class(cls: type, forward) -> type:
+    """A subclass of `cls` whose forward is `forward`, the original kept as `_plain_forward`."""
+    if cls not in _fast_classes:
+        _fast_classes[cls] = type(f"Fast{cls.__name__}", (cls,),
+                                  {"forward": forward, "_plain_forward": cls.forward, "_moescope_plain": cls})
+    return _fast_classes[cls]
+
+
+def patch_module(module: torch.nn.Module, switch: NativeSwitch) -> bool:
+    """Give `module` its native-step class if it has one (a plain linear, a listed RMSNorm, attention
+    or router); True if it has it now. Same parameters, same results outside a native step."""
+    module.__dict__[SWITCH_ATTR] = switch
+    cls = type(module)
+    if cls is FastLinear or cls in _fast_classes.values():
+        return True  # patched before (a live switch back on)
+    if cls is torch.nn.Linear:
+        module.__class__ = FastLinear
+    elif is_llama_rms_norm(module):
+        module.__class__ = _fast_class(cls, _fast_rms_norm_forward)
+    elif is_llama_attention(module):
+        module.__class__ = _fast_class(cls, _fast_attention_forward)
+    elif (recipe := router_recipe(module)) is not None:
+        module.__class__ = _fast_class(cls, _fast_router_forward)
+        module._moescope_recipe = recipe
+    else:
+        return False
+    return True
+
+
+def experts_fusable(module: torch.nn.Module) -> bool:
+    """The native MoE kernel computes exactly this experts module's recipe: concatenated gate/up
+    ([2I, H], gate first), SiLU gate, down [H, I], no biases or extra norms (Qwen-MoE, Mixtral,
+    OLMoE, DeepSeek-style experts), read from the decorator's flags. Decided once per module: it
+    is asked every layer of every token."""
+    fusable = module.__dict__.get("_moescope_fusable")
+    if fusable is None:
+        fusable = module._moescope_fusable = _fusable_recipe(module)
+    return fusable
+
+
+def _fusable_recipe(module: torch.nn.Module) -> bool:
+    from transformers.activations import SiLUActivation
+    from transformers.integrations import moe
+
+    return bool(getattr(module, "has_gate", False) and not module.has_bias and not module.is_transposed
+                and not getattr(module, "has_post_expert_norm", False)
+                and getattr(type(module), "_apply_gate", None) is moe._default_apply_gate
+                and isinstance(module.act_fn, SiLUActivation | torch.nn.SiLU))
+
+
+class NativeExperts:
+    """The one-token experts kernel of a native step: a layer's resident picks in one native call."""
+
+    def __init__(self, kernels: ModuleType) -> None:
+        self.kernels = kernels
+
+    def __call__(self, module: torch.nn.Module, hidden: torch.Tensor, chosen: list[dict[str, torch.Tensor]],
+                 weights: torch.Tensor, out_dtype: torch.dtype, packed: bool) -> torch.Tensor:
+        if packed or hidden.dtype != torch.bfloat16 or not experts_fusable(module):
+            return torch_one_token(module, hidden, chosen, weights, out_dtype, packed)
+        return self.kernels.moe_decode(hidden, [w["gate_up_proj"] for w in chosen], [w["down_proj"] for w in chosen],
+                                       weights)
+
+
+def _one_query_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                         scaling: float | None) -> torch.Tensor:
+    """softmax(q k^T * scale) v for one query, key/value heads shared by groups of query heads."""
+    batch, heads, _, dim = query.shape
+    kv_heads, value_dim = key.shape[1], value.shape[-1]  # MLA (DeepSeek) values are narrower than keys
+    scale = dim**-0.5 if scaling is None else scaling
+    q = query.reshape(batch, kv_heads, heads // kv_heads, dim).float()  # each group of heads meets its kv head
+    scores = torch.matmul(q, key.float().transpose(-1, -2)) * scale
+    out = torch.matmul(torch.softmax(scores, dim=-1), value.float())
+    return out.to(query.dtype).reshape(batch, heads, 1, value_dim).transpose(1, 2)  # [batch, 1, heads, dim], as SDPA's
+
+
+def attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+              attention_mask: torch.Tensor | None, dropout: float = 0.0, scaling: float | None = None,
+              **kwargs) -> tuple[torch.Tensor, None]:
+    """transformers' SDPA attention, except one-query steps inside a native step (no mask, no extras)."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    switch = module.__dict__.get(SWITCH_ATTR)
+    plain = (switch is not None and switch.on and query.shape[2] == 1 and attention_mask is None
+             and query.device.type == "cpu" and query.dtype != torch.float32 and kwargs.get("position_bias") is None
+             and kwargs.get("s_aux") is None and key.shape[1] > 0 and query.shape[1] % key.shape[1] == 0)
+    if not plain:
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
+                                      **kwargs)
+    return _one_query_attention(query, key, value, scaling), None
+
+
+def install(model: torch.nn.Module) -> NativeSwitch:
+    """Give `model`'s qualifying modules their native-step classes, all reading one new switch, and
+    route its SDPA attention through `attention` (same results outside a native step)."""
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    switch = NativeSwitch()
+    for module in model.modules():
+        patch_module(module, switch)
+    if model.config._attn_implementation == "sdpa":
+        ALL_ATTENTION_FUNCTIONS.register(ATTENTION_NAME, attention)
+        ALL_MASK_ATTENTION_FUNCTIONS.register(ATTENTION_NAME, sdpa_mask)  # same masks as SDPA
+        model.set_attn_implementation(ATTENTION_NAME)
+    return switch
+
+
+def native_problem(runtime, step: Step) -> str | None:
+    """Why no native kernel can run `step` (shared by both native paths); None when they can."""
+    if not runtime.fast_decode:
+        return "fast decode is off"
+    if step.prefill:
+        return "prompts (prefill) run on transformers' kernels"
+    if runtime.device.type != "cpu":
+        return "the native kernels run on the CPU"
+    if runtime.dtype != torch.bfloat16:
+        return f"the native kernels compute bf16 weights; this model runs in {str(runtime.dtype).removeprefix('torch.')}"
+    if native.ready() is None:
+        return native.status()
+    if runtime.cache.packed_params:
+        return "the expert matrices are packed for oneDNN (they are unpacked when fast decode is switched on)"
+    return None
+
+
+class NativeLayersPath(DecodePath):
+    """The model's forward with its qualifying modules and the experts on the native kernels."""
+
+    label = "fast: native kernels, layer by layer"
+
+    def __init__(self, runtime) -> None:
+        self.runtime = runtime
+        self._switch: NativeSwitch | None = None
+
+    def enable(self) -> None:
+        """Fast decode was asked for: patch the model's modules (once) and start building the kernels."""
+        if self._switch is None:
+            self._switch = install(self.runtime.model)
+        native.start_build()
+
+    def unavailable(self, step: Step) -> str | None:
+        problem = native_problem(self.runtime, step)
+        if problem is None and self._switch is None:
+            return "fast decode was not set up for this model"
+        return problem
+
+    def run(self, step: Step) -> torch.Tensor:
+        with self._switch.active(), self.runtime.cache.experts_kernel(NativeExperts(native.ready())):
+            return model_forward(self.runtime.model, step)

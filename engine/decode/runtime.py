@@ -1,0 +1,276 @@
+"""A loaded model ready to generate: weights, tokenizer, store, cache, counters, decode paths."""
+
+from __future__ import annotations
+
+import time
+
+import psutil
+import torch
+
+from engine import protocol as p
+from engine.accounting.counters import EngineCounters
+from engine.accounting.planner import ALLOCATIONS, BudgetPlan, plan_budget
+from engine.accounting.policies import make_policy
+from engine.accounting.policies.base import CachePolicy
+from engine.accounting.sizes import BudgetSpec, parse_budget
+from engine.decode.native import kernels as native
+from engine.decode.paths.base import PathChooser
+from engine.decode.paths.native_layers import NativeLayersPath
+from engine.decode.paths.transformers_path import TransformersPath, last_position
+from engine.decode.paths.whole_token import WholeTokenPath
+from engine.decode.routers import RouterTaps, RoutingRestriction
+from engine.errors import MoEScopeError
+from engine.hub.local import resolve_model
+from engine.model import experts_registry
+from engine.model.inspect import ModelInfo, describe
+from engine.model.loader import ProgressFn, build_model, resolve_device
+from engine.offload import packed_linear
+from engine.offload.expert_cache import ExpertCache
+from engine.offload.store import DiskStore, ExpertStore, RamStore
+
+
+class MoERuntime:
+    """`settings` are what the user asked for at load and stay as given; what changes live (budget,
+    policy, fast decode) is this object's own state. `cache_type`: benchmarks substitute a subclass
+    of `ExpertCache` (bench/routing.py)."""
+
+    def __init__(self, settings: p.LoadModel, progress: ProgressFn | None = None,
+                 cache_type: type[ExpertCache] = ExpertCache) -> None:
+        from transformers import AutoTokenizer
+
+        started = time.perf_counter()
+        options = self.settings = settings
+        self.device = resolve_device(options.device)
+        loaded = build_model(
+            resolve_model(options.path),
+            device=self.device,
+            dtype=options.dtype,
+            allow_pickle=options.allow_pickle,
+            trust_remote_code=options.trust_remote_code,
+            progress=progress,
+        )
+        self.model, self.layout, self.files, self.dtype = loaded.model, loaded.layout, loaded.files, loaded.dtype
+        self.tokenizer = None  # checkpoints without tokenizer files still run on token ids (--prompt-ids)
+        if any((self.files.root / f).exists() for f in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")):
+            self.tokenizer = AutoTokenizer.from_pretrained(self.files.root, trust_remote_code=options.trust_remote_code)
+        self.store = self._open_store(options.store, progress)
+        self.counters = EngineCounters(self.layout.num_layers, self.layout.num_experts)
+        if options.allocation not in ALLOCATIONS:
+            raise MoEScopeError(f"unknown allocation '{options.allocation}'; use planned or uniform")
+        self.plan = self._plan(parse_budget(options.budget))
+        self.policy_spec = options.policy
+        policy = make_policy(options.policy)
+        self.fast_decode = False  # live: the System panel's switch
+        self.routers = RouterTaps(self.model, self.layout)
+        self.cache = cache_type(
+            self.layout, self.store, self.device, policy, self.plan.slots_per_layer, self.counters,
+            predictor=self.routers,
+            # --fast-decode's native kernel reads plain weights faster than oneDNN reads packed ones
+            packed_params=self._packable() if options.pack_weights and not options.fast_decode else frozenset(),
+        )
+        for layer, module_path in enumerate(self.layout.module_paths):
+            experts_registry.attach(self.model.get_submodule(module_path), self.cache, layer)
+        self._restriction: RoutingRestriction | None = None
+        self.native_layers = NativeLayersPath(self)
+        self.whole_token = WholeTokenPath(self)
+        self.paths = PathChooser([self.whole_token, self.native_layers, TransformersPath(self.model)])
+        self.decode_path = ""  # how the last decode token ran, in words (a DecodePath's label)
+        self.decode_path_reason = ""  # why the next faster path did not run it
+        self.profile_note = ""
+        if options.fast_decode and self.fast_decode_available:
+            self.set_fast_decode(True)
+            if progress is not None and native.ready() is None:
+                progress(1.0, "building native decode kernels (first use on this machine)")
+            # Asked for at load: the first tokens should not run on the slower kernels. Bounded, since
+            # torch's builder waits on a lock file that a build killed midway leaves behind.
+            native.wait(timeout=native.LOAD_WAIT_S)
+        self._prepare(policy)
+        self.warm_bytes = self.cache.warm() if options.warm else 0
+        self.cpu_experts_note = self._setup_cpu_experts(options.cpu_experts)
+        self.tracer = None
+        if options.trace:
+            self.start_trace(options.trace)
+        self.load_seconds = time.perf_counter() - started
+
+    # ----- setup -----
+    def _open_store(self, kind: str, progress: ProgressFn | None) -> ExpertStore:
+        if kind == "auto":
+            # RAM only pays off when the experts can be copied to a GPU; on a CPU the cache is the RAM.
+            fits = self.layout.all_expert_bytes < 0.6 * psutil.virtual_memory().available
+            kind = "ram" if self.device.type == "cuda" and fits else "disk"
+        if kind == "disk":
+            return DiskStore(self.layout)
+        if kind == "ram":
+            return RamStore(self.layout, pin=self.device.type == "cuda", progress=progress)
+        raise MoEScopeError(f"unknown store '{kind}'; use disk, ram or auto")
+
+    def _plan(self, spec: BudgetSpec) -> BudgetPlan:
+        requested = spec.resolve_bytes(self.layout.all_expert_bytes, self.layout.slot_bytes)
+        curves = self.miss_curves() if self.settings.allocation == "planned" else None
+        return plan_budget(self.layout, requested, curves=curves, allocation=self.settings.allocation)
+
+    def _setup_cpu_experts(self, mode: str) -> str:
+        """Fiddler's CPU execution of misses: only with a GPU and the RAM store; a no-op otherwise."""
+        if mode not in ("auto", "never"):
+            raise MoEScopeError(f"unknown --cpu-experts '{mode}'; use auto or never")
+        if mode == "never":
+            return ""
+        from engine.offload import cpu_experts
+
+        first = self.model.get_submodule(self.layout.module_paths[0])
+        if not cpu_experts.supported(first, self.store, self.device):
+            return "--cpu-experts auto has no effect here (it needs a CUDA GPU and the RAM store)"
+        hidden = self.model.config.get_text_config().hidden_size
+        model = cpu_experts.calibrate(self.layout, self.store, first, self.device, hidden)
+        self.cache.cpu_experts = cpu_experts.CpuExperts(self.layout, self.store, model)
+        return ""
+
+    # ----- policies -----
+    def _prepare(self, policy: CachePolicy) -> None:
+        """What a policy needs from the model: a calibration profile, or hooks on the routers."""
+        if self._restriction is not None:
+            self._restriction.remove()
+            self._restriction = None
+        if policy.restricts_routing:
+            directory, top_k = self.cache.directory, self.layout.top_k
+
+            def allowed(layer: int) -> list[int]:
+                ready = directory.ready(layer)  # loading experts only if too few are ready for one token
+                return ready if len(ready) >= top_k else directory.resident(layer)
+
+            try:
+                self._restriction = RoutingRestriction(self.routers, allowed, policy)
+            except RuntimeError as exc:
+                raise MoEScopeError(f"policy '{policy.name}' cannot run on this model: {exc}") from None
+        if policy.needs_profile:
+            policy.set_profile(self._profile())
+
+    def _profile(self):
+        """This model's saved calibration profile, else the routing seen so far, else a calibration run."""
+        from engine.accounting import profiles
+
+        path = profiles.profile_path(self.fingerprint)
+        counts = profiles.load_profile(path, (self.layout.num_layers, self.layout.num_experts))
+        if counts is not None:
+            self.profile_note = f"popularity profile from {path}"
+            return counts
+        if self.counters.activation_total.sum() > 0:
+            self.profile_note = "popularity profile from this session's routing (no saved profile)"
+            return self.counters.activation_total.copy()
+        counts = self.calibrate_profile()
+        profiles.save_profile(path, counts, source="calibration prompts")
+        self.profile_note = f"calibrated a popularity profile on built-in prompts; saved to {path}"
+        return counts
+
+    @torch.inference_mode()
+    def calibrate_profile(self):
+        """Routing counts of a prefill over the built-in calibration prompts, through the engine."""
+        from engine.accounting import profiles
+
+        before = self.counters.activation_total.copy()
+        vocab = self.model.config.get_text_config().vocab_size
+        for ids in profiles.calibration_ids(self.tokenizer, vocab):
+            ids = ids[: max(2, self.context_length - 1)]
+            tensor = torch.tensor([ids], dtype=torch.long, device=self.device)
+            self.model(input_ids=tensor, attention_mask=torch.ones_like(tensor), use_cache=False,
+                       logits_to_keep=last_position(tensor))
+            self.counters.end_token()
+            self.cache.policy.on_token_end()
+        return self.counters.activation_total - before
+
+    @property
+    def fingerprint(self) -> str:
+        from engine.accounting import profiles
+
+        index = [(t.name, tuple(t.shape), t.dtype) for t in self.files.tensors.values()]
+        return profiles.fingerprint(self.files.config, index)
+
+    # ----- live changes (between tokens) -----
+    def set_budget(self, budget: str | BudgetSpec) -> BudgetPlan:
+        """Re-plan the cache for a new budget (from the routing seen so far when allocation is planned)."""
+        spec = parse_budget(budget) if isinstance(budget, str) else budget
+        self.plan = self._plan(spec)
+        self.cache.resize(self.plan.slots_per_layer)
+        return self.plan
+
+    def _packable(self) -> frozenset[str]:
+        """Expert matrices the cache can keep pre-arranged for oneDNN (CPU, bf16/fp16, [out, in]),
+        when every expert is resident: below `all`, packing would sit on every miss's path."""
+        experts = self.model.get_submodule(self.layout.module_paths[0])
+        if self.device.type != "cpu" or getattr(experts, "is_transposed", False) or not packed_linear.available(self.dtype):
+            return frozenset()
+        if any(n < self.layout.num_experts for n in self.plan.slots_per_layer):
+            return frozenset()
+        return frozenset(p.name for p in self.layout.params if p.name in packed_linear.PACKABLE and len(p.shape) == 2)
+
+    @property
+    def fast_decode_available(self) -> bool:
+        """The switch changes something here: a CPU engine running bf16 weights (the native kernels')."""
+        return self.device.type == "cpu" and self.dtype == torch.bfloat16
+
+    def set_fast_decode(self, enabled: bool) -> bool:
+        """Switch the native decode paths, between tokens; returns whether they are on now."""
+        if enabled and self.fast_decode_available:
+            self.native_layers.enable()  # idempotent: the modules deviate only inside a native step
+            if not native.failed():
+                self.cache.unpack()  # the native experts kernel reads plain weights (for the rest of the session)
+        self.fast_decode = enabled and self.fast_decode_available
+        return self.fast_decode
+
+    @property
+    def routing_restricted(self) -> bool:
+        """A lossy policy rewrites the routers' choices, layer by layer."""
+        return self._restriction is not None
+
+    def set_policy(self, name: str) -> None:
+        """Switch policy between tokens: residents stay; the new policy learns from here on."""
+        policy = make_policy(name)
+        self.cache.set_policy(policy)
+        self._prepare(policy)
+        self.policy_spec = name
+
+    # ----- observation -----
+    def miss_curves(self):
+        """[layers, experts + 1] float32 expected misses per token with s slots, from routing since load."""
+        recorder = self.counters.miss_curves
+        return recorder.curves() if recorder.has_data() else None
+
+    def policy_stats(self) -> dict[str, float]:
+        """Prefetch outcomes and the policy's own figures (for `TelemetrySnapshot.extra`)."""
+        return self.cache.stats()
+
+    def start_trace(self, path: str) -> None:
+        from engine.traces.trace import TraceWriter
+
+        self.stop_trace()
+        header = {"model": self.files.root.name, "fingerprint": self.fingerprint,
+                  "num_layers": self.layout.num_layers, "num_experts": self.layout.num_experts,
+                  "top_k": self.layout.top_k, "expert_bytes": self.layout.slot_bytes, "predict_window": 3}
+        try:
+            self.tracer = TraceWriter(path, header, lambda: self.counters.requests_started)
+        except OSError as exc:
+            raise MoEScopeError(f"cannot write the trace {path}: {exc.strerror or exc}") from None
+        self.cache.tracer = self.tracer
+
+    def stop_trace(self) -> None:
+        if getattr(self, "tracer", None) is not None:
+            self.cache.tracer = None
+            self.tracer.close()
+            self.tracer = None
+
+    # ----- facts -----
+    @property
+    def context_length(self) -> int:
+        config = self.model.config
+        return int(getattr(config, "max_position_embeddings", 0) or 1 << 30)
+
+    def info(self) -> ModelInfo:
+        return describe(self.files, self.layout, self.model.config, self.dtype, str(self.device), self.store.kind)
+
+    def close(self) -> None:
+        self.stop_trace()
+        if self._restriction is not None:
+            self._restriction.remove()
+        self.cache.close()
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()

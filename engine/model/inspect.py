@@ -1,0 +1,62 @@
+"""A model's MoE geometry and memory needs, read without loading any weights."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from engine.model.checkpoint import CheckpointFiles
+from engine.model.layout import MoELayout
+
+
+@dataclass
+class ModelInfo:
+    name: str
+    path: str
+    architecture: str
+    num_moe_layers: int
+    num_layers: int
+    num_experts: int
+    top_k: int
+    expert_bytes: int  # one expert, in the compute dtype
+    all_expert_bytes: int
+    dense_bytes: int
+    min_budget_bytes: int
+    max_budget_bytes: int
+    dtype: str
+    device: str
+    store: str
+    context_length: int
+
+
+def describe(files: CheckpointFiles, layout: MoELayout, config, dtype: torch.dtype, device: str, store: str) -> ModelInfo:
+    cfg = files.config
+    return ModelInfo(
+        name=files.root.name,
+        path=str(files.root),
+        architecture=(cfg.get("architectures") or [cfg.get("model_type", "?")])[0],
+        num_moe_layers=layout.num_layers,
+        num_layers=int(getattr(config, "num_hidden_layers", layout.num_layers)),
+        num_experts=layout.num_experts,
+        top_k=layout.top_k,
+        expert_bytes=layout.slot_bytes,
+        all_expert_bytes=layout.all_expert_bytes,
+        dense_bytes=layout.dense_bytes,
+        min_budget_bytes=layout.min_budget_bytes,
+        max_budget_bytes=layout.all_expert_bytes,
+        dtype=str(dtype).removeprefix("torch."),
+        device=device,
+        store=store,
+        context_length=int(getattr(config, "max_position_embeddings", 0) or 0),
+    )
+
+
+def inspect_checkpoint(path: Path, *, allow_pickle: bool = False, trust_remote_code: bool = False) -> ModelInfo:
+    from engine.model.loader import build_model
+
+    # Dense weights go to the meta device: nothing but headers is read.
+    loaded = build_model(path, device=torch.device("meta"), allow_pickle=allow_pickle,
+                         trust_remote_code=trust_remote_code, load_dense=False)
+    return describe(loaded.files, loaded.layout, loaded.model.config, loaded.dtype, "-", "-")

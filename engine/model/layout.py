@@ -1,0 +1,221 @@
+"""Where every weight goes: dense tensors into the model, routed experts into the store.
+
+The checkpoint's tensor names are mapped to the model's with transformers' own conversion
+mapping (the same renamings and expert-merging rules `from_pretrained` applies), so every family
+transformers knows is handled without per-model code here.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from transformers.conversion_mapping import get_model_conversion_mapping
+from transformers.core_model_loading import (
+    Concatenate,
+    MergeModulelist,
+    WeightConverter,
+    WeightRenaming,
+    rename_source_key,
+)
+
+from engine.errors import CheckpointError, NotMoEError
+from engine.model.checkpoint import CheckpointFiles, TensorRecord
+from engine.model.dtypes import torch_dtype
+
+SLOT_ALIGN = 64  # bytes; keeps every expert matrix aligned for vector loads and DMA
+
+TOPK_CONFIG_KEYS = ("num_experts_per_tok", "moe_top_k", "top_k", "num_experts_per_token", "moe_k")
+
+@dataclass(frozen=True)
+class ExpertParam:
+    """One weight of an expert as the experts forward reads it (e.g. `gate_up_proj`, [2I, H])."""
+
+    name: str
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    offset: int  # bytes from the start of a slot
+    nbytes: int
+
+
+@dataclass(frozen=True)
+class ExpertPiece:
+    """A contiguous run of checkpoint bytes that fills part of one expert parameter."""
+
+    file: Path
+    file_offset: int
+    nbytes: int
+    src_dtype: torch.dtype
+    param: str
+    dst_offset: int  # bytes from the start of that parameter, in the checkpoint dtype
+
+
+@dataclass
+class MoELayout:
+    """The model's mixture-of-experts geometry and where each expert's bytes live."""
+
+    module_paths: list[str]  # the experts module of each MoE layer, in model order
+    decoder_layers: list[int]  # decoder layer index of each MoE layer
+    num_experts: int
+    top_k: int
+    params: list[ExpertParam]
+    slot_bytes: int  # one expert, in compute dtype, aligned
+    pieces: list[list[list[ExpertPiece]]]  # [moe layer][expert] -> pieces
+    dense: dict[str, TensorRecord] = field(default_factory=dict)  # model key -> checkpoint tensor
+    expert_bytes_on_disk: int = 0
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.module_paths)
+
+    @property
+    def all_expert_bytes(self) -> int:
+        return self.slot_bytes * self.num_experts * self.num_layers
+
+    @property
+    def min_budget_bytes(self) -> int:
+        # One token needs top_k experts of a layer at once; fewer slots would thrash within a token.
+        return self.slot_bytes * self.top_k * self.num_layers
+
+    @property
+    def dense_bytes(self) -> int:
+        return sum(t.nbytes for t in self.dense.values())
+
+
+def is_experts_module(module: torch.nn.Module) -> bool:
+    """True for classes decorated with transformers' `@use_experts_implementation`."""
+    return hasattr(module, "is_concatenated") and hasattr(module, "_is_expert_parallel")
+
+
+def find_top_k(config) -> int:
+    for cfg in (config, getattr(config, "text_config", None)):
+        for key in TOPK_CONFIG_KEYS:
+            value = getattr(cfg, key, None) if cfg is not None else None
+            if isinstance(value, int) and value > 0:
+                return value
+    raise CheckpointError("cannot find the number of experts per token (top-k) in config.json")
+
+
+def build_layout(model: torch.nn.Module, files: CheckpointFiles, compute_dtype: torch.dtype) -> MoELayout:
+    """Map every checkpoint tensor to a dense model weight or to a piece of one expert."""
+    experts = [(name, m) for name, m in model.named_modules() if is_experts_module(m)]
+    if not experts:
+        arch = (files.config.get("architectures") or [files.config.get("model_type", "?")])[0]
+        raise NotMoEError(
+            f"'{files.root.name}' ({arch}) is a dense model, not a mixture-of-experts model; "
+            "MoEScope offloads experts, so run dense models with a plain runner"
+        )
+    module_paths = [name for name, _ in experts]
+    module_index = {name: i for i, name in enumerate(module_paths)}
+    first = experts[0][1]
+    num_experts = int(first.num_experts)
+    params: list[ExpertParam] = []
+    offset = 0
+    for pname, p in first.named_parameters(recurse=False):
+        shape = tuple(p.shape[1:])
+        nbytes = p[0].numel() * compute_dtype.itemsize
+        params.append(ExpertParam(pname, shape, compute_dtype, offset, nbytes))
+        offset += -(-nbytes // SLOT_ALIGN) * SLOT_ALIGN
+    for name, m in experts[1:]:
+        other = [(n, tuple(p.shape[1:])) for n, p in m.named_parameters(recurse=False)]
+        if other != [(p.name, p.shape) for p in params] or m.num_experts != num_experts:
+            raise CheckpointError(f"experts of '{name}' differ in shape from the first MoE layer; not supported yet")
+    param_by_name = {p.name: p for p in params}
+
+    transforms = get_model_conversion_mapping(model)
+    renamings = [t for t in transforms if isinstance(t, WeightRenaming)]
+    converters = [t for t in transforms if isinstance(t, WeightConverter)]
+    meta_state = model.state_dict()
+    pieces: list[list[list[ExpertPiece]]] = [[[] for _ in range(num_experts)] for _ in module_paths]
+    dense: dict[str, TensorRecord] = {}
+    expert_disk = 0
+
+    for key, record in files.tensors.items():
+        model_key, src_pattern = rename_source_key(
+            key, renamings, converters, model.base_model_prefix, meta_state
+        )
+        owner, _, pname = model_key.rpartition(".")
+        if owner in module_index and pname in param_by_name:
+            expert_disk += record.nbytes
+            layer = module_index[owner]
+            target = param_by_name[pname]
+            src_dtype = torch_dtype(record.dtype)
+            if src_pattern is None:  # fused [E, ...] tensor on disk (GPT-OSS style): one slice per expert
+                if record.shape != (num_experts, *target.shape):
+                    raise CheckpointError(f"tensor '{key}' has shape {record.shape}, expected {(num_experts, *target.shape)}")
+                per_expert = record.nbytes // num_experts
+                for e in range(num_experts):
+                    pieces[layer][e].append(
+                        ExpertPiece(record.file, record.offset + e * per_expert, per_expert, src_dtype, pname, 0)
+                    )
+            else:  # one tensor per expert, maybe one of several concatenated parts (gate, up)
+                part, n_parts = _converter_part(converters, src_pattern, key)
+                expert = _expert_index(key)
+                numel = 1
+                for dim in record.shape:
+                    numel *= dim
+                if numel * n_parts * compute_dtype.itemsize != target.nbytes or expert >= num_experts:
+                    raise CheckpointError(f"tensor '{key}' does not fit expert parameter '{pname}' {target.shape}")
+                pieces[layer][expert].append(
+                    ExpertPiece(record.file, record.offset, record.nbytes, src_dtype, pname, part * record.nbytes)
+                )
+        elif src_pattern is not None:
+            raise CheckpointError(
+                f"'{key}' needs a weight conversion MoEScope does not support for dense weights yet"
+            )
+        else:
+            dense[model_key] = record
+
+    for layer, per_layer in enumerate(pieces):
+        for e, expert_pieces in enumerate(per_layer):
+            covered = {}
+            for piece in expert_pieces:
+                covered[piece.param] = covered.get(piece.param, 0) + piece.nbytes
+            for p in params:
+                want = p.nbytes // compute_dtype.itemsize
+                have = covered.get(p.name, 0)
+                src_size = expert_pieces[0].src_dtype.itemsize if expert_pieces else 1
+                if have // src_size != want:
+                    raise CheckpointError(
+                        f"checkpoint is missing weights of expert {e} in '{module_paths[layer]}' ({p.name}); "
+                        "the download may be incomplete"
+                    )
+    return MoELayout(
+        module_paths=module_paths,
+        decoder_layers=[_decoder_layer_index(name) for name in module_paths],
+        num_experts=num_experts,
+        top_k=find_top_k(model.config),
+        params=params,
+        slot_bytes=-(-offset // SLOT_ALIGN) * SLOT_ALIGN,
+        pieces=pieces,
+        dense=dense,
+        expert_bytes_on_disk=expert_disk,
+    )
+
+
+def _converter_part(converters: list[WeightConverter], src_pattern: str, key: str) -> tuple[int, int]:
+    """Which part of a concatenated expert weight this source pattern is, e.g. gate=0, up=1 of 2."""
+    for conv in converters:
+        sources = list(conv.source_patterns)
+        if src_pattern in sources:
+            ops = list(conv.operations)
+            plain_merge = len(ops) >= 1 and isinstance(ops[0], MergeModulelist) and ops[0].dim == 0
+            concat_ok = len(ops) == 1 or (len(ops) == 2 and isinstance(ops[1], Concatenate) and ops[1].dim == 1)
+            if not (plain_merge and concat_ok):
+                raise CheckpointError(f"expert weight '{key}' uses a layout conversion MoEScope does not support yet")
+            return sources.index(src_pattern), len(sources)
+    raise CheckpointError(f"no conversion rule found for expert weight '{key}'")
+
+
+def _expert_index(key: str) -> int:
+    match = re.search(r"\.experts\.(\d+)\.", key)
+    if not match:
+        raise CheckpointError(f"cannot tell which expert '{key}' belongs to")
+    return int(match.group(1))
+
+
+def _decoder_layer_index(module_path: str) -> int:
+    match = re.search(r"\.(\d+)\.", module_path)
+    return int(match.group(1)) if match else 0

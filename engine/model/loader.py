@@ -1,0 +1,133 @@
+"""Opening a checkpoint for offloaded inference.
+
+The model is built with its parameters on the meta device (no memory), dense weights are read
+from the safetensors files onto the compute device, and the routed experts' parameters are
+dropped from the model: their bytes stay in the store and come in through the expert cache.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections import defaultdict
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+from engine.errors import CheckpointError, DeviceError
+from engine.model import experts_registry as experts_impl
+from engine.model.checkpoint import CheckpointFiles, open_checkpoint
+from engine.model.dtypes import resolve_dtype
+from engine.model.layout import MoELayout, build_layout
+from engine.system import huge_pages
+
+ProgressFn = Callable[[float, str], None]
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name == "cuda" and not torch.cuda.is_available():
+        raise DeviceError("--device cuda was asked for, but PyTorch sees no CUDA GPU; use --device cpu")
+    if name not in ("cpu", "cuda"):
+        raise DeviceError(f"unknown device '{name}'; use cpu, cuda or auto")
+    return torch.device(name)
+
+
+@dataclass
+class LoadedWeights:
+    model: torch.nn.Module
+    layout: MoELayout
+    files: CheckpointFiles
+    dtype: torch.dtype
+
+
+def build_model(
+    path: Path,
+    *,
+    device: torch.device,
+    dtype: str = "auto",
+    allow_pickle: bool = False,
+    trust_remote_code: bool = False,
+    progress: ProgressFn | None = None,
+    load_dense: bool = True,
+) -> LoadedWeights:
+    from accelerate import init_empty_weights
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    files = open_checkpoint(path, allow_pickle=allow_pickle, trust_remote_code=trust_remote_code)
+    compute_dtype = resolve_dtype(dtype, files.config)
+    experts_impl.register()
+    try:
+        config = AutoConfig.from_pretrained(files.root, trust_remote_code=trust_remote_code)
+    except (ValueError, KeyError) as exc:
+        raise CheckpointError(f"transformers cannot read {files.root / 'config.json'}: {exc}") from None
+    with warnings.catch_warnings(), init_empty_weights(include_buffers=False):
+        warnings.simplefilter("ignore")
+        try:
+            model = AutoModelForCausalLM.from_config(
+                config,
+                dtype=compute_dtype,
+                experts_implementation=experts_impl.IMPLEMENTATION_NAME,
+                trust_remote_code=trust_remote_code,
+            )
+        except ValueError as exc:
+            raise CheckpointError(f"transformers cannot build '{files.root.name}' as a causal LM: {exc}") from None
+    if (files.root / "generation_config.json").is_file():
+        from transformers import GenerationConfig
+
+        # from_pretrained reads this file too: its EOS ids and defaults are the model author's.
+        model.generation_config = GenerationConfig.from_pretrained(files.root)
+    layout = build_layout(model, files, compute_dtype)
+    for module_path in layout.module_paths:
+        experts = model.get_submodule(module_path)
+        for p in layout.params:
+            setattr(experts, p.name, None)  # the bytes live in the store; slots are the only copy
+    if not load_dense:
+        return LoadedWeights(model, layout, files, compute_dtype)
+    _load_dense(model, layout, device, progress)
+    model.to(device)  # non-persistent buffers (rotary tables) are created on the CPU
+    model.eval().requires_grad_(False)
+    return LoadedWeights(model, layout, files, compute_dtype)
+
+
+def _load_dense(model: torch.nn.Module, layout: MoELayout, device: torch.device, progress: ProgressFn | None) -> None:
+    by_file: dict[Path, list[str]] = defaultdict(list)
+    for key, record in layout.dense.items():
+        by_file[record.file].append(key)
+    total = max(1, layout.dense_bytes)
+    done = 0
+    state = dict(model.named_parameters(remove_duplicate=False)) | dict(model.named_buffers())
+    for file, keys in sorted(by_file.items()):
+        try:
+            with safe_open(file, framework="pt", device="cpu") as handle:
+                for key in keys:
+                    if key not in state:
+                        continue  # checkpoint extras the model does not use (e.g. unused MTP layers)
+                    target = state[key]
+                    tensor = handle.get_tensor(layout.dense[key].name).to(device=device, dtype=target.dtype)
+                    tensor = huge_pages.rehome(tensor)  # decode streams these every token
+                    if tensor.shape != target.shape:
+                        raise CheckpointError(f"'{key}' in {file.name} has shape {tuple(tensor.shape)}, the model expects {tuple(target.shape)}")
+                    _set_tensor(model, key, tensor)
+                    done += layout.dense[key].nbytes
+                    if progress:
+                        progress(done / total, f"dense weights from {file.name}")
+        except (OSError, RuntimeError) as exc:
+            raise CheckpointError(f"cannot read {file}: {exc}") from None
+    if getattr(model, "lm_head", None) is not None and model.lm_head.weight.is_meta:
+        model.tie_weights()
+    missing = [name for name, p in model.named_parameters() if p.is_meta]
+    if missing:
+        raise CheckpointError(f"checkpoint is missing {len(missing)} weights, e.g. '{missing[0]}'; the download may be incomplete")
+
+
+def _set_tensor(model: torch.nn.Module, key: str, tensor: torch.Tensor) -> None:
+    owner_path, _, name = key.rpartition(".")
+    owner = model.get_submodule(owner_path)
+    if name in owner._parameters:
+        owner._parameters[name] = torch.nn.Parameter(tensor, requires_grad=False)
+    else:
+        owner._buffers[name] = tensor

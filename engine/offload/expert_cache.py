@@ -1,0 +1,529 @@
+"""The expert cache: a budgeted pool of slots in compute memory, filled from the store.
+
+Each MoE layer owns a contiguous pool `[slots, slot_bytes]` (uint8) on the compute device with
+typed views per expert parameter, so an expert's weights are read in place — never copied out of
+its slot. The pool is resized between tokens when the budget changes (no reload).
+
+Per layer and forward, `run_layer`:
+1. summarises the routing on the host (`LayerRouting`: the one sync per layer);
+2. records it (`record`): the directory splits the needed experts into ready, in flight (a
+   prefetch still loading) and missing and tells the policy; counters and miss curves count it.
+   A whole decode token computed in one native call is recorded through the same `record`;
+3. plans the loads (`_plan_loads`): exact loads for the misses (they pre-empt speculative loads,
+   `engine.offload.loads`), needed in-flight prefetches promoted, the policy's prefetches;
+4. computes (`_compute`) in the order resident -> in flight -> not started, each as soon as its
+   bytes are in (reordered execution, Mixtral-offloading; ProMoE's execution order). A decode
+   token whose picks are all resident runs on the one-token experts kernel it was handed.
+When a layer needs more experts at once than it has slots (long prefills), the misses stream
+through the layer's slots in waves: the slots double as the staging buffer, so memory never
+exceeds the budget.
+
+Exactness rests on three rules: an expert is computed only after its load finished; a slot that
+is loading or holds an expert of the running layer is never given away (`CacheDirectory`); and on
+CUDA a copy into a slot first waits for every kernel queued before the slot was reassigned (a
+fence event), so no queued computation reads half-new bytes.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from engine.accounting.counters import EngineCounters
+from engine.accounting.directory import CacheDirectory, Lookup, NoFreeSlotError
+from engine.accounting.policies.base import CachePolicy
+from engine.accounting.routing import RoutingStep
+from engine.model.layout import ExpertParam, MoELayout
+from engine.offload.expert_compute import (
+    OneTokenExperts,
+    expert_mlp,
+    grouped_available,
+    grouped_expert_mlp,
+    torch_one_token,
+)
+from engine.offload.loads import JobState, LoadJob, LoadQueue
+from engine.offload.packed_linear import pack
+from engine.offload.store import ExpertStore
+from engine.system import huge_pages
+
+PREDICTION_WINDOW_TRACED = 3  # layers ahead recorded in traces (so promoe:k<=3 can be replayed)
+
+
+class LayerRouting:
+    """One MoE layer's routing in a forward step, brought to the host once and summarised."""
+
+    def __init__(self, layer: int, top_k_index: torch.Tensor, num_experts: int) -> None:
+        self.num_tokens, self.top_k = top_k_index.shape
+        self.num_experts = num_experts
+        self.flat = top_k_index.reshape(-1)
+        picks = self.flat.tolist() if self.num_tokens == 1 else None
+        self._flat_host: np.ndarray | None = None
+        self._counts: np.ndarray | None = None
+        self._sorted: tuple[torch.Tensor, list[int]] | None = None
+        if picks is not None and len(set(picks)) == len(picks):  # a decode token: nothing to count
+            self.picks: list[int] | None = picks
+            self.needed = sorted(picks)
+            self.step = RoutingStep.of_layer(layer, self.needed)
+        else:
+            self.picks = None
+            counts = self.counts
+            self.needed = np.flatnonzero(counts).tolist()
+            self.step = RoutingStep.of_layer(layer, self.needed, counts[self.needed], self.num_tokens)
+
+    @property
+    def flat_host(self) -> np.ndarray:
+        if self._flat_host is None:
+            self._flat_host = np.asarray(self.picks) if self.picks is not None else self.flat.cpu().numpy()
+        return self._flat_host
+
+    @property
+    def counts(self) -> np.ndarray:
+        """[experts] rows routed to each expert."""
+        if self._counts is None:
+            self._counts = np.bincount(self.flat_host, minlength=self.num_experts)
+        return self._counts
+
+    def rows_of(self, expert: int) -> torch.Tensor:
+        """The flat (token, pick) rows routed to `expert`."""
+        if self._sorted is None:
+            self._sorted = (torch.argsort(self.flat, stable=True), np.concatenate(([0], np.cumsum(self.counts))).tolist())
+        order, bounds = self._sorted
+        return order[bounds[expert] : bounds[expert + 1]]
+
+
+@dataclass
+class LoadPlan:
+    """What one layer's step computes where, in order."""
+
+    ready: list[int]  # resident with their bytes in: first
+    on_cpu: list[int]  # missing, computed on the CPU instead of loaded (Fiddler)
+    inflight: list[LoadJob]  # prefetches still loading, now needed
+    loads: list[LoadJob]  # exact loads started for this step
+    waves: list[int]  # misses beyond the free slots, streamed through them afterwards
+
+
+class ExpertCache:
+    def __init__(
+        self,
+        layout: MoELayout,
+        store: ExpertStore,
+        device: torch.device,
+        policy: CachePolicy,
+        slots_per_layer: Sequence[int],
+        counters: EngineCounters,
+        load_threads: int = 2,
+        *,
+        predictor=None,  # engine.decode.routers.RouterTaps: routing guesses for policies with lookahead
+        packed_params: frozenset[str] = frozenset(),  # kept packed for oneDNN per slot (engine.offload.packed_linear)
+    ) -> None:
+        self.layout, self.store, self.device, self.counters = layout, store, device, counters
+        policy.reset(layout.num_layers, layout.num_experts, layout.top_k)
+        self.directory = CacheDirectory(slots_per_layer, policy)
+        # Packed matrices (CPU) live as one opaque tensor per slot; the byte pool holds the rest.
+        self.packed_params = packed_params if device.type == "cpu" else frozenset()
+        self._packed = bool(self.packed_params)
+        self._pool_params, self._pool_slot_bytes = self._pool_layout()
+        self.pools = [self._alloc(n) for n in slots_per_layer]
+        self.views = [self._typed_views(pool) for pool in self.pools]
+        self.slot_views = [self._per_slot(views, n) for views, n in zip(self.views, slots_per_layer, strict=True)]
+        self.predictor = predictor
+        self.tracer = None  # engine.traces.trace.TraceWriter while a trace is being recorded
+        self.cpu_experts = None  # engine.offload.cpu_experts.CpuExperts when Fiddler's CPU execution is on
+        self._cuda = device.type == "cuda"
+        self._staging = threading.local()  # one slot-sized buffer per load thread (pinned on CUDA)
+        if self._cuda:
+            self._copy_stream = torch.cuda.Stream(device)
+        self._jobs: dict[tuple[int, int], LoadJob] = {}  # pending loads by (layer, expert)
+        self._queue = LoadQueue(self._move_chunk, workers=load_threads)
+        # Resident experts of a prefill run as one grouped matmul per weight, read in place from the
+        # pool (packed matrices are not in the pool: each expert then runs on its own).
+        self._grouped = (grouped_available(self.pools[0]) if self.pools else False) and not self._packed
+        self._one_token: OneTokenExperts = torch_one_token  # a decode path may bring its own (`experts_kernel`)
+
+    # ----- memory -----
+    @property
+    def policy(self) -> CachePolicy:
+        return self.directory.policy
+
+    @property
+    def slots_per_layer(self) -> list[int]:
+        return self.directory.slots_per_layer
+
+    @property
+    def budget_bytes(self) -> int:
+        return sum(self.slots_per_layer) * self.layout.slot_bytes
+
+    def _pool_layout(self) -> tuple[list[ExpertParam], int]:
+        """The params the byte pool holds (all but the packed ones) at their offsets in a pool slot."""
+        if not self._packed:
+            return list(self.layout.params), self.layout.slot_bytes
+        params, offset = [], 0
+        for p in self.layout.params:
+            if p.name not in self.packed_params:
+                params.append(ExpertParam(p.name, p.shape, p.dtype, offset, p.nbytes))
+                offset += -(-p.nbytes // 64) * 64
+        return params, offset
+
+    def _alloc(self, slots: int, slot_bytes: int | None = None) -> torch.Tensor:
+        shape = (slots, slot_bytes or self._pool_slot_bytes)
+        if self.device.type == "cpu":
+            return huge_pages.empty(shape, torch.uint8)  # decode streams these: fewer TLB misses
+        return torch.empty(shape, dtype=torch.uint8, device=self.device)
+
+    def _typed_views(self, pool: torch.Tensor) -> dict[str, torch.Tensor]:
+        n = pool.shape[0]
+        return {
+            p.name: pool[:, p.offset : p.offset + p.nbytes].view(p.dtype).view(n, *p.shape)
+            for p in self._pool_params
+        }
+
+    @staticmethod
+    def _per_slot(views: dict[str, torch.Tensor], count: int) -> list[dict[str, torch.Tensor]]:
+        """Each slot's weights as views, made once: indexing the pool per expert and token costs
+        more than the decode step's bookkeeping budget. Packed matrices join a slot's dict when
+        they are loaded."""
+        return [{name: view[slot] for name, view in views.items()} for slot in range(count)]
+
+    def resident_matrix(self) -> np.ndarray:
+        resident = np.zeros((self.layout.num_layers, self.layout.num_experts), dtype=bool)
+        for layer, slots in enumerate(self.directory.slot_of):
+            resident[layer, list(slots)] = True
+        return resident
+
+    def set_policy(self, policy: CachePolicy) -> None:
+        """Switch policy between tokens; residents stay, loads in flight finish."""
+        policy.reset(self.layout.num_layers, self.layout.num_experts, self.layout.top_k)
+        self.directory.set_policy(policy)
+
+    def resize(self, slots_per_layer: Sequence[int]) -> None:
+        """Grow or shrink each layer's pool; experts that stay keep their bytes (no reload)."""
+        self.settle()
+        if self._packed and any(n < self.layout.num_experts for n in slots_per_layer):
+            self.unpack()  # below `all`, experts load on demand: packing would sit on every miss's path
+        moves = self.directory.resize(slots_per_layer)
+        for layer, (count, move) in enumerate(zip(slots_per_layer, moves, strict=True)):
+            old = self.pools[layer]
+            if old.shape[0] == count and all(a == b for a, b in move.items()):
+                continue
+            new = self._alloc(count)
+            if move:
+                src = torch.tensor(list(move.keys()), device=self.device)
+                dst = torch.tensor(list(move.values()), device=self.device)
+                new[dst] = old[src]
+            old_slots = self.slot_views[layer]
+            self.pools[layer] = new
+            self.views[layer] = self._typed_views(new)
+            self.slot_views[layer] = self._per_slot(self.views[layer], count)
+            for source, target in move.items():  # packed matrices move by reference
+                for name in self.packed_params & old_slots[source].keys():
+                    self.slot_views[layer][target][name] = old_slots[source][name]
+
+    def unpack(self) -> None:
+        """Back to plain weights in full-layout pools (exact either way), for good."""
+        if not self._packed:
+            return
+        self.settle()
+        full = self.layout.params
+        for layer, old in enumerate(self.pools):
+            count = old.shape[0]
+            pool = self._alloc(count, self.layout.slot_bytes)
+            for slot, weights in enumerate(self.slot_views[layer]):
+                for p in full:
+                    if p.name in weights:
+                        plain = weights[p.name].to_dense() if p.name in self.packed_params else weights[p.name]
+                        pool[slot, p.offset : p.offset + p.nbytes].view(p.dtype).copy_(plain.reshape(-1))
+            self.pools[layer] = pool
+        self.packed_params, self._packed = frozenset(), False
+        self._pool_params, self._pool_slot_bytes = list(full), self.layout.slot_bytes
+        self.views = [self._typed_views(pool) for pool in self.pools]
+        self.slot_views = [self._per_slot(views, pool.shape[0]) for views, pool in zip(self.views, self.pools, strict=True)]
+        self._grouped = grouped_available(self.pools[0]) if self.pools else False
+
+    def warm(self, order: Sequence[Sequence[int]] | None = None) -> int:
+        """Fill every free slot (at load, so the first tokens do not all miss); returns bytes read."""
+        jobs = []
+        for layer, free in enumerate(self._free_counts()):
+            preferred = (order[layer] if order else None) or self.policy.preferred(layer) or range(self.layout.num_experts)
+            wanted = [e for e in preferred if e not in self.directory.slot_of[layer]][:free]
+            jobs += [self._start_load(layer, e, set()) for e in wanted]
+        nbytes = 0
+        for job in jobs:
+            job.wait()
+            nbytes += job.nbytes
+            self._collect(job, count=False)
+        return nbytes
+
+    def _free_counts(self) -> list[int]:
+        return [len(row) - len(slots) for row, slots in zip(self.directory.expert_in, self.directory.slot_of, strict=True)]
+
+    # ----- loading -----
+    @torch.inference_mode()  # pools made by a resize during generation are inference tensors
+    def _move_chunk(self, job: LoadJob, chunk: int) -> int:
+        """One weight matrix of `job`'s expert into its slot (runs on a load thread)."""
+        p = self.layout.params[chunk]
+        target = self.pools[job.layer][job.slot]  # pools are replaced only after `settle`
+        if not self._cuda and not self._packed:
+            return self.store.fill_param(job.layer, job.expert, p.name, target)
+        if not self._cuda:  # via a slot-shaped buffer: packed, or copied to the param's place in the pool
+            staging = self._staging_buffer(pin=False)
+            moved = self.store.fill_param(job.layer, job.expert, p.name, staging)
+            plain = staging[p.offset : p.offset + p.nbytes]
+            if p.name in self.packed_params:
+                self.slot_views[job.layer][job.slot][p.name] = pack(plain.view(p.dtype).view(p.shape))
+            else:
+                place = next(q for q in self._pool_params if q.name == p.name)
+                target[place.offset : place.offset + p.nbytes].copy_(plain)
+            return moved
+        host = self.store.host_view(job.layer, job.expert)
+        moved = p.nbytes
+        if host is None:
+            host = self._staging_buffer(pin=True)
+            moved = self.store.fill_param(job.layer, job.expert, p.name, host)
+        with torch.cuda.stream(self._copy_stream):
+            if job.fence is not None:
+                self._copy_stream.wait_event(job.fence)
+            target[p.offset : p.offset + p.nbytes].copy_(host[p.offset : p.offset + p.nbytes], non_blocking=True)
+            done = torch.cuda.Event()
+            done.record(self._copy_stream)
+        done.synchronize()  # the staging buffer is reused by the next chunk
+        return moved
+
+    def _staging_buffer(self, *, pin: bool) -> torch.Tensor:
+        buffer = getattr(self._staging, "buffer", None)
+        if buffer is None:
+            buffer = self._staging.buffer = torch.empty(self.layout.slot_bytes, dtype=torch.uint8, pin_memory=pin)
+        return buffer
+
+    def _fence(self):
+        if not self._cuda:
+            return None
+        fence = torch.cuda.Event()
+        fence.record()  # everything queued so far on the compute stream, e.g. reads of the evicted expert
+        return fence
+
+    def _start_load(self, layer: int, expert: int, protected: set[int], *, speculative: bool = False) -> LoadJob:
+        while True:
+            try:
+                slot, _ = self.directory.assign(layer, expert, protected, pending=True)
+                break
+            except NoFreeSlotError:
+                self._make_room(layer, protected)
+        return self._submit(layer, expert, slot, speculative=speculative)
+
+    def _submit(self, layer: int, expert: int, slot: int, *, speculative: bool) -> LoadJob:
+        job = LoadJob(layer, expert, slot, len(self.layout.params), speculative=speculative, fence=self._fence())
+        self._jobs[(layer, expert)] = job
+        return self._queue.submit(job)
+
+    def _make_room(self, layer: int, protected: set[int]) -> None:
+        """Every free slot of `layer` is taken by prefetches still loading: cancel those (between chunks)."""
+        blocking = [self._jobs[(layer, e)] for e in self.directory.pending[layer] if e not in protected]
+        if not blocking:
+            raise RuntimeError(f"layer {layer}: no slot can be freed for a needed expert")
+        for job in blocking:
+            self._queue.cancel(job)
+        for job in blocking:
+            self._wait(job)
+
+    def _wait(self, job: LoadJob) -> None:
+        if not job.finished:
+            start = time.perf_counter()
+            job._finished.wait()
+            self.counters.record_stall(time.perf_counter() - start)
+        self._collect(job)
+
+    def _collect(self, job: LoadJob, *, count: bool = True) -> None:
+        """Account for a finished or cancelled job, once, on the compute thread."""
+        if job.collected:
+            return
+        job.collected = True
+        self._jobs.pop((job.layer, job.expert), None)
+        if job.state == JobState.DONE:
+            self.directory.complete(job.layer, job.expert)
+        else:
+            self.directory.abort(job.layer, job.expert)
+        if count:
+            self.counters.record_load(job.nbytes, prefetch=job.prefetch)
+        if job.error is not None:
+            raise job.error
+
+    def _collect_finished(self) -> None:
+        for job in self._queue.take_finished():
+            self._collect(job)
+
+    def settle(self) -> None:
+        """Stop speculative loads and wait for every load (before the pools change)."""
+        for job in list(self._jobs.values()):
+            self._queue.cancel(job)
+        for job in list(self._jobs.values()):
+            self._wait(job)
+        self._collect_finished()
+
+    def _prefetch(self, layer: int, protected: set[int]) -> None:
+        wanted = [(lyr, e) for lyr, e in self.policy.prefetch(layer) if lyr != layer]
+        if not wanted:
+            return
+        for lyr, expert, slot in self.directory.place_prefetches(wanted, {layer: protected}):
+            self._submit(lyr, expert, slot, speculative=True)
+
+    # ----- compute -----
+    def whole_token_problem(self) -> str | None:
+        """Why a decode token cannot run whole and be recorded afterwards (`record` with every layer
+        at once); None when every expert of every layer sits ready in its slot and nothing needs
+        to see a layer's routing while it runs."""
+        if self.tracer is not None:
+            return "a routing trace is being recorded, layer by layer"
+        if self.policy.lookahead:
+            return "the policy looks ahead at each layer's routing"
+        if self._jobs or self.directory.any_pending():
+            return "expert loads are in flight"
+        if any(len(slots) < self.layout.num_experts for slots in self.directory.slot_of):
+            return "not every expert is resident (the budget is below all)"
+        return None
+
+    def record(self, step: RoutingStep) -> list[Lookup]:
+        """Record a step's routing everywhere it is counted (directory and policy, counters, miss
+        curves); returns where each row's experts are. One layer of a forward step, or a whole
+        decode token computed in one call: the same bookkeeping."""
+        found = self.directory.lookup(step)
+        hits = np.fromiter((len(f.ready) + len(f.inflight) for f in found), dtype=np.int64, count=len(found))
+        misses = np.fromiter((len(f.missing) for f in found), dtype=np.int64, count=len(found))
+        self.counters.record(step, hits, misses)
+        return found
+
+    @contextmanager
+    def experts_kernel(self, kernel: OneTokenExperts) -> Iterator[None]:
+        """Within the block, a decode token whose picks are all resident runs on `kernel`."""
+        previous, self._one_token = self._one_token, kernel
+        try:
+            yield
+        finally:
+            self._one_token = previous
+
+    def run_layer(
+        self,
+        layer: int,
+        module: torch.nn.Module,
+        hidden_states: torch.Tensor,
+        top_k_index: torch.Tensor,
+        top_k_weights: torch.Tensor,
+    ) -> torch.Tensor:
+        """One MoE layer of a forward step: summarise the routing, record it, plan the loads, compute."""
+        routing = LayerRouting(layer, top_k_index, self.layout.num_experts)  # the one host sync
+        if self._jobs:
+            self._collect_finished()
+        found = self.record(routing.step)[0]
+        if self.policy.lookahead or self.tracer is not None:
+            self._observe_routing(layer, hidden_states, top_k_index, top_k_weights)
+        weights = top_k_weights.reshape(-1)
+        out_dtype = torch.promote_types(self.layout.params[0].dtype, weights.dtype)
+        if routing.picks is not None and len(found.ready) == routing.top_k:  # a decode token, every pick resident
+            if self.policy.prefetches:
+                self._prefetch(layer, set(routing.needed))
+            slot_of, slots = self.directory.slot_of[layer], self.slot_views[layer]
+            chosen = [slots[slot_of[e]] for e in routing.picks]
+            return self._one_token(module, hidden_states, chosen, weights, out_dtype, self._packed)
+        plan = self._plan_loads(layer, found, routing)
+        return self._compute(layer, module, hidden_states, routing, plan, weights, out_dtype)
+
+    def _plan_loads(self, layer: int, found: Lookup, routing: LayerRouting) -> LoadPlan:
+        """Start what this step needs: exact loads for the misses that fit beside the resident
+        experts (the rest stream through the slots in waves), in-flight prefetches promoted, some
+        misses left to the CPU (Fiddler), and the policy's prefetches for other layers."""
+        protected = set(routing.needed)
+        missing = found.missing
+        on_cpu: list[int] = []
+        if self.cpu_experts is not None and missing:
+            on_cpu = [e for e in missing if self.cpu_experts.prefers_cpu(int(routing.counts[e]))]
+            missing = [e for e in missing if e not in on_cpu]
+        room = len(self.directory.expert_in[layer]) - len(found.ready) - len(found.inflight)
+        for expert in found.inflight:  # needed now: exact priority
+            self._queue.promote(self._jobs[(layer, expert)])
+        loads = [self._start_load(layer, e, protected) for e in missing[:room]]
+        if self.policy.prefetches:
+            self._prefetch(layer, protected)
+        return LoadPlan(found.ready, on_cpu, [self._jobs[(layer, e)] for e in found.inflight], loads, missing[room:])
+
+    def _compute(self, layer: int, module: torch.nn.Module, hidden_states: torch.Tensor, routing: LayerRouting,
+                 plan: LoadPlan, weights: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
+        """Resident experts first, then the ones on the CPU, in flight, just started, and in waves:
+        each as soon as its bytes are in (reordered execution)."""
+        top_k = routing.top_k
+        out = torch.empty((routing.flat.numel(), hidden_states.shape[-1]), dtype=out_dtype,
+                          device=hidden_states.device)
+
+        def compute(expert: int) -> None:
+            slot = self.directory.slot_of[layer][expert]
+            rows = routing.rows_of(expert)
+            y = expert_mlp(module, hidden_states[rows // top_k], self.slot_views[layer][slot], self._packed)
+            out[rows] = y * weights[rows].unsqueeze(-1)
+
+        if self._grouped and len(plan.ready) > 1:  # resident experts run while the misses load
+            self._compute_grouped(layer, module, hidden_states, routing.flat_host, plan.ready, top_k, weights, out)
+        else:
+            for expert in plan.ready:
+                compute(expert)
+        for expert in plan.on_cpu:
+            rows = routing.rows_of(expert)
+            y = self.cpu_experts.run(layer, expert, module, hidden_states[rows // top_k])
+            out[rows] = y.to(out_dtype) * weights[rows].unsqueeze(-1)
+        for job in plan.inflight + plan.loads:  # the ones already on their way, then those started now
+            self._wait(job)
+            compute(job.expert)
+        rest, capacity = plan.waves, len(self.directory.expert_in[layer])
+        while rest:  # more experts than slots: stream the remainder through the slots in waves
+            wave, rest = rest[:capacity], rest[capacity:]
+            for job in [self._start_load(layer, e, set(wave)) for e in wave]:
+                self._wait(job)
+                compute(job.expert)
+        return out.view(routing.num_tokens, top_k, -1).sum(dim=1).to(hidden_states.dtype)
+
+    def _compute_grouped(self, layer: int, module: torch.nn.Module, hidden: torch.Tensor, flat_host: np.ndarray,
+                         experts: list[int], top_k: int, weights: torch.Tensor, out: torch.Tensor) -> None:
+        """All `experts` (resident) of this layer in two grouped matmuls over the slot pool."""
+        slot_of = self.directory.slot_of[layer]
+        if len(experts) == len(np.unique(flat_host)):  # every row's expert is here (the usual decode step)
+            row_slot = np.fromiter((slot_of[e] for e in flat_host.tolist()), dtype=np.int64, count=flat_host.size)
+            rows_host = np.argsort(row_slot, kind="stable")
+        else:
+            slot_by_expert = np.full(self.layout.num_experts, -1, dtype=np.int64)
+            slot_by_expert[experts] = [slot_of[e] for e in experts]
+            row_slot = slot_by_expert[flat_host]
+            rows_host = np.flatnonzero(row_slot >= 0)
+            rows_host = rows_host[np.argsort(row_slot[rows_host], kind="stable")]
+        slots_sorted = row_slot[rows_host]
+        per_slot = np.bincount(slots_sorted, minlength=len(self.directory.expert_in[layer]))
+        device = hidden.device
+        rows = torch.from_numpy(rows_host).to(device)
+        offsets = torch.from_numpy(np.cumsum(per_slot, dtype=np.int32)).to(device)
+        row_slots = torch.from_numpy(slots_sorted).to(device) if module.has_bias else None
+        y = grouped_expert_mlp(module, hidden[rows // top_k], self.views[layer], offsets, row_slots)
+        out[rows] = y * weights[rows].unsqueeze(-1)
+
+    def _observe_routing(self, layer: int, hidden: torch.Tensor, index: torch.Tensor, weights: torch.Tensor) -> None:
+        """Routing guesses for the policy (if it looks ahead) and the trace (if one is recorded)."""
+        lookahead = self.policy.lookahead  # called only when the policy looks ahead or a trace is recorded
+        window = max(lookahead, PREDICTION_WINDOW_TRACED if self.tracer is not None else 0)
+        predictions = self.predictor.predict(layer, hidden, window) if window and self.predictor is not None else {}
+        if lookahead:
+            self.policy.on_prediction(layer, {t: p for t, p in predictions.items() if t - layer <= lookahead})
+        if self.tracer is not None:
+            self.tracer.record(layer, index, weights, predictions)
+
+    def stats(self) -> dict[str, float]:
+        """Prefetch outcomes and the policy's own figures, for telemetry's `extra`."""
+        figures = self.policy.stats()
+        if self.cpu_experts is not None:
+            figures |= self.cpu_experts.stats()
+        return figures
+
+    def close(self) -> None:
+        self._queue.close()
+        self._collect_finished()
+        self.store.close()

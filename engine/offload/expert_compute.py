@@ -1,0 +1,103 @@
+"""One expert's computation, following the flags of transformers' `@use_experts_implementation`.
+
+`has_gate`, `has_bias`, `is_transposed` and `is_concatenated` (through the module's own
+`_apply_gate`, which de-interleaves GPT-OSS's gate/up) are honoured exactly as transformers'
+grouped/batched implementations do, so the result matches the stock model.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import torch
+import torch.nn.functional as F
+
+from engine.offload import packed_linear
+
+
+def _linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, transposed: bool,
+            packed: bool = False) -> torch.Tensor:
+    if packed:  # pre-arranged for oneDNN when loaded (engine.offload.packed_linear): the same bits as F.linear
+        return _with_bias(packed_linear.linear(x, weight), bias)
+    return _with_bias(x @ weight if transposed else F.linear(x, weight), bias)
+
+
+def _with_bias(out: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    if bias is not None:
+        out = out + bias
+    return out
+
+
+def expert_mlp(module: torch.nn.Module, x: torch.Tensor, weights: dict[str, torch.Tensor],
+               packed: bool = False) -> torch.Tensor:
+    """Run one expert on the rows `x` ([n, hidden]) with that expert's `weights` (views of a slot;
+    `packed`: its matrices are pre-arranged for oneDNN, engine.offload.packed_linear)."""
+    first = "gate_up_proj" if module.has_gate else "up_proj"
+    w_in = weights[first]
+    bias_in = weights.get(f"{first}_bias") if module.has_bias else None
+    h = _linear(x.to(w_in.dtype), w_in, bias_in, module.is_transposed, packed)
+    h = module._apply_gate(h) if module.has_gate else module.act_fn(h)
+    bias_down = weights.get("down_proj_bias") if module.has_bias else None
+    h = _linear(h, weights["down_proj"], bias_down, module.is_transposed, packed)
+    if module.has_post_expert_norm:
+        h = module.post_expert_norm(h)
+    return h
+
+
+def weighted_sum(outputs: list[torch.Tensor], weights: torch.Tensor, out_dtype: torch.dtype,
+                 dtype: torch.dtype) -> torch.Tensor:
+    """One token's expert outputs (in pick order) times their routing weights, summed over picks:
+    the same ops, in the same order, as the many-token path's scatter and sum."""
+    weighted = torch.cat(outputs).to(out_dtype) * weights.unsqueeze(-1)
+    return weighted.view(1, len(outputs), -1).sum(dim=1).to(dtype)
+
+
+class OneTokenExperts(Protocol):
+    """How one decode token's experts run when every pick is resident: `chosen[i]` holds pick i's
+    weights (views of its slot), `weights` the routing weights in pick order; returns [1, hidden].
+    The expert cache is handed the kernel to use (a decode path may bring a faster one)."""
+
+    def __call__(self, module: torch.nn.Module, hidden: torch.Tensor, chosen: list[dict[str, torch.Tensor]],
+                 weights: torch.Tensor, out_dtype: torch.dtype, packed: bool) -> torch.Tensor: ...
+
+
+def torch_one_token(module: torch.nn.Module, hidden: torch.Tensor, chosen: list[dict[str, torch.Tensor]],
+                    weights: torch.Tensor, out_dtype: torch.dtype, packed: bool) -> torch.Tensor:
+    """Each expert straight from its slot, in pick order: one-row `F.linear`s give the same bits as
+    the grouped kernel's per-group matmuls, and the weighting and sum are the many-token path's
+    ops, so the output equals transformers' while skipping the sorting, gathers and scatters."""
+    outputs = [expert_mlp(module, hidden, weights_of, packed) for weights_of in chosen]
+    return weighted_sum(outputs, weights, out_dtype, hidden.dtype)
+
+
+def grouped_available(weight: torch.Tensor) -> bool:
+    """torch's grouped matmul (one kernel call for many experts) exists for this device and dtype."""
+    return hasattr(F, "grouped_mm") and (weight.device.type != "cuda" or torch.cuda.get_device_capability(weight.device) >= (8, 0))
+
+
+def _grouped_linear(x: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor, bias: torch.Tensor | None,
+                    transposed: bool) -> torch.Tensor:
+    # weight: the layer's whole slot pool [slots, out, in] (or [slots, in, out] when transposed);
+    # `offsets` says which rows of x go to which slot, so slots without rows cost nothing.
+    out = F.grouped_mm(x.to(weight.dtype), weight if transposed else weight.transpose(-2, -1), offs=offsets)
+    if bias is not None:
+        out = out + bias
+    return out
+
+
+def grouped_expert_mlp(module: torch.nn.Module, x: torch.Tensor, pool: dict[str, torch.Tensor],
+                       offsets: torch.Tensor, row_slots: torch.Tensor) -> torch.Tensor:
+    """Many experts at once, straight from the slot pool: `x` rows sorted by slot, `offsets` the
+    cumulative row count per slot (int32, one per slot), `row_slots` each row's slot (for biases).
+
+    The same grouped kernel transformers' `grouped_mm` implementation uses, so results match it.
+    """
+    first = "gate_up_proj" if module.has_gate else "up_proj"
+    bias_in = pool[f"{first}_bias"][row_slots] if module.has_bias else None
+    h = _grouped_linear(x, pool[first], offsets, bias_in, module.is_transposed)
+    h = module._apply_gate(h) if module.has_gate else module.act_fn(h)
+    bias_down = pool["down_proj_bias"][row_slots] if module.has_bias else None
+    h = _grouped_linear(h, pool["down_proj"], offsets, bias_down, module.is_transposed)
+    if module.has_post_expert_norm:
+        h = module.post_expert_norm(h)
+    return h

@@ -1,0 +1,145 @@
+"""The expert store: every expert's bytes, outside compute memory.
+
+Two tiers:
+- `DiskStore` reads an expert straight from the safetensors files with `pread` and then tells the
+  kernel to drop those pages (`POSIX_FADV_DONTNEED`), so the data does not linger in the page cache
+  and the memory budget stays honest: the process holds dense weights + the cache, nothing more.
+- `RamStore` holds all experts in host RAM (pinned when CUDA is used, so copies to the GPU are
+  asynchronous DMA), already laid out as slots.
+
+Both fill a host buffer laid out exactly like a cache slot (see `engine.model.layout.ExpertParam`).
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from abc import ABC, abstractmethod
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+from engine.model.layout import MoELayout
+
+ProgressFn = Callable[[float, str], None]
+
+
+class ExpertStore(ABC):
+    kind: str
+
+    def __init__(self, layout: MoELayout) -> None:
+        self.layout = layout
+
+    @abstractmethod
+    def fill(self, layer: int, expert: int, slot: torch.Tensor) -> int:
+        """Write one expert into `slot` (a host uint8 tensor of `slot_bytes`); return bytes read."""
+
+    def fill_param(self, layer: int, expert: int, param_name: str, slot: torch.Tensor) -> int:
+        """Write one weight matrix of an expert into its place in `slot` (loads move in such chunks)."""
+        p = next(p for p in self.layout.params if p.name == param_name)
+        host = self.host_view(layer, expert)
+        if host is None:
+            raise NotImplementedError(f"{type(self).__name__} cannot fill one parameter at a time")
+        slot[p.offset : p.offset + p.nbytes].copy_(host[p.offset : p.offset + p.nbytes])
+        return p.nbytes
+
+    def host_view(self, layer: int, expert: int) -> torch.Tensor | None:
+        """The expert's slot image already in host memory, if this store keeps one."""
+        return None
+
+    def close(self) -> None:  # noqa: B027 - optional hook
+        pass
+
+
+class DiskStore(ExpertStore):
+    kind = "disk"
+
+    def __init__(self, layout: MoELayout) -> None:
+        super().__init__(layout)
+        self._fds: dict[Path, int] = {}
+        self._lock = threading.Lock()
+        self._params = {p.name: p for p in layout.params}
+        # Every expert shares one layout, so the first one tells whether bytes need converting.
+        self._convert = any(p.src_dtype != self._params[p.param].dtype for p in layout.pieces[0][0])
+
+    def _fd(self, path: Path) -> int:
+        with self._lock:
+            fd = self._fds.get(path)
+            if fd is None:
+                fd = os.open(path, os.O_RDONLY)
+                self._fds[path] = fd
+            return fd
+
+    def fill(self, layer: int, expert: int, slot: torch.Tensor) -> int:
+        return sum(self.fill_param(layer, expert, p.name, slot) for p in self.layout.params)
+
+    def fill_param(self, layer: int, expert: int, param_name: str, slot: torch.Tensor) -> int:
+        pieces = [p for p in self.layout.pieces[layer][expert] if p.param == param_name]
+        if not self._convert:
+            raw = slot.numpy()
+            for piece in pieces:
+                start = self._params[piece.param].offset + piece.dst_offset
+                _pread_exact(self._fd(piece.file), raw[start : start + piece.nbytes], piece.file_offset)
+            return sum(p.nbytes for p in pieces)
+        # The checkpoint's dtype differs from the compute dtype: read, then convert into the slot.
+        staging: dict[str, torch.Tensor] = {}
+        for piece in pieces:
+            param = self._params[piece.param]
+            buf = staging.get(piece.param)
+            if buf is None:
+                buf = torch.empty(param.nbytes // param.dtype.itemsize, dtype=piece.src_dtype)
+                staging[piece.param] = buf
+            raw = buf.view(torch.uint8).numpy()
+            _pread_exact(self._fd(piece.file), raw[piece.dst_offset : piece.dst_offset + piece.nbytes], piece.file_offset)
+        for name, buf in staging.items():
+            param = self._params[name]
+            dst = slot[param.offset : param.offset + param.nbytes].view(param.dtype)
+            dst.copy_(buf)
+        return sum(p.nbytes for p in pieces)
+
+    def close(self) -> None:
+        with self._lock:
+            for fd in self._fds.values():
+                os.close(fd)
+            self._fds.clear()
+
+
+class RamStore(ExpertStore):
+    kind = "ram"
+
+    def __init__(self, layout: MoELayout, *, pin: bool, progress: ProgressFn | None = None) -> None:
+        super().__init__(layout)
+        shape = (layout.num_layers, layout.num_experts, layout.slot_bytes)
+        self.buffer = torch.empty(shape, dtype=torch.uint8, pin_memory=pin)
+        disk = DiskStore(layout)
+        try:
+            total = layout.num_layers * layout.num_experts
+            for layer in range(layout.num_layers):
+                for expert in range(layout.num_experts):
+                    disk.fill(layer, expert, self.buffer[layer, expert])
+                if progress:
+                    done = (layer + 1) * layout.num_experts
+                    progress(done / total, f"experts of MoE layer {layer + 1}/{layout.num_layers} into RAM")
+        finally:
+            disk.close()
+
+    def fill(self, layer: int, expert: int, slot: torch.Tensor) -> int:
+        slot.copy_(self.buffer[layer, expert])
+        return self.layout.slot_bytes
+
+    def host_view(self, layer: int, expert: int) -> torch.Tensor:
+        return self.buffer[layer, expert]
+
+
+def _pread_exact(fd: int, dest, offset: int) -> None:
+    """Read exactly len(dest) bytes at `offset` into the writable buffer `dest`, then drop the pages."""
+    view = memoryview(dest).cast("B")
+    done = 0
+    while done < len(view):
+        n = os.preadv(fd, [view[done:]], offset + done)
+        if n <= 0:
+            raise OSError(f"unexpected end of file at byte {offset + done}")
+        done += n
+    if hasattr(os, "posix_fadvise"):
+        os.posix_fadvise(fd, offset, len(view), os.POSIX_FADV_DONTNEED)

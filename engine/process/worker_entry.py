@@ -1,0 +1,13 @@
+"""The spawned engine process's entry point.
+
+Kept free of torch at import time: the GUI process pickles a reference to `main` when it spawns
+the worker, and must not import the engine's heavy modules to do so.
+"""
+
+from __future__ import annotations
+
+
+def main(conn) -> None:
+    from engine.process.worker import Worker
+
+    Worker(conn).run()

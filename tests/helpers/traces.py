@@ -1,0 +1,80 @@
+"""Synthetic routing traces for replay, planner and policy tests (numpy only).
+
+Real routing comes from the tiny checkpoints (tests/test_trace.py records some); these synthetic
+ones have known structure: per-layer working sets of very different sizes (what the planner
+exploits) and recurring request types (what MoE-Infinity's request matrices exploit).
+"""
+
+from __future__ import annotations
+
+import csv
+from pathlib import Path
+
+import numpy as np
+
+from engine.traces.trace import Trace, TraceStep
+
+
+def _step(request: int, token: int, layer: int, experts, predictions=None) -> TraceStep:
+    experts = sorted(int(e) for e in experts)
+    return TraceStep(request, token, 1, layer, experts, [1] * len(experts), [1.0 / len(experts)] * len(experts),
+                     predictions or {})
+
+
+def _draw(rng: np.random.Generator, p: np.ndarray, k: int) -> list[int]:
+    return rng.choice(len(p), size=k, replace=False, p=p).tolist()
+
+
+def skewed_trace(num_layers: int = 8, num_experts: int = 32, top_k: int = 2, tokens: int = 300, requests: int = 3,
+                 seed: int = 0, expert_bytes: int = 1 << 20) -> Trace:
+    """Layer l routes over a working set whose size grows from top_k to all experts, Zipf-weighted inside it."""
+    rng = np.random.default_rng(seed)
+    sizes = np.linspace(top_k + 1, num_experts, num_layers).astype(int)
+    dists = []
+    for size in sizes:
+        members = rng.permutation(num_experts)[:size]
+        p = np.zeros(num_experts)
+        p[members] = 1.0 / np.arange(1, size + 1) ** 0.8
+        dists.append(p / p.sum())
+    steps = []
+    per_request = tokens // requests
+    for r in range(requests):
+        for t in range(per_request):
+            for layer in range(num_layers):
+                steps.append(_step(r, t, layer, _draw(rng, dists[layer], top_k)))
+    return Trace(num_layers, num_experts, top_k, steps, expert_bytes, {"synthetic": "skewed"})
+
+
+def request_types_trace(num_layers: int = 6, num_experts: int = 32, top_k: int = 2, requests: int = 12,
+                        tokens: int = 24, types: int = 3, seed: int = 1) -> Trace:
+    """Requests of a few recurring types; each type routes to its own few experts per layer.
+
+    Within a request the routing is stable, so a policy that recognises the request type early (a
+    matched past request) knows the next layers' experts before they are asked for.
+    """
+    rng = np.random.default_rng(seed)
+    favourites = rng.integers(0, num_experts, size=(types, num_layers, top_k + 2))
+    steps = []
+    for r in range(requests):
+        kind = r % types
+        for t in range(tokens):
+            for layer in range(num_layers):
+                pool = np.unique(favourites[kind, layer])
+                pick = rng.choice(pool, size=min(top_k, len(pool)), replace=False)
+                steps.append(_step(r, t, layer, pick))
+    return Trace(num_layers, num_experts, top_k, steps, 4096, {"synthetic": "request-types"})
+
+
+def write_csv(trace: Trace, path: Path) -> Path:
+    with open(path, "w", newline="") as handle:
+        writer = csv.writer(handle)
+        writer.writerow(["request", "token", "layer", "experts"])
+        for s in trace.steps:
+            writer.writerow([s.request, s.token, s.layer, " ".join(map(str, s.experts))])
+    return path
+
+
+def hand_trace() -> Trace:
+    """One layer, top-1, experts 0 1 2 0 1 2 0 1 2: the textbook case where LRU with 2 slots always misses."""
+    steps = [_step(0, t, 0, [e]) for t, e in enumerate([0, 1, 2] * 3)]
+    return Trace(1, 4, 1, steps, 100, {"synthetic": "hand"})

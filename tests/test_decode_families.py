@@ -1,0 +1,151 @@
+"""Which families take which decode path, decided by their classes (engine.decode.paths.families).
+
+The table of classes is checked two ways: every listed class computes, on its native kernel, what
+its own transformers forward computes (to bf16 rounding), and tiny checkpoints of the families
+the suite builds take the path pinned here. A transformers release that changes one of these
+forwards fails the first check instead of silently switching a path off or computing otherwise.
+"""
+
+from __future__ import annotations
+
+import inspect
+
+import pytest
+import torch
+from transformers import PreTrainedConfig
+
+from engine.decode.kv_cache import new_cache
+from engine.decode.paths import families, native_layers
+from engine.decode.paths.base import Step
+from engine.decode.runtime import MoERuntime
+from engine.protocol import LoadModel
+from tests.helpers.numerics import close
+
+pytestmark = pytest.mark.usefixtures("kernels")
+
+WHOLE = "fast: whole token in one native call"
+LAYERS = "fast: native kernels, layer by layer"
+NOT_THESE = "the whole-token step runs Qwen3-MoE and Mixtral decoders only"
+
+# family -> (the path a decode token takes at budget all, which module kinds run natively)
+PINNED = {
+    "demo": (WHOLE, {"norm", "attention", "router"}),  # the demo model is a Qwen3-MoE
+    "mixtral": (WHOLE, {"norm", "attention", "router"}),
+    "qwen2_moe": (LAYERS, {"norm", "router"}),  # biased q/k/v: its attention keeps its own code
+    "olmoe": (LAYERS, {"norm", "router"}),  # q/k norms over the whole projection
+    "deepseek_v3": (LAYERS, {"norm"}),  # MLA attention, grouped routing
+    "gpt_oss": (LAYERS, set()),  # sinks, biased interleaved experts, its own norm
+}
+
+
+def listed(kind: str) -> list[type]:
+    return sorted({"norm": families.norm_classes(), "attention": families.attention_classes(),
+                   "router": families.router_recipes()}[kind], key=lambda cls: cls.__name__)
+
+
+def config_of(cls: type, **values) -> PreTrainedConfig:
+    """The family's text config class, from the module that defines `cls`."""
+    configs = [v for v in vars(inspect.getmodule(cls)).values()
+               if isinstance(v, type) and issubclass(v, PreTrainedConfig) and v is not PreTrainedConfig]
+    text = [c for c in configs if "Text" in c.__name__]
+    return (text or configs)[0](**values)
+
+
+def test_every_listed_class_is_in_this_transformers():
+    for family in families.FAMILIES:
+        for names in (family.norms, family.attention, [name for name, _ in family.routers], family.whole_token or ()):
+            assert len(families._classes(family, names)) == len(names), f"{family.module}: {names}"
+
+
+@pytest.mark.parametrize("cls", listed("norm"), ids=lambda cls: cls.__name__)
+def test_listed_norms_compute_what_the_native_norm_computes(kernels, cls):
+    torch.manual_seed(0)
+    norm = cls(64, eps=1e-5).to(torch.bfloat16)
+    with torch.no_grad():
+        norm.weight.uniform_(0.5, 1.5)
+    assert families.is_llama_rms_norm(norm)
+    x = (torch.randn(1, 3, 64) * 3).to(torch.bfloat16)
+    close(kernels.rms_norm(x, norm.weight, norm.variance_epsilon), norm(x), cls.__name__)
+
+
+@pytest.mark.parametrize("cls", listed("router"), ids=lambda cls: cls.__name__)
+def test_listed_routers_pick_what_their_own_forward_picks(cls):
+    torch.manual_seed(1)
+    config = config_of(cls, hidden_size=64, num_experts=16, num_local_experts=16, num_experts_per_tok=4,
+                       norm_topk_prob=True)
+    router = cls(config).to(torch.bfloat16)
+    with torch.no_grad():
+        router.weight.normal_(0, 0.3)
+    token = torch.randn(1, 64).to(torch.bfloat16)
+    with torch.no_grad():
+        reference = router(token)
+        switch = native_layers.NativeSwitch()
+        assert native_layers.patch_module(router, switch)
+        with switch.active():
+            ours = router(token)
+    assert torch.equal(ours[2], reference[2]), "the same experts"
+    assert [t.dtype for t in ours] == [t.dtype for t in reference]
+    close(ours[1], reference[1], f"{cls.__name__} weights")
+
+
+@pytest.mark.parametrize("cls", listed("attention"), ids=lambda cls: cls.__name__)
+def test_listed_attention_steps_like_its_own_forward(cls):
+    from transformers.cache_utils import DynamicCache
+
+    config = config_of(cls, hidden_size=256, num_attention_heads=8, num_key_value_heads=2, head_dim=32,
+                       num_hidden_layers=1, attention_bias=False, attention_dropout=0.0)
+    config._attn_implementation = "sdpa"
+    torch.manual_seed(2)
+    module = cls(config, 0).to(torch.bfloat16).eval()
+    assert families.is_llama_attention(module), "bias-free, it qualifies"
+    rotary_module = next(v for v in vars(inspect.getmodule(cls)).values()
+                         if isinstance(v, type) and v.__name__.endswith("RotaryEmbedding"))(config)
+
+    def rotary(x, positions):  # families with several attention kinds name the one (Mellum)
+        if "layer_type" in inspect.signature(rotary_module.forward).parameters:
+            return rotary_module(x, positions, layer_type=config.layer_types[0])
+        return rotary_module(x, positions)
+
+    prompt, token = torch.randn(1, 24, 256).to(torch.bfloat16), torch.randn(1, 1, 256).to(torch.bfloat16)
+    caches = [DynamicCache(config=config), DynamicCache(config=config)]
+    with torch.no_grad():
+        for cache in caches:
+            module(prompt, rotary(prompt, torch.arange(24)[None]), None, past_key_values=cache)
+        step = rotary(token, torch.tensor([[24]]))
+        reference, _ = module(token, step, None, past_key_values=caches[0])
+        switch = native_layers.NativeSwitch()
+        assert native_layers.patch_module(module, switch)
+        with switch.active():
+            ours, _ = module(token, step, None, past_key_values=caches[1])
+    close(ours, reference, cls.__name__)
+
+
+def native_kinds(runtime: MoERuntime) -> set[str]:
+    kinds = set()
+    for module in runtime.model.modules():
+        cls = type(module)
+        if cls is native_layers.FastLinear or not getattr(cls, "_moescope_plain", None):
+            continue
+        kinds |= {kind for kind, test in (("norm", families.is_llama_rms_norm), ("attention", families.is_llama_attention),
+                                          ("router", lambda m: families.router_recipe(m) is not None)) if test(module)}
+    return kinds
+
+
+@pytest.mark.parametrize("family", sorted(PINNED))
+def test_each_family_takes_its_pinned_path(tiny_checkpoints, family):
+    path = "demo" if family == "demo" else str(tiny_checkpoints[family])
+    runtime = MoERuntime(LoadModel(path=path, budget="all", store="ram", dtype="bfloat16", fast_decode=True))
+    try:
+        kv = new_cache(runtime.model.config)
+        prompt = torch.tensor([[5, 17, 33, 8, 61]])
+        with torch.inference_mode():
+            runtime.paths.choose(Step(prompt, kv, 0))[0].run(Step(prompt, kv, 0))  # the prefill
+            step = Step(torch.tensor([[9]]), kv, prompt.shape[1])
+            path, reason = runtime.paths.choose(step)
+            label, kinds = PINNED[family]
+            assert path.label == label
+            assert reason == ("" if label == WHOLE else NOT_THESE)  # said, in the System panel's tooltip
+            assert path.run(step).shape[:2] == (1, 1)
+        assert native_kinds(runtime) == kinds
+    finally:
+        runtime.close()

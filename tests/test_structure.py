@@ -1,0 +1,132 @@
+"""Where code may import from: the engine's packages by role, the window's Qt-free models, and the
+one contract between the two processes (every command and event in its union)."""
+
+from __future__ import annotations
+
+import ast
+import dataclasses
+import typing
+from pathlib import Path
+
+import pytest
+
+from engine import protocol as p
+
+ROOT = Path(__file__).resolve().parents[1]
+
+# package -> the engine packages it may import (besides itself). Read down the list: a package
+# never imports one below it, so there are no cycles between packages.
+ALLOWED = {
+    "engine.errors": set(),
+    "engine.protocol": set(),
+    "engine.system": set(),
+    "engine.accounting": {"engine.errors"},
+    "engine.traces": {"engine.errors", "engine.accounting"},
+    "engine.model": {"engine.errors", "engine.system", "engine.accounting"},
+    "engine.hub": {"engine.errors", "engine.protocol", "engine.accounting", "engine.model"},
+    "engine.offload": {"engine.errors", "engine.system", "engine.accounting", "engine.model"},
+    "engine.decode": {"engine.errors", "engine.protocol", "engine.system", "engine.accounting", "engine.traces",
+                      "engine.model", "engine.hub", "engine.offload"},
+    "engine.demo": {"engine.protocol", "engine.decode"},
+    "engine.process": {"engine.errors", "engine.protocol", "engine.accounting", "engine.hub", "engine.decode"},
+    "engine.cli": {"engine.errors", "engine.protocol", "engine.accounting", "engine.traces", "engine.model",
+                   "engine.hub", "engine.decode", "engine.process"},
+}
+TORCH_FREE = ("engine.protocol", "engine.errors", "engine.accounting", "engine.traces", "engine.process.client",
+              "engine.process.worker_entry", "app")
+QT = ("PySide6", "shiboken6", "pyqtgraph")
+
+
+def modules(package: str) -> list[tuple[str, ast.Module]]:
+    base = ROOT / package.replace(".", "/")
+    paths = sorted(base.rglob("*.py")) if base.is_dir() else [base.with_suffix(".py")]
+    return [(".".join(path.relative_to(ROOT).with_suffix("").parts).removesuffix(".__init__"), ast.parse(path.read_text()))
+            for path in paths]
+
+
+def imports(tree: ast.Module, *, top_level_only: bool = False) -> list[str]:
+    """Every module a file imports (`from a.b import c` counts as a.b.c when that is a module)."""
+    nodes = tree.body if top_level_only else ast.walk(tree)
+    found = []
+    for node in nodes:
+        if isinstance(node, ast.Import):
+            found += [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            for alias in node.names:
+                full = f"{node.module}.{alias.name}"
+                is_module = (ROOT / full.replace(".", "/")).with_suffix(".py").exists() or (ROOT / full.replace(".", "/")).is_dir()
+                found.append(full if is_module else node.module)
+    return found
+
+
+def package_of(module: str) -> str:
+    return ".".join(module.split(".")[:2])
+
+
+@pytest.mark.parametrize("package", sorted(ALLOWED))
+def test_engine_packages_import_only_downwards(package):
+    for module, tree in modules(package):
+        for name in imports(tree):
+            if name.startswith("engine.") and package_of(name) != package:
+                assert package_of(name) in ALLOWED[package], f"{module} imports {name}"
+
+
+def test_every_engine_module_belongs_to_a_package_with_a_rule():
+    top = {path.stem for path in (ROOT / "engine").iterdir() if not path.name.startswith("__")}
+    assert {f"engine.{name}" for name in top} == set(ALLOWED)
+
+
+@pytest.mark.parametrize("package", TORCH_FREE)
+def test_torch_free_parts_never_import_torch(package):
+    for module, tree in modules(package):
+        for name in imports(tree):
+            assert name.split(".")[0] not in ("torch", "transformers", "safetensors"), f"{module} imports {name}"
+
+
+def test_the_engine_never_imports_qt_and_the_window_models_are_qt_free():
+    for package in ("engine", "app.models"):
+        for module, tree in modules(package):
+            for name in imports(tree):
+                assert name.split(".")[0] not in QT, f"{module} imports {name}"
+
+
+def test_no_import_cycles_at_module_load():
+    graph = {}
+    for package in ("engine", "app"):
+        for module, tree in modules(package):
+            graph[module] = {name for name in imports(tree, top_level_only=True) if name.split(".")[0] in ("engine", "app")}
+    state: dict[str, int] = {}
+
+    def visit(module: str, path: list[str]) -> None:
+        state[module] = 1
+        for target in graph.get(module, ()):
+            assert state.get(target) != 1, "import cycle: " + " -> ".join([*path, module, target])
+            if target not in state:
+                visit(target, [*path, module])
+        state[module] = 2
+
+    for module in graph:
+        if module not in state:
+            visit(module, [])
+
+
+def dataclasses_of(predicate) -> set[type]:
+    return {obj for obj in vars(p).values()
+            if isinstance(obj, type) and dataclasses.is_dataclass(obj) and obj.__module__ == p.__name__ and predicate(obj)}
+
+
+def test_every_event_is_in_the_event_union_and_every_command_in_the_command_union():
+    events, commands = set(typing.get_args(p.Event)), set(typing.get_args(p.Command))
+    parts = {p.Array, p.SettingProblem, p.PolicyInfo, p.LibraryEntry, p.ReplyStats, p.SamplingSettings}  # not messages
+    assert not events & commands
+    assert dataclasses_of(lambda cls: cls not in parts) == events | commands  # none left out of both
+    # and what the engine process sends is an event: `send(p.Something(...))` anywhere in engine.process
+    sent = set()
+    for _, tree in modules("engine.process"):
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Call) and getattr(node.func, "attr", getattr(node.func, "id", "")).endswith("send"):
+                for arg in node.args:
+                    if isinstance(arg, ast.Call) and isinstance(arg.func, ast.Attribute) and getattr(arg.func.value, "id", "") == "p":
+                        sent.add(getattr(p, arg.func.attr))
+    assert p.FastDecodeChanged in sent and p.Done in sent  # the scan sees the worker's messages
+    assert sent - {p.Shutdown} <= events, f"sent but not in Event: {sent - {p.Shutdown} - events}"
