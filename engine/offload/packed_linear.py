@@ -1,10 +1,10 @@
 """Expert matrices pre-arranged ("packed") for oneDNN on CPU: the same bits as transformers, faster.
 
 transformers' default CPU path for a bf16 `F.linear` is oneDNN, which re-arranges the weight into
-its blocked layout on every call; for one-row products (a decode step) that costs most of the time
-(13-23 GB/s on 2 cores). Arranging each expert matrix once, when it is loaded into the cache, and
-calling the same oneDNN primitive on it (`torch.ops.mkldnn._linear_pointwise`, what
-torch.compile's freezing pass uses) streams at 35-70 GB/s and gives bit-identical results, for one
+its blocked layout on every call; for one-row products (a decode step) that costs most of the time.
+Arranging each expert matrix once, when it is loaded into the cache, and calling the same oneDNN
+primitive on it (`torch.ops.mkldnn._linear_pointwise`, what torch.compile's freezing pass uses)
+streams several times faster (docs/performance.md) and gives bit-identical results, for one
 row and for many: the kernel and its arithmetic are the same, only the re-arrangement moved.
 
 A packed matrix is an opaque oneDNN tensor, so the cache keeps it per slot beside its byte pool

@@ -2,7 +2,7 @@
 
 A decode token streams every active weight once, hundreds of megabytes spread over many
 1-20 MB matrices. With 4 KiB pages each matrix start costs TLB misses (two-level walks in a VM);
-with 2 MiB pages the same gemv read 5-8 % faster on the 2-core VM (bench note in README). Kernels
+with 2 MiB pages the same gemv reads measurably faster (docs/performance.md). Kernels
 with THP set to `madvise` (the common default) only give huge pages to memory that asks, so the
 weights ask: an anonymous private mapping, 2 MiB-aligned, advised MADV_HUGEPAGE before any page is
 touched. Anywhere else (no THP, not Linux) this is plain memory and nothing else changes.

@@ -23,7 +23,7 @@ import platformdirs
 import torch
 
 SOURCE = Path(__file__).with_name("moe_decode.cpp")
-LOAD_WAIT_S = 180.0  # a model loaded with fast decode waits this long for a build (~25 s on 2 cores)
+LOAD_WAIT_S = 180.0  # a model loaded with fast decode waits this long for a build (usually well under)
 
 _lock = threading.Lock()
 _done = threading.Event()

@@ -63,15 +63,14 @@ inline __m512 widen_bf16(const bf16* p) {
 
 // How far ahead (elements) dot_row asks for weight lines, with the non-temporal hint. The weights
 // stream through once per token; fetched as non-temporal they do not evict what is read again soon
-// (the KV cache, activations, the interpreter's own data between tokens): 2-5 % faster steps in an
-// in-process A/B on the 2-core VM, against 1-2 % for the same prefetch with the T0 hint. A line
-// past the end of a matrix is only a hint: prefetches never fault. (2K-16K elements ahead were
-// tried the same way: 4K was best or tied.)
+// (the KV cache, activations, the interpreter's own data between tokens), which the T0 hint did
+// less well in an A/B (docs/performance.md). A line past the end of a matrix is only a hint:
+// prefetches never fault. (2K-16K elements ahead were tried the same way: 4K was best or tied.)
 constexpr int64_t kPrefetchAhead = 4096;
 
 // One weight row with x, length k: four independent sums so the loads stream back to back.
-// (Summing 4 rows at once, to share the loads of x, streamed at ~40 GB/s where one row at a time
-// reaches the ~70 GB/s a plain read gets on the same machine.)
+// (Summing 4 rows at once, to share the loads of x, streamed well below a plain read's speed,
+// where one row at a time reaches it.)
 inline float dot_row(const bf16* w, const bf16* x, int64_t k) {
 #if defined(MOESCOPE_AVX512BF16)
   auto dot = [](__m512 acc, const bf16* a, const bf16* b) {
@@ -222,8 +221,8 @@ inline std::pair<int64_t, int64_t> thread_share(int64_t n, int tid, int team) {
 
 // This thread's part of one token through k SiLU-gated experts, into `outputs` [k, hidden] (each
 // expert's down projection, float32 sums). Whole experts per thread where they divide evenly:
-// each thread streams its matrices end to end, which the hardware prefetchers like best (5-10 %
-// faster than splitting every matrix by rows), and an expert's down projection needs only its own
+// each thread streams its matrices end to end, which the hardware prefetchers like best (faster
+// than splitting every matrix by rows), and an expert's down projection needs only its own
 // activation, so there is no barrier between the passes. Otherwise every expert's gate/up rows are
 // split, then (after the barrier) its down rows. Scratch: projected [k, 2I], activation [k, I].
 void experts_part(const bf16* x, int64_t hidden, int64_t inter, const ExpertWeights* const* picked, int64_t k,
@@ -810,8 +809,8 @@ class DecodeStep {
 
   // One thread's part of a step. The whole token is one parallel region: every thread walks all
   // layers, takes its share of each matrix, and meets the others at spin barriers where a result
-  // it needs comes from them. (A parallel region per kernel cost 3-7 us to start on the 2-core VM,
-  // three per layer: ~0.3 ms of a ~9 ms token.) Each thread keeps its own copy of the hidden state
+  // it needs comes from them: starting a parallel region per kernel, three per layer, cost a
+  // visible share of a token. Each thread keeps its own copy of the hidden state
   // and computes the norms and residual adds itself, identically, rather than wait for one copy.
   void step_thread(const Shared& in, SpinBarrier& barrier, int tid, int team) {
     Clock clock(phase_seconds_, tid == 0);

@@ -9,7 +9,7 @@ For one new token (prefill keeps transformers' kernels), while the path runs:
   of eight small ops, Llama-style attention three (q/k/v with q/k norms and rotary, attention over
   the KV cache, o_proj) instead of ~60, and listed top-k routers the GEMV for their linear;
 - other attention of one query runs as two float32 matmuls and a softmax instead of SDPA's
-  flash kernel (which costs ~120 us a layer on 2 cores for one query).
+  flash kernel (whose fixed cost dominates for one query).
 Which modules qualify is decided by their class (engine.decode.paths.families). Each patched
 module reads a switch that belongs to its model and is on only inside this path's `run`, so
 outside it every module computes exactly as transformers does; no process-wide torch setting
@@ -101,8 +101,8 @@ def _fast_attention_forward(self, hidden_states: torch.Tensor, position_embeddin
 
 
 def _fast_router_forward(self, hidden_states: torch.Tensor):
-    """A top-k router whose one-token linear is the native GEMV (torch's bf16 kernel took ~45 us for
-    a 64 x 1024 router: most of a layer's routing); softmax and top-k stay torch's."""
+    """A top-k router whose one-token linear is the native GEMV (torch's bf16 kernel without oneDNN
+    took most of a layer's routing time); softmax and top-k stay torch's."""
     kernels = _native_kernels(self, hidden_states, self.weight)
     if kernels is None or hidden_states.numel() != self.weight.shape[1]:
         return self._plain_forward(hidden_states)

@@ -1,8 +1,8 @@
 """The whole-token path (`--fast-decode`): one native call per decode token when every expert is resident.
 
 The native per-layer path (engine.decode.paths.native_layers) runs each layer's weights at close
-to the memory bandwidth, but a Qwen3-MoE-shaped token still spent ~4 ms of its ~12 in Python and
-small torch ops between those kernels (decoder-layer calls, residual adds, the rotary table, the
+to the memory bandwidth, but a Qwen3-MoE-shaped token still spent about a third of its time in
+Python and small torch ops between those kernels (decoder-layer calls, residual adds, the rotary table, the
 mask, module lookups, the router's softmax and top-k as separate ops). For the decoders whose
 every piece the native kernels compute (engine.decode.paths.families: Qwen3-MoE and Mixtral as
 transformers writes them, bf16 on the CPU), `FusedDecoder.step` runs the embedding, every layer
@@ -176,7 +176,7 @@ class RotaryRows:
     """The model's own rotary rows (cos, sin) for one position at a time, computed a block of
     positions per call where that gives the same bits as one call per position.
 
-    One call of the rotary module per token cost 65-146 us of the step (most of it the module
+    One call of the rotary module per token was a visible part of the step (most of it the module
     call's fixed cost). Its arithmetic is elementwise (position x frequency, then cos and sin), so
     a row comes out the same in a call over many positions, as long as torch runs every element
     through its vectorized loop: the last `len % 32` elements of a call go through the scalar
