@@ -1,0 +1,73 @@
+"""The block formats an expert's (or a dense) weight matrix can be stored in, and their sizes.
+
+MoEScope uses GGUF's block layouts as they are (llama.cpp's `block_q8_0`, `block_q4_K`, ...), so
+a GGUF file's quantized tensors and MoEScope's own quantized store hold the same bytes, and the
+`gguf` package's reference dequantizer checks ours. A matrix is quantized row by row along its
+input (contraction) dimension, which must be a whole number of blocks.
+
+Numpy only: the window imports this to label formats and count bytes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+QK_K = 256  # elements of a K-quant super-block
+
+
+@dataclass(frozen=True)
+class BlockFormat:
+    name: str  # what the user types: q8_0, q4_k, ...
+    ggml_type: int  # gguf.GGMLQuantizationType of the same bytes
+    block: int  # elements per block
+    block_bytes: int  # bytes per block
+    label: str  # for the user
+
+    @property
+    def bits(self) -> float:
+        """Stored bits per weight, scales included."""
+        return self.block_bytes * 8 / self.block
+
+    def row_bytes(self, columns: int) -> int:
+        return columns // self.block * self.block_bytes
+
+    def packed_bytes(self, shape: tuple[int, ...]) -> int:
+        rows = 1
+        for dim in shape[:-1]:
+            rows *= dim
+        return rows * self.row_bytes(shape[-1])
+
+    def fits(self, columns: int) -> bool:
+        return columns % self.block == 0
+
+
+# GGMLQuantizationType values (gguf.constants): Q8_0 = 8, Q2_K = 10, Q3_K = 11, Q4_K = 12, Q6_K = 14.
+FORMATS: dict[str, BlockFormat] = {f.name: f for f in (
+    BlockFormat("q8_0", 8, 32, 34, "8-bit (Q8_0)"),
+    BlockFormat("q6_k", 14, QK_K, 210, "6-bit (Q6_K)"),
+    BlockFormat("q4_k", 12, QK_K, 144, "4-bit (Q4_K)"),
+    BlockFormat("q3_k", 11, QK_K, 110, "3-bit (Q3_K)"),
+    BlockFormat("q2_k", 10, QK_K, 84, "2-bit (Q2_K)"),
+)}
+ALIASES = {"8bit": "q8_0", "6bit": "q6_k", "4bit": "q4_k", "3bit": "q3_k", "2bit": "q2_k"}
+ORIGINAL = ("original", "bf16", "fp16", "fp32", "auto", "")  # the checkpoint's own dtype: no quantization
+
+
+def parse_format(name: str | None) -> BlockFormat | None:
+    """The block format a user's word names; None for the checkpoint's own dtype."""
+    key = (name or "").strip().lower()
+    if key in ORIGINAL:
+        return None
+    key = ALIASES.get(key, key)
+    if key not in FORMATS:
+        choices = ", ".join(["original", *ALIASES, *FORMATS])
+        raise ValueError(f"unknown weight format '{name}'; choose one of: {choices}")
+    return FORMATS[key]
+
+
+def format_name(fmt: BlockFormat | None) -> str:
+    return fmt.name if fmt is not None else "original"
+
+
+def formats_that_fit(columns: int) -> list[str]:
+    return [name for name, fmt in FORMATS.items() if fmt.fits(columns)]
