@@ -36,6 +36,7 @@ def add_model_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--trace", metavar="FILE", default=LOAD["trace"],
                         help="record routing (request, token, layer, experts, weights) to FILE as JSON lines")
     parser.add_argument("--dtype", default=LOAD["dtype"], choices=["auto", "float32", "bfloat16", "float16"])
+    add_format_arg(parser)
     parser.add_argument("--fast-decode", action="store_true", default=LOAD["fast_decode"],
                         help="bf16 decode on MoEScope's native CPU kernels (a layer's experts in one pass, Llama-style "
                         "attention in three calls; a whole Qwen3-MoE or Mixtral token in one call when every expert "
@@ -46,6 +47,13 @@ def add_model_args(parser: argparse.ArgumentParser) -> None:
                         "oneDNN as they are loaded (same results either way; packed decodes faster)")
     parser.add_argument("--allow-pickle", action="store_true", help="accept .bin/.pt weights (pickle can run code)")
     parser.add_argument("--trust-remote-code", action="store_true", help="run Python code shipped with the model")
+
+
+def add_format_arg(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--expert-format", default=LOAD["expert_format"], metavar="FORMAT",
+                        help="routed experts in a block format: 8bit (q8_0), 6bit (q6_k), 4bit (q4_k), 3bit (q3_k), "
+                        "2bit (q2_k), or original. Converted once into MoEScope's cache folder; approximate, "
+                        "measured quality cost in docs/performance.md")
 
 
 def load_settings(args: argparse.Namespace) -> p.LoadModel:

@@ -11,7 +11,7 @@ import os
 import sys
 from collections.abc import Sequence
 
-from engine.cli.args import add_model_args, add_sampling_args, load_settings, sampling_settings
+from engine.cli.args import add_format_arg, add_model_args, add_sampling_args, load_settings, sampling_settings
 from engine.cli.models import add_models_parser, run_models
 from engine.cli.trace import add_trace_parser, run_trace
 from engine.errors import MoEScopeError
@@ -41,6 +41,7 @@ def build_parser() -> argparse.ArgumentParser:
     info.add_argument("--json", action="store_true")
     info.add_argument("--trust-remote-code", action="store_true")
     info.add_argument("--allow-pickle", action="store_true")
+    add_format_arg(info)
 
     sub.add_parser("policies", help="list the cache policies")
     add_trace_parser(sub)
@@ -133,18 +134,24 @@ def cmd_info(args: argparse.Namespace) -> int:
     from dataclasses import asdict
 
     from engine.accounting.sizes import format_bytes
+    from engine.formats.blocks import parse_format
     from engine.hub.local import resolve_model
     from engine.model.inspect import inspect_checkpoint
 
+    try:
+        fmt = parse_format(args.expert_format)
+    except ValueError as exc:
+        raise MoEScopeError(str(exc)) from None
     info = inspect_checkpoint(resolve_model(args.model), allow_pickle=args.allow_pickle,
-                              trust_remote_code=args.trust_remote_code)
+                              trust_remote_code=args.trust_remote_code, expert_format=fmt)
     if args.json:
         print(json.dumps(asdict(info)))
         return 0
     print(f"model            {info.name} ({info.architecture})")
     print(f"layers           {info.num_layers} ({info.num_moe_layers} with experts)")
     print(f"experts          {info.num_experts} per layer, top-{info.top_k}")
-    print(f"bytes per expert {format_bytes(info.expert_bytes)} ({info.dtype})")
+    stored = info.dtype if info.expert_format == "original" else f"{info.expert_format}, computed in {info.dtype}"
+    print(f"bytes per expert {format_bytes(info.expert_bytes)} ({stored})")
     print(f"all experts      {format_bytes(info.all_expert_bytes)}")
     print(f"dense weights    {format_bytes(info.dense_bytes)}")
     print(f"minimum budget   {format_bytes(info.min_budget_bytes)}")

@@ -20,13 +20,22 @@ from engine.decode.paths.transformers_path import TransformersPath, last_positio
 from engine.decode.paths.whole_token import WholeTokenPath
 from engine.decode.routers import RouterTaps, RoutingRestriction
 from engine.errors import MoEScopeError
+from engine.formats.blocks import BlockFormat, parse_format
 from engine.hub.local import resolve_model
 from engine.model import experts_registry
 from engine.model.inspect import ModelInfo, describe
 from engine.model.loader import ProgressFn, build_model, resolve_device
 from engine.offload import packed_linear
 from engine.offload.expert_cache import ExpertCache
+from engine.offload.quantized_store import quantize_layout
 from engine.offload.store import DiskStore, ExpertStore, RamStore
+
+
+def _parse_format(name: str, what: str) -> BlockFormat | None:
+    try:
+        return parse_format(name)
+    except ValueError as exc:
+        raise MoEScopeError(f"{what} format: {exc}") from None
 
 
 class MoERuntime:
@@ -50,6 +59,11 @@ class MoERuntime:
             progress=progress,
         )
         self.model, self.layout, self.files, self.dtype = loaded.model, loaded.layout, loaded.files, loaded.dtype
+        self.expert_format = _parse_format(options.expert_format, "expert")
+        self.format_notes: list[str] = []
+        if self.expert_format is not None:
+            self.layout, self.format_notes = quantize_layout(self.layout, self.expert_format, self.fingerprint,
+                                                             progress=progress)
         self.tokenizer = None  # checkpoints without tokenizer files still run on token ids (--prompt-ids)
         if any((self.files.root / f).exists() for f in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")):
             self.tokenizer = AutoTokenizer.from_pretrained(self.files.root, trust_remote_code=options.trust_remote_code)
@@ -197,7 +211,8 @@ class MoERuntime:
         """Expert matrices the cache can keep pre-arranged for oneDNN (CPU, bf16/fp16, [out, in]),
         when every expert is resident: below `all`, packing would sit on every miss's path."""
         experts = self.model.get_submodule(self.layout.module_paths[0])
-        if self.device.type != "cpu" or getattr(experts, "is_transposed", False) or not packed_linear.available(self.dtype):
+        if (self.device.type != "cpu" or getattr(experts, "is_transposed", False) or self.layout.quantized
+                or not packed_linear.available(self.dtype)):
             return frozenset()
         if any(n < self.layout.num_experts for n in self.plan.slots_per_layer):
             return frozenset()

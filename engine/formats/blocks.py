@@ -41,15 +41,20 @@ class BlockFormat:
         return columns % self.block == 0
 
 
-# GGMLQuantizationType values (gguf.constants): Q8_0 = 8, Q2_K = 10, Q3_K = 11, Q4_K = 12, Q6_K = 14.
+# GGMLQuantizationType values (gguf.constants): Q4_0 = 2, Q5_0 = 6, Q8_0 = 8, Q2_K = 10, Q3_K = 11, Q4_K = 12, Q6_K = 14.
 FORMATS: dict[str, BlockFormat] = {f.name: f for f in (
     BlockFormat("q8_0", 8, 32, 34, "8-bit (Q8_0)"),
     BlockFormat("q6_k", 14, QK_K, 210, "6-bit (Q6_K)"),
+    BlockFormat("q5_0", 6, 32, 22, "5-bit (Q5_0)"),
     BlockFormat("q4_k", 12, QK_K, 144, "4-bit (Q4_K)"),
+    BlockFormat("q4_0", 2, 32, 18, "4-bit (Q4_0)"),
     BlockFormat("q3_k", 11, QK_K, 110, "3-bit (Q3_K)"),
     BlockFormat("q2_k", 10, QK_K, 84, "2-bit (Q2_K)"),
 )}
 ALIASES = {"8bit": "q8_0", "6bit": "q6_k", "4bit": "q4_k", "3bit": "q3_k", "2bit": "q2_k"}
+# A matrix whose input features are not whole 256-element super-blocks takes the 32-element format
+# llama.cpp's quantizer falls back to for it (llama-quant.cpp, tensor_type_fallback).
+FALLBACK = {"q6_k": "q8_0", "q4_k": "q5_0", "q3_k": "q4_0", "q2_k": "q4_0"}
 ORIGINAL = ("original", "bf16", "fp16", "fp32", "auto", "")  # the checkpoint's own dtype: no quantization
 
 
@@ -71,3 +76,12 @@ def format_name(fmt: BlockFormat | None) -> str:
 
 def formats_that_fit(columns: int) -> list[str]:
     return [name for name, fmt in FORMATS.items() if fmt.fits(columns)]
+
+
+def format_for(fmt: BlockFormat, columns: int) -> BlockFormat | None:
+    """`fmt`, or the format llama.cpp falls back to when `columns` are not whole blocks of it; None
+    when neither fits."""
+    if fmt.fits(columns):
+        return fmt
+    fallback = FORMATS.get(FALLBACK.get(fmt.name, ""))
+    return fallback if fallback is not None and fallback.fits(columns) else None

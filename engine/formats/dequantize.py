@@ -36,6 +36,24 @@ def _q8_0(blocks: torch.Tensor) -> torch.Tensor:
     return blocks[:, 2:].contiguous().view(torch.int8).float() * d
 
 
+def _nibbles(qs: torch.Tensor) -> torch.Tensor:
+    """[n, 16] bytes as [n, 32] values 0..15: low nibbles first, then high ones (Q4_0, Q5_0)."""
+    return torch.cat([qs & 0x0F, qs >> 4], dim=1)
+
+
+def _q4_0(blocks: torch.Tensor) -> torch.Tensor:
+    d = _half(blocks, 0)
+    return (_nibbles(blocks[:, 2:18]).to(torch.int8) - 8).float() * d
+
+
+def _q5_0(blocks: torch.Tensor) -> torch.Tensor:
+    d = _half(blocks, 0)
+    qh = blocks[:, 2:6].contiguous().view(torch.int32).long() & 0xFFFFFFFF  # 32 high bits, little-endian
+    high = ((qh >> torch.arange(32).reshape(1, 32)) & 1).to(torch.uint8)
+    q = (_nibbles(blocks[:, 6:22]) | (high << 4)).to(torch.int8) - 16
+    return d * q.float()
+
+
 def _q4_k(blocks: torch.Tensor) -> torch.Tensor:
     n = blocks.shape[0]
     d, dmin = _half(blocks, 0), _half(blocks, 2)
@@ -95,4 +113,5 @@ def _q6_k(blocks: torch.Tensor) -> torch.Tensor:
     return (step * q).reshape(n, QK_K)
 
 
-_DECODERS = {"q8_0": _q8_0, "q4_k": _q4_k, "q2_k": _q2_k, "q3_k": _q3_k, "q6_k": _q6_k}
+_DECODERS = {"q8_0": _q8_0, "q4_0": _q4_0, "q5_0": _q5_0, "q4_k": _q4_k, "q2_k": _q2_k, "q3_k": _q3_k,
+             "q6_k": _q6_k}

@@ -1,6 +1,7 @@
 """Quantizing a float matrix into a block format, row by row (numpy only).
 
-The K-quant searches follow llama.cpp's reference quantizers (`quantize_row_q*_K_ref` in
+The 32-element formats (Q8_0, Q5_0, Q4_0) are the `gguf` package's own quantizers. The K-quant
+searches follow llama.cpp's reference quantizers (`quantize_row_q*_K_ref` in
 ggml-quants.c: for each sub-block, a grid of candidate scales around max-min, each refit by
 weighted least squares, the best kept; then the sub-block scales are themselves quantized to 6 or
 4 bits against one fp16 super-block scale), vectorised over all sub-blocks at once. The bytes are
@@ -12,8 +13,12 @@ round differently: the format, not bit-equality with llama-quantize, is the cont
 from __future__ import annotations
 
 import numpy as np
+from gguf import GGMLQuantizationType
+from gguf import quants as gguf_quants
 
 from engine.formats.blocks import QK_K, BlockFormat
+
+GGUF_QUANTIZERS = ("q8_0", "q4_0", "q5_0")  # the 32-element formats the gguf package writes itself
 
 ROWS_PER_CHUNK = 1 << 15  # blocks quantized at once: bounds the scratch memory of the searches
 
@@ -24,6 +29,8 @@ def quantize(matrix: np.ndarray, fmt: BlockFormat) -> np.ndarray:
     rows, columns = x.shape
     if columns % fmt.block:
         raise ValueError(f"{columns} columns are not a whole number of {fmt.block}-element blocks")
+    if fmt.name in GGUF_QUANTIZERS:  # the gguf package's own, bit-exact with llama.cpp's reference
+        return gguf_quants.quantize(x, GGMLQuantizationType(fmt.ggml_type)).reshape(rows, fmt.row_bytes(columns))
     blocks = x.reshape(-1, fmt.block)
     out = np.empty((blocks.shape[0], fmt.block_bytes), dtype=np.uint8)
     encode = _ENCODERS[fmt.name]
@@ -44,23 +51,6 @@ def _fp16_back(values: np.ndarray) -> np.ndarray:
 def _rint(values: np.ndarray) -> np.ndarray:
     """llama.cpp's nearest_int: round half to even, in float32."""
     return np.rint(values.astype(np.float32)).astype(np.int32)
-
-
-# ----------------------------------------------------------------------------- Q8_0
-
-
-def _q8_0(blocks: np.ndarray) -> np.ndarray:
-    amax = np.abs(blocks).max(axis=1, keepdims=True)
-    d = amax / 127
-    with np.errstate(divide="ignore"):
-        inverse = np.where(d == 0, 0, 1 / d).astype(np.float32)
-    q = np.clip(_round_away(blocks * inverse), -128, 127).astype(np.int8)  # roundf, as the reference
-    return np.concatenate([_fp16(d), q.view(np.uint8)], axis=1)
-
-
-def _round_away(values: np.ndarray) -> np.ndarray:
-    """C's roundf: halves away from zero."""
-    return np.sign(values) * np.floor(np.abs(values) + 0.5)
 
 
 # ----------------------------------------------------------------------------- the searches
@@ -305,5 +295,5 @@ def _q6_k(blocks: np.ndarray) -> np.ndarray:
     return np.concatenate([ql, qh.reshape(n, 64), ls.view(np.uint8), _fp16(d)], axis=1)
 
 
-_ENCODERS = {"q8_0": _q8_0, "q4_k": _q4_k, "q3_k": _q3_k, "q2_k": _q2_k, "q6_k": _q6_k}
+_ENCODERS = {"q4_k": _q4_k, "q3_k": _q3_k, "q2_k": _q2_k, "q6_k": _q6_k}
 assert QK_K == 256

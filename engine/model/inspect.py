@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
 
+from engine.formats.blocks import BlockFormat, format_name
 from engine.model.checkpoint import CheckpointFiles
-from engine.model.layout import MoELayout
+from engine.model.layout import MoELayout, quantized_params
 
 
 @dataclass
@@ -20,7 +21,7 @@ class ModelInfo:
     num_layers: int
     num_experts: int
     top_k: int
-    expert_bytes: int  # one expert, in the compute dtype
+    expert_bytes: int  # one expert, in its format (the compute dtype unless quantized)
     all_expert_bytes: int
     dense_bytes: int
     min_budget_bytes: int
@@ -29,6 +30,7 @@ class ModelInfo:
     device: str
     store: str
     context_length: int
+    expert_format: str = "original"
 
 
 def describe(files: CheckpointFiles, layout: MoELayout, config, dtype: torch.dtype, device: str, store: str) -> ModelInfo:
@@ -50,13 +52,21 @@ def describe(files: CheckpointFiles, layout: MoELayout, config, dtype: torch.dty
         device=device,
         store=store,
         context_length=int(getattr(config, "max_position_embeddings", 0) or 0),
+        expert_format=format_name(layout.expert_format),
     )
 
 
-def inspect_checkpoint(path: Path, *, allow_pickle: bool = False, trust_remote_code: bool = False) -> ModelInfo:
+def inspect_checkpoint(path: Path, *, allow_pickle: bool = False, trust_remote_code: bool = False,
+                       expert_format: BlockFormat | None = None) -> ModelInfo:
+    """Sizes from headers only; with `expert_format`, the experts' bytes in that format (nothing is
+    converted)."""
     from engine.model.loader import build_model
 
     # Dense weights go to the meta device: nothing but headers is read.
     loaded = build_model(path, device=torch.device("meta"), allow_pickle=allow_pickle,
                          trust_remote_code=trust_remote_code, load_dense=False)
-    return describe(loaded.files, loaded.layout, loaded.model.config, loaded.dtype, "-", "-")
+    layout = loaded.layout
+    if expert_format is not None:
+        params, slot_bytes, _ = quantized_params(layout.params, expert_format)
+        layout = replace(layout, params=params, slot_bytes=slot_bytes, expert_format=expert_format)
+    return describe(loaded.files, layout, loaded.model.config, loaded.dtype, "-", "-")

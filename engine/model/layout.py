@@ -22,6 +22,7 @@ from transformers.core_model_loading import (
 )
 
 from engine.errors import CheckpointError, NotMoEError
+from engine.formats.blocks import BlockFormat, format_for, formats_that_fit
 from engine.model.checkpoint import CheckpointFiles, TensorRecord
 from engine.model.dtypes import torch_dtype
 
@@ -31,13 +32,31 @@ TOPK_CONFIG_KEYS = ("num_experts_per_tok", "moe_top_k", "top_k", "num_experts_pe
 
 @dataclass(frozen=True)
 class ExpertParam:
-    """One weight of an expert as the experts forward reads it (e.g. `gate_up_proj`, [2I, H])."""
+    """One weight of an expert as the experts forward reads it (e.g. `gate_up_proj`, [2I, H]), and
+    how its bytes sit in a slot: in the compute dtype, or quantized in a block format (`fmt`) as
+    [rows, row bytes] with rows = output features (the module's [in, out] when `transposed`)."""
 
     name: str
-    shape: tuple[int, ...]
-    dtype: torch.dtype
+    shape: tuple[int, ...]  # as the module reads it
+    dtype: torch.dtype  # of the slot's bytes: the compute dtype, or uint8 when quantized
     offset: int  # bytes from the start of a slot
     nbytes: int
+    fmt: BlockFormat | None = None
+    transposed: bool = False  # the module reads it as [in, out] (x @ W)
+
+    @property
+    def rows_columns(self) -> tuple[int, int]:
+        """The matrix as quantized: [output features, input features]."""
+        rows, columns = self.shape[-2], self.shape[-1]
+        return (columns, rows) if self.transposed else (rows, columns)
+
+    @property
+    def slot_shape(self) -> tuple[int, ...]:
+        """The shape of its bytes in a slot, in `dtype`."""
+        if self.fmt is None:
+            return self.shape
+        rows, columns = self.rows_columns
+        return (rows, self.fmt.row_bytes(columns))
 
 
 @dataclass(frozen=True)
@@ -65,6 +84,12 @@ class MoELayout:
     pieces: list[list[list[ExpertPiece]]]  # [moe layer][expert] -> pieces
     dense: dict[str, TensorRecord] = field(default_factory=dict)  # model key -> checkpoint tensor
     expert_bytes_on_disk: int = 0
+    compute_dtype: torch.dtype = torch.float32
+    expert_format: BlockFormat | None = None  # the block format the experts are stored in; None: compute dtype
+
+    @property
+    def quantized(self) -> bool:
+        return self.expert_format is not None
 
     @property
     def num_layers(self) -> int:
@@ -113,11 +138,12 @@ def build_layout(model: torch.nn.Module, files: CheckpointFiles, compute_dtype: 
     num_experts = int(first.num_experts)
     params: list[ExpertParam] = []
     offset = 0
+    transposed = bool(getattr(first, "is_transposed", False))
     for pname, p in first.named_parameters(recurse=False):
         shape = tuple(p.shape[1:])
         nbytes = p[0].numel() * compute_dtype.itemsize
-        params.append(ExpertParam(pname, shape, compute_dtype, offset, nbytes))
-        offset += -(-nbytes // SLOT_ALIGN) * SLOT_ALIGN
+        params.append(ExpertParam(pname, shape, compute_dtype, offset, nbytes, transposed=transposed and len(shape) == 2))
+        offset += aligned(nbytes)
     for name, m in experts[1:]:
         other = [(n, tuple(p.shape[1:])) for n, p in m.named_parameters(recurse=False)]
         if other != [(p.name, p.shape) for p in params] or m.num_experts != num_experts:
@@ -188,11 +214,43 @@ def build_layout(model: torch.nn.Module, files: CheckpointFiles, compute_dtype: 
         num_experts=num_experts,
         top_k=find_top_k(model.config),
         params=params,
-        slot_bytes=-(-offset // SLOT_ALIGN) * SLOT_ALIGN,
+        slot_bytes=aligned(offset),
         pieces=pieces,
         dense=dense,
         expert_bytes_on_disk=expert_disk,
+        compute_dtype=compute_dtype,
     )
+
+
+def aligned(nbytes: int) -> int:
+    return -(-nbytes // SLOT_ALIGN) * SLOT_ALIGN
+
+
+def quantized_params(params: list[ExpertParam], fmt: BlockFormat,
+                     where: str = "expert weight") -> tuple[list[ExpertParam], int, list[str]]:
+    """The expert matrices re-laid in `fmt` (biases and other vectors stay in the compute dtype),
+    the slot size, and notes for matrices that take llama.cpp's fallback format because their input
+    features are not whole blocks of `fmt`. A matrix no format fits is refused, naming it."""
+    laid, offset, notes = [], 0, []
+    for p in params:
+        if len(p.shape) == 2:
+            rows, columns = p.rows_columns
+            chosen = format_for(fmt, columns)
+            if chosen is None:
+                fits = ", ".join(formats_that_fit(columns)) or "none of the block formats"
+                raise CheckpointError(
+                    f"{where} '{p.name}' has {columns} input features, not a whole number of {fmt.block}-element "
+                    f"blocks, so it cannot be stored as {fmt.name}; formats that fit: {fits} (or original)")
+            if chosen is not fmt:
+                notes.append(f"{where} '{p.name}' has {columns} input features, not whole {fmt.block}-element blocks: "
+                             f"stored as {chosen.name} instead of {fmt.name}, as llama.cpp's quantizer does")
+            p = ExpertParam(p.name, p.shape, torch.uint8, offset, chosen.packed_bytes((rows, columns)), chosen,
+                            p.transposed)
+        else:
+            p = ExpertParam(p.name, p.shape, p.dtype, offset, p.nbytes, None, p.transposed)
+        laid.append(p)
+        offset += aligned(p.nbytes)
+    return laid, aligned(offset), notes
 
 
 def _converter_part(converters: list[WeightConverter], src_pattern: str, key: str) -> tuple[int, int]:

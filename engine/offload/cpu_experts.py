@@ -48,8 +48,9 @@ def host_views(layout: MoELayout, host: torch.Tensor) -> dict[str, torch.Tensor]
 
 
 def supported(module: torch.nn.Module, store: ExpertStore, device: torch.device) -> bool:
-    # post-expert norms are GPU modules; a disk store has no host copy to compute from
-    return (device.type == "cuda" and store.host_view(0, 0) is not None
+    # post-expert norms are GPU modules; a disk store has no host copy to compute from; quantized
+    # experts would have to be dequantized on the CPU first, which defeats the point
+    return (device.type == "cuda" and store.host_view(0, 0) is not None and not store.layout.quantized
             and not getattr(module, "has_post_expert_norm", False))
 
 

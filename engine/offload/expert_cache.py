@@ -39,9 +39,10 @@ from engine.accounting.counters import EngineCounters
 from engine.accounting.directory import CacheDirectory, Lookup, NoFreeSlotError
 from engine.accounting.policies.base import CachePolicy
 from engine.accounting.routing import RoutingStep
-from engine.model.layout import ExpertParam, MoELayout
+from engine.model.layout import ExpertParam, MoELayout, aligned
 from engine.offload.expert_compute import (
     OneTokenExperts,
+    SlotReader,
     expert_mlp,
     grouped_available,
     grouped_expert_mlp,
@@ -143,7 +144,10 @@ class ExpertCache:
         self._queue = LoadQueue(self._move_chunk, workers=load_threads)
         # Resident experts of a prefill run as one grouped matmul per weight, read in place from the
         # pool (packed matrices are not in the pool: each expert then runs on its own).
-        self._grouped = (grouped_available(self.pools[0]) if self.pools else False) and not self._packed
+        # Quantized experts are dequantized one at a time into a scratch, so they do not run grouped.
+        self._grouped = (grouped_available(self.pools[0]) if self.pools else False) and not self._packed \
+            and not layout.quantized
+        self.reader = SlotReader(self._pool_params, layout.compute_dtype, packed=self._packed)
         self._one_token: OneTokenExperts = torch_one_token  # a decode path may bring its own (`experts_kernel`)
 
     # ----- memory -----
@@ -166,8 +170,8 @@ class ExpertCache:
         params, offset = [], 0
         for p in self.layout.params:
             if p.name not in self.packed_params:
-                params.append(ExpertParam(p.name, p.shape, p.dtype, offset, p.nbytes))
-                offset += -(-p.nbytes // 64) * 64
+                params.append(ExpertParam(p.name, p.shape, p.dtype, offset, p.nbytes, p.fmt, p.transposed))
+                offset += aligned(p.nbytes)
         return params, offset
 
     def _alloc(self, slots: int, slot_bytes: int | None = None) -> torch.Tensor:
@@ -179,7 +183,7 @@ class ExpertCache:
     def _typed_views(self, pool: torch.Tensor) -> dict[str, torch.Tensor]:
         n = pool.shape[0]
         return {
-            p.name: pool[:, p.offset : p.offset + p.nbytes].view(p.dtype).view(n, *p.shape)
+            p.name: pool[:, p.offset : p.offset + p.nbytes].view(p.dtype).view(n, *p.slot_shape)
             for p in self._pool_params
         }
 
@@ -241,6 +245,7 @@ class ExpertCache:
             self.pools[layer] = pool
         self.packed_params, self._packed = frozenset(), False
         self._pool_params, self._pool_slot_bytes = list(full), self.layout.slot_bytes
+        self.reader = SlotReader(self._pool_params, self.layout.compute_dtype)
         self.views = [self._typed_views(pool) for pool in self.pools]
         self.slot_views = [self._per_slot(views, pool.shape[0]) for views, pool in zip(self.views, self.pools, strict=True)]
         self._grouped = grouped_available(self.pools[0]) if self.pools else False
@@ -422,13 +427,13 @@ class ExpertCache:
         if self.policy.lookahead or self.tracer is not None:
             self._observe_routing(layer, hidden_states, top_k_index, top_k_weights)
         weights = top_k_weights.reshape(-1)
-        out_dtype = torch.promote_types(self.layout.params[0].dtype, weights.dtype)
+        out_dtype = torch.promote_types(self.layout.compute_dtype, weights.dtype)
         if routing.picks is not None and len(found.ready) == routing.top_k:  # a decode token, every pick resident
             if self.policy.prefetches:
                 self._prefetch(layer, set(routing.needed))
             slot_of, slots = self.directory.slot_of[layer], self.slot_views[layer]
             chosen = [slots[slot_of[e]] for e in routing.picks]
-            return self._one_token(module, hidden_states, chosen, weights, out_dtype, self._packed)
+            return self._one_token(module, hidden_states, chosen, weights, out_dtype, self.reader)
         plan = self._plan_loads(layer, found, routing)
         return self._compute(layer, module, hidden_states, routing, plan, weights, out_dtype)
 
@@ -461,7 +466,8 @@ class ExpertCache:
         def compute(expert: int) -> None:
             slot = self.directory.slot_of[layer][expert]
             rows = routing.rows_of(expert)
-            y = expert_mlp(module, hidden_states[rows // top_k], self.slot_views[layer][slot], self._packed)
+            y = expert_mlp(module, hidden_states[rows // top_k], self.reader.plain(self.slot_views[layer][slot]),
+                           self._packed)
             out[rows] = y * weights[rows].unsqueeze(-1)
 
         if self._grouped and len(plan.ready) > 1:  # resident experts run while the misses load

@@ -12,6 +12,8 @@ from typing import Protocol
 import torch
 import torch.nn.functional as F
 
+from engine.formats.dequantize import dequantize
+from engine.model.layout import ExpertParam
 from engine.offload import packed_linear
 
 
@@ -52,21 +54,48 @@ def weighted_sum(outputs: list[torch.Tensor], weights: torch.Tensor, out_dtype: 
     return weighted.view(1, len(outputs), -1).sum(dim=1).to(dtype)
 
 
+class SlotReader:
+    """How an expert's weights come out of its slot for torch's kernels: as they are (views of the
+    slot), pre-arranged for oneDNN (`packed`), or, for experts stored in a block format, dequantized
+    into a reused scratch in the compute dtype: the values of the model with its experts
+    dequantized (engine.formats.dequantize), one expert at a time."""
+
+    def __init__(self, params: list[ExpertParam], dtype: torch.dtype, packed: bool = False) -> None:
+        self.dtype, self.packed = dtype, packed
+        self.quantized = {p.name: p for p in params if p.fmt is not None}
+        self._scratch: dict[str, torch.Tensor] = {}
+
+    def plain(self, weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """The expert's weights as its module reads them. Quantized ones are valid until the next call."""
+        if not self.quantized:
+            return weights
+        plain = dict(weights)
+        for name, p in self.quantized.items():
+            rows, columns = p.rows_columns
+            buffer = self._scratch.get(name)
+            if buffer is None or buffer.device != weights[name].device:
+                buffer = self._scratch[name] = torch.empty((rows, columns), dtype=self.dtype, device=weights[name].device)
+            dequantize(weights[name], p.fmt, columns, out=buffer)
+            plain[name] = buffer.t() if p.transposed else buffer
+        return plain
+
+
 class OneTokenExperts(Protocol):
     """How one decode token's experts run when every pick is resident: `chosen[i]` holds pick i's
-    weights (views of its slot), `weights` the routing weights in pick order; returns [1, hidden].
-    The expert cache is handed the kernel to use (a decode path may bring a faster one)."""
+    weights (views of its slot, read through `reader`), `weights` the routing weights in pick
+    order; returns [1, hidden]. The expert cache is handed the kernel to use (a decode path may
+    bring a faster one)."""
 
     def __call__(self, module: torch.nn.Module, hidden: torch.Tensor, chosen: list[dict[str, torch.Tensor]],
-                 weights: torch.Tensor, out_dtype: torch.dtype, packed: bool) -> torch.Tensor: ...
+                 weights: torch.Tensor, out_dtype: torch.dtype, reader: SlotReader) -> torch.Tensor: ...
 
 
 def torch_one_token(module: torch.nn.Module, hidden: torch.Tensor, chosen: list[dict[str, torch.Tensor]],
-                    weights: torch.Tensor, out_dtype: torch.dtype, packed: bool) -> torch.Tensor:
+                    weights: torch.Tensor, out_dtype: torch.dtype, reader: SlotReader) -> torch.Tensor:
     """Each expert straight from its slot, in pick order: one-row `F.linear`s give the same bits as
     the grouped kernel's per-group matmuls, and the weighting and sum are the many-token path's
     ops, so the output equals transformers' while skipping the sorting, gathers and scatters."""
-    outputs = [expert_mlp(module, hidden, weights_of, packed) for weights_of in chosen]
+    outputs = [expert_mlp(module, hidden, reader.plain(weights_of), reader.packed) for weights_of in chosen]
     return weighted_sum(outputs, weights, out_dtype, hidden.dtype)
 
 

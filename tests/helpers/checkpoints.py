@@ -94,6 +94,48 @@ def reference_generate(path: Path, prompt_ids: list[int], max_new_tokens: int, d
     return out[0, len(prompt_ids):].tolist()
 
 
+# Wider versions of the families, whose expert matrices take the 256-element K-quant blocks
+WIDE = {
+    "mixtral": dict(hidden_size=256, intermediate_size=256, num_attention_heads=4, num_key_value_heads=2),
+    "qwen2_moe": dict(hidden_size=256, moe_intermediate_size=256, shared_expert_intermediate_size=256,
+                      intermediate_size=256),
+    "olmoe": dict(hidden_size=256, intermediate_size=256),
+    "deepseek_v3": dict(hidden_size=256, moe_intermediate_size=256, intermediate_size=256),
+    "gpt_oss": dict(hidden_size=256, intermediate_size=256, head_dim=64),
+}
+
+
+def dequantized_reference(path: Path, prompt_ids: list[int], max_new_tokens: int, expert_format: str,
+                          dtype=torch.float32) -> list[int]:
+    """Plain transformers on the model with its routed experts quantized to `expert_format` and
+    dequantized back (engine.formats, the reference the gguf package checks): what MoEScope's
+    quantized experts must reproduce."""
+    from engine.formats.blocks import format_for, parse_format
+    from engine.formats.dequantize import dequantize
+    from engine.formats.quantize import quantize
+    from engine.model.layout import is_experts_module
+
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
+    fmt = parse_format(expert_format)
+    with torch.no_grad():
+        for module in model.modules():
+            if not is_experts_module(module):
+                continue
+            for param in module.parameters(recurse=False):
+                if param.dim() != 3:
+                    continue  # biases stay as they are
+                for expert in range(param.shape[0]):
+                    matrix = param[expert].t() if module.is_transposed else param[expert]  # [out, in]
+                    chosen = format_for(fmt, matrix.shape[1])
+                    back = dequantize(torch.from_numpy(quantize(matrix.float().numpy(), chosen)), chosen,
+                                      matrix.shape[1], dtype)
+                    param[expert].copy_(back.t() if module.is_transposed else back)
+    ids = torch.tensor([prompt_ids])
+    out = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=max_new_tokens,
+                         pad_token_id=0)
+    return out[0, len(prompt_ids):].tolist()
+
+
 def tree_snapshot(path: Path) -> dict[str, tuple[int, int]]:
     """Names, sizes and modification times of everything under `path` (to prove nothing was written)."""
     return {str(p.relative_to(path)): (p.stat().st_size, p.stat().st_mtime_ns) for p in sorted(path.rglob("*"))}

@@ -29,7 +29,7 @@ from engine.decode.native import kernels as native
 from engine.decode.paths.base import DecodePath, Step
 from engine.decode.paths.families import is_llama_attention, is_llama_rms_norm, router_recipe
 from engine.decode.paths.transformers_path import model_forward
-from engine.offload.expert_compute import torch_one_token
+from engine.offload.expert_compute import SlotReader, torch_one_token
 
 ATTENTION_NAME = "moescope_sdpa"
 SWITCH_ATTR = "_moescope_switch"
@@ -174,9 +174,9 @@ class NativeExperts:
         self.kernels = kernels
 
     def __call__(self, module: torch.nn.Module, hidden: torch.Tensor, chosen: list[dict[str, torch.Tensor]],
-                 weights: torch.Tensor, out_dtype: torch.dtype, packed: bool) -> torch.Tensor:
-        if packed or hidden.dtype != torch.bfloat16 or not experts_fusable(module):
-            return torch_one_token(module, hidden, chosen, weights, out_dtype, packed)
+                 weights: torch.Tensor, out_dtype: torch.dtype, reader: SlotReader) -> torch.Tensor:
+        if reader.packed or reader.quantized or hidden.dtype != torch.bfloat16 or not experts_fusable(module):
+            return torch_one_token(module, hidden, chosen, weights, out_dtype, reader)
         return self.kernels.moe_decode(hidden, [w["gate_up_proj"] for w in chosen], [w["down_proj"] for w in chosen],
                                        weights)
 

@@ -1,0 +1,149 @@
+"""Experts in a block format: converted once from the checkpoint into MoEScope's cache folder,
+then read like any checkpoint by the disk or RAM store.
+
+The conversion writes one safetensors file per MoE layer (each expert's quantized matrices as
+bytes, its biases in the compute dtype) into `<key>.partial/`, then a manifest, and only then
+renames the folder to `<key>`: a conversion that is killed midway leaves a `.partial` folder that
+is never read, and is removed when the next conversion starts. The key holds the checkpoint's
+fingerprint, the compute dtype and the format, so another model or format never reuses it; the
+user's model folder is never written.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from collections.abc import Callable
+from dataclasses import replace
+from pathlib import Path
+
+import numpy as np
+import platformdirs
+import torch
+from safetensors.torch import save_file
+
+from engine.errors import MoEScopeError
+from engine.formats.blocks import BlockFormat
+from engine.formats.quantize import quantize
+from engine.model.checkpoint import read_safetensors_header
+from engine.model.dtypes import dtype_name, torch_dtype
+from engine.model.layout import ExpertParam, ExpertPiece, MoELayout, quantized_params
+from engine.offload.store import DiskStore
+
+ProgressFn = Callable[[float, str], None]
+MANIFEST = "moescope-quantized.json"
+VERSION = 1
+DISK_MARGIN = 64 << 20  # free space left over after a conversion, at least
+
+
+class DiskSpaceError(MoEScopeError):
+    kind = "disk-full"
+
+
+def quantized_root() -> Path:
+    return Path(platformdirs.user_cache_dir("moescope")) / "quantized"
+
+
+def quantize_layout(layout: MoELayout, fmt: BlockFormat, fingerprint: str, *, root: Path | None = None,
+                    progress: ProgressFn | None = None) -> tuple[MoELayout, list[str]]:
+    """`layout` with its experts stored in `fmt`, converted now unless a finished conversion of this
+    checkpoint to this format is in the cache folder already; and notes for the user."""
+    params, slot_bytes, notes = quantized_params(layout.params, fmt)
+    folder = (root or quantized_root()) / f"{fingerprint[:20]}-{dtype_name(layout.compute_dtype)}-{fmt.name}"
+    if not _finished(folder, layout, params, fmt):
+        _convert(layout, params, fmt, folder, progress)
+    pieces = _pieces(folder, layout, params)
+    on_disk = sum(piece.nbytes for per_layer in pieces for per_expert in per_layer for piece in per_expert)
+    return replace(layout, params=params, slot_bytes=slot_bytes, pieces=pieces, expert_format=fmt,
+                   expert_bytes_on_disk=on_disk), notes
+
+
+def _layer_file(folder: Path, layer: int) -> Path:
+    return folder / f"moe-layer-{layer:04d}.safetensors"
+
+
+def _name(expert: int, param: str) -> str:
+    return f"expert-{expert}.{param}"
+
+
+def _manifest(layout: MoELayout, params: list[ExpertParam], fmt: BlockFormat) -> dict:
+    return {"version": VERSION, "format": fmt.name, "compute_dtype": dtype_name(layout.compute_dtype),
+            "layers": layout.num_layers, "experts": layout.num_experts,
+            "params": [[p.name, list(p.shape), p.fmt.name if p.fmt else None, p.nbytes] for p in params]}
+
+
+def _finished(folder: Path, layout: MoELayout, params: list[ExpertParam], fmt: BlockFormat) -> bool:
+    try:
+        manifest = json.loads((folder / MANIFEST).read_text())
+    except (OSError, ValueError):
+        return False
+    return manifest == _manifest(layout, params, fmt) and all(
+        _layer_file(folder, layer).is_file() for layer in range(layout.num_layers))
+
+
+def _convert(layout: MoELayout, params: list[ExpertParam], fmt: BlockFormat, folder: Path,
+             progress: ProgressFn | None) -> None:
+    partial = folder.with_name(folder.name + ".partial")
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    shutil.rmtree(partial, ignore_errors=True)  # a conversion that was stopped: never trusted, redone
+    shutil.rmtree(folder, ignore_errors=True)  # finished for another layout version: redone
+    needed = sum(p.nbytes for p in params) * layout.num_experts * layout.num_layers
+    free = shutil.disk_usage(folder.parent).free
+    if needed + DISK_MARGIN > free:
+        raise DiskSpaceError(
+            f"converting the experts to {fmt.name} needs {needed / 2**30:.2f} GiB in {folder.parent}, and "
+            f"{free / 2**30:.2f} GiB is free; free some space there or keep the original format")
+    partial.mkdir()
+    source = DiskStore(layout)
+    slot = torch.empty(layout.slot_bytes, dtype=torch.uint8)
+    original = {p.name: p for p in layout.params}
+    try:
+        for layer in range(layout.num_layers):
+            tensors: dict[str, torch.Tensor] = {}
+            for expert in range(layout.num_experts):
+                source.fill(layer, expert, slot)
+                for p in params:
+                    o = original[p.name]
+                    value = slot[o.offset : o.offset + o.nbytes].view(o.dtype).view(o.shape)
+                    if p.fmt is None:
+                        tensors[_name(expert, p.name)] = value.clone()
+                        continue
+                    matrix = value.t() if p.transposed else value  # quantized along its input features
+                    packed = quantize(matrix.float().numpy(), p.fmt)
+                    tensors[_name(expert, p.name)] = torch.from_numpy(np.ascontiguousarray(packed).reshape(-1))
+            save_file(tensors, str(_layer_file(partial, layer)))
+            if progress is not None:
+                progress((layer + 1) / layout.num_layers,
+                         f"converting experts to {fmt.label}: MoE layer {layer + 1} of {layout.num_layers}")
+        (partial / MANIFEST).write_text(json.dumps(_manifest(layout, params, fmt)))
+        _sync(partial)
+        os.replace(partial, folder)
+    except OSError as exc:
+        shutil.rmtree(partial, ignore_errors=True)
+        raise DiskSpaceError(f"cannot write the converted experts to {partial}: {exc.strerror or exc}") from None
+    finally:
+        source.close()
+
+
+def _sync(folder: Path) -> None:
+    """Every file's bytes on disk before the folder is renamed into place."""
+    for path in folder.iterdir():
+        with open(path, "rb") as handle:
+            os.fsync(handle.fileno())
+
+
+def _pieces(folder: Path, layout: MoELayout, params: list[ExpertParam]) -> list[list[list[ExpertPiece]]]:
+    pieces: list[list[list[ExpertPiece]]] = []
+    for layer in range(layout.num_layers):
+        path = _layer_file(folder, layer)
+        records = read_safetensors_header(path)
+        per_layer = []
+        for expert in range(layout.num_experts):
+            per_expert = []
+            for p in params:
+                record = records[_name(expert, p.name)]
+                per_expert.append(ExpertPiece(path, record.offset, record.nbytes, torch_dtype(record.dtype), p.name, 0))
+            per_layer.append(per_expert)
+        pieces.append(per_layer)
+    return pieces

@@ -1,0 +1,173 @@
+"""Routed experts in a block format: converted once into MoEScope's cache folder, cached, moved and
+computed quantized, and the replies equal plain transformers on the same model with its experts
+quantized and dequantized back (the reference), for every family, budget and store."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from engine.cli.main import main as moescope
+from engine.decode.generation import Generator
+from engine.decode.runtime import MoERuntime
+from engine.errors import CheckpointError
+from engine.formats.blocks import FORMATS
+from engine.offload import quantized_store
+from engine.protocol import LoadModel, SamplingSettings
+from tests.helpers.checkpoints import FAMILIES, WIDE, dequantized_reference, save_tiny_checkpoint, tree_snapshot
+
+PROMPT = [5, 17, 33, 8, 61, 12, 40, 9]
+NEW_TOKENS = 12
+
+
+@pytest.fixture(scope="module")
+def wide(tmp_path_factory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("wide")
+    return {family: save_tiny_checkpoint(family, root / family, **WIDE[family]) for family in FAMILIES}
+
+
+@pytest.fixture(scope="module")
+def references(wide) -> dict:
+    cache: dict = {}
+
+    def reference(family: str, fmt: str) -> list[int]:
+        if (family, fmt) not in cache:
+            cache[family, fmt] = dequantized_reference(wide[family], PROMPT, NEW_TOKENS, fmt)
+        return cache[family, fmt]
+
+    return reference
+
+
+def generate(path, **settings) -> tuple[list[int], MoERuntime]:
+    runtime = MoERuntime(LoadModel(path=str(path), **settings))
+    try:
+        return Generator(runtime).generate(PROMPT, SamplingSettings(temperature=0, max_new_tokens=NEW_TOKENS)).token_ids, runtime
+    finally:
+        runtime.close()
+
+
+@pytest.mark.parametrize("fmt", ["q8_0", "q4_k", "q2_k"])
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_greedy_replies_equal_transformers_on_the_dequantized_experts(wide, references, family, fmt):
+    expected = references(family, fmt)
+    for budget, store in (("min", "disk"), ("30%", "ram"), ("all", "disk")):
+        tokens, runtime = generate(wide[family], budget="1" if budget == "min" else budget, store=store,
+                                   expert_format=fmt)
+        assert tokens == expected, (family, fmt, budget, store)
+        assert runtime.layout.expert_format is FORMATS[fmt]
+
+
+def test_the_demo_model_takes_llamacpps_fallback_for_its_narrow_matrices():
+    # The demo's gate_up has 128 input features, not whole 256-element blocks: like llama-quantize,
+    # 4-bit stores that matrix as Q5_0 (and says so), its down projection as Q4_K.
+    tokens, runtime = generate("demo", budget="25%", store="disk", expert_format="4bit")
+    from resources import DEMO_MODEL_DIR
+
+    assert tokens == dequantized_reference(DEMO_MODEL_DIR, PROMPT, NEW_TOKENS, "q4_k")
+    formats = {p.name: p.fmt.name for p in runtime.layout.params if p.fmt is not None}
+    assert formats == {"gate_up_proj": "q5_0", "down_proj": "q4_k"}
+    assert runtime.format_notes == ["expert weight 'gate_up_proj' has 128 input features, not whole 256-element "
+                                    "blocks: stored as q5_0 instead of q4_k, as llama.cpp's quantizer does"]
+
+
+def test_budget_planner_and_panels_count_the_formats_bytes(wide):
+    path = wide["mixtral"]
+    _, plain = generate(path, budget="all", store="ram")
+    _, q4 = generate(path, budget="all", store="ram", expert_format="q4_k")
+    expert_params = sum(p.shape[0] * p.shape[1] for p in plain.layout.params)
+    assert plain.layout.slot_bytes >= expert_params * 4  # float32
+    assert q4.layout.slot_bytes < expert_params * 4.5 / 8 + 256  # 4.5 bits a weight, aligned
+    assert q4.layout.min_budget_bytes == q4.layout.slot_bytes * q4.layout.top_k * q4.layout.num_layers
+    assert q4.cache.budget_bytes == q4.layout.all_expert_bytes
+    # a byte budget buys more quantized experts
+    _, plain_half = generate(path, budget=f"{plain.layout.all_expert_bytes // 4}B", store="disk")
+    _, q4_half = generate(path, budget=f"{plain.layout.all_expert_bytes // 4}B", store="disk", expert_format="q4_k")
+    assert sum(q4_half.cache.slots_per_layer) == q4.layout.num_layers * q4.layout.num_experts  # everything fits
+    assert sum(plain_half.cache.slots_per_layer) < sum(q4_half.cache.slots_per_layer)
+
+
+def test_the_conversion_runs_once_and_is_reused(wide):
+    path = wide["olmoe"]
+    seen: list[str] = []
+    runtime = MoERuntime(LoadModel(path=str(path), expert_format="q3_k"), progress=lambda f, what: seen.append(what))
+    runtime.close()
+    assert any("converting experts to 3-bit (Q3_K)" in line for line in seen)
+    folder = runtime.layout.pieces[0][0][0].file.parent
+    assert folder.parent == quantized_store.quantized_root() and not str(folder).startswith(str(path))
+    before = tree_snapshot(folder)
+    seen.clear()
+    MoERuntime(LoadModel(path=str(path), expert_format="q3_k"), progress=lambda f, what: seen.append(what)).close()
+    assert not any("converting" in line for line in seen)
+    assert tree_snapshot(folder) == before
+
+
+def test_a_conversion_killed_midway_is_never_trusted(wide, tmp_path):
+    # A process that dies after converting one layer leaves a .partial folder (6-bit: a format no other
+    # test converts this model to, so the conversion really runs); the next load converts
+    # again from the start and gives the right replies.
+    path = wide["mixtral"]
+    script = (
+        "import os, sys\n"
+        "from engine.decode.runtime import MoERuntime\n"
+        "from engine.protocol import LoadModel\n"
+        "def die(fraction, what):\n"
+        "    if 'MoE layer 1 of' in what: os._exit(9)\n"
+        f"MoERuntime(LoadModel(path={str(path)!r}, expert_format='q6_k'), progress=die)\n"
+    )
+    killed = subprocess.run([sys.executable, "-c", script], cwd=Path(__file__).parents[1], capture_output=True, timeout=300)
+    assert killed.returncode == 9, killed.stderr.decode()[-2000:]
+    partial = [p for p in quantized_store.quantized_root().iterdir() if p.name.endswith("-q6_k.partial")]
+    assert partial and not any((p / quantized_store.MANIFEST).exists() for p in partial)
+    seen: list[str] = []
+    runtime = MoERuntime(LoadModel(path=str(path), expert_format="q6_k"), progress=lambda f, what: seen.append(what))
+    runtime.close()
+    assert any("converting" in line for line in seen)
+    assert not any(p.name.endswith("-q6_k.partial") for p in quantized_store.quantized_root().iterdir())
+
+
+def test_a_disk_too_small_is_refused_before_anything_is_written(wide, monkeypatch, capsys):
+    import shutil
+
+    usage = shutil.disk_usage("/")
+    monkeypatch.setattr(quantized_store.shutil, "disk_usage", lambda _path: usage._replace(free=1000))
+    before = set(quantized_store.quantized_root().iterdir()) if quantized_store.quantized_root().exists() else set()
+    # (3-bit: no other test converts this model to it, so a conversion would really start)
+    assert moescope(["generate", "--model", str(wide["deepseek_v3"]), "--prompt-ids", "1,2,3", "--expert-format",
+                     "3bit", "--max-new-tokens", "2"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("moescope: error: converting the experts to q3_k needs ") and "GiB is free" in err
+    assert "\n" not in err
+    after = set(quantized_store.quantized_root().iterdir()) if quantized_store.quantized_root().exists() else set()
+    assert after == before
+
+
+def test_a_format_the_experts_cannot_take_is_refused_naming_the_tensor(tmp_path, capsys):
+    path = save_tiny_checkpoint("mixtral", tmp_path / "odd", hidden_size=48, num_attention_heads=4)
+    assert moescope(["info", "--model", str(path), "--expert-format", "q8_0"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err == ("moescope: error: expert weight 'gate_up_proj' has 48 input features, not a whole number of "
+                   "32-element blocks, so it cannot be stored as q8_0; formats that fit: none of the block formats "
+                   "(or original)")
+    import torch
+
+    from engine.model.layout import quantized_params
+    from engine.model.loader import build_model
+
+    layout = build_model(path, device=torch.device("meta"), load_dense=False).layout
+    down = [p for p in layout.params if p.name == "down_proj"]
+    with pytest.raises(CheckpointError, match="'down_proj' has 48 input features"):
+        quantized_params(down, FORMATS["q4_k"])
+
+
+def test_info_reports_the_formats_bytes(wide, capsys):
+    assert moescope(["info", "--model", str(wide["qwen2_moe"]), "--expert-format", "q4_k", "--json"]) == 0
+    q4 = json.loads(capsys.readouterr().out)
+    assert moescope(["info", "--model", str(wide["qwen2_moe"]), "--json"]) == 0
+    plain = json.loads(capsys.readouterr().out)
+    assert q4["expert_format"] == "q4_k" and plain["expert_format"] == "original"
+    assert q4["expert_bytes"] * 7 < plain["expert_bytes"]  # float32 -> 4.5 bits
+    assert q4["min_budget_bytes"] == q4["expert_bytes"] * q4["top_k"] * q4["num_moe_layers"]
