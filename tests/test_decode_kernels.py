@@ -15,7 +15,7 @@ def test_gemv_matches_linear(kernels, shape):
     generator = torch.Generator().manual_seed(1)
     weight = torch.randn(*shape, generator=generator).to(torch.bfloat16)
     x = torch.randn(1, 1, shape[1], generator=generator).to(torch.bfloat16)
-    y = kernels.gemv(weight, x)
+    y = kernels.gemv(kernels.Weight(weight), x)
     assert y.shape == (1, 1, shape[0]) and y.dtype == torch.bfloat16
     close(y, F.linear(x, weight), "gemv")
 
@@ -53,7 +53,8 @@ def test_moe_decode_matches_the_expert_path(kernels, picks):
     hidden = torch.randn(1, 256).to(torch.bfloat16)
     weights = torch.softmax(torch.randn(len(picks)), dim=0)
     reference = weighted_sum([expert_mlp(module, hidden, w) for w in slots], weights, torch.float32, torch.bfloat16)
-    fused = kernels.moe_decode(hidden, [w["gate_up_proj"] for w in slots], [w["down_proj"] for w in slots], weights)
+    fused = kernels.moe_decode(hidden, [kernels.Weight(w["gate_up_proj"], 0, 256) for w in slots],
+                               [kernels.Weight(w["down_proj"], 0, 96) for w in slots], weights)
     assert fused.shape == reference.shape and fused.dtype == torch.bfloat16
     close(fused, reference, "moe_decode")
 
@@ -180,9 +181,9 @@ def test_other_attention_recipes_keep_their_code(family, extra):
 def test_bad_shapes_are_refused_with_a_message(kernels):
     weight = torch.randn(8, 16).to(torch.bfloat16)
     with pytest.raises(RuntimeError, match="one bf16 row"):
-        kernels.gemv(weight, torch.randn(1, 17).to(torch.bfloat16))
+        kernels.gemv(kernels.Weight(weight), torch.randn(1, 17).to(torch.bfloat16))
     with pytest.raises(RuntimeError, match="bf16 CPU tensor"):
-        kernels.gemv(weight.float(), torch.randn(1, 16).to(torch.bfloat16))
+        kernels.gemv(kernels.Weight(weight.float()), torch.randn(1, 16).to(torch.bfloat16))
     query, keys = torch.zeros(1, 3, 1, 8, dtype=torch.bfloat16), torch.zeros(1, 2, 5, 8, dtype=torch.bfloat16)
     with pytest.raises(RuntimeError, match="whole groups of heads"):
         kernels.attend(query, keys, keys, 1.0)  # 3 query heads cannot share 2 kv heads

@@ -23,6 +23,10 @@ import platformdirs
 import torch
 
 SOURCE = Path(__file__).with_name("moe_decode.cpp")
+HEADERS = (Path(__file__).with_name("quant.h"),)  # included by SOURCE: part of what a build is keyed by
+# -march per build flavour: this CPU's best, AVX2 + FMA (laptops without AVX-512), and portable code
+# the compiler vectorises for a baseline target (tests build each, tests/test_quant_kernels.py)
+FLAVOURS = {"native": "-march=native", "avx2": "-march=x86-64-v3", "portable": "-march=x86-64"}
 LOAD_WAIT_S = 180.0  # a model loaded with fast decode waits this long for a build (usually well under)
 
 _lock = threading.Lock()
@@ -41,21 +45,33 @@ def _cpu_fingerprint() -> str:
     return platform.machine() + flags
 
 
-def _build_name() -> str:
-    digest = hashlib.sha256(SOURCE.read_bytes() + torch.__version__.encode() + _cpu_fingerprint().encode())
-    return f"moescope_decode_{digest.hexdigest()[:12]}"
+def _build_name(flavour: str) -> str:
+    code = b"".join(path.read_bytes() for path in (SOURCE, *HEADERS))
+    digest = hashlib.sha256(code + torch.__version__.encode() + _cpu_fingerprint().encode() + flavour.encode())
+    suffix = "" if flavour == "native" else f"_{flavour}"
+    return f"moescope_decode_{digest.hexdigest()[:12]}{suffix}"
 
 
-def _build(cpp_extension: ModuleType) -> None:
+def compile_flavour(flavour: str = "native") -> ModuleType:
+    """Build (or load the cached build of) one flavour of the kernels, now, on this thread."""
+    from torch.utils import cpp_extension
+
+    name = _build_name(flavour)
+    directory = Path(platformdirs.user_cache_dir("moescope")) / "kernels" / name
+    directory.mkdir(parents=True, exist_ok=True)
+    # -ffp-contract=off: a dequantized weight is a product then a difference, two roundings, as the
+    # reference computes it; a fused multiply-add would round once (quant.h)
+    return cpp_extension.load(
+        name, [str(SOURCE)], build_directory=str(directory),
+        extra_cflags=["-O3", FLAVOURS[flavour], "-ffp-contract=off", "-fopenmp"], extra_ldflags=["-fopenmp"],
+        verbose=False,
+    )
+
+
+def _build() -> None:
     global _kernels, _problem
     try:
-        name = _build_name()
-        directory = Path(platformdirs.user_cache_dir("moescope")) / "kernels" / name
-        directory.mkdir(parents=True, exist_ok=True)
-        _kernels = cpp_extension.load(
-            name, [str(SOURCE)], build_directory=str(directory),
-            extra_cflags=["-O3", "-march=native", "-fopenmp"], extra_ldflags=["-fopenmp"], verbose=False,
-        )
+        _kernels = compile_flavour("native")
     except Exception as exc:  # no compiler, no ninja, a failed build: decode keeps transformers' kernels
         first_line = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
         _problem = f"native decode kernels unavailable ({first_line[:200]})"
@@ -71,9 +87,10 @@ def start_build() -> None:
             if platform.system() == "Windows":  # the build flags are GCC/Clang's
                 _set_problem("native decode kernels are built for Linux and macOS only")
                 return
-            # Imported here, not on the thread: it pulls in setuptools, and imports racing the main
-            # thread's (transformers' lazy modules) have failed with ModuleNotFoundError.
-            from torch.utils import cpp_extension
+            # Imported here, not on the thread (compile_flavour then finds it loaded): it pulls in
+            # setuptools, and imports racing the main thread's (transformers' lazy modules) have
+            # failed with ModuleNotFoundError.
+            from torch.utils import cpp_extension  # noqa: F401
 
             try:  # the pip `ninja` package puts its binary beside the interpreter, not always on PATH
                 import ninja
@@ -82,8 +99,7 @@ def start_build() -> None:
             except ImportError:
                 pass
 
-            _builder = threading.Thread(target=_build, args=(cpp_extension,), name="moescope-kernel-build",
-                                        daemon=True)
+            _builder = threading.Thread(target=_build, name="moescope-kernel-build", daemon=True)
             _builder.start()
 
 
@@ -119,3 +135,11 @@ def status() -> str:
     if _builder is not None:
         return "native decode kernels are building (first use on this machine)"
     return "native decode kernels not built yet"
+
+
+def weight(kernels: ModuleType, tensor: torch.Tensor, fmt=None, columns: int = 0):
+    """A matrix as the kernels take it: a bf16 [rows, cols] tensor, or (with `fmt`, an
+    engine.formats BlockFormat) a uint8 [rows, row bytes] tensor of its blocks and `columns`."""
+    if fmt is None:
+        return kernels.Weight(tensor, 0, tensor.shape[-1])
+    return kernels.Weight(tensor, fmt.ggml_type, columns)

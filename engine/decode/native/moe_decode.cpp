@@ -1,5 +1,6 @@
-// One-token (decode) kernels for bf16 weights on the CPU: matrix-vector products that stream the
-// weights once at close to memory bandwidth, and a whole MoE layer's experts in two passes.
+// One-token (decode) kernels on the CPU for weights in bf16 or in GGUF's block formats (quant.h):
+// matrix-vector products that stream the weights once at close to memory bandwidth, and a whole
+// MoE layer's experts in two passes.
 //
 // Why hand-written: for one row, oneDNN re-arranges a plain bf16 weight on every call and torch's
 // native kernel pays a thread-pool round trip per matrix (8 experts x 2 matrices x every layer),
@@ -24,12 +25,17 @@
 #include <utility>
 #include <vector>
 
+// Build flavours: AVX-512 with BF16 dot products, AVX-512 without them, AVX2 with FMA, or portable
+// C++ the compiler vectorises for whatever it targets (ARM, older x86).
 #if defined(__AVX512BF16__) && defined(__AVX512F__)
 #include <immintrin.h>
 #define MOESCOPE_AVX512BF16 1
 #elif defined(__AVX512F__)
 #include <immintrin.h>
 #define MOESCOPE_AVX512F 1
+#elif defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+#define MOESCOPE_AVX2 1
 #endif
 
 namespace {
@@ -104,6 +110,24 @@ inline float dot_row(const bf16* w, const bf16* x, int64_t k) {
   float tail = 0.f;
   for (; i < k; ++i) tail += to_float(w[i]) * to_float(x[i]);
   return _mm512_reduce_add_ps(_mm512_add_ps(a0, a1)) + tail;
+#elif defined(MOESCOPE_AVX2)
+  auto widen = [](const bf16* p) {
+    return _mm256_castsi256_ps(
+        _mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))), 16));
+  };
+  __m256 a0 = _mm256_setzero_ps(), a1 = a0;
+  int64_t i = 0;
+  for (; i + 16 <= k; i += 16) {
+    _mm_prefetch(reinterpret_cast<const char*>(w + i + kPrefetchAhead), _MM_HINT_NTA);
+    a0 = _mm256_fmadd_ps(widen(w + i), widen(x + i), a0);
+    a1 = _mm256_fmadd_ps(widen(w + i + 8), widen(x + i + 8), a1);
+  }
+  alignas(32) float lanes[8];
+  _mm256_store_ps(lanes, _mm256_add_ps(a0, a1));
+  float sum = 0.f;
+  for (float lane : lanes) sum += lane;
+  for (; i < k; ++i) sum += to_float(w[i]) * to_float(x[i]);
+  return sum;
 #else
   float sum = 0.f;
   for (int64_t i = 0; i < k; ++i) sum += to_float(w[i]) * to_float(x[i]);
@@ -111,11 +135,7 @@ inline float dot_row(const bf16* w, const bf16* x, int64_t k) {
 #endif
 }
 
-// out[n] = W[n, :] . x for rows [begin, end) of a row-major matrix with row stride `ld`.
-inline void gemv_range(const bf16* weight, int64_t ld, const bf16* x, int64_t k, int64_t begin, int64_t end,
-                       float* out) {
-  for (int64_t n = begin; n < end; ++n) out[n] = dot_row(weight + n * ld, x, k);
-}
+#include "quant.h"  // Matrix: bf16 or block-quantized weights, and gemv_range over it
 
 inline const bf16* bf16_data(const torch::Tensor& t) { return reinterpret_cast<const bf16*>(t.data_ptr()); }
 inline bf16* bf16_data(torch::Tensor& t) { return reinterpret_cast<bf16*>(t.data_ptr()); }
@@ -132,45 +152,78 @@ void check_vector(const torch::Tensor& t, int64_t n, const char* name) {
 
 constexpr int64_t kGrain = 64;  // rows per task: ~128 KB of weights, enough to hide a task's start
 
+// A weight matrix as Python hands it over: a bf16 [rows, cols] tensor (type 0), or a uint8
+// [rows, row bytes] tensor of blocks of a GGML type with `cols` logical columns.
+struct Weight {
+  torch::Tensor tensor;
+  int32_t type = kBF16;
+  int64_t cols = 0;
+};
+
+Matrix matrix_of(const Weight& w, const char* name) {
+  const torch::Tensor& t = w.tensor;
+  TORCH_CHECK(t.device().is_cpu() && t.dim() == 2 && t.stride(1) == 1, name,
+              ": a 2-D CPU matrix with contiguous rows is needed");
+  Matrix m;
+  m.data = reinterpret_cast<const uint8_t*>(t.data_ptr());
+  m.type = w.type;
+  m.rows = t.size(0);
+  if (w.type == kBF16) {
+    TORCH_CHECK(t.scalar_type() == torch::kBFloat16, name, ": a bf16 CPU tensor is needed");
+    m.cols = t.size(1);
+    m.row_bytes = t.stride(0) * 2;
+  } else {
+    const int64_t be = block_elements(w.type), bb = block_bytes(w.type);
+    TORCH_CHECK(bb > 0 && t.scalar_type() == torch::kUInt8, name, ": uint8 blocks of a supported GGML type needed");
+    TORCH_CHECK(w.cols > 0 && w.cols % be == 0 && t.size(1) == w.cols / be * bb, name, ": ", w.cols,
+                " columns do not match ", t.size(1), " bytes a row of type ", w.type);
+    m.cols = w.cols;
+    m.row_bytes = t.stride(0);
+  }
+  return m;
+}
+
+Weight plain(const torch::Tensor& t) { return {t, kBF16, t.dim() == 2 ? t.size(1) : 0}; }
+
 // acc = W x over all rows of W, split across threads; then rounded to bf16 into `out`.
-void gemv_into(const torch::Tensor& weight, const bf16* x, float* acc, bf16* out) {
-  const int64_t n = weight.size(0), k = weight.size(1);
-  const bf16* w = bf16_data(weight);
-  at::parallel_for(0, n, kGrain, [&](int64_t begin, int64_t end) {
-    gemv_range(w, weight.stride(0), x, k, begin, end, acc);
-  });
-  for (int64_t i = 0; i < n; ++i) out[i] = to_bf16(acc[i]);
+void gemv_into(const Matrix& w, const bf16* x, float* acc, bf16* out) {
+  at::parallel_for(0, w.rows, kGrain, [&](int64_t begin, int64_t end) { gemv_range(w, x, begin, end, acc); });
+  for (int64_t i = 0; i < w.rows; ++i) out[i] = to_bf16(acc[i]);
 }
 
 // y = W x for one row x (any leading shape of size 1), as F.linear without bias.
-torch::Tensor gemv(const torch::Tensor& weight, const torch::Tensor& x) {
-  check_matrix(weight, "weight");
-  const int64_t n = weight.size(0), k = weight.size(1);
-  TORCH_CHECK(x.numel() == k && x.scalar_type() == torch::kBFloat16, "x: one bf16 row of the weight's width needed");
+torch::Tensor gemv(const Weight& weight, const torch::Tensor& x) {
+  const Matrix w = matrix_of(weight, "weight");
+  TORCH_CHECK(x.numel() == w.cols && x.scalar_type() == torch::kBFloat16, "x: one bf16 row of the weight's width needed");
   const torch::Tensor xc = x.contiguous();
-  std::vector<float> acc(n);
+  std::vector<float> acc(w.rows);
   auto sizes = x.sizes().vec();
-  sizes.back() = n;
+  sizes.back() = w.rows;
   torch::Tensor y = torch::empty(sizes, x.options());
-  gemv_into(weight, bf16_data(xc), acc.data(), bf16_data(y));
+  gemv_into(w, bf16_data(xc), acc.data(), bf16_data(y));
   return y;
 }
 
-// One expert's matrices: gate_up [2I, H] (gate rows first) and down [H, I], rows contiguous.
+// The weight dequantized to bf16 into `out` [rows, cols] (the reference's values), rows split across threads.
+void dequantize(const Weight& weight, torch::Tensor out) {
+  const Matrix w = matrix_of(weight, "weight");
+  TORCH_CHECK(out.scalar_type() == torch::kBFloat16 && out.is_contiguous() && out.numel() == w.rows * w.cols,
+              "dequantize: a contiguous bf16 tensor of rows x cols is needed");
+  bf16* o = bf16_data(out);
+  at::parallel_for(0, w.rows, 16, [&](int64_t begin, int64_t end) { dequantize_rows(w, begin, end, o); });
+}
+
+// One expert's matrices: gate_up [2I, H] (gate rows first) and down [H, I].
 struct ExpertWeights {
-  const bf16* gate_up;
-  int64_t gate_up_ld;
-  const bf16* down;
-  int64_t down_ld;
+  Matrix gate_up, down;
 };
 
-ExpertWeights expert_weights(const torch::Tensor& gate_up, const torch::Tensor& down, int64_t hidden) {
-  check_matrix(gate_up, "gate_up");
-  check_matrix(down, "down");
-  const int64_t inter = down.size(1);
-  TORCH_CHECK(gate_up.size(0) == 2 * inter && gate_up.size(1) == hidden, "gate_up: [2 * intermediate, hidden]");
-  TORCH_CHECK(down.size(0) == hidden, "down: [hidden, intermediate]");
-  return {bf16_data(gate_up), gate_up.stride(0), bf16_data(down), down.stride(0)};
+ExpertWeights expert_weights(const Weight& gate_up, const Weight& down, int64_t hidden) {
+  const Matrix g = matrix_of(gate_up, "gate_up"), d = matrix_of(down, "down");
+  const int64_t inter = d.cols;
+  TORCH_CHECK(g.rows == 2 * inter && g.cols == hidden, "gate_up: [2 * intermediate, hidden]");
+  TORCH_CHECK(d.rows == hidden, "down: [hidden, intermediate]");
+  return {g, d};
 }
 
 inline void cpu_relax() {
@@ -230,25 +283,24 @@ void experts_part(const bf16* x, int64_t hidden, int64_t inter, const ExpertWeig
   if (k % team == 0) {
     const auto [first, last] = thread_share(k, tid, team);
     for (int64_t e = first; e < last; ++e) {
-      gemv_range(picked[e]->gate_up, picked[e]->gate_up_ld, x, hidden, 0, 2 * inter, projected + e * 2 * inter);
+      gemv_range(picked[e]->gate_up, x, 0, 2 * inter, projected + e * 2 * inter);
       silu_gate_rows(projected + e * 2 * inter, inter, 0, inter, activation + e * inter);
     }
     for (int64_t e = first; e < last; ++e)
-      gemv_range(picked[e]->down, picked[e]->down_ld, activation + e * inter, inter, 0, hidden, outputs + e * hidden);
+      gemv_range(picked[e]->down, activation + e * inter, 0, hidden, outputs + e * hidden);
     return;
   }
   const auto [begin, end] = thread_share(inter, tid, team);
   for (int64_t e = 0; e < k; ++e) {
     float* gate = projected + e * 2 * inter;
-    gemv_range(picked[e]->gate_up, picked[e]->gate_up_ld, x, hidden, begin, end, gate);
-    gemv_range(picked[e]->gate_up, picked[e]->gate_up_ld, x, hidden, inter + begin, inter + end, gate);
+    gemv_range(picked[e]->gate_up, x, begin, end, gate);
+    gemv_range(picked[e]->gate_up, x, inter + begin, inter + end, gate);
     silu_gate_rows(gate, inter, begin, end, activation + e * inter);
   }
   barrier.wait();
   const auto [h_begin, h_end] = thread_share(hidden, tid, team);
   for (int64_t e = 0; e < k; ++e)
-    gemv_range(picked[e]->down, picked[e]->down_ld, activation + e * inter, inter, h_begin, h_end,
-               outputs + e * hidden);
+    gemv_range(picked[e]->down, activation + e * inter, h_begin, h_end, outputs + e * hidden);
 }
 
 // out[begin, end) = the experts' outputs rounded, weighted by `route` and summed in pick order.
@@ -280,17 +332,17 @@ void moe_experts(const bf16* x, int64_t hidden, int64_t inter, const std::vector
   weighted_sum_rows(outputs.data(), route, k, hidden, 0, hidden, out);
 }
 
-torch::Tensor moe_decode(const torch::Tensor& x, const std::vector<torch::Tensor>& gate_up,
-                         const std::vector<torch::Tensor>& down, const torch::Tensor& weights) {
+torch::Tensor moe_decode(const torch::Tensor& x, const std::vector<Weight>& gate_up, const std::vector<Weight>& down,
+                         const torch::Tensor& weights) {
   const int64_t experts = static_cast<int64_t>(gate_up.size());
   TORCH_CHECK(experts > 0 && static_cast<int64_t>(down.size()) == experts, "one gate_up and one down per expert");
   TORCH_CHECK(weights.numel() == experts, "one routing weight per expert");
-  const int64_t hidden = x.numel(), inter = down[0].size(1);
+  TORCH_CHECK(x.scalar_type() == torch::kBFloat16, "x: a bf16 row");
+  const int64_t hidden = x.numel();
   std::vector<ExpertWeights> picked;
-  for (int64_t e = 0; e < experts; ++e) {
-    picked.push_back(expert_weights(gate_up[e], down[e], hidden));
-    TORCH_CHECK(down[e].size(1) == inter, "down: every expert of one intermediate size");
-  }
+  for (int64_t e = 0; e < experts; ++e) picked.push_back(expert_weights(gate_up[e], down[e], hidden));
+  const int64_t inter = picked[0].down.cols;
+  for (const ExpertWeights& w : picked) TORCH_CHECK(w.down.cols == inter, "down: every expert of one intermediate size");
   const torch::Tensor xc = x.contiguous();
   const torch::Tensor wf = weights.to(torch::kFloat32).contiguous();
   torch::Tensor y = torch::empty_like(xc);
@@ -336,24 +388,25 @@ inline void rope_head(bf16* x, const bf16* cos, const bf16* sin, int64_t d) {
 
 // The weights of one layer's Llama-style attention (no biases), checked once.
 struct AttentionWeights {
-  torch::Tensor wq, wk, wv, q_norm, k_norm;  // norms undefined where the model has none
+  Matrix wq, wk, wv;
+  torch::Tensor q_norm, k_norm;  // undefined where the model has none
+  std::vector<torch::Tensor> keep;  // the projections' tensors, alive while referenced
   int64_t head_dim;
   float eps;
 };
 
-AttentionWeights attention_weights(const torch::Tensor& wq, const torch::Tensor& wk, const torch::Tensor& wv,
+AttentionWeights attention_weights(const Weight& q_proj, const Weight& k_proj, const Weight& v_proj,
                                    const c10::optional<torch::Tensor>& q_norm,
                                    const c10::optional<torch::Tensor>& k_norm, double eps, int64_t head_dim,
                                    int64_t hidden) {
-  check_matrix(wq, "q_proj");
-  check_matrix(wk, "k_proj");
-  check_matrix(wv, "v_proj");
-  TORCH_CHECK(wq.size(1) == hidden && wk.size(1) == hidden && wv.size(1) == hidden,
+  const Matrix wq = matrix_of(q_proj, "q_proj"), wk = matrix_of(k_proj, "k_proj"), wv = matrix_of(v_proj, "v_proj");
+  TORCH_CHECK(wq.cols == hidden && wk.cols == hidden && wv.cols == hidden,
               "qkv_rope: one bf16 row of the projections' width");
-  TORCH_CHECK(head_dim > 0 && head_dim % 2 == 0 && wq.size(0) % head_dim == 0 && wk.size(0) % head_dim == 0 &&
-                  wv.size(0) == wk.size(0) && wk.size(0) > 0 && (wq.size(0) / head_dim) % (wk.size(0) / head_dim) == 0,
+  TORCH_CHECK(head_dim > 0 && head_dim % 2 == 0 && wq.rows % head_dim == 0 && wk.rows % head_dim == 0 &&
+                  wv.rows == wk.rows && wk.rows > 0 && (wq.rows / head_dim) % (wk.rows / head_dim) == 0,
               "qkv_rope: projections of whole heads, as many value heads as key heads, whole groups of query heads");
-  AttentionWeights out{wq, wk, wv, torch::Tensor(), torch::Tensor(), head_dim, static_cast<float>(eps)};
+  AttentionWeights out{wq, wk, wv, torch::Tensor(), torch::Tensor(),
+                       {q_proj.tensor, k_proj.tensor, v_proj.tensor}, head_dim, static_cast<float>(eps)};
   if (q_norm.has_value()) check_vector(out.q_norm = q_norm->contiguous(), head_dim, "q_norm");
   if (k_norm.has_value()) check_vector(out.k_norm = k_norm->contiguous(), head_dim, "k_norm");
   return out;
@@ -365,8 +418,8 @@ AttentionWeights attention_weights(const torch::Tensor& wq, const torch::Tensor&
 void project_head(const AttentionWeights& a, int m, int64_t h, const bf16* x, const bf16* cos, const bf16* sin,
                   float* rows, bf16* normed, bf16* out) {
   const int64_t d = a.head_dim;
-  const torch::Tensor& w = m == 0 ? a.wq : m == 1 ? a.wk : a.wv;
-  gemv_range(bf16_data(w) + h * d * w.stride(0), w.stride(0), x, w.size(1), 0, d, rows);
+  const Matrix& w = m == 0 ? a.wq : m == 1 ? a.wk : a.wv;
+  gemv_rows(w, x, h * d, (h + 1) * d, rows);
   for (int64_t i = 0; i < d; ++i) out[i] = to_bf16(rows[i]);
   if (m == 2) return;  // values are neither normed nor rotated
   const torch::Tensor& norm = m == 0 ? a.q_norm : a.k_norm;
@@ -381,7 +434,7 @@ void project_head(const AttentionWeights& a, int m, int64_t h, const bf16* x, co
 // `acc` holds q + k + v rows of float32.
 void qkv_rope_into(const AttentionWeights& a, const bf16* x, const bf16* cos, const bf16* sin, float* acc, bf16* q,
                    bf16* k, bf16* v) {
-  const int64_t d = a.head_dim, q_heads = a.wq.size(0) / d, kv_heads = a.wk.size(0) / d;
+  const int64_t d = a.head_dim, q_heads = a.wq.rows / d, kv_heads = a.wk.rows / d;
   bf16* out[3] = {q, k, v};
   const int64_t first_head[4] = {0, q_heads, q_heads + kv_heads, q_heads + 2 * kv_heads};
   // Whole heads of q, k and v as one range: each thread projects its heads, rounds them, and
@@ -398,8 +451,8 @@ void qkv_rope_into(const AttentionWeights& a, const bf16* x, const bf16* cos, co
 
 // Returns q [1, heads, 1, d], k and v [1, kv_heads, 1, d], as the attention module hands them to
 // the KV cache.
-std::vector<torch::Tensor> qkv_rope(const torch::Tensor& x, const torch::Tensor& wq, const torch::Tensor& wk,
-                                    const torch::Tensor& wv, const c10::optional<torch::Tensor>& q_norm,
+std::vector<torch::Tensor> qkv_rope(const torch::Tensor& x, const Weight& wq, const Weight& wk,
+                                    const Weight& wv, const c10::optional<torch::Tensor>& q_norm,
                                     const c10::optional<torch::Tensor>& k_norm, double eps, const torch::Tensor& cos,
                                     const torch::Tensor& sin, int64_t head_dim) {
   TORCH_CHECK(x.scalar_type() == torch::kBFloat16, "qkv_rope: one bf16 row of the projections' width");
@@ -408,7 +461,7 @@ std::vector<torch::Tensor> qkv_rope(const torch::Tensor& x, const torch::Tensor&
                   sin.scalar_type() == torch::kBFloat16,
               "qkv_rope: one bf16 cos and sin row of the head size");
   const torch::Tensor xc = x.contiguous(), cc = cos.contiguous(), sc = sin.contiguous();
-  const int64_t nq = wq.size(0), nk = wk.size(0);
+  const int64_t nq = a.wq.rows, nk = a.wk.rows;
   std::vector<float> acc(nq + 2 * nk);
   auto opts = x.options();
   torch::Tensor q = torch::empty({1, nq / head_dim, 1, head_dim}, opts);
@@ -622,31 +675,33 @@ inline void add_rows(const bf16* a, const bf16* b, int64_t n, bf16* out) {
 // bookkeeping afterwards from the picks it returns.
 class DecodeStep {
  public:
-  DecodeStep(torch::Tensor embed, torch::Tensor final_norm, double final_eps, torch::Tensor lm_head, int64_t top_k,
+  DecodeStep(torch::Tensor embed, torch::Tensor final_norm, double final_eps, const Weight& lm_head, int64_t top_k,
              bool normalize, bool cast_back)
-      : embed_(std::move(embed)), final_norm_(std::move(final_norm)), lm_head_(std::move(lm_head)),
-        final_eps_(static_cast<float>(final_eps)), top_k_(top_k), normalize_(normalize), cast_back_(cast_back) {
+      : embed_(std::move(embed)), final_norm_(std::move(final_norm)), lm_head_tensor_(lm_head.tensor),
+        lm_head_(matrix_of(lm_head, "lm_head")), final_eps_(static_cast<float>(final_eps)), top_k_(top_k),
+        normalize_(normalize), cast_back_(cast_back) {
     check_matrix(embed_, "embed_tokens");
-    check_matrix(lm_head_, "lm_head");
     hidden_ = embed_.size(1);
     check_vector(final_norm_, hidden_, "norm");
-    TORCH_CHECK(lm_head_.size(1) == hidden_ && top_k_ > 0, "lm_head: [vocab, hidden]; top_k > 0");
+    TORCH_CHECK(lm_head_.cols == hidden_ && top_k_ > 0, "lm_head: [vocab, hidden]; top_k > 0");
   }
 
-  void add_layer(const torch::Tensor& input_norm, double input_eps, const torch::Tensor& wq, const torch::Tensor& wk,
-                 const torch::Tensor& wv, const c10::optional<torch::Tensor>& q_norm,
+  void add_layer(const torch::Tensor& input_norm, double input_eps, const Weight& wq, const Weight& wk,
+                 const Weight& wv, const c10::optional<torch::Tensor>& q_norm,
                  const c10::optional<torch::Tensor>& k_norm, double qk_eps, int64_t head_dim, double scale,
-                 const torch::Tensor& wo, const torch::Tensor& post_norm, double post_eps, const torch::Tensor& router,
-                 const std::vector<torch::Tensor>& gate_up, const std::vector<torch::Tensor>& down) {
+                 const Weight& wo, const torch::Tensor& post_norm, double post_eps, const torch::Tensor& router,
+                 const std::vector<Weight>& gate_up, const std::vector<Weight>& down) {
     Layer layer{attention_weights(wq, wk, wv, q_norm, k_norm, qk_eps, head_dim, hidden_)};
     check_vector(layer.input_norm = input_norm.contiguous(), hidden_, "input_layernorm");
     check_vector(layer.post_norm = post_norm.contiguous(), hidden_, "post_attention_layernorm");
-    check_matrix(wo, "o_proj");
     check_matrix(router, "router");
-    TORCH_CHECK(wo.size(0) == hidden_ && wo.size(1) == wq.size(0), "o_proj: [hidden, heads * head_dim]");
+    layer.wo = matrix_of(wo, "o_proj");
+    layer.attention.keep.push_back(wo.tensor);
+    TORCH_CHECK(layer.wo.rows == hidden_ && layer.wo.cols == layer.attention.wq.rows,
+                "o_proj: [hidden, heads * head_dim]");
     TORCH_CHECK(router.size(1) == hidden_ && router.size(0) >= top_k_, "router: [experts >= top_k, hidden]");
-    layer.wo = wo;
-    layer.router = router;
+    layer.router_tensor = router;
+    layer.router = matrix_of(plain(router), "router");
     layer.input_eps = static_cast<float>(input_eps);
     layer.post_eps = static_cast<float>(post_eps);
     layer.scale = static_cast<float>(scale);
@@ -655,20 +710,21 @@ class DecodeStep {
   }
 
   // Every expert of `layer`, by expert id (they move when the cache re-plans its slots).
-  void set_experts(int64_t layer, const std::vector<torch::Tensor>& gate_up, const std::vector<torch::Tensor>& down) {
+  void set_experts(int64_t layer, const std::vector<Weight>& gate_up, const std::vector<Weight>& down) {
     TORCH_CHECK(layer >= 0 && layer < static_cast<int64_t>(layers_.size()), "set_experts: no such layer");
     Layer& l = layers_[layer];
-    TORCH_CHECK(static_cast<int64_t>(gate_up.size()) == l.router.size(0) && down.size() == gate_up.size(),
+    TORCH_CHECK(static_cast<int64_t>(gate_up.size()) == l.router.rows && down.size() == gate_up.size(),
                 "set_experts: one gate_up and one down for every expert the router scores");
     l.experts.clear();
     l.expert_tensors.clear();
     for (size_t e = 0; e < gate_up.size(); ++e) {
       l.experts.push_back(expert_weights(gate_up[e], down[e], hidden_));
-      TORCH_CHECK(down[e].size(1) == down[0].size(1), "set_experts: every expert of one intermediate size");
-      l.expert_tensors.push_back(gate_up[e]);  // keeps the slot memory alive while referenced
-      l.expert_tensors.push_back(down[e]);
+      TORCH_CHECK(l.experts.back().down.cols == l.experts[0].down.cols,
+                  "set_experts: every expert of one intermediate size");
+      l.expert_tensors.push_back(gate_up[e].tensor);  // keeps the slot memory alive while referenced
+      l.expert_tensors.push_back(down[e].tensor);
     }
-    l.inter = down[0].size(1);
+    l.inter = l.experts[0].down.cols;
   }
 
   // One token at `position` (the number of cached positions before it). keys/values: each layer's
@@ -689,7 +745,7 @@ class DecodeStep {
     int64_t widest = 0, widest_inter = 0;
     for (int64_t i = 0; i < layers; ++i) {
       const AttentionWeights& a = layers_[i].attention;
-      const int64_t d = a.head_dim, kv_heads = a.wk.size(0) / d;
+      const int64_t d = a.head_dim, kv_heads = a.wk.rows / d;
       TORCH_CHECK(cos.numel() == d && sin.numel() == d && cos.scalar_type() == torch::kBFloat16 &&
                       sin.scalar_type() == torch::kBFloat16 && cos.is_contiguous() && sin.is_contiguous(),
                   "run: one bf16 cos and sin row of the head size");
@@ -699,10 +755,10 @@ class DecodeStep {
                     "run: key/value buffers [1, kv_heads, capacity > position, head_dim] in bf16");
       key_views.push_back({bf16_data(keys[i]), keys[i].stride(1), keys[i].stride(2)});
       value_views.push_back({bf16_data(values[i]), values[i].stride(1), values[i].stride(2)});
-      widest = std::max<int64_t>(widest, a.wq.size(0) + 2 * a.wk.size(0));
+      widest = std::max<int64_t>(widest, a.wq.rows + 2 * a.wk.rows);
       widest_inter = std::max<int64_t>(widest_inter, layers_[i].inter);
     }
-    scratch_.resize(std::max<int64_t>({widest, hidden_, lm_head_.size(0)}));
+    scratch_.resize(std::max<int64_t>({widest, hidden_, lm_head_.rows}));
     query_.resize(widest);
     attended_.resize(widest);
     delta_.resize(hidden_);
@@ -712,12 +768,12 @@ class DecodeStep {
     route_.resize(top_k_);
     chosen_.resize(top_k_);
     int64_t router_width = 0;
-    for (const Layer& l : layers_) router_width = std::max<int64_t>(router_width, l.router.size(0));
+    for (const Layer& l : layers_) router_width = std::max<int64_t>(router_width, l.router.rows);
     if (router_in_.numel() != router_width) {
       router_in_ = torch::empty({router_width}, torch::kFloat32);
       router_probs_ = torch::empty({router_width}, torch::kFloat32);
     }
-    torch::Tensor logits = torch::empty({1, 1, lm_head_.size(0)}, embed_.options());
+    torch::Tensor logits = torch::empty({1, 1, lm_head_.rows}, embed_.options());
     Shared shared{token, position, picks.data_ptr<int64_t>(), bf16_data(cos), bf16_data(sin), key_views.data(),
                   value_views.data(), bf16_data(logits)};
     const int threads = std::max(1, at::get_num_threads());
@@ -762,7 +818,8 @@ class DecodeStep {
 
   struct Layer {
     AttentionWeights attention;
-    torch::Tensor input_norm, post_norm, wo, router;
+    torch::Tensor input_norm, post_norm, router_tensor;
+    Matrix wo, router;
     float input_eps = 0.f, post_eps = 0.f, scale = 1.f;
     std::vector<ExpertWeights> experts;
     std::vector<torch::Tensor> expert_tensors;
@@ -773,7 +830,7 @@ class DecodeStep {
   // Qwen3 / Mixtral routers compute them: bf16 logits, softmax in float32 (torch's own kernel, so
   // the weights match the module path's), top-k, optionally renormalized, optionally cast to bf16.
   void route(const Layer& l, const bf16* x, int64_t* picked, float* weights) {
-    const int64_t experts = l.router.size(0);
+    const int64_t experts = l.router.rows;
     std::vector<float> acc(experts);
     std::vector<bf16> logits(experts);
     gemv_into(l.router, x, acc.data(), logits.data());
@@ -823,7 +880,7 @@ class DecodeStep {
     for (size_t i = 0; i < layers_.size(); ++i) {
       const Layer& l = layers_[i];
       const AttentionWeights& a = l.attention;
-      const int64_t d = a.head_dim, heads = a.wq.size(0) / d, kv_heads = a.wk.size(0) / d, group = heads / kv_heads;
+      const int64_t d = a.head_dim, heads = a.wq.rows / d, kv_heads = a.wk.rows / d, group = heads / kv_heads;
       const CacheView keys = in.keys[i], values = in.values[i];
       bf16* key_rows = const_cast<bf16*>(keys.data) + in.position * keys.position_stride;
       bf16* value_rows = const_cast<bf16*>(values.data) + in.position * values.position_stride;
@@ -887,18 +944,19 @@ class DecodeStep {
     }
     rms_norm_row(x.data(), bf16_data(final_norm_), hidden_, final_eps_, normed.data());
     clock.lap(kNorms);
-    rows_of(lm_head_, normed.data(), share(lm_head_.size(0)), in.logits);
+    rows_of(lm_head_, normed.data(), share(lm_head_.rows), in.logits);
     barrier.wait();
     clock.lap(kLmHead);
   }
 
   // out[rows) = W[rows) x, rounded to bf16 (this thread's rows of a projection).
-  void rows_of(const torch::Tensor& w, const bf16* x, std::pair<int64_t, int64_t> rows, bf16* out) {
-    gemv_range(bf16_data(w), w.stride(0), x, w.size(1), rows.first, rows.second, scratch_.data());
+  void rows_of(const Matrix& w, const bf16* x, std::pair<int64_t, int64_t> rows, bf16* out) {
+    gemv_range(w, x, rows.first, rows.second, scratch_.data());
     for (int64_t n = rows.first; n < rows.second; ++n) out[n] = to_bf16(scratch_[n]);
   }
 
-  torch::Tensor embed_, final_norm_, lm_head_;
+  torch::Tensor embed_, final_norm_, lm_head_tensor_;
+  Matrix lm_head_;
   float final_eps_;
   int64_t top_k_, hidden_ = 0;
   bool normalize_, cast_back_;
@@ -914,13 +972,19 @@ class DecodeStep {
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("gemv", &gemv, "bf16 matrix times one row, float32 sums");
+  pybind11::class_<Weight>(m, "Weight", "a weight matrix: bf16 (type 0) or uint8 blocks of a GGML type")
+      .def(pybind11::init<torch::Tensor, int32_t, int64_t>(), pybind11::arg("tensor"), pybind11::arg("type") = 0,
+           pybind11::arg("cols") = 0)
+      .def_readonly("type", &Weight::type)
+      .def_readonly("cols", &Weight::cols);
+  m.def("gemv", &gemv, "a weight matrix times one bf16 row, float32 sums");
+  m.def("dequantize", &dequantize, "a weight matrix as bf16, the reference dequantizer's values");
   m.def("rms_norm", &rms_norm, "RMSNorm of a few bf16 rows");
   m.def("qkv_rope", &qkv_rope, "one token's q, k, v: projections, optional q/k norms, rotary embedding");
   m.def("attend", &attend, "one query's attention over cached keys and values");
   m.def("moe_decode", &moe_decode, "one token through k SiLU-gated experts, weighted and summed");
   pybind11::class_<DecodeStep>(m, "DecodeStep", "a whole decode step of a Llama-style MoE decoder")
-      .def(pybind11::init<torch::Tensor, torch::Tensor, double, torch::Tensor, int64_t, bool, bool>())
+      .def(pybind11::init<torch::Tensor, torch::Tensor, double, const Weight&, int64_t, bool, bool>())
       .def("add_layer", &DecodeStep::add_layer)
       .def("set_experts", &DecodeStep::set_experts)
       .def("run", &DecodeStep::run)

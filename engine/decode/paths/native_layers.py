@@ -68,8 +68,16 @@ class FastLinear(torch.nn.Linear):
         kernels = _native_kernels(self, x, self.weight)
         if kernels is None or x.numel() != self.in_features:
             return F.linear(x, self.weight, self.bias)
-        y = kernels.gemv(self.weight, x)
+        y = kernels.gemv(_weight(self, kernels, self.weight), x)
         return y if self.bias is None else y + self.bias
+
+
+def _weight(module: torch.nn.Module, kernels: ModuleType, tensor: torch.Tensor):
+    """`tensor` (a parameter of `module`) as the kernels take it, made once per module."""
+    cached = module.__dict__.get("_moescope_weight")
+    if cached is None or cached[0] is not tensor:
+        cached = module.__dict__["_moescope_weight"] = (tensor, native.weight(kernels, tensor))
+    return cached[1]
 
 
 def _fast_rms_norm_forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
@@ -91,8 +99,9 @@ def _fast_attention_forward(self, hidden_states: torch.Tensor, position_embeddin
         return self._plain_forward(hidden_states, position_embeddings, attention_mask, past_key_values, **kwargs)
     q_norm, k_norm = getattr(self, "q_norm", None), getattr(self, "k_norm", None)
     eps = next((norm.variance_epsilon for norm in (q_norm, k_norm) if norm is not None), 0.0)  # one for both
+    q, k, v = (_weight(proj, kernels, proj.weight) for proj in (self.q_proj, self.k_proj, self.v_proj))
     query, key, value = kernels.qkv_rope(
-        hidden_states, self.q_proj.weight, self.k_proj.weight, self.v_proj.weight,
+        hidden_states, q, k, v,
         None if q_norm is None else q_norm.weight, None if k_norm is None else k_norm.weight, eps, cos, sin,
         self.head_dim)
     key, value = past_key_values.update(key, value, self.layer_idx)
@@ -107,7 +116,7 @@ def _fast_router_forward(self, hidden_states: torch.Tensor):
     if kernels is None or hidden_states.numel() != self.weight.shape[1]:
         return self._plain_forward(hidden_states)
     always_normalize, cast_back = self._moescope_recipe
-    logits = kernels.gemv(self.weight, hidden_states.reshape(1, -1))
+    logits = kernels.gemv(_weight(self, kernels, self.weight), hidden_states.reshape(1, -1))
     top_value, top_index = torch.topk(torch.softmax(logits, dim=-1, dtype=torch.float), self.top_k, dim=-1)
     if always_normalize or getattr(self, "norm_topk_prob", False):
         top_value /= top_value.sum(dim=-1, keepdim=True)
@@ -175,10 +184,24 @@ class NativeExperts:
 
     def __call__(self, module: torch.nn.Module, hidden: torch.Tensor, chosen: list[dict[str, torch.Tensor]],
                  weights: torch.Tensor, out_dtype: torch.dtype, reader: SlotReader) -> torch.Tensor:
-        if reader.packed or reader.quantized or hidden.dtype != torch.bfloat16 or not experts_fusable(module):
+        if reader.packed or hidden.dtype != torch.bfloat16 or not experts_fusable(module):
             return torch_one_token(module, hidden, chosen, weights, out_dtype, reader)
-        return self.kernels.moe_decode(hidden, [w["gate_up_proj"] for w in chosen], [w["down_proj"] for w in chosen],
-                                       weights)
+        gate_up, down = expert_weights(self.kernels, reader, chosen)
+        return self.kernels.moe_decode(hidden, gate_up, down, weights)
+
+
+def expert_weights(kernels: ModuleType, reader: SlotReader, chosen: list[dict[str, torch.Tensor]]) -> tuple[list, list]:
+    """The (gate_up, down) matrices of each expert in `chosen` (views of their slots), as the
+    kernels take them: bf16, or blocks of the experts' format."""
+    out = []
+    for name in ("gate_up_proj", "down_proj"):
+        param = reader.quantized.get(name)
+        if param is None:
+            out.append([native.weight(kernels, w[name]) for w in chosen])
+        else:
+            columns = param.rows_columns[1]
+            out.append([native.weight(kernels, w[name], param.fmt, columns) for w in chosen])
+    return out[0], out[1]
 
 
 def _one_query_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,

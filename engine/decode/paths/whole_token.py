@@ -17,6 +17,8 @@ the first token of every reply, another path runs.
 
 from __future__ import annotations
 
+from functools import partial
+
 import torch
 
 from engine.accounting.routing import RoutingStep
@@ -24,7 +26,7 @@ from engine.decode.kv_cache import BlockLayer
 from engine.decode.native import kernels as native
 from engine.decode.paths.base import DecodePath, Step
 from engine.decode.paths.families import is_llama_attention, is_llama_rms_norm, router_recipe, whole_token_part
-from engine.decode.paths.native_layers import experts_fusable, native_problem
+from engine.decode.paths.native_layers import expert_weights, experts_fusable, native_problem
 
 
 def _matrix(t: torch.Tensor) -> bool:
@@ -80,8 +82,10 @@ class FusedDecoder:
         always_normalize, cast_back = router_recipe(gate)
         self.model, self.cache = model, cache
         self.layers = len(inner.layers)
+        self.kernels = kernels
+        plain = partial(native.weight, kernels)
         self._native = kernels.DecodeStep(
-            inner.embed_tokens.weight, inner.norm.weight, inner.norm.variance_epsilon, model.lm_head.weight,
+            inner.embed_tokens.weight, inner.norm.weight, inner.norm.variance_epsilon, plain(model.lm_head.weight),
             gate.top_k, bool(always_normalize or getattr(gate, "norm_topk_prob", False)), cast_back)
         for index, layer in enumerate(inner.layers):
             attention, block = layer.self_attn, layer.mlp
@@ -89,9 +93,9 @@ class FusedDecoder:
             eps = next((norm.variance_epsilon for norm in (q_norm, k_norm) if norm is not None), 0.0)
             self._native.add_layer(
                 layer.input_layernorm.weight, layer.input_layernorm.variance_epsilon,
-                attention.q_proj.weight, attention.k_proj.weight, attention.v_proj.weight,
+                plain(attention.q_proj.weight), plain(attention.k_proj.weight), plain(attention.v_proj.weight),
                 None if q_norm is None else q_norm.weight, None if k_norm is None else k_norm.weight, eps,
-                attention.head_dim, attention.scaling, attention.o_proj.weight,
+                attention.head_dim, attention.scaling, plain(attention.o_proj.weight),
                 layer.post_attention_layernorm.weight, layer.post_attention_layernorm.variance_epsilon,
                 block.gate.weight, *self._experts(index))
         self._placed = (cache.slot_views, cache.directory.changes)
@@ -100,11 +104,10 @@ class FusedDecoder:
         self._rotary_rows = RotaryRows(inner.rotary_emb, inner.embed_tokens.weight[:1].unsqueeze(0),
                                        inner.layers[0].self_attn.head_dim)
 
-    def _experts(self, layer: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    def _experts(self, layer: int) -> tuple[list, list]:
         """Every expert's (gate_up, down) of `layer`, by expert id, read in place from its slot."""
         slot_of, slots = self.cache.directory.slot_of[layer], self.cache.slot_views[layer]
-        chosen = [slots[slot_of[e]] for e in range(len(slot_of))]
-        return [w["gate_up_proj"] for w in chosen], [w["down_proj"] for w in chosen]
+        return expert_weights(self.kernels, self.cache.reader, [slots[slot_of[e]] for e in range(len(slot_of))])
 
     def step(self, token: int, past_key_values) -> torch.Tensor:
         """Logits [1, 1, vocab] for `token` at the next position; the KV cache grows by it and the

@@ -1,0 +1,360 @@
+// Weight matrices in bf16 or in GGUF's block formats, and their one-row products.
+//
+// Included by moe_decode.cpp inside its namespace, after bf16 helpers and dot_row.
+//
+// A quantized row is dequantized 32 weights at a time in registers, to the very values of the
+// reference dequantizer (engine/formats/dequantize.py, itself checked against the gguf package):
+// each weight is (scale * level) - min in float32 with two roundings (this file is compiled with
+// -ffp-contract=off, and the vector paths use separate multiply and subtract), then rounded to
+// bf16 as torch rounds the model's dequantized weights. The products with the bf16 input are then
+// summed in float32 exactly as for a bf16 matrix, so a quantized matrix gives what its dequantized
+// bf16 matrix gives, up to the order of the sums.
+
+// GGML type ids (gguf.GGMLQuantizationType); 0 here means plain bf16.
+enum WeightType : int32_t { kBF16 = 0, kQ4_0 = 2, kQ5_0 = 6, kQ8_0 = 8, kQ2_K = 10, kQ3_K = 11, kQ4_K = 12, kQ6_K = 14 };
+
+// Elements and bytes per block of each type.
+inline int64_t block_elements(int32_t type) { return type == kQ4_0 || type == kQ5_0 || type == kQ8_0 ? 32 : 256; }
+
+inline int64_t block_bytes(int32_t type) {
+  switch (type) {
+    case kQ4_0: return 18;
+    case kQ5_0: return 22;
+    case kQ8_0: return 34;
+    case kQ2_K: return 84;
+    case kQ3_K: return 110;
+    case kQ4_K: return 144;
+    case kQ6_K: return 210;
+    default: return 0;
+  }
+}
+
+// A weight matrix [rows, cols] as the kernels read it: bf16 rows, or rows of quantized blocks.
+struct Matrix {
+  const uint8_t* data = nullptr;
+  int32_t type = kBF16;
+  int64_t rows = 0, cols = 0, row_bytes = 0;
+
+  const uint8_t* row(int64_t r) const { return data + r * row_bytes; }
+};
+
+inline float half_to_float(const uint8_t* p) {
+  uint16_t h;
+  std::memcpy(&h, p, 2);
+  const uint32_t sign = (h & 0x8000u) << 16, exp = (h >> 10) & 0x1f, mant = h & 0x3ffu;
+  uint32_t bits;
+  if (exp == 0) {
+    if (mant == 0) {
+      bits = sign;
+    } else {  // subnormal: normalize
+      int e = -1;
+      uint32_t m = mant;
+      do {
+        ++e;
+        m <<= 1;
+      } while ((m & 0x400u) == 0);
+      bits = sign | ((127 - 15 - e) << 23) | ((m & 0x3ffu) << 13);
+    }
+  } else if (exp == 31) {
+    bits = sign | 0x7f800000u | (mant << 13);
+  } else {
+    bits = sign | ((exp - 15 + 127) << 23) | (mant << 13);
+  }
+  float out;
+  std::memcpy(&out, &bits, 4);
+  return out;
+}
+
+// The per-sub-block scales (and mins) of one block, as float32 products the way the reference
+// forms them (d * sc, dmin * m), for 16 sub-blocks of 16 (or 8 of 32, each given twice).
+struct BlockScales {
+  float scale[16];
+  float min[16];  // subtracted after the product; 0 for the symmetric types
+};
+
+inline void k4_scale_min(const uint8_t* q, int j, uint8_t& sc, uint8_t& m) {
+  if (j < 4) {
+    sc = q[j] & 63;
+    m = q[j + 4] & 63;
+  } else {
+    sc = (q[j + 4] & 0xF) | ((q[j - 4] >> 6) << 4);
+    m = (q[j + 4] >> 4) | ((q[j] >> 6) << 4);
+  }
+}
+
+inline void block_scales(int32_t type, const uint8_t* b, BlockScales& s) {
+  switch (type) {
+    case kQ4_K: {
+      const float d = half_to_float(b), dmin = half_to_float(b + 2);
+      for (int j = 0; j < 8; ++j) {
+        uint8_t sc, m;
+        k4_scale_min(b + 4, j, sc, m);
+        s.scale[2 * j] = s.scale[2 * j + 1] = d * static_cast<float>(sc);
+        s.min[2 * j] = s.min[2 * j + 1] = dmin * static_cast<float>(m);
+      }
+      return;
+    }
+    case kQ6_K: {
+      const float d = half_to_float(b + 208);
+      for (int j = 0; j < 16; ++j) {
+        s.scale[j] = d * static_cast<float>(static_cast<int8_t>(b[192 + j]));
+        s.min[j] = 0.f;
+      }
+      return;
+    }
+    case kQ3_K: {
+      const float d = half_to_float(b + 108);
+      const uint8_t* sc = b + 96;
+      for (int j = 0; j < 16; ++j) {
+        const int low = j < 8 ? sc[j] & 0xF : sc[j - 8] >> 4;
+        const int high = (sc[8 + j % 4] >> (2 * (j / 4))) & 3;
+        s.scale[j] = d * static_cast<float>(static_cast<int8_t>((low | (high << 4)) - 32));
+        s.min[j] = 0.f;
+      }
+      return;
+    }
+    case kQ2_K: {
+      const float d = half_to_float(b + 80), dmin = half_to_float(b + 82);
+      for (int j = 0; j < 16; ++j) {
+        s.scale[j] = d * static_cast<float>(b[j] & 0xF);
+        s.min[j] = dmin * static_cast<float>(b[j] >> 4);
+      }
+      return;
+    }
+    default: {  // the 32-element types: one scale, no min
+      const float d = half_to_float(b);
+      for (int j = 0; j < 16; ++j) {
+        s.scale[j] = d;
+        s.min[j] = 0.f;
+      }
+    }
+  }
+}
+
+// The 32 levels (integers, as float32 would hold them) of group g of a block: elements 32g..32g+31.
+inline void group_levels(int32_t type, const uint8_t* b, int g, int32_t* q) {
+  switch (type) {
+    case kQ8_0:
+      for (int l = 0; l < 32; ++l) q[l] = static_cast<int8_t>(b[2 + l]);
+      return;
+    case kQ4_0:
+      for (int l = 0; l < 16; ++l) {
+        q[l] = (b[2 + l] & 0xF) - 8;
+        q[l + 16] = (b[2 + l] >> 4) - 8;
+      }
+      return;
+    case kQ5_0: {
+      uint32_t qh;
+      std::memcpy(&qh, b + 2, 4);
+      for (int l = 0; l < 16; ++l) {
+        q[l] = ((b[6 + l] & 0xF) | (((qh >> l) & 1) << 4)) - 16;
+        q[l + 16] = ((b[6 + l] >> 4) | (((qh >> (l + 16)) & 1) << 4)) - 16;
+      }
+      return;
+    }
+    case kQ4_K: {
+      const uint8_t* qs = b + 16 + 32 * (g / 2);
+      const int shift = 4 * (g % 2);
+      for (int l = 0; l < 32; ++l) q[l] = (qs[l] >> shift) & 0xF;
+      return;
+    }
+    case kQ6_K: {
+      const int half = g / 4, j = g % 4;
+      const uint8_t* ql = b + 64 * half + 32 * (j & 1);
+      const uint8_t* qh = b + 128 + 32 * half;
+      const int low_shift = 4 * (j >> 1), high_shift = 2 * j;
+      for (int l = 0; l < 32; ++l) q[l] = (((ql[l] >> low_shift) & 0xF) | (((qh[l] >> high_shift) & 3) << 4)) - 32;
+      return;
+    }
+    case kQ3_K: {
+      const uint8_t* qs = b + 32 + 32 * (g / 4);
+      const int shift = 2 * (g % 4);
+      for (int l = 0; l < 32; ++l) q[l] = ((qs[l] >> shift) & 3) - (((b[l] >> g) & 1) ? 0 : 4);
+      return;
+    }
+    case kQ2_K: {
+      const uint8_t* qs = b + 16 + 32 * (g / 4);
+      const int shift = 2 * (g % 4);
+      for (int l = 0; l < 32; ++l) q[l] = (qs[l] >> shift) & 3;
+      return;
+    }
+    default:
+      return;
+  }
+}
+
+// Weight values of group g as the reference computes them, rounded to bf16 (portable path).
+inline void group_weights(int32_t type, const uint8_t* b, const BlockScales& s, int g, bf16* w) {
+  int32_t q[32];
+  group_levels(type, b, g, q);
+  for (int l = 0; l < 32; ++l) {
+    const int sub = (32 * g + l) / 16;
+    const float product = s.scale[sub] * static_cast<float>(q[l]);
+    w[l] = to_bf16(product - s.min[sub]);
+  }
+}
+
+#if defined(MOESCOPE_AVX512BF16)
+// 32 levels of group g as two vectors of 16 int32 (elements 0-15, 16-31).
+inline void group_levels_avx512(int32_t type, const uint8_t* b, int g, __m512i& lo, __m512i& hi) {
+  switch (type) {
+    case kQ8_0: {
+      lo = _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 2)));
+      hi = _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 18)));
+      return;
+    }
+    case kQ4_0: {
+      const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 2));
+      const __m128i mask = _mm_set1_epi8(0x0F);
+      const __m512i eight = _mm512_set1_epi32(8);
+      lo = _mm512_sub_epi32(_mm512_cvtepu8_epi32(_mm_and_si128(bytes, mask)), eight);
+      hi = _mm512_sub_epi32(_mm512_cvtepu8_epi32(_mm_and_si128(_mm_srli_epi16(bytes, 4), mask)), eight);
+      return;
+    }
+    case kQ4_K: {
+      const __m256i bytes = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 16 + 32 * (g / 2)));
+      const __m256i nib = _mm256_and_si256(g % 2 ? _mm256_srli_epi16(bytes, 4) : bytes, _mm256_set1_epi8(0x0F));
+      lo = _mm512_cvtepu8_epi32(_mm256_castsi256_si128(nib));
+      hi = _mm512_cvtepu8_epi32(_mm256_extracti128_si256(nib, 1));
+      return;
+    }
+    default: {  // the other types through the portable unpacking (their levels are few bytes each)
+      alignas(64) int32_t q[32];
+      group_levels(type, b, g, q);
+      lo = _mm512_load_si512(q);
+      hi = _mm512_load_si512(q + 16);
+    }
+  }
+}
+
+// sum over the row of bf16(dequantized weight) * x, float32.
+inline float qdot_row(const Matrix& m, int64_t r, const bf16* x) {
+  const uint8_t* row = m.row(r);
+  const int64_t be = block_elements(m.type), bb = block_bytes(m.type), blocks = m.cols / be;
+  const int groups = static_cast<int>(be / 32);
+  __m512 acc0 = _mm512_setzero_ps(), acc1 = acc0;
+  BlockScales s;
+  for (int64_t blk = 0; blk < blocks; ++blk) {
+    const uint8_t* b = row + blk * bb;
+    _mm_prefetch(reinterpret_cast<const char*>(b + 1024), _MM_HINT_NTA);
+    block_scales(m.type, b, s);
+    for (int g = 0; g < groups; ++g) {
+      __m512i lo, hi;
+      group_levels_avx512(m.type, b, g, lo, hi);
+      const __m512 w_lo = _mm512_sub_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(lo), _mm512_set1_ps(s.scale[2 * g])),
+                                        _mm512_set1_ps(s.min[2 * g]));
+      const __m512 w_hi = _mm512_sub_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(hi), _mm512_set1_ps(s.scale[2 * g + 1])),
+                                        _mm512_set1_ps(s.min[2 * g + 1]));
+      const __m512bh w = _mm512_cvtne2ps_pbh(w_hi, w_lo);
+      const __m512bh xv = (__m512bh)_mm512_loadu_si512(x + blk * be + 32 * g);
+      if (g & 1)
+        acc1 = _mm512_dpbf16_ps(acc1, w, xv);
+      else
+        acc0 = _mm512_dpbf16_ps(acc0, w, xv);
+    }
+  }
+  return _mm512_reduce_add_ps(_mm512_add_ps(acc0, acc1));
+}
+#elif defined(MOESCOPE_AVX2)
+// 8 float32 rounded to bf16 (nearest even) and back, as torch rounds float32 weights to bf16.
+inline __m256 round_bf16_avx2(__m256 v) {
+  const __m256i bits = _mm256_castps_si256(v);
+  const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(bits, 16), _mm256_set1_epi32(1));
+  const __m256i rounded = _mm256_add_epi32(bits, _mm256_add_epi32(lsb, _mm256_set1_epi32(0x7fff)));
+  return _mm256_castsi256_ps(_mm256_and_si256(rounded, _mm256_set1_epi32(static_cast<int>(0xffff0000u))));
+}
+
+inline __m256 widen_bf16_avx2(const bf16* p) {
+  return _mm256_castsi256_ps(
+      _mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))), 16));
+}
+
+inline float qdot_row(const Matrix& m, int64_t r, const bf16* x) {
+  const uint8_t* row = m.row(r);
+  const int64_t be = block_elements(m.type), bb = block_bytes(m.type), blocks = m.cols / be;
+  const int groups = static_cast<int>(be / 32);
+  __m256 acc[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
+  BlockScales s;
+  alignas(32) int32_t q[32];
+  for (int64_t blk = 0; blk < blocks; ++blk) {
+    const uint8_t* b = row + blk * bb;
+    _mm_prefetch(reinterpret_cast<const char*>(b + 1024), _MM_HINT_NTA);
+    block_scales(m.type, b, s);
+    for (int g = 0; g < groups; ++g) {
+      group_levels(m.type, b, g, q);
+      for (int part = 0; part < 4; ++part) {
+        const int sub = 2 * g + part / 2;
+        const __m256 level = _mm256_cvtepi32_ps(_mm256_load_si256(reinterpret_cast<const __m256i*>(q + 8 * part)));
+        const __m256 w = round_bf16_avx2(
+            _mm256_sub_ps(_mm256_mul_ps(level, _mm256_set1_ps(s.scale[sub])), _mm256_set1_ps(s.min[sub])));
+        acc[part] = _mm256_fmadd_ps(w, widen_bf16_avx2(x + blk * be + 32 * g + 8 * part), acc[part]);
+      }
+    }
+  }
+  const __m256 total = _mm256_add_ps(_mm256_add_ps(acc[0], acc[1]), _mm256_add_ps(acc[2], acc[3]));
+  alignas(32) float lanes[8];
+  _mm256_store_ps(lanes, total);
+  float sum = 0.f;
+  for (float lane : lanes) sum += lane;
+  return sum;
+}
+#else
+inline float qdot_row(const Matrix& m, int64_t r, const bf16* x) {
+  const uint8_t* row = m.row(r);
+  const int64_t be = block_elements(m.type), bb = block_bytes(m.type), blocks = m.cols / be;
+  const int groups = static_cast<int>(be / 32);
+  BlockScales s;
+  bf16 w[32];
+  float sum = 0.f;
+  for (int64_t blk = 0; blk < blocks; ++blk) {
+    const uint8_t* b = row + blk * bb;
+    block_scales(m.type, b, s);
+    for (int g = 0; g < groups; ++g) {
+      group_weights(m.type, b, s, g, w);
+      const bf16* xs = x + blk * be + 32 * g;
+      for (int l = 0; l < 32; ++l) sum += to_float(w[l]) * to_float(xs[l]);
+    }
+  }
+  return sum;
+}
+#endif
+
+// out[n] = W[n, :] . x for rows [begin, end).
+inline void gemv_range(const Matrix& m, const bf16* x, int64_t begin, int64_t end, float* out) {
+  if (m.type == kBF16) {
+    const bf16* w = reinterpret_cast<const bf16*>(m.data);
+    const int64_t ld = m.row_bytes / 2;
+    for (int64_t n = begin; n < end; ++n) out[n] = dot_row(w + n * ld, x, m.cols);
+    return;
+  }
+  for (int64_t n = begin; n < end; ++n) out[n] = qdot_row(m, n, x);
+}
+
+// The same for rows [begin, end), written from out[0] on (one head's rows of a projection).
+inline void gemv_rows(const Matrix& m, const bf16* x, int64_t begin, int64_t end, float* out) {
+  if (m.type == kBF16) {
+    const bf16* w = reinterpret_cast<const bf16*>(m.data);
+    const int64_t ld = m.row_bytes / 2;
+    for (int64_t n = begin; n < end; ++n) out[n - begin] = dot_row(w + n * ld, x, m.cols);
+    return;
+  }
+  for (int64_t n = begin; n < end; ++n) out[n - begin] = qdot_row(m, n, x);
+}
+
+// Rows [begin, end) of W dequantized to bf16 into out (row-major, cols per row): the reference's values.
+inline void dequantize_rows(const Matrix& m, int64_t begin, int64_t end, bf16* out) {
+  if (m.type == kBF16) {
+    for (int64_t n = begin; n < end; ++n) std::memcpy(out + n * m.cols, m.row(n), m.cols * sizeof(bf16));
+    return;
+  }
+  const int64_t be = block_elements(m.type), bb = block_bytes(m.type), blocks = m.cols / be;
+  const int groups = static_cast<int>(be / 32);
+  BlockScales s;
+  for (int64_t n = begin; n < end; ++n) {
+    const uint8_t* row = m.row(n);
+    for (int64_t blk = 0; blk < blocks; ++blk) {
+      block_scales(m.type, row + blk * bb, s);
+      for (int g = 0; g < groups; ++g) group_weights(m.type, row + blk * bb, s, g, out + n * m.cols + blk * be + 32 * g);
+    }
+  }
+}

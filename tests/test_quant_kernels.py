@@ -1,0 +1,95 @@
+"""The native kernels on block-quantized weights: they dequantize to the reference's very values
+(engine.formats.dequantize, itself the gguf package's), and their products equal the bf16 product
+with the dequantized matrix to float32 summation order — in every build flavour."""
+
+from __future__ import annotations
+
+import platform
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+
+from engine.decode.native import kernels as native
+from engine.formats.blocks import FORMATS
+from engine.formats.dequantize import dequantize
+from engine.formats.quantize import quantize
+from tests.helpers.numerics import close
+
+pytestmark = pytest.mark.kernels
+
+
+def quantized(fmt_name: str, rows: int = 40, columns: int = 512, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """(packed uint8 [rows, row bytes], the reference's bf16 values [rows, columns])."""
+    fmt = FORMATS[fmt_name]
+    rng = np.random.default_rng(seed)
+    x = (rng.standard_normal((rows, columns)) * 0.05).astype(np.float32)
+    x[1] = 0.0
+    x[2, :32] = 1.5  # a block far from the others
+    packed = torch.from_numpy(quantize(x, fmt))
+    return packed, dequantize(packed, fmt, columns, torch.bfloat16)
+
+
+@pytest.fixture(scope="module", params=["native", "avx2", "portable"])
+def flavour(request):
+    """Each build flavour of the kernels (x86-64; elsewhere only the native one)."""
+    if request.param != "native" and platform.machine() not in ("x86_64", "AMD64"):
+        pytest.skip("the avx2 and portable flavours are x86-64 -march targets")
+    if request.param == "native":
+        built = native.wait(timeout=600)
+        if built is None:
+            pytest.skip(native.status())
+        return built
+    return native.compile_flavour(request.param)
+
+
+@pytest.mark.parametrize("name", sorted(FORMATS))
+def test_native_dequantization_is_the_reference_bit_for_bit(flavour, name):
+    packed, reference = quantized(name)
+    out = torch.empty_like(reference)
+    flavour.dequantize(native.weight(flavour, packed, FORMATS[name], reference.shape[1]), out)
+    assert torch.equal(out.view(torch.int16), reference.view(torch.int16))
+
+
+@pytest.mark.parametrize("name", sorted(FORMATS))
+def test_quantized_gemv_is_the_dequantized_bf16_product(flavour, name):
+    packed, reference = quantized(name, rows=300, columns=1024, seed=2)
+    x = (torch.randn(1, 1024) * 0.5).to(torch.bfloat16)
+    ours = flavour.gemv(native.weight(flavour, packed, FORMATS[name], 1024), x)
+    assert ours.shape == (1, 300) and ours.dtype == torch.bfloat16
+    close(ours, F.linear(x, reference), f"{name} gemv")
+    exact = x.double() @ reference.double().t()  # the same products, summed exactly
+    assert (ours.double() - exact).abs().max() <= 0.01 * exact.abs().max()
+
+
+@pytest.mark.parametrize("name", ["q8_0", "q4_k", "q6_k", "q2_k"])
+def test_quantized_experts_in_one_call(flavour, name):
+    # One token through 8 quantized experts of [2I, H] / [H, I], weighted and summed, as the
+    # cache's one-token path computes it with the dequantized bf16 experts.
+    from transformers import Qwen3MoeConfig
+    from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeExperts
+
+    from engine.offload.expert_compute import expert_mlp, weighted_sum
+
+    hidden, inter, fmt = 512, 256, FORMATS[name]
+    config = Qwen3MoeConfig(hidden_size=hidden, moe_intermediate_size=inter, num_experts=8, num_experts_per_tok=8)
+    config._experts_implementation = "eager"
+    module = Qwen3MoeExperts(config).to(torch.bfloat16)
+    experts = []
+    for e in range(8):
+        gate_up, gate_up_ref = quantized(name, 2 * inter, hidden, seed=10 + e)
+        down, down_ref = quantized(name, hidden, inter, seed=20 + e)
+        experts.append(((gate_up, down), {"gate_up_proj": gate_up_ref, "down_proj": down_ref}))
+    x = torch.randn(1, hidden).to(torch.bfloat16)
+    route = torch.softmax(torch.randn(8), dim=0)
+    reference = weighted_sum([expert_mlp(module, x, w) for _, w in experts], route, torch.float32, torch.bfloat16)
+    ours = flavour.moe_decode(x, [native.weight(flavour, g, fmt, hidden) for (g, _), _ in experts],
+                              [native.weight(flavour, d, fmt, inter) for (_, d), _ in experts], route)
+    close(ours, reference, f"{name} experts")
+
+
+def test_a_matrix_that_does_not_match_its_type_is_refused(flavour):
+    packed, _ = quantized("q4_k")
+    with pytest.raises(RuntimeError, match="columns do not match"):
+        flavour.gemv(native.weight(flavour, packed, FORMATS["q4_k"], 256), torch.zeros(1, 256, dtype=torch.bfloat16))
