@@ -11,3 +11,5 @@ $PY -m bench.run --models qwen3moe-64e,mixtral-8e-12l,demo --budgets 10,25,50,10
     --decode 64 --accelerate-decode 8 --accelerate-prompts 128
 $PY -m bench.lossy_cost --budgets 25,50 --n 20
 $PY bench/heatmap_bench.py
+# Slow: its first run builds llama.cpp and writes ~9 GB of GGUF files (docs/performance.md).
+$PY -m bench.llamacpp --reps 5

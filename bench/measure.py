@@ -34,6 +34,7 @@ def peak_rss() -> int:
 def measure_ours(args) -> dict:
     import torch
 
+    from bench.formats import load_settings
     from bench.routing import bench_cache, synthetic_locality_trace
     from engine.decode.generation import Generator
     from engine.decode.runtime import MoERuntime
@@ -46,10 +47,12 @@ def measure_ours(args) -> dict:
         info = inspect_checkpoint(args.model)
         trace = synthetic_locality_trace(args.prompt_len + args.decode + 8, info.num_moe_layers, info.num_experts,
                                          info.top_k, seed=args.seed)
+    format_settings = load_settings(args.format) if args.format else {}  # None: the checkpoint's own weights
     cache_type = bench_cache(choices=trace, forget=args.no_cache)  # no cache: baseline (c), every expert on demand
     runtime = MoERuntime(LoadModel(path=args.model, budget=args.budget, store=args.store, device=args.device,
                                    policy=args.policy, warm=not args.no_cache, fast_decode=args.fast_decode,
-                                   pack_weights=not args.no_pack_weights), cache_type=cache_type)
+                                   pack_weights=not args.no_pack_weights, **format_settings),
+                         cache_type=cache_type)
     layout = runtime.layout
     ids = prompt_ids(runtime.model.config.get_text_config().vocab_size, args.prompt_len, args.seed)
     generator = Generator(runtime)
@@ -174,6 +177,7 @@ def main(argv=None) -> int:
     parser.add_argument("--policy", default="lru")
     parser.add_argument("--no-pack-weights", action="store_true", help="ours: expert matrices in plain layout")
     parser.add_argument("--fast-decode", action="store_true", help="ours: decode GEMVs skip oneDNN (engine.decode.paths.native_layers)")
+    parser.add_argument("--format", default=None, help="ours: a weight format of bench.formats (bf16, ...)")
     parser.add_argument("--routing", default="random", choices=["random", "trace"])
     parser.add_argument("--no-cache", action="store_true")
     parser.add_argument("--impl", default="grouped_mm")

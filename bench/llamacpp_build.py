@@ -1,0 +1,134 @@
+"""llama.cpp from source, for side-by-side benchmarks: the tree vendored in the pinned
+`llama-cpp-python` sdist (PyPI is the one index this project can always reach), built once with
+CMake, CPU only, into the user cache folder and reused after.
+
+    <cache>/llamacpp/<version>/source/   the sdist's vendor/llama.cpp (converter, gguf-py, CMake project)
+    <cache>/llamacpp/<version>/build/    the CMake build; tools in build/bin/
+    <cache>/llamacpp/<version>/gguf/     converted checkpoints (bench.gguf_files)
+
+`MOESCOPE_LLAMACPP_DIR` replaces `<cache>/llamacpp` (tests point it at an existing build).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import tarfile
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+VERSION = "0.3.36"  # llama-cpp-python; its vendored llama.cpp is what we build
+TOOLS = ("llama-bench", "llama-quantize")
+CMAKE_OPTIONS = (
+    "-DCMAKE_BUILD_TYPE=Release",
+    "-DGGML_NATIVE=ON",  # this CPU's instruction set, as our own kernels get (-march=native)
+    "-DGGML_OPENMP=ON",
+    "-DBUILD_SHARED_LIBS=OFF",  # self-contained tools: nothing to find at run time
+    "-DLLAMA_OPENSSL=OFF",
+    "-DLLAMA_BUILD_TESTS=OFF",
+    "-DLLAMA_BUILD_EXAMPLES=OFF",
+    "-DLLAMA_BUILD_SERVER=OFF",
+    "-DLLAMA_BUILD_APP=OFF",
+)
+
+
+class LlamaCppUnavailable(RuntimeError):
+    """llama.cpp cannot be fetched or built here; the message is one line for the user."""
+
+
+def llamacpp_root() -> Path:
+    if os.environ.get("MOESCOPE_LLAMACPP_DIR"):
+        return Path(os.environ["MOESCOPE_LLAMACPP_DIR"]).expanduser()
+    import platformdirs
+
+    return Path(platformdirs.user_cache_dir("moescope")) / "llamacpp"
+
+
+@dataclass(frozen=True)
+class LlamaCpp:
+    """One version's folder: its source tree, build and converted files."""
+
+    root: Path
+
+    @property
+    def source(self) -> Path:
+        return self.root / "source"
+
+    @property
+    def build_dir(self) -> Path:
+        return self.root / "build"
+
+    @property
+    def gguf_dir(self) -> Path:
+        return self.root / "gguf"
+
+    @property
+    def converter(self) -> Path:
+        return self.source / "convert_hf_to_gguf.py"
+
+    def tool(self, name: str) -> Path:
+        return self.build_dir / "bin" / name
+
+
+def llamacpp(version: str = VERSION) -> LlamaCpp:
+    return LlamaCpp(llamacpp_root() / version)
+
+
+def ensure_source(version: str = VERSION) -> LlamaCpp:
+    """The llama.cpp tree of the pinned sdist, downloaded and unpacked on first use."""
+    lc = llamacpp(version)
+    marker = lc.source / ".complete"
+    if marker.exists():
+        return lc
+    prefix = f"llama_cpp_python-{version}/vendor/llama.cpp/"
+    with tempfile.TemporaryDirectory(prefix="moescope-llamacpp-") as tmp:
+        proc = subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:",
+                               f"llama-cpp-python=={version}", "-d", tmp], capture_output=True, text=True)
+        if proc.returncode != 0:
+            last = (proc.stderr.strip().splitlines() or ["pip failed"])[-1]
+            raise LlamaCppUnavailable(f"cannot download the llama-cpp-python {version} sdist from PyPI: {last}")
+        (archive,) = Path(tmp).glob("*.tar.gz")
+        shutil.rmtree(lc.source, ignore_errors=True)
+        with tarfile.open(archive) as tar:
+            members = []
+            for member in tar.getmembers():
+                if member.name.startswith(prefix):
+                    member.name = member.name[len(prefix):]
+                    members.append(member)
+            tar.extractall(lc.source, members=members, filter="data")
+    if not lc.converter.exists():
+        raise LlamaCppUnavailable(f"the llama-cpp-python {version} sdist has no vendor/llama.cpp/convert_hf_to_gguf.py")
+    marker.touch()
+    return lc
+
+
+def build_tools(version: str = VERSION, log=print) -> LlamaCpp:
+    """llama-bench and llama-quantize, built once (Release, native, OpenMP, static) and reused.
+
+    The stamp holds the options and targets; when they change, CMake rebuilds what they touch."""
+    lc = ensure_source(version)
+    stamp = lc.build_dir / ".moescope-stamp"
+    wanted = "\n".join([*CMAKE_OPTIONS, *TOOLS])
+    if stamp.exists() and stamp.read_text() == wanted and all(lc.tool(t).exists() for t in TOOLS):
+        return lc
+    compilers = [c for c in ("c++", "g++", "clang++") if shutil.which(c)]
+    if not shutil.which("cmake"):
+        raise LlamaCppUnavailable("building llama.cpp needs CMake (`cmake` is not on PATH; e.g. apt install cmake)")
+    if not compilers or not (shutil.which("cc") or shutil.which("gcc") or shutil.which("clang")):
+        raise LlamaCppUnavailable("building llama.cpp needs a C and C++ compiler (none on PATH; e.g. apt install g++)")
+    generator = ["-G", "Ninja"] if shutil.which("ninja") else []
+    jobs = str(os.cpu_count() or 1)
+    if not all(lc.tool(t).exists() for t in TOOLS):
+        log(f"building llama.cpp {version} ({', '.join(TOOLS)}) in {lc.build_dir}: several minutes, once")
+    for cmd in (["cmake", "-S", str(lc.source), "-B", str(lc.build_dir), *generator, *CMAKE_OPTIONS],
+                ["cmake", "--build", str(lc.build_dir), "--config", "Release", "-j", jobs, "--target", *TOOLS]):
+        proc = subprocess.run(cmd, capture_output=True, text=True)
+        if proc.returncode != 0:
+            (lc.build_dir / "moescope-build.log").write_text(proc.stdout + proc.stderr)
+            raise LlamaCppUnavailable(f"`{' '.join(cmd[:2])}` failed for llama.cpp; the log is in "
+                                      f"{lc.build_dir / 'moescope-build.log'}")
+    stamp.write_text(wanted)
+    return lc

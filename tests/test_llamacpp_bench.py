@@ -1,0 +1,152 @@
+"""The llama.cpp comparison harness (bench.llamacpp): its pure parts here; the pipeline end to end
+(build, convert, quantize, measure) in the `slow` tests, which reuse a build when
+MOESCOPE_LLAMACPP_DIR points at one (e.g. ~/.cache/moescope/llamacpp) and build one otherwise."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+from bench import formats
+from bench.gguf_files import SPECIALS, gguf_token_bytes, overlay_folder, write_placeholder_tokenizer
+from bench.llamacpp import parse_llama_bench, summarise, table
+from tests.helpers.checkpoints import tree_snapshot
+
+SAMPLE = Path(__file__).parent / "helpers" / "llama_bench_sample.json"
+
+
+@pytest.mark.parametrize("vocab", [128, 16384])
+def test_placeholder_tokenizer_has_exactly_the_vocabulary_size_and_merges(tmp_path, vocab):
+    from transformers import AutoTokenizer
+
+    write_placeholder_tokenizer(tmp_path, vocab)
+    tok = AutoTokenizer.from_pretrained(tmp_path)
+    ids = sorted(tok.get_vocab().values())
+    assert ids == list(range(vocab))
+    assert [tok.pad_token_id, tok.bos_token_id, tok.eos_token_id] == [0, 1, 2]
+    assert tok.convert_ids_to_tokens([0, 1, 2]) == list(SPECIALS)
+    model = json.loads((tmp_path / "tokenizer.json").read_text())["model"]
+    assert model["type"] == "BPE" and model["merges"]  # llama.cpp refuses a BPE vocabulary without merges
+    if vocab > 256:  # every byte a symbol: any text goes through
+        assert tok.decode(tok.encode("hello wörld", add_special_tokens=False)) == "hello wörld"
+
+
+def test_overlay_links_the_checkpoint_and_never_writes_into_it(tmp_path, mixtral_checkpoint):
+    before = tree_snapshot(mixtral_checkpoint)
+    folder = overlay_folder(mixtral_checkpoint, tmp_path / "overlay")
+    assert tree_snapshot(mixtral_checkpoint) == before
+    assert (folder / "config.json").resolve() == (mixtral_checkpoint / "config.json").resolve()
+    assert all((folder / p.name).is_symlink() for p in mixtral_checkpoint.glob("*.safetensors"))
+    tokenizer = json.loads((folder / "tokenizer.json").read_text())
+    assert not (folder / "tokenizer.json").is_symlink() and tokenizer["model"]["type"] == "BPE"
+
+
+def test_llama_bench_json_gives_prefill_and_decode_tokens_per_s():
+    assert parse_llama_bench(SAMPLE.read_text()) == {"prefill_tokens_per_s": pytest.approx((147.527 + 103.647) / 2),
+                                                     "decode_tokens_per_s": pytest.approx((104.02 + 20.4992) / 2)}
+
+
+def test_formats_name_their_llama_type_and_say_what_is_not_there_yet():
+    assert formats.LLAMA_TYPE == {"bf16": "BF16", "q8_0": "Q8_0", "q4_k": "Q4_K_M"}
+    assert formats.load_settings("bf16") == {"dtype": "bfloat16"}
+    with pytest.raises(formats.FormatNotAvailable, match="no q8_0 format yet"):
+        formats.load_settings("q8_0")
+    with pytest.raises(formats.FormatNotAvailable, match="unknown format 'fp4'"):
+        formats.load_settings("fp4")
+
+
+def test_gguf_token_bytes_count_dense_tensors_and_top_k_experts(tmp_path):
+    gguf = pytest.importorskip("gguf")
+    import numpy as np
+
+    path = tmp_path / "m.gguf"
+    writer = gguf.GGUFWriter(path, "llama")
+    writer.add_expert_count(8)
+    writer.add_expert_used_count(2)
+    writer.add_tensor("token_embd.weight", np.zeros((100, 16), np.float32))  # left out: one row a token
+    writer.add_tensor("output.weight", np.zeros((100, 16), np.float16))
+    writer.add_tensor("blk.0.attn_norm.weight", np.zeros(16, np.float32))
+    writer.add_tensor("blk.0.ffn_up_exps.weight", np.zeros((8, 32, 16), np.float16))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    got = gguf_token_bytes(path)
+    experts = 8 * 32 * 16 * 2 * 2 / 8
+    assert got.expert_bytes_per_token == experts
+    assert got.bytes_per_token == 100 * 16 * 2 + 16 * 4 + experts
+    assert got.bytes_by_type == {"F32": 100 * 16 * 4 + 16 * 4, "F16": 100 * 16 * 2 + 8 * 32 * 16 * 2}
+
+
+def _rep(bandwidth: float, llama: float, exact: float, fast: float | None = None) -> dict:
+    runs = {"bandwidth": bandwidth, "llama": {"decode_tokens_per_s": llama, "prefill_tokens_per_s": 10 * llama}}
+    if fast is not None:
+        runs["exact"] = {"decode_tokens_per_s": exact, "prefill_tokens_per_s": 10 * exact}
+        runs["fast"] = {"decode_tokens_per_s": fast, "prefill_tokens_per_s": 10 * fast}
+    return runs
+
+
+def test_summary_takes_per_repetition_ratios_and_marks_missing_formats():
+    from bench.gguf_files import TokenBytes
+
+    llama = TokenBytes(bytes_per_token=100.0, expert_bytes_per_token=50.0, file_bytes=1000)
+    reps = [_rep(1000.0, 5.0, 4.0, 10.0), _rep(2000.0, 10.0, 5.0, 10.0), _rep(1000.0, 4.0, 4.0, 8.0)]
+    row = summarise("g", "bf16", reps, (200, None), llama)
+    assert row["exact_decode_over_llama"] == pytest.approx(0.8)  # median of 0.8, 0.5, 1.0
+    assert row["fast_decode_over_llama"] == pytest.approx(2.0)  # median of 2, 1, 2
+    assert row["llama_decode_tokens_per_s"] == 5.0
+    assert row["fast_decode_over_limit"] == pytest.approx(1.6)  # median of 2.0, 1.0, 1.6 (200 bytes a token)
+    assert row["llama_decode_over_limit"] == pytest.approx(0.5)
+    missing = summarise("g", "q8_0", [_rep(1000.0, 5.0, 0.0)], (None, "MoEScope has no q8_0 format yet"), llama)
+    assert "exact_decode_tokens_per_s" not in missing and missing["llama_decode_tokens_per_s"] == 5.0
+    args = SimpleNamespace(threads=2, prompt_len=128, decode=64, reps=3, llama_bench_args="")
+    lines = table([row, missing], args)
+    assert lines[-1] == "n/a: q8_0: MoEScope has no q8_0 format yet."
+    assert "| g | q8_0 (Q8_0) | n/a / 0 |" in lines[-3] and "n/a / n/a / 5.0" in lines[-3]
+
+
+@pytest.fixture
+def llamacpp_home(tmp_path, monkeypatch):
+    """The llama.cpp build to use: MOESCOPE_LLAMACPP_DIR as given, else a fresh one for this test."""
+    if not os.environ.get("MOESCOPE_LLAMACPP_DIR"):
+        monkeypatch.setenv("MOESCOPE_LLAMACPP_DIR", str(tmp_path / "llamacpp"))
+    from bench.llamacpp_build import LlamaCppUnavailable, ensure_source
+
+    try:
+        ensure_source()
+    except LlamaCppUnavailable as e:
+        pytest.skip(str(e))
+
+
+@pytest.mark.slow
+def test_tiny_checkpoint_as_gguf_for_tests(tmp_path, mixtral_checkpoint, llamacpp_home):
+    import gguf
+
+    from bench.gguf_files import write_test_gguf
+
+    path = write_test_gguf(mixtral_checkpoint, tmp_path / "tiny.gguf")
+    reader = gguf.GGUFReader(path)
+    assert reader.get_field("llama.expert_count").contents() == 8
+    names = {t.name for t in reader.tensors}
+    assert {"token_embd.weight", "output.weight", "blk.2.ffn_up_exps.weight"} <= names
+    assert {t.tensor_type.name for t in reader.tensors} == {"F32"}
+
+
+@pytest.mark.slow
+def test_pipeline_end_to_end_on_a_tiny_checkpoint(tmp_path, mixtral_checkpoint, llamacpp_home):
+    from bench.llamacpp import main
+
+    out = tmp_path / "results"
+    assert main(["--geometries", str(mixtral_checkpoint), "--formats", "bf16,q8_0", "--reps", "1",
+                 "--prompt-len", "16", "--decode", "4", "--threads", "1", "--out", str(out)]) == 0
+    (report,) = out.glob("llamacpp-*.json")
+    bf16, q8 = json.loads(report.read_text())["rows"]
+    for system in ("llama", "exact", "fast"):
+        assert bf16[f"{system}_decode_tokens_per_s"] > 0 and bf16[f"{system}_prefill_tokens_per_s"] > 0
+    assert bf16["exact_decode_over_llama"] > 0 and bf16["llama_decode_over_limit"] > 0
+    assert q8["llama_decode_tokens_per_s"] > 0 and "no q8_0 format yet" in q8["moescope_unavailable"]
+    assert q8["llama_bytes_per_token"] < bf16["llama_bytes_per_token"]
