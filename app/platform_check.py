@@ -3,6 +3,7 @@ missing display ends in one line that says what to do, instead of Qt's abort ("C
 platform plugin "xcb" ... Reinstalling the application may fix this problem.").
 
 Qt-free on purpose (stdlib only): the launcher calls it before importing the window's modules.
+Linux only: macOS and Windows have one platform each and no such libraries to miss.
 
 The check mirrors what Qt 6 does in QGuiApplication: the platforms it tries are QT_QPA_PLATFORM's
 (';'-separated), else wayland when WAYLAND_DISPLAY is set (or XDG_SESSION_TYPE=wayland) followed by
@@ -30,7 +31,7 @@ MEANWHILE = "(meanwhile `moescope chat --model demo` works in a terminal)"
 
 # Every system library the xcb and Wayland platform plugins of PySide6 6.11 (and the Qt libraries
 # they load) link, from `objdump -p` of the plugins, and its Debian/Ubuntu package (`dpkg -S`).
-# install.sh carries the same list; tests/test_app_platform.py keeps the two equal.
+# tests/test_app_platform.py checks it covers every library the installed libqxcb.so links.
 DEBIAN_PACKAGES: dict[str, str] = {
     "libxcb.so.1": "libxcb1",
     "libxcb-cursor.so.0": "libxcb-cursor0",
@@ -156,6 +157,8 @@ def _and(items: Sequence[str]) -> str:
 
 def window_problem(env: Mapping[str, str] | None = None) -> str | None:
     """One line saying why Qt cannot open a window here, or None when it can (or we cannot tell)."""
+    if not sys.platform.startswith("linux"):
+        return None  # macOS (cocoa) and Windows need neither a DISPLAY nor these libraries
     env = os.environ if env is None else env
     platforms = platforms_to_try(env)
     # (With XDG_SESSION_TYPE=wayland, Qt tries Wayland's default socket even with no WAYLAND_DISPLAY.)
@@ -172,6 +175,8 @@ def window_problem(env: Mapping[str, str] | None = None) -> str | None:
 def library_problem(env: Mapping[str, str] | None = None) -> str | None:
     """`window_problem` without the display: are the libraries of the platforms Qt would try (xcb
     where no display is set) all here? For `moescope --check-libraries`, which install.sh runs."""
+    if not sys.platform.startswith("linux"):
+        return None
     env = os.environ if env is None else env
     return _library_problem(platforms_to_try(env), env)
 
@@ -194,7 +199,7 @@ def startup_failure_line(platforms: Sequence[str], qt_messages: Sequence[str]) -
     """The one line for a Qt start that failed although `window_problem` saw nothing wrong (a display
     that cannot be reached, a library Qt opens at run time): Qt's own most specific reason, kept short."""
     noise = ("From 6.5.0", "even though it was found", "Could not load the Qt platform plugin")
-    reasons = [m.strip() for m in qt_messages if m.strip() and not any(n in m for n in noise)]
+    reasons = [" ".join(m.split()) for m in qt_messages if m.strip() and not any(n in m for n in noise)]
     names = "/".join(dict.fromkeys(_base(p) for p in platforms)) or "platform"
     if not reasons:  # Qt's fatal text alone ("Reinstalling the application may fix this problem") misleads
         return (f"{PREFIX}Qt could not load its {names} platform plugin; run with QT_DEBUG_PLUGINS=1 to see which "

@@ -138,3 +138,9 @@ def test_platforms_follow_qts_choice():
     assert platforms_to_try({"DISPLAY": ":0", "WAYLAND_DISPLAY": "wayland-0"}) == ["wayland", "xcb"]
     assert window_problem({"QT_QPA_PLATFORM": "offscreen", "PATH": os.defpath}) is None  # what the GUI tests use
     assert "needs DISPLAY" in window_problem({"QT_QPA_PLATFORM": "xcb", "PATH": os.defpath})
+
+
+def test_other_systems_are_left_to_qt(monkeypatch):
+    monkeypatch.setattr(sys, "platform", "darwin")  # no DISPLAY there, and the window opens all the same
+    assert window_problem({}) is None
+    assert platform_check.library_problem({}) is None
