@@ -3,18 +3,40 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import tempfile
+from typing import ClassVar
 
 from PySide6.QtCore import Qt, QtMsgType, qInstallMessageHandler
 from PySide6.QtGui import QGuiApplication
 from PySide6.QtWidgets import QApplication
 
+from app import platform_check
+
 QUIET = ("propagateSizeHints",)  # the offscreen platform's harmless complaint, once per window
 
 
+class _Startup:
+    """While the QApplication is being made, Qt's messages are held back: if the platform fails, Qt
+    calls qFatal (then abort()) and the handler turns it into one line and a clean exit instead.
+    This is the fallback behind platform_check.window_problem (which runs first and catches missing
+    libraries and displays); it needs no QT_DEBUG_PLUGINS run, Qt's warnings already say enough."""
+
+    active: ClassVar[bool] = False
+    held: ClassVar[list[str]] = []
+
+
 def _qt_messages(kind: QtMsgType, _context, message: str) -> None:
-    if kind == QtMsgType.QtDebugMsg or any(q in message for q in QUIET):
+    if kind == QtMsgType.QtFatalMsg and _Startup.active:
+        print(platform_check.startup_failure_line(platform_check.platforms_to_try(os.environ), _Startup.held),
+              file=sys.stderr, flush=True)
+        os._exit(platform_check.EXIT_NO_WINDOW)  # Qt would abort() right after this handler returns
+    debug_asked = bool(os.environ.get("QT_DEBUG_PLUGINS"))  # the user asked for Qt's plugin-loading details
+    if (kind == QtMsgType.QtDebugMsg and not debug_asked) or any(q in message for q in QUIET):
+        return
+    if _Startup.active and kind != QtMsgType.QtDebugMsg:
+        _Startup.held.append(message)
         return
     print(f"qt: {message}", file=sys.stderr)
 
@@ -26,7 +48,11 @@ def make_application() -> QApplication:
     # Fractional scale factors (125 %, 150 %) as they are, not rounded: crisp text and plots.
     QGuiApplication.setHighDpiScaleFactorRoundingPolicy(Qt.HighDpiScaleFactorRoundingPolicy.PassThrough)
     qInstallMessageHandler(_qt_messages)
+    _Startup.active, _Startup.held = True, []
     app = QApplication(sys.argv[:1])
+    _Startup.active = False
+    for message in _Startup.held:  # it started: what Qt said on the way is worth showing as usual
+        print(f"qt: {message}", file=sys.stderr)
     app.setApplicationName("MoEScope")
     app.setOrganizationName("MoEScope")
     app.setDesktopFileName("moescope")

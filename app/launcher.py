@@ -25,6 +25,8 @@ def build_gui_parser() -> argparse.ArgumentParser:
     parser.add_argument("--prompt", help="with --screenshot: the message to send")
     parser.add_argument("--timeout", type=float, default=600.0, help="with --screenshot: give up after this many seconds")
     parser.add_argument("--theme", choices=["system", "light", "dark"], help="override the colour theme")
+    parser.add_argument("--check-libraries", action="store_true",
+                        help="check that the system libraries Qt's window needs are installed, say which are not, exit")
     return parser
 
 
@@ -43,6 +45,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.screenshot and not args.prompt:
         print("moescope: error: --screenshot needs --prompt", file=sys.stderr)
         return 2
+    # Before any Qt object exists: a missing library or display gets one line, not Qt's abort.
+    from app.platform_check import EXIT_NO_WINDOW, library_problem, window_problem
+
+    problem = library_problem() if args.check_libraries else window_problem()
+    if args.check_libraries and not problem:
+        return 0
+    if problem:
+        print(problem, file=sys.stderr)
+        return EXIT_NO_WINDOW
     from app.gui import run_gui
 
     return run_gui(args)

@@ -1,12 +1,17 @@
 """`moescope --screenshot OUT.png --prompt TEXT`: send the prompt, wait for the reply and a telemetry
-update, let the panels draw, save the whole window, and quit (exit code 0, or 1 with the reason)."""
+update, let the panels draw, save the whole window, and quit (exit code 0, or 1 with the reason).
+
+On success it also prints one JSON line on stdout for scripts and tests: the file, the Qt platform
+the window ran on, the reply, and where the expert heatmap's cells are in the saved image."""
 
 from __future__ import annotations
 
+import json
 import sys
 from pathlib import Path
 
-from PySide6.QtCore import QObject, QTimer
+from PySide6.QtCore import QObject, QRect, QTimer
+from PySide6.QtGui import QGuiApplication
 from PySide6.QtWidgets import QApplication
 
 from app.main_window import FRAME_MS, MainWindow
@@ -59,9 +64,25 @@ class ScreenshotRun(QObject):
             return
         print(f"moescope: saved {self.out} ({len(self.done.text) if self.done else 0} characters of reply)",
               file=sys.stderr)
+        ratio = self.window.devicePixelRatioF()
+        cells = self.heatmap_cells()
+        print(json.dumps({
+            "screenshot": str(self.out),
+            "platform": QGuiApplication.platformName(),
+            "reply": self.done.text if self.done else "",
+            "heatmap_cells": [round(v * ratio) for v in (cells.x(), cells.y(), cells.width(), cells.height())],
+            "heatmap_renders": self.window.heatmap.updates,
+        }), flush=True)
         self._deadline.stop()
         self.window.close()
         QApplication.exit(0)
+
+    def heatmap_cells(self) -> QRect:
+        """The heatmap's image (its layer x expert cells) in window coordinates, clipped to the plot area."""
+        heatmap = self.window.heatmap
+        scene = heatmap.image.sceneBoundingRect() & heatmap.plot.getPlotItem().getViewBox().sceneBoundingRect()
+        in_view = heatmap.plot.mapFromScene(scene).boundingRect()
+        return QRect(heatmap.plot.viewport().mapTo(self.window, in_view.topLeft()), in_view.size())
 
     def _fail(self, reason: str) -> None:
         print(f"moescope: error: screenshot failed: {reason}", file=sys.stderr)

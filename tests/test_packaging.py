@@ -21,6 +21,9 @@ from pathlib import Path
 
 import pytest
 
+from tests.helpers.window_report import assert_heatmap_drawn, screenshot_report
+from tests.helpers.xvfb import start_xvfb, stop_xvfb, xvfb_display
+
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGING = ROOT / "packaging"
 LINUX = PACKAGING / "linux"
@@ -155,11 +158,17 @@ def test_spec_uses_the_frozen_entry():
     assert main_block.strip().startswith("multiprocessing.freeze_support()")
 
 
-def _fake_bundle(tmp_path: Path) -> Path:
+MISSING_LINE = ("moescope: cannot open the window: Qt's xcb platform needs libxcb-cursor.so.0, which is not "
+                "installed — install it with: sudo apt-get install libxcb-cursor0")
+
+
+def _fake_bundle(tmp_path: Path, missing: str = "") -> Path:
+    """A bundle whose `moescope --check-libraries` reports `missing` (exit 3) or nothing (exit 0)."""
     bundle = tmp_path / "dist" / "MoEScope"
     (bundle / "_internal").mkdir(parents=True)
     exe = bundle / "moescope"
-    exe.write_text("#!/bin/sh\necho fake moescope \"$@\"\n")
+    check = f"echo {shlex.quote(missing)} >&2; exit 3" if missing else "exit 0"
+    exe.write_text(f'#!/bin/sh\nif [ "$1" = --check-libraries ]; then {check}; fi\necho fake moescope "$@"\n')
     exe.chmod(0o755)
     return bundle
 
@@ -171,6 +180,7 @@ def test_install_and_uninstall_into_a_prefix(tmp_path):
     run = [str(LINUX / "install.sh"), "--bundle", str(bundle), "--prefix", str(prefix)]
     result = subprocess.run(run, capture_output=True, text=True, env=env, check=False)
     assert result.returncode == 0, result.stderr
+    assert "warning" not in result.stdout + result.stderr  # the bundle found every library it needs
     opt = prefix / "opt" / "moescope"
     assert (opt / "moescope").is_file() and (opt / "_internal").is_dir()
     link = prefix / "bin" / "moescope"
@@ -193,6 +203,18 @@ def test_install_and_uninstall_into_a_prefix(tmp_path):
     assert not opt.exists() and not link.exists() and not desktop.exists()
     assert not list((prefix / "share" / "icons" / "hicolor").glob("*/apps/moescope.*"))
     assert bundle.is_dir()  # the source bundle is untouched
+
+
+def test_install_warns_about_missing_system_libraries(tmp_path):
+    bundle = _fake_bundle(tmp_path, missing=MISSING_LINE)
+    prefix = tmp_path / "prefix"
+    result = subprocess.run([str(LINUX / "install.sh"), "--bundle", str(bundle), "--prefix", str(prefix)],
+                            capture_output=True, text=True, check=False)
+    assert result.returncode == 0, result.stderr  # installed anyway: `moescope chat` needs none of them
+    assert (prefix / "opt" / "moescope" / "moescope").is_file()
+    warning = [line for line in result.stdout.splitlines() if "warning" in line]
+    assert warning == ["install.sh: warning: cannot open the window: Qt's xcb platform needs libxcb-cursor.so.0, "
+                       "which is not installed — install it with: sudo apt-get install libxcb-cursor0"]
 
 
 def test_install_refuses_a_missing_bundle(tmp_path):
@@ -257,18 +279,6 @@ def _bundle_size(bundle: Path) -> int:
     return sum(p.stat().st_size for p in bundle.rglob("*") if p.is_file() and not p.is_symlink())
 
 
-def _start_xvfb() -> tuple[subprocess.Popen, str]:
-    """A private X server; Xvfb picks a free display number and writes it to the pipe."""
-    read_fd, write_fd = os.pipe()
-    server = subprocess.Popen(["Xvfb", "-displayfd", str(write_fd), "-screen", "0", "1600x1000x24", "-nolisten", "tcp"],
-                              pass_fds=(write_fd,), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    os.close(write_fd)
-    with os.fdopen(read_fd) as pipe:
-        number = pipe.readline().strip()
-    assert number, "Xvfb did not start"
-    return server, f":{number}"
-
-
 def _reply_from_history(scratch: Path) -> str | None:
     """The screenshot run keeps its chat in TMPDIR/moescope-screenshot-*/history.sqlite3."""
     for db in scratch.glob("moescope-screenshot-*/history.sqlite3"):
@@ -281,26 +291,35 @@ def _reply_from_history(scratch: Path) -> str | None:
 
 @pytest.mark.slow
 def test_bundle_screenshot_runs_frozen(bundle, tmp_path):
+    """The frozen app opens its window on a real X server (Qt's xcb platform under Xvfb), answers and
+    draws the heatmap; its own check of the system libraries finds them all."""
     _assert_no_dev_tree(bundle)
     print(f"bundle size: {_bundle_size(bundle) / 2**20:.0f} MiB")
     out = tmp_path / "out.png"
     env = _app_env(tmp_path)
+    checked = subprocess.run([str(bundle / "moescope"), "--check-libraries"], capture_output=True, text=True,
+                             env=env, timeout=120, check=False)
+    assert checked.returncode == 0 and not checked.stderr.strip(), checked.stderr[-3000:]
     demo = ROOT / "resources" / "models" / "demo"
     has_demo = (demo / "config.json").is_file()
     model_args = [] if has_demo else ["--model", str(_tiny_checkpoint(tmp_path))]  # no demo: any MoE will do
-    started = time.monotonic()
-    result = subprocess.run([str(bundle / "moescope"), "--screenshot", str(out), "--prompt", PROMPT, *model_args],
-                            capture_output=True, text=True, env=env, cwd=tmp_path, timeout=900, check=False)
+    with xvfb_display() as display:
+        env.update(QT_QPA_PLATFORM="xcb", DISPLAY=display)
+        started = time.monotonic()
+        result = subprocess.run([str(bundle / "moescope"), "--screenshot", str(out), "--prompt", PROMPT, *model_args],
+                                capture_output=True, text=True, env=env, cwd=tmp_path, timeout=900, check=False)
     print(f"screenshot run: {time.monotonic() - started:.1f} s\n{result.stderr[-3000:]}")
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-5000:]
     assert out.is_file()
     data = out.read_bytes()
     width, height = png_size(data)
     assert width >= 800 and height >= 500 and len(data) > 20_000, (width, height, len(data))
+    report = screenshot_report(result.stdout)
+    assert report["platform"] == "xcb"
+    assert_heatmap_drawn(out, report)
     if has_demo:
-        reply = _reply_from_history(Path(env["TMPDIR"]))
-        assert reply is not None, "no assistant reply was recorded"
-        assert "12" in reply, reply
+        assert "12" in report["reply"], report["reply"]
+        assert _reply_from_history(Path(env["TMPDIR"])) == report["reply"]  # and the chat history kept it
 
 
 def _tiny_checkpoint(tmp_path: Path, family: str = "qwen2_moe") -> Path:
@@ -341,7 +360,7 @@ def test_installed_desktop_entry_launches(bundle, tmp_path):
     assert (home / ".local" / "bin" / "moescope").resolve() == Path(exec_line[0]).resolve()
 
     # Launch it as a menu would: the Exec line as is, on a real X server when Xvfb is installed.
-    xvfb = _start_xvfb() if shutil.which("Xvfb") else None
+    xvfb = start_xvfb() if shutil.which("Xvfb") else None
     if xvfb is not None:
         env.pop("QT_QPA_PLATFORM")
         env["DISPLAY"] = xvfb[1]
@@ -371,8 +390,7 @@ def test_installed_desktop_entry_launches(bundle, tmp_path):
             os.killpg(process.pid, 9)
             _, stderr = process.communicate()
         if xvfb is not None:
-            xvfb[0].terminate()
-            xvfb[0].wait(10)
+            stop_xvfb(xvfb[0])
     assert alive, f"the app exited with {process.returncode}:\n{stderr[-3000:]}"
     assert "Traceback" not in stderr, stderr[-3000:]
     if windows != "not checked":

@@ -5,7 +5,8 @@
 #   the menu entry  ~/.local/share/applications/moescope.desktop
 #   the icons       ~/.local/share/icons/hicolor/{16x16..512x512,scalable}/apps/moescope.{png,svg}
 #   AppStream data  ~/.local/share/metainfo/io.github.moescope.MoEScope.metainfo.xml
-# then refreshes the menu and icon caches when update-desktop-database / gtk-update-icon-cache exist.
+# then refreshes the menu and icon caches when update-desktop-database / gtk-update-icon-cache exist,
+# and warns (with the apt-get line) when a system library the window needs is missing.
 #
 #   ./install.sh                  from an unpacked release tarball (MoEScope/ and share/ beside it)
 #   packaging/linux/install.sh --bundle dist/MoEScope      from a source checkout after packaging/build.sh
@@ -17,7 +18,7 @@ APP=moescope
 APP_ID=io.github.moescope.MoEScope
 
 usage() {
-    sed -n '2,13s/^# \{0,1\}//p' "${BASH_SOURCE[0]}"
+    sed -n '2,14s/^# \{0,1\}//p' "${BASH_SOURCE[0]}"
     echo "usage: install.sh [--bundle DIR] [--prefix DIR] [--uninstall]"
 }
 
@@ -139,3 +140,10 @@ case ":${PATH:-}:" in
     *":$prefix/bin:"*) say "run it from a terminal with: $APP" ;;
     *) say "$prefix/bin is not on your PATH; run $bin_link, or start MoEScope from the applications menu" ;;
 esac
+
+# The window needs system libraries the bundle does not carry (Qt's xcb platform: libxcb-cursor0 and
+# friends). The bundle checks its own Qt plugin with the code it runs at start-up and names the
+# apt-get line; only a warning, since `moescope chat` works without them.
+if ! missing="$("$opt_dir/$APP" --check-libraries 2>&1)"; then
+    say "warning: ${missing#moescope: }"
+fi
