@@ -23,13 +23,14 @@ from bench.output import RESULTS_DIR, write_report
 from bench.synthetic import build_checkpoint
 
 
-def active_bytes_per_token(model_dir: Path) -> tuple[int, int, int]:
+def active_bytes_per_token(model_dir: Path, expert_format: str | None = None) -> tuple[int, int, int]:
     """(bytes a decode token reads, expert bytes of those, one expert's bytes): every dense weight
-    but the embedding table (one row), plus top-k experts per MoE layer."""
+    but the embedding table (one row), plus top-k experts per MoE layer in `expert_format`."""
+    from engine.formats.blocks import parse_format
     from engine.model.inspect import inspect_checkpoint
     from engine.model.loader import build_model
 
-    info = inspect_checkpoint(str(model_dir))
+    info = inspect_checkpoint(Path(model_dir), expert_format=parse_format(expert_format))
     loaded = build_model(str(model_dir), device=__import__("torch").device("meta"), load_dense=False)
     embed = loaded.model.get_input_embeddings().weight
     embed_bytes = embed.numel() * embed.element_size()

@@ -18,14 +18,12 @@ class FormatNotAvailable(ValueError):
 def _check(fmt: str) -> None:
     if fmt not in LLAMA_TYPE:
         raise FormatNotAvailable(f"unknown format {fmt!r} (known: {', '.join(LLAMA_TYPE)})")
-    if fmt != "bf16":
-        raise FormatNotAvailable(f"MoEScope has no {fmt} format yet")
 
 
 def load_settings(fmt: str) -> dict:
-    """The `LoadModel` fields that make MoEScope run `fmt`."""
+    """The `LoadModel` fields that make MoEScope run `fmt`: bf16 compute, experts in the format."""
     _check(fmt)
-    return {"dtype": "bfloat16"}
+    return {"dtype": "bfloat16"} | ({} if fmt == "bf16" else {"expert_format": fmt})
 
 
 def bytes_per_token(model_dir: Path, fmt: str) -> int:
@@ -33,4 +31,4 @@ def bytes_per_token(model_dir: Path, fmt: str) -> int:
     from bench.decode_limit import active_bytes_per_token
 
     _check(fmt)
-    return active_bytes_per_token(model_dir)[0]
+    return active_bytes_per_token(model_dir, None if fmt == "bf16" else fmt)[0]
