@@ -88,6 +88,7 @@ class LoadModel:
     trust_remote_code: bool = False
     fast_decode: bool = False  # CPU decode on the native kernels: faster, not bit-identical
     expert_format: str = "original"  # routed experts: original | q8_0 | q6_k | q4_k | q3_k | q2_k (8bit, 4bit, ...)
+    dense_format: str = "original"  # every other linear layer (not the routers): the same choices
     allocation: str = "planned"  # planned | uniform: how a budget is split across layers
     cpu_experts: str = "never"  # auto | never: Fiddler's CPU execution of misses (GPU + RAM store only)
     trace: str | None = None  # record routing to this file (JSON lines, engine.traces.trace)

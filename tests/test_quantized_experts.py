@@ -61,6 +61,20 @@ def test_greedy_replies_equal_transformers_on_the_dequantized_experts(wide, refe
         assert runtime.layout.expert_format is FORMATS[fmt]
 
 
+@pytest.mark.parametrize("family", ["mixtral", "qwen2_moe", "gpt_oss"])
+def test_mixed_quantization_of_experts_and_dense_weights(wide, family):
+    # Experts at 4 bits, every other linear layer (not the routers) at 8: the replies are those of
+    # transformers with both dequantized, and the dense layers hold only their blocks.
+    expected = dequantized_reference(wide[family], PROMPT, NEW_TOKENS, "q4_k", dense_format="q8_0")
+    tokens, runtime = generate(wide[family], budget="30%", store="disk", expert_format="q4_k", dense_format="8bit")
+    assert tokens == expected
+    from engine.model.dense_formats import QuantizedLinear
+
+    quantized = [name for name, m in runtime.model.named_modules() if isinstance(m, QuantizedLinear)]
+    assert any(name.endswith("q_proj") for name in quantized)
+    assert not any(name.rpartition(".")[2] in ("gate", "router") for name in quantized)  # routers stay
+
+
 def test_the_demo_model_takes_llamacpps_fallback_for_its_narrow_matrices():
     # The demo's gate_up has 128 input features, not whole 256-element blocks: like llama-quantize,
     # 4-bit stores that matrix as Q5_0 (and says so), its down projection as Q4_K.

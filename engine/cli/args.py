@@ -54,6 +54,10 @@ def add_format_arg(parser: argparse.ArgumentParser) -> None:
                         help="routed experts in a block format: 8bit (q8_0), 6bit (q6_k), 4bit (q4_k), 3bit (q3_k), "
                         "2bit (q2_k), or original. Converted once into MoEScope's cache folder; approximate, "
                         "measured quality cost in docs/performance.md")
+    parser.add_argument("--dense-format", default=LOAD["dense_format"], metavar="FORMAT",
+                        help="every other linear layer (attention, shared experts, LM head; not the routers) in a "
+                        "block format, the same choices (mixed quantization: e.g. --expert-format 4bit "
+                        "--dense-format 8bit)")
 
 
 def load_settings(args: argparse.Namespace) -> p.LoadModel:

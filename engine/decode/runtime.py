@@ -23,6 +23,7 @@ from engine.errors import MoEScopeError
 from engine.formats.blocks import BlockFormat, parse_format
 from engine.hub.local import resolve_model
 from engine.model import experts_registry
+from engine.model.dense_formats import quantize_dense
 from engine.model.inspect import ModelInfo, describe
 from engine.model.loader import ProgressFn, build_model, resolve_device
 from engine.offload import packed_linear
@@ -60,10 +61,15 @@ class MoERuntime:
         )
         self.model, self.layout, self.files, self.dtype = loaded.model, loaded.layout, loaded.files, loaded.dtype
         self.expert_format = _parse_format(options.expert_format, "expert")
+        self.dense_format = _parse_format(options.dense_format, "dense")
         self.format_notes: list[str] = []
         if self.expert_format is not None:
             self.layout, self.format_notes = quantize_layout(self.layout, self.expert_format, self.fingerprint,
                                                              progress=progress)
+        if self.dense_format is not None:
+            if progress is not None:
+                progress(1.0, f"converting dense weights to {self.dense_format.label}")
+            self.format_notes += quantize_dense(self.model, self.dense_format, set(self.layout.module_paths))
         self.tokenizer = None  # checkpoints without tokenizer files still run on token ids (--prompt-ids)
         if any((self.files.root / f).exists() for f in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")):
             self.tokenizer = AutoTokenizer.from_pretrained(self.files.root, trust_remote_code=options.trust_remote_code)

@@ -105,30 +105,43 @@ WIDE = {
 }
 
 
-def dequantized_reference(path: Path, prompt_ids: list[int], max_new_tokens: int, expert_format: str,
-                          dtype=torch.float32) -> list[int]:
-    """Plain transformers on the model with its routed experts quantized to `expert_format` and
-    dequantized back (engine.formats, the reference the gguf package checks): what MoEScope's
-    quantized experts must reproduce."""
-    from engine.formats.blocks import format_for, parse_format
+def _round_trip(matrix: torch.Tensor, fmt, dtype) -> torch.Tensor:
+    """[out, in] quantized to `fmt` (or llama.cpp's fallback for it) and dequantized back."""
+    from engine.formats.blocks import format_for
     from engine.formats.dequantize import dequantize
     from engine.formats.quantize import quantize
+
+    chosen = format_for(fmt, matrix.shape[1])
+    if chosen is None:
+        return matrix
+    return dequantize(torch.from_numpy(quantize(matrix.float().numpy(), chosen)), chosen, matrix.shape[1], dtype)
+
+
+def dequantized_reference(path: Path, prompt_ids: list[int], max_new_tokens: int, expert_format: str,
+                          dtype=torch.float32, dense_format: str | None = None) -> list[int]:
+    """Plain transformers on the model with its routed experts (and, with `dense_format`, its dense
+    linear layers) quantized and dequantized back (engine.formats, the reference the gguf package
+    checks): what MoEScope's quantized weights must reproduce."""
+    from engine.formats.blocks import parse_format
+    from engine.model.dense_formats import dense_targets
     from engine.model.layout import is_experts_module
 
     model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
     fmt = parse_format(expert_format)
     with torch.no_grad():
+        experts = {name for name, module in model.named_modules() if is_experts_module(module)}
+        if dense_format is not None:
+            for _, linear in dense_targets(model, experts):
+                linear.weight.copy_(_round_trip(linear.weight, parse_format(dense_format), dtype))
         for module in model.modules():
-            if not is_experts_module(module):
+            if not is_experts_module(module) or fmt is None:
                 continue
             for param in module.parameters(recurse=False):
                 if param.dim() != 3:
                     continue  # biases stay as they are
                 for expert in range(param.shape[0]):
                     matrix = param[expert].t() if module.is_transposed else param[expert]  # [out, in]
-                    chosen = format_for(fmt, matrix.shape[1])
-                    back = dequantize(torch.from_numpy(quantize(matrix.float().numpy(), chosen)), chosen,
-                                      matrix.shape[1], dtype)
+                    back = _round_trip(matrix, fmt, dtype)
                     param[expert].copy_(back.t() if module.is_transposed else back)
     ids = torch.tensor([prompt_ids])
     out = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=max_new_tokens,

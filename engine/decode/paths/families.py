@@ -20,6 +20,8 @@ from functools import cache
 
 import torch
 
+from engine.model.dense_formats import QuantizedLinear
+
 # After the router's linear: (always renormalise the top-k weights, cast them back to the logits'
 # dtype). Qwen3-MoE's routers renormalise when `norm_topk_prob` and cast back; Mixtral's always
 # renormalise and keep float32 weights.
@@ -145,12 +147,17 @@ def is_llama_attention(module: torch.nn.Module) -> bool:
     if own_class(module) not in attention_classes():
         return False
     projections = [getattr(module, name, None) for name in ("q_proj", "k_proj", "v_proj", "o_proj")]
-    if not all(isinstance(proj, torch.nn.Linear) and proj.bias is None for proj in projections):
+    if not all(is_linear(proj) and proj.bias is None for proj in projections):
         return False
     head_dim = getattr(module, "head_dim", 0)
     norms = [norm for name in ("q_norm", "k_norm") if (norm := getattr(module, name, None)) is not None]
     return (all(is_llama_rms_norm(norm) and norm.weight.numel() == head_dim for norm in norms)
             and len({norm.variance_epsilon for norm in norms}) <= 1)  # the kernel takes one epsilon
+
+
+def is_linear(module: torch.nn.Module | None) -> bool:
+    """A linear layer, its weight in bf16/fp32 or in a block format (engine.model.dense_formats)."""
+    return isinstance(module, torch.nn.Linear | QuantizedLinear)
 
 
 def router_recipe(module: torch.nn.Module) -> tuple[bool, bool] | None:

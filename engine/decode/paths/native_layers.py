@@ -29,6 +29,7 @@ from engine.decode.native import kernels as native
 from engine.decode.paths.base import DecodePath, Step
 from engine.decode.paths.families import is_llama_attention, is_llama_rms_norm, router_recipe
 from engine.decode.paths.transformers_path import model_forward
+from engine.model.dense_formats import QuantizedLinear
 from engine.offload.expert_compute import SlotReader, torch_one_token
 
 ATTENTION_NAME = "moescope_sdpa"
@@ -68,15 +69,32 @@ class FastLinear(torch.nn.Linear):
         kernels = _native_kernels(self, x, self.weight)
         if kernels is None or x.numel() != self.in_features:
             return F.linear(x, self.weight, self.bias)
-        y = kernels.gemv(_weight(self, kernels, self.weight), x)
+        y = kernels.gemv(linear_weight(kernels, self), x)
         return y if self.bias is None else y + self.bias
 
 
-def _weight(module: torch.nn.Module, kernels: ModuleType, tensor: torch.Tensor):
-    """`tensor` (a parameter of `module`) as the kernels take it, made once per module."""
+class FastQuantizedLinear(QuantizedLinear):
+    """A `QuantizedLinear` whose one-row products read its blocks natively inside a native step."""
+
+    _moescope_plain = QuantizedLinear
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        switch = self.__dict__.get(SWITCH_ATTR)
+        kernels = native.ready() if switch is not None and switch.on else None
+        if kernels is None or x.dtype != torch.bfloat16 or x.device.type != "cpu" or x.numel() != self.in_features:
+            return super().forward(x)
+        y = kernels.gemv(linear_weight(kernels, self), x)
+        return y if self.bias is None else y + self.bias
+
+
+def linear_weight(kernels: ModuleType, module: torch.nn.Module):
+    """A linear layer's weight as the kernels take it (bf16, or its blocks), made once per module."""
+    source = module.packed if isinstance(module, QuantizedLinear) else module.weight
     cached = module.__dict__.get("_moescope_weight")
-    if cached is None or cached[0] is not tensor:
-        cached = module.__dict__["_moescope_weight"] = (tensor, native.weight(kernels, tensor))
+    if cached is None or cached[0] is not source:
+        made = (native.weight(kernels, source, module.fmt, module.in_features) if isinstance(module, QuantizedLinear)
+                else native.weight(kernels, source))
+        cached = module.__dict__["_moescope_weight"] = (source, made)
     return cached[1]
 
 
@@ -91,7 +109,7 @@ def _fast_attention_forward(self, hidden_states: torch.Tensor, position_embeddin
                             attention_mask: torch.Tensor | None, past_key_values=None, **kwargs):
     """One token of Llama-style attention in three native calls (q/k/v with norms and rotary, the
     attention over the cache, o_proj); anything else takes the module's own forward."""
-    kernels = _native_kernels(self, hidden_states, self.q_proj.weight)
+    kernels = _native_kernels(self, hidden_states, hidden_states)  # projections in bf16 or blocks alike
     cos, sin = position_embeddings
     if (kernels is None or attention_mask is not None or past_key_values is None
             or hidden_states.numel() != hidden_states.shape[-1] or cos.numel() != self.head_dim
@@ -99,7 +117,7 @@ def _fast_attention_forward(self, hidden_states: torch.Tensor, position_embeddin
         return self._plain_forward(hidden_states, position_embeddings, attention_mask, past_key_values, **kwargs)
     q_norm, k_norm = getattr(self, "q_norm", None), getattr(self, "k_norm", None)
     eps = next((norm.variance_epsilon for norm in (q_norm, k_norm) if norm is not None), 0.0)  # one for both
-    q, k, v = (_weight(proj, kernels, proj.weight) for proj in (self.q_proj, self.k_proj, self.v_proj))
+    q, k, v = (linear_weight(kernels, proj) for proj in (self.q_proj, self.k_proj, self.v_proj))
     query, key, value = kernels.qkv_rope(
         hidden_states, q, k, v,
         None if q_norm is None else q_norm.weight, None if k_norm is None else k_norm.weight, eps, cos, sin,
@@ -116,7 +134,7 @@ def _fast_router_forward(self, hidden_states: torch.Tensor):
     if kernels is None or hidden_states.numel() != self.weight.shape[1]:
         return self._plain_forward(hidden_states)
     always_normalize, cast_back = self._moescope_recipe
-    logits = kernels.gemv(_weight(self, kernels, self.weight), hidden_states.reshape(1, -1))
+    logits = kernels.gemv(linear_weight(kernels, self), hidden_states.reshape(1, -1))
     top_value, top_index = torch.topk(torch.softmax(logits, dim=-1, dtype=torch.float), self.top_k, dim=-1)
     if always_normalize or getattr(self, "norm_topk_prob", False):
         top_value /= top_value.sum(dim=-1, keepdim=True)
@@ -139,10 +157,12 @@ def patch_module(module: torch.nn.Module, switch: NativeSwitch) -> bool:
     or router); True if it has it now. Same parameters, same results outside a native step."""
     module.__dict__[SWITCH_ATTR] = switch
     cls = type(module)
-    if cls is FastLinear or cls in _fast_classes.values():
+    if cls in (FastLinear, FastQuantizedLinear) or cls in _fast_classes.values():
         return True  # patched before (a live switch back on)
     if cls is torch.nn.Linear:
         module.__class__ = FastLinear
+    elif cls is QuantizedLinear:
+        module.__class__ = FastQuantizedLinear
     elif is_llama_rms_norm(module):
         module.__class__ = _fast_class(cls, _fast_rms_norm_forward)
     elif is_llama_attention(module):

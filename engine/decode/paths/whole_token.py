@@ -25,12 +25,26 @@ from engine.accounting.routing import RoutingStep
 from engine.decode.kv_cache import BlockLayer
 from engine.decode.native import kernels as native
 from engine.decode.paths.base import DecodePath, Step
-from engine.decode.paths.families import is_llama_attention, is_llama_rms_norm, router_recipe, whole_token_part
-from engine.decode.paths.native_layers import expert_weights, experts_fusable, native_problem
+from engine.decode.paths.families import (
+    is_linear,
+    is_llama_attention,
+    is_llama_rms_norm,
+    router_recipe,
+    whole_token_part,
+)
+from engine.decode.paths.native_layers import expert_weights, experts_fusable, linear_weight, native_problem
+from engine.model.dense_formats import QuantizedLinear
 
 
 def _matrix(t: torch.Tensor) -> bool:
     return t.dtype == torch.bfloat16 and t.device.type == "cpu" and t.dim() == 2 and t.stride(1) == 1
+
+
+def _linear_ok(module: torch.nn.Module) -> bool:
+    """A bias-free linear layer the step reads: a bf16 CPU matrix, or blocks computed in bf16."""
+    if isinstance(module, QuantizedLinear):
+        return module.bias is None and module.dtype == torch.bfloat16 and module.packed.device.type == "cpu"
+    return isinstance(module, torch.nn.Linear) and module.bias is None and _matrix(module.weight)
 
 
 def recognise(model: torch.nn.Module) -> str:
@@ -39,9 +53,9 @@ def recognise(model: torch.nn.Module) -> str:
     if not whole_token_part(model, "causal_lm") or not whole_token_part(inner, "model"):
         return "the whole-token step runs Qwen3-MoE and Mixtral decoders only"
     embed, head = getattr(inner, "embed_tokens", None), getattr(model, "lm_head", None)
-    if type(embed) is not torch.nn.Embedding or not isinstance(head, torch.nn.Linear) or head.bias is not None:
+    if type(embed) is not torch.nn.Embedding or not is_linear(head) or head.bias is not None:
         return "the embedding or lm_head is not plain"
-    if not (_matrix(embed.weight) and _matrix(head.weight)) or not is_llama_rms_norm(inner.norm):
+    if not (_matrix(embed.weight) and _linear_ok(head)) or not is_llama_rms_norm(inner.norm):
         return "weights are not bf16 on the CPU, or the final norm is not Llama's"
     rope_type = getattr(inner.rotary_emb, "rope_type", "default")
     if "dynamic" in rope_type or "longrope" in rope_type:
@@ -64,7 +78,8 @@ def _layer_problem(layer: torch.nn.Module) -> str:
     if not all(is_llama_rms_norm(norm) for norm in (layer.input_layernorm, layer.post_attention_layernorm)):
         return "its norms are not Llama's RMSNorm"
     attention = layer.self_attn
-    if not is_llama_attention(attention) or not _matrix(attention.q_proj.weight):
+    if not is_llama_attention(attention) or not all(
+            _linear_ok(getattr(attention, name)) for name in ("q_proj", "k_proj", "v_proj", "o_proj")):
         return "its attention is not Llama-style in bf16"
     if router_recipe(block.gate) is None or not _matrix(block.gate.weight):
         return "its router is not a known top-k router"
@@ -83,9 +98,9 @@ class FusedDecoder:
         self.model, self.cache = model, cache
         self.layers = len(inner.layers)
         self.kernels = kernels
-        plain = partial(native.weight, kernels)
+        matrix = partial(linear_weight, kernels)
         self._native = kernels.DecodeStep(
-            inner.embed_tokens.weight, inner.norm.weight, inner.norm.variance_epsilon, plain(model.lm_head.weight),
+            inner.embed_tokens.weight, inner.norm.weight, inner.norm.variance_epsilon, matrix(model.lm_head),
             gate.top_k, bool(always_normalize or getattr(gate, "norm_topk_prob", False)), cast_back)
         for index, layer in enumerate(inner.layers):
             attention, block = layer.self_attn, layer.mlp
@@ -93,9 +108,9 @@ class FusedDecoder:
             eps = next((norm.variance_epsilon for norm in (q_norm, k_norm) if norm is not None), 0.0)
             self._native.add_layer(
                 layer.input_layernorm.weight, layer.input_layernorm.variance_epsilon,
-                plain(attention.q_proj.weight), plain(attention.k_proj.weight), plain(attention.v_proj.weight),
+                matrix(attention.q_proj), matrix(attention.k_proj), matrix(attention.v_proj),
                 None if q_norm is None else q_norm.weight, None if k_norm is None else k_norm.weight, eps,
-                attention.head_dim, attention.scaling, plain(attention.o_proj.weight),
+                attention.head_dim, attention.scaling, matrix(attention.o_proj),
                 layer.post_attention_layernorm.weight, layer.post_attention_layernorm.variance_epsilon,
                 block.gate.weight, *self._experts(index))
         self._placed = (cache.slot_views, cache.directory.changes)
