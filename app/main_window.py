@@ -288,7 +288,8 @@ class MainWindow(QMainWindow):
         self.chat.on_event(event)
         if isinstance(event, p.ModelLoaded):
             self.setWindowTitle(f"MoEScope — {event.name}")
-            self.statusBar().showMessage(f"{event.name} loaded in {event.load_seconds:.1f} s", 5000)
+            done = f"connected at {event.remote}" if event.remote else f"loaded in {event.load_seconds:.1f} s"
+            self.statusBar().showMessage(f"{event.name} {done}", 5000)
             if self.banner.error is not None and self.banner.error.kind in CRASH_KINDS:
                 self.banner.hide()
             if self.remember and self.bridge.last_load is not None:

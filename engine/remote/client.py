@@ -184,6 +184,9 @@ class RemoteClient:
                 self.on_event(self._done(reply, "cancelled"))
             else:
                 self.on_event(p.Error("remote", f"the server connection failed: {exc}", True, command.request_id))
+        except Exception as exc:  # an answer we could not read: the reply ends with the reason, never hangs
+            self.on_event(p.Error("remote", f"could not read the server's answer: {type(exc).__name__}: {exc}", True,
+                                  command.request_id))
         finally:
             with self._lock:
                 self._running.pop(command.request_id, None)
