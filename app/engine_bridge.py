@@ -28,7 +28,9 @@ class EngineBridge(QObject):
     def __init__(self, client_factory: ClientFactory | None = None, parent: QObject | None = None) -> None:
         super().__init__(parent)
         self._incoming.connect(self._deliver, Qt.ConnectionType.QueuedConnection)
-        self.client = (client_factory or _default_client)(self._incoming.emit)
+        self._local_factory = client_factory or _default_client
+        self.client = self._local_factory(self._incoming.emit)
+        self.remote = ""  # the server's URL while the engine is a remote server (engine.remote)
         self.pid: int | None = None
         self.model: p.ModelLoaded | None = None
         self.budget_bytes: int | None = None
@@ -50,7 +52,25 @@ class EngineBridge(QObject):
 
     def load(self, path: str, budget: str = "all", policy: str | None = None) -> None:
         self.model = None
+        if self.remote:  # back from a remote server to MoEScope's own engine
+            self._switch(self._local_factory)
+            self.remote = ""
+            self.start()
         self.send(p.LoadModel(path=path, budget=budget, policy=policy or "lru"))
+
+    def connect_remote(self, url: str, api_key: str | None, model: str) -> None:
+        """Chat with an OpenAI-compatible server instead of the local engine (stopped until a model is loaded)."""
+        from engine.remote.client import RemoteClient, RemoteTarget
+
+        target = RemoteTarget(url, api_key or None, model)
+        self.model = None
+        self._switch(lambda on_event: RemoteClient(on_event, target))
+        self.remote = target.base
+        self.start()
+
+    def _switch(self, factory: ClientFactory) -> None:
+        self.client.stop()
+        self.client = factory(self._incoming.emit)
 
     def set_fast_decode(self, enabled: bool) -> None:
         self.send(p.SetFastDecode(enabled))

@@ -10,7 +10,7 @@ import argparse
 import sys
 from collections.abc import Sequence
 
-ENGINE_COMMANDS_HINT = "generate, chat, info, policies, models, trace, bench"
+ENGINE_COMMANDS_HINT = "generate, chat, serve, info, policies, models, trace, bench"
 
 
 def build_gui_parser() -> argparse.ArgumentParser:

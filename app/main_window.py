@@ -16,8 +16,10 @@ from app.banner import CRASH_KINDS, Banner
 from app.chat.chat_view import ChatView
 from app.chat.controller import ChatController
 from app.chat.conversation_list import ConversationList
+from app.connect_dialog import ConnectDialog
 from app.engine_bridge import EngineBridge
 from app.library_dialog import LibraryDialog
+from app.local_server import LocalServer
 from app.model_bar import ModelBar
 from app.models import export
 from app.models.history import HistoryStore
@@ -25,6 +27,7 @@ from app.panels.base import Panel
 from app.panels.budget import BudgetPanel
 from app.panels.heatmap import HeatmapPanel
 from app.panels.hit_rate import HitRatePanel
+from app.panels.server import ServerPanel
 from app.panels.system import SystemPanel
 from app.panels.traffic import TrafficPanel
 from app.settings import AppSettings
@@ -68,7 +71,10 @@ class MainWindow(QMainWindow):
         self.heatmap = HeatmapPanel()
         self.budget = BudgetPanel()
         self.system = SystemPanel()
-        self.panels: list[Panel] = [self.heatmap, self.budget, self.hit_rate, self.traffic, self.system]
+        self.server = LocalServer(self.bridge, self)  # the OpenAI API on loopback, off until switched on
+        self.server_panel = ServerPanel(self.server)
+        self.panels: list[Panel] = [self.heatmap, self.budget, self.hit_rate, self.traffic, self.system,
+                                    self.server_panel]
         self.docks: dict[str, QDockWidget] = {}
         self._build_docks()
         self._default_state = self.saveState()
@@ -84,6 +90,7 @@ class MainWindow(QMainWindow):
         self.system.fast_decode_requested.connect(self.bridge.set_fast_decode)
         self.model_bar.open_folder_requested.connect(self.open_model)
         self.model_bar.library_requested.connect(self.open_library)
+        self.model_bar.connect_requested.connect(self.connect_to_server)
         self.library: LibraryDialog | None = None  # made on first use, then kept: downloads outlive it closing
         self.conversations.new_requested.connect(self.chat.new_chat)
         self.conversations.open_requested.connect(self.chat.open)
@@ -132,6 +139,9 @@ class MainWindow(QMainWindow):
         self.splitDockWidget(heat, budget, Qt.Orientation.Vertical)
         self.splitDockWidget(hit, traffic, Qt.Orientation.Vertical)
         self.splitDockWidget(traffic, system, Qt.Orientation.Vertical)
+        server = self._dock(self.server_panel.title, self.server_panel.dock_name, self.server_panel)
+        self.tabifyDockWidget(system, server)  # a tab beside the system panel: out of the way until wanted
+        system.raise_()
         self.conversations.setMinimumWidth(170)
 
     def _default_sizes(self) -> None:
@@ -172,6 +182,7 @@ class MainWindow(QMainWindow):
         file.addAction("New chat", QKeySequence.StandardKey.New, self.chat.new_chat)
         file.addAction("Open model folder…", QKeySequence.StandardKey.Open, self.model_bar.choose_folder)
         file.addAction("Model library…", QKeySequence("Ctrl+L"), self.open_library)
+        file.addAction("Connect to a server…", self.connect_to_server)
         file.addAction("Export conversation as Markdown…", lambda: self._export_current("markdown"))
         file.addAction("Export conversation as JSON…", lambda: self._export_current("json"))
         file.addSeparator()
@@ -222,6 +233,20 @@ class MainWindow(QMainWindow):
         self.library.activateWindow()
         return self.library
 
+    def connect_to_server(self) -> None:
+        dialog = ConnectDialog(self)
+        if dialog.exec() == ConnectDialog.DialogCode.Accepted:
+            self.use_remote(*dialog.values())
+
+    def use_remote(self, url: str, api_key: str | None, model: str) -> None:
+        """Chat with a remote OpenAI-compatible server; opening a local model comes back to our engine."""
+        if self.chat.streaming:
+            self.chat.stop()
+        self.chat.ready = False
+        self.model_bar.set_loading(url)
+        self.statusBar().showMessage(f"Connecting to {url}…")
+        self.bridge.connect_remote(url, api_key, model)
+
     def restart_engine(self) -> None:
         self.banner.hide()
         self.statusBar().showMessage("Restarting the engine…")
@@ -249,15 +274,22 @@ class MainWindow(QMainWindow):
             elif isinstance(event, p.Error) and event.kind != "cancelled":
                 self.statusBar().showMessage(event.message, 8000)
             return
+        if isinstance(event, p.Error) and p.is_api_request(event.request_id):
+            return  # an API client's failed request: the server's log shows it, not the chat's banner
         if isinstance(event, p.TelemetrySnapshot):
             self.history.add(event)
+        if isinstance(event, p.ModelLoaded):
+            for panel in self.panels:
+                panel.show_remote(event.remote)
         for panel in self.panels:
-            panel.on_event(event)
+            if not (panel.local_only and self.bridge.remote):
+                panel.on_event(event)
         self.model_bar.on_event(event)
         self.chat.on_event(event)
         if isinstance(event, p.ModelLoaded):
             self.setWindowTitle(f"MoEScope — {event.name}")
-            self.statusBar().showMessage(f"{event.name} loaded in {event.load_seconds:.1f} s", 5000)
+            done = f"connected at {event.remote}" if event.remote else f"loaded in {event.load_seconds:.1f} s"
+            self.statusBar().showMessage(f"{event.name} {done}", 5000)
             if self.banner.error is not None and self.banner.error.kind in CRASH_KINDS:
                 self.banner.hide()
             if self.remember and self.bridge.last_load is not None:
@@ -341,6 +373,7 @@ class MainWindow(QMainWindow):
             self.settings.window_state = self.saveState()
             self.settings.last_conversation = self.chat.conversation.id if self.chat.conversation else None
             self.settings.sync()
+        self.server.stop()
         self.bridge.stop()
         self.store.close()
         super().closeEvent(event)

@@ -10,6 +10,9 @@ from engine import protocol as p
 
 
 def model_summary(m: p.ModelLoaded, budget_bytes: int) -> str:
+    if m.remote:
+        context = f" · context {m.context_length} tokens" if m.context_length else ""
+        return f"remote engine at {m.remote}{context} · the server runs the model and its memory"
     total = m.dense_bytes + m.all_expert_bytes
     resident = m.dense_bytes + budget_bytes
     return (f"{format_bytes(total)} · {m.num_layers} MoE layers x {m.num_experts} experts (top-{m.top_k}) · "
@@ -19,6 +22,7 @@ def model_summary(m: p.ModelLoaded, budget_bytes: int) -> str:
 class ModelBar(QWidget):
     open_folder_requested = Signal(str)
     library_requested = Signal()
+    connect_requested = Signal()
 
     def __init__(self, parent: QWidget | None = None) -> None:
         super().__init__(parent)
@@ -40,6 +44,9 @@ class ModelBar(QWidget):
         self.open_button = QPushButton("Open folder…")
         self.open_button.setToolTip("Load a local checkpoint folder (safetensors)")
         self.open_button.clicked.connect(self.choose_folder)
+        self.connect_button = QPushButton("Connect to a server…")
+        self.connect_button.setToolTip("Chat with a model served by vLLM, SGLang or another OpenAI-compatible server")
+        self.connect_button.clicked.connect(self.connect_requested)
         layout = QHBoxLayout(self)
         layout.setContentsMargins(8, 4, 8, 4)
         layout.addWidget(self.name)
@@ -47,6 +54,7 @@ class ModelBar(QWidget):
         layout.addWidget(self.progress)
         layout.addWidget(self.library)
         layout.addWidget(self.open_button)
+        layout.addWidget(self.connect_button)
 
     def on_event(self, event) -> None:
         if isinstance(event, p.LoadProgress):

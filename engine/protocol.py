@@ -103,6 +103,7 @@ class Generate:
     prompt: str | None = None  # raw text (no chat template)
     prompt_ids: list[int] | None = None
     sampling: SamplingSettings = field(default_factory=SamplingSettings)
+    return_routing: bool = False  # Done carries `routed_experts` (the OpenAI server's vLLM-shaped field)
 
 
 @dataclass
@@ -255,6 +256,7 @@ class ModelLoaded:
     budget_note: str = ""  # e.g. the budget was clamped to the minimum
     fast_decode: bool = False  # faster CPU decode kernels on (not bit-identical; engine.decode.paths.native_layers)
     fast_decode_available: bool = False  # a CPU engine on a bf16/fp16 model: the switch changes something
+    remote: str = ""  # the server's URL when the engine is a remote OpenAI-compatible server (engine.remote)
 
 
 @dataclass
@@ -298,6 +300,9 @@ class Done:
     text: str
     token_ids: list[int]
     stats: ReplyStats
+    # with Generate.return_routing: [tokens, layers, top_k] int16, the experts each MoE layer ran for each
+    # generated token fed back through the model (ids ascending per row, -1 pads), as vLLM's `routed_experts`
+    routed_experts: Array | None = None
 
 
 @dataclass
@@ -362,6 +367,17 @@ class TelemetrySnapshot:
     decode_path: str = ""  # how the last decode token ran (exact kernels, native per layer, whole token...)
     decode_path_reason: str = ""  # why the next faster path did not run it ("" when the fastest did)
     extra: dict = field(default_factory=dict)  # policy-specific figures (prefetch accuracy, ...)
+
+
+@dataclass
+class RoutingSnapshot:
+    """Expert routing a remote server reported (engine.remote): what the heatmap shows when there is no
+    cache of ours to count it. The other panels do not apply to a remote engine."""
+
+    request_id: str | None
+    activation_request: Array  # [layers, experts] int32: tokens routed to each expert in this reply
+    activation_total: Array  # [layers, experts] int64 since connecting
+    source: str  # where it came from, in words ("vLLM routed_experts", "SGLang expert distribution record")
 
 
 @dataclass
@@ -463,7 +479,16 @@ def is_library_event(event) -> bool:
     return isinstance(event, LIBRARY_EVENTS)
 
 
+# ----- requests from the OpenAI-compatible server (engine.serve)
+
+API_REQUEST_PREFIX = "api-"  # request ids of the server's requests, so the window's chat and banner leave them alone
+
+
+def is_api_request(request_id: str | None) -> bool:
+    return (request_id or "").startswith(API_REQUEST_PREFIX)
+
+
 Event = (
     LoadProgress | ModelLoaded | Token | Done | BudgetChanged | PolicyChanged | FastDecodeChanged | TelemetrySnapshot
-    | Error | Log | EngineStarted | LibraryListing | FitEstimateReady | DownloadProgress | DownloadFinished
+    | RoutingSnapshot | Error | Log | EngineStarted | LibraryListing | FitEstimateReady | DownloadProgress | DownloadFinished
 )

@@ -30,11 +30,13 @@ ALLOWED = {
                       "engine.traces", "engine.model", "engine.hub", "engine.offload"},
     "engine.demo": {"engine.protocol", "engine.decode"},
     "engine.process": {"engine.errors", "engine.protocol", "engine.accounting", "engine.hub", "engine.decode"},
+    "engine.serve": {"engine.errors", "engine.protocol"},
+    "engine.remote": {"engine.errors", "engine.protocol"},
     "engine.cli": {"engine.errors", "engine.protocol", "engine.accounting", "engine.formats", "engine.traces",
-                   "engine.model", "engine.hub", "engine.decode", "engine.process"},
+                   "engine.model", "engine.hub", "engine.decode", "engine.process", "engine.serve"},
 }
 TORCH_FREE = ("engine.protocol", "engine.errors", "engine.accounting", "engine.traces", "engine.process.client",
-              "engine.process.worker_entry", "app")
+              "engine.process.worker_entry", "engine.serve", "engine.remote", "engine.cli.serve", "app")
 QT = ("PySide6", "shiboken6", "pyqtgraph")
 
 

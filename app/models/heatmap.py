@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from engine.accounting.sizes import format_bytes
-from engine.protocol import TelemetrySnapshot
+from engine.protocol import RoutingSnapshot, TelemetrySnapshot
 
 MIN_FRAME_PX = 3  # cells narrower than this on screen get a tint instead of a frame
 MAX_SCALE = 64  # overlay pixels per cell side, at most
@@ -83,16 +83,25 @@ class HeatmapData:
     counts: np.ndarray  # [L, E] integers
     resident: np.ndarray  # [L, E] bool
     mode: str  # reply | total
+    remote: bool = False
 
     @classmethod
     def from_snapshot(cls, s: TelemetrySnapshot, mode: str) -> HeatmapData:
         counts = (s.activation_request if mode == "reply" else s.activation_total).numpy()
         return cls(counts, s.resident.numpy().astype(bool, copy=False), mode)
 
+    @classmethod
+    def from_routing(cls, s: RoutingSnapshot, mode: str) -> HeatmapData:
+        """A remote server's routing: counts only (its memory is its own, so nothing is outlined)."""
+        counts = (s.activation_request if mode == "reply" else s.activation_total).numpy()
+        return cls(counts, np.zeros(counts.shape, dtype=bool), mode, remote=True)
+
     def describe(self, layer: int, expert: int, expert_bytes: int | None) -> str:
         """The hover text for one cell."""
         count = int(self.counts[layer, expert])
         where = "resident" if self.resident[layer, expert] else "not resident"
+        if self.remote:
+            where = "on the server"
         span = "this reply" if self.mode == "reply" else "since load"
         size = f" · {format_bytes(expert_bytes)}" if expert_bytes else ""
         return f"layer {layer} · expert {expert} · {count} tokens ({span}) · {where}{size}"

@@ -19,7 +19,8 @@ def reply_stats_line(stats: ReplyStats) -> str:
         parts.append(f"prefill {stats.prefill_tokens_per_s:.1f} tok/s")
     parts.append(f"decode {stats.decode_tokens_per_s:.1f} tok/s")
     parts.append(f"TTFT {stats.ttft_s * 1000:.0f} ms" if stats.ttft_s < 1 else f"TTFT {stats.ttft_s:.2f} s")
-    parts.append(f"hit rate {stats.hit_rate:.1%}")
+    if stats.hits or stats.misses:  # a remote engine has no cache of ours to hit
+        parts.append(f"hit rate {stats.hit_rate:.1%}")
     if stats.decode_tokens:
         parts.append(f"{stats.decode_tokens} tokens")
     return " · ".join(parts)

@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import pyqtgraph as pg
+from PySide6.QtCore import Qt
 from PySide6.QtGui import QColor
-from PySide6.QtWidgets import QWidget
+from PySide6.QtWidgets import QFormLayout, QLabel, QWidget
 
 from app.themes import Theme
 
@@ -14,10 +15,31 @@ pg.setConfigOptions(antialias=True, imageAxisOrder="row-major")
 class Panel(QWidget):
     title = ""
     dock_name = ""  # the QDockWidget's objectName: the key saveState remembers the layout under
+    local_only = False  # shows MoEScope's own cache: does not apply when the engine is a remote server
 
     def __init__(self, parent: QWidget | None = None) -> None:
         super().__init__(parent)
         self.dirty = False
+        self.remote_notice: QLabel | None = None
+
+    def show_remote(self, url: str) -> None:
+        """A local-only panel says plainly that it does not apply to a remote server ("": the local engine)."""
+        if not self.local_only:
+            return
+        if self.remote_notice is None:
+            self.remote_notice = QLabel()
+            self.remote_notice.setObjectName("remote-notice")
+            self.remote_notice.setWordWrap(True)
+            self.remote_notice.setAlignment(Qt.AlignmentFlag.AlignCenter)
+            layout = self.layout()
+            if isinstance(layout, QFormLayout):
+                layout.insertRow(0, self.remote_notice)
+            else:
+                layout.insertWidget(0, self.remote_notice)
+        self.remote_notice.setText(f"{self.title} does not apply to a remote engine: the server at {url} runs "
+                                   "its own memory, and MoEScope's cache is not in between." if url else "")
+        for child in self.findChildren(QWidget, options=Qt.FindChildOption.FindDirectChildrenOnly):
+            child.setVisible(child is self.remote_notice if url else child is not self.remote_notice)
 
     def on_event(self, event) -> None:
         """Take an event; cheap. Drawing waits for `refresh`."""

@@ -66,6 +66,7 @@ class ScaleBar(QWidget):
 class BudgetPanel(Panel):
     title = "Memory budget"
     dock_name = "dock-budget"
+    local_only = True
     budget_requested = Signal(str)  # what SetBudget should carry
 
     def __init__(self, estimator: EstimateFn | None = None, parent: QWidget | None = None) -> None:

@@ -14,6 +14,10 @@ from app.panels.overlay_item import MaskOverlay
 from app.themes import LIGHT, Theme
 from engine import protocol as p
 
+REMOTE_WAITING = ("No routing from this server yet. vLLM reports it when started with "
+                  "--enable-return-routed-experts; SGLang through its expert-distribution record "
+                  "(--expert-distribution-recorder-mode stat).")
+
 
 def _lut(name: str = "inferno") -> np.ndarray:
     return pg.colormap.get(name).getLookupTable(0.0, 1.0, 256, alpha=False)
@@ -27,6 +31,8 @@ class HeatmapPanel(Panel):
     def __init__(self, parent: QWidget | None = None) -> None:
         super().__init__(parent)
         self.snapshot: p.TelemetrySnapshot | None = None
+        self.routing: p.RoutingSnapshot | None = None  # a remote server's routing (engine.remote)
+        self.remote = ""
         self.data: HeatmapData | None = None
         self.expert_bytes: int | None = None
         self.peak = 0
@@ -76,12 +82,18 @@ class HeatmapPanel(Panel):
         if isinstance(event, p.TelemetrySnapshot):
             self.snapshot = event
             self.dirty = True
+        elif isinstance(event, p.RoutingSnapshot):
+            self.routing = event
+            self.dirty = True
         elif isinstance(event, p.ModelLoaded):
-            self.expert_bytes = event.expert_bytes
-            self.snapshot = None
+            self.expert_bytes = event.expert_bytes or None
+            self.snapshot = self.routing = None
+            self.remote = event.remote
+            if event.remote:
+                self.scale_label.setText(REMOTE_WAITING)
 
     def _mode_changed(self) -> None:
-        self.dirty = self.snapshot is not None
+        self.dirty = self.snapshot is not None or self.routing is not None
 
     @property
     def mode_key(self) -> str:
@@ -89,9 +101,10 @@ class HeatmapPanel(Panel):
 
     # ----- drawing -----
     def render(self) -> None:
-        if self.snapshot is None:
-            return
-        self.show_data(HeatmapData.from_snapshot(self.snapshot, self.mode_key))
+        if self.remote and self.routing is not None:
+            self.show_data(HeatmapData.from_routing(self.routing, self.mode_key))
+        elif self.snapshot is not None and not self.remote:
+            self.show_data(HeatmapData.from_snapshot(self.snapshot, self.mode_key))
 
     def show_data(self, data: HeatmapData) -> None:
         """The hot path (benchmarked): two setImage calls with fixed levels and a fixed LUT."""
@@ -103,7 +116,8 @@ class HeatmapPanel(Panel):
             self._set_shape(layers, experts)  # after setImage: ImageItem.setRect needs the image's size
         self._update_outline()
         span = "this reply" if data.mode == "reply" else "since load"
-        self.scale_label.setText(f"brightest: {self.peak} tokens ({span}); outlined = resident")
+        where = f"from {self.routing.source}" if data.remote and self.routing else "outlined = resident"
+        self.scale_label.setText(f"brightest: {self.peak} tokens ({span}); {where}")
         self.updates += 1
 
     def _set_shape(self, layers: int, experts: int) -> None:

@@ -16,6 +16,7 @@ WINDOW_S = 60.0  # the visible span of the scrolling plot
 class HitRatePanel(Panel):
     title = "Cache hit rate"
     dock_name = "dock-hit-rate"
+    local_only = True
 
     def __init__(self, history: TelemetryHistory, parent: QWidget | None = None) -> None:
         super().__init__(parent)

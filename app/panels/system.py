@@ -35,6 +35,7 @@ def _usage(bar: QProgressBar, used: int, total: int) -> None:
 class SystemPanel(Panel):
     title = "System"
     dock_name = "dock-system"
+    local_only = True
     policy_requested = Signal(str)
     fast_decode_requested = Signal(bool)
 

@@ -18,6 +18,7 @@ from engine import protocol as p
 class TrafficPanel(Panel):
     title = "Transfer traffic"
     dock_name = "dock-traffic"
+    local_only = True
 
     def __init__(self, history: TelemetryHistory, parent: QWidget | None = None) -> None:
         super().__init__(parent)

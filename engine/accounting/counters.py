@@ -39,6 +39,9 @@ class EngineCounters:
         self.recent: deque[TokenRecord] = deque(maxlen=window)
         self._token = TokenRecord(0, 0, 0, 0.0)
         self.requests_started = 0
+        # the experts each layer ran for the current one-token step, when asked for (Generate.return_routing)
+        self.keep_token_picks = False
+        self._picks: np.ndarray | None = None  # [layers, width] int16, -1 pads
         # LRU stack distances of the routing since load: the planner's miss curves
         self.miss_curves = MissCurveRecorder(num_layers, num_experts)
 
@@ -61,6 +64,23 @@ class EngineCounters:
             per_layer[step.layers] += values
         self._token.hits += int(hits.sum())
         self._token.misses += int(misses.sum())
+        if self.keep_token_picks and step.tokens == 1:
+            self._keep_picks(step)
+
+    def _keep_picks(self, step: RoutingStep) -> None:
+        width = step.experts.shape[1]
+        if self._picks is None:
+            self._picks = np.full((self.num_layers, width), -1, dtype=np.int16)
+        elif self._picks.shape[1] < width:  # a layer that ran more experts than the ones before it
+            wider = np.full((self.num_layers, width), -1, dtype=np.int16)
+            wider[:, : self._picks.shape[1]] = self._picks
+            self._picks = wider
+        self._picks[step.layers, :width] = step.experts
+
+    def take_token_picks(self) -> np.ndarray | None:
+        """The current one-token step's [layers, width] expert ids (kept with `keep_token_picks`), then forget them."""
+        picks, self._picks = self._picks, None
+        return picks
 
     def record_load(self, nbytes: int, *, prefetch: bool = False) -> None:
         if prefetch:

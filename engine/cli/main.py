@@ -13,6 +13,7 @@ from collections.abc import Sequence
 
 from engine.cli.args import add_format_arg, add_model_args, add_sampling_args, load_settings, sampling_settings
 from engine.cli.models import add_models_parser, run_models
+from engine.cli.serve import add_serve_parser, run_serve
 from engine.cli.trace import add_trace_parser, run_trace
 from engine.errors import MoEScopeError
 
@@ -46,6 +47,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub.add_parser("policies", help="list the cache policies")
     add_trace_parser(sub)
     add_models_parser(sub)
+    add_serve_parser(sub)
     return parser
 
 
@@ -169,6 +171,7 @@ def cmd_policies(_: argparse.Namespace) -> int:
 
 COMMANDS = {"generate": cmd_generate, "chat": cmd_chat, "info": cmd_info, "policies": cmd_policies, "trace": run_trace}
 COMMANDS["models"] = run_models
+COMMANDS["serve"] = run_serve
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -10,6 +10,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 
+import numpy as np
 import torch
 
 from engine.decode.kv_cache import new_cache
@@ -30,6 +31,7 @@ class GenerationResult:
     text: str
     finish_reason: str  # "eos" | "length" | "stop" | "cancelled"
     stats: ReplyStats = field(default_factory=ReplyStats)
+    routed_experts: np.ndarray | None = None  # with keep_routing: [steps after the prompt, layers, top_k] int16
 
     def to_dict(self) -> dict:
         return {"token_ids": self.token_ids, "text": self.text, "finish_reason": self.finish_reason, "stats": asdict(self.stats)}
@@ -78,6 +80,7 @@ class Generator:
         on_text: TextFn | None = None,
         on_token: TokenFn | None = None,
         between_tokens: Callable[[], bool] | None = None,
+        keep_routing: bool = False,
     ) -> GenerationResult:
         rt = self.runtime
         context = rt.context_length
@@ -103,6 +106,9 @@ class Generator:
         ids = torch.tensor([list(prompt_ids)], dtype=torch.long, device=device)
         seen = ids[0].clone()
         cache = new_cache(rt.model.config)
+        counters.keep_token_picks = keep_routing
+        counters.take_token_picks()
+        routed: list[np.ndarray] = []  # one [layers, top_k] per step after the prompt (a generated token fed back)
         generated: list[int] = []
         text = ""
         finish = "length"
@@ -115,6 +121,9 @@ class Generator:
             if step > 0:
                 rt.decode_path, rt.decode_path_reason = path.label, reason
             logits = path.run(forward)
+            picks = counters.take_token_picks()
+            if step > 0 and picks is not None:
+                routed.append(picks)
             token = sampler.next_token(logits[0, -1], seen)
             record = counters.end_token()
             rt.cache.policy.on_token_end()
@@ -143,6 +152,7 @@ class Generator:
                 finish = "cancelled"
                 break
         t_end = time.perf_counter()
+        counters.keep_token_picks = False
 
         stats = ReplyStats(
             prefill_tokens=len(prompt_ids),
@@ -161,7 +171,8 @@ class Generator:
         )
         stats.hit_rate = counters.rate(stats.hits, stats.misses)
         stats.decode_hit_rate = counters.rate(decode_hits, decode_misses)
-        return GenerationResult(generated, text, finish, stats)
+        routing = _stack_routing(routed, rt.counters.num_layers) if keep_routing else None
+        return GenerationResult(generated, text, finish, stats, routing)
 
     def _advance_text(self, generated: list[int], text: str, stop: Sequence[str]) -> tuple[str, str, bool]:
         """Decode the reply so far; return (text, new delta, hit a stop string)."""
@@ -175,3 +186,12 @@ class Generator:
                 return full, full[len(text):] if full.startswith(text) else "", True
         delta = full[len(text):] if full.startswith(text) else ""
         return full, delta, False
+
+
+def _stack_routing(rows: list[np.ndarray], layers: int) -> np.ndarray:
+    """[steps, layers, top_k] int16 from per-step picks (widths can differ: pad with -1)."""
+    width = max((r.shape[1] for r in rows), default=0)
+    out = np.full((len(rows), layers, width), -1, dtype=np.int16)
+    for i, r in enumerate(rows):
+        out[i, :, : r.shape[1]] = r
+    return out

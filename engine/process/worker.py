@@ -188,11 +188,12 @@ class Worker:
 
         try:
             result = generator.generate(prompt_ids, settings, on_text=on_text, on_token=on_token,
-                                        between_tokens=between_tokens)
+                                        between_tokens=between_tokens, keep_routing=command.return_routing)
         finally:
             self.state = "idle"
         self._snapshot(force=True)
-        self.send(p.Done(rid, result.finish_reason, result.text, result.token_ids, result.stats))
+        routed = p.Array.of(result.routed_experts) if result.routed_experts is not None else None
+        self.send(p.Done(rid, result.finish_reason, result.text, result.token_ids, result.stats, routed))
 
     def _poll_during(self, request_id: str) -> bool:
         """Apply what arrived while generating; True means stop this reply."""
@@ -204,6 +205,7 @@ class Worker:
                 return True
             if isinstance(command, p.Cancel):
                 stop = stop or command.request_id in (None, request_id)
+                self._drop_queued(command.request_id)
             elif isinstance(command, (p.SetBudget, p.SetPolicy, p.SetFastDecode, p.SetTelemetry)):
                 try:
                     self._apply_live(command)
@@ -221,6 +223,15 @@ class Worker:
                     stop = True
                 self.pending.append(command)
         return stop
+
+    def _drop_queued(self, request_id: str | None) -> None:
+        """A Cancel for a request still waiting behind the running one: it never starts (the server's
+        clients that disconnect while queued)."""
+        if request_id is None:
+            return
+        for queued in [c for c in self.pending if isinstance(c, p.Generate) and c.request_id == request_id]:
+            self.pending.remove(queued)
+            self.send(p.Done(request_id, "cancelled", "", [], p.ReplyStats()))
 
     def _snapshot(self, force: bool = False) -> None:
         if not self.telemetry_enabled or self.telemetry is None:

@@ -213,3 +213,14 @@ def write_large_qwen3_moe(path: Path, *, layers: int = 6, experts: int = 64, hid
         weight_map.update(dict.fromkeys(shard, fname))
     (path / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
     return path
+
+
+def save_endless_checkpoint(path: Path) -> Path:
+    """The tiny Mixtral with no EOS anywhere (config, generation config, tokenizer): every reply runs to
+    max tokens, so there is always a reply to act on mid-stream."""
+    save_tiny_checkpoint("mixtral", path, eos_token_id=None)
+    tokenizer_config = path / "tokenizer_config.json"
+    config = json.loads(tokenizer_config.read_text())
+    config.pop("eos_token", None)  # the engine falls back to the tokenizer's EOS
+    tokenizer_config.write_text(json.dumps(config))
+    return path

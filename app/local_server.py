@@ -1,0 +1,63 @@
+"""The window's "Local server": `engine.serve` on a thread, sharing the window's engine client.
+
+Requests from the API queue FIFO on the same engine as the chat (batch 1), and the panels show them
+live like chat replies. Loopback only: the window never opens the model to other machines.
+"""
+
+from __future__ import annotations
+
+from PySide6.QtCore import QObject, Qt, Signal
+
+from app.engine_bridge import EngineBridge
+from engine.errors import MoEScopeError
+
+
+class LocalServer(QObject):
+    request_logged = Signal(object)  # engine.serve.hub.LogEntry, on the GUI thread
+    _logged = Signal(object)  # emitted on the server's thread
+
+    def __init__(self, bridge: EngineBridge, parent: QObject | None = None) -> None:
+        super().__init__(parent)
+        self.bridge = bridge
+        self.hub = None
+        self.thread = None
+        self.url = ""
+        self._logged.connect(self.request_logged, Qt.ConnectionType.QueuedConnection)
+        bridge.event.connect(self._on_event)
+
+    @property
+    def running(self) -> bool:
+        return self.thread is not None
+
+    def start(self, port: int) -> str | None:
+        """Listen on 127.0.0.1:`port`; the reason when it cannot (the port is taken...), else None."""
+        from engine.serve.app import create_app
+        from engine.serve.hub import EngineHub
+        from engine.serve.runner import ServerThread, listen
+
+        self.stop()
+        try:
+            sock = listen("127.0.0.1", port)
+        except MoEScopeError as exc:
+            return str(exc)
+        self.hub = EngineHub(self._send, on_log=self._logged.emit)
+        if self.bridge.model is not None:
+            self.hub.on_event(self.bridge.model)  # loaded before the server started
+        self.thread = ServerThread(create_app(self.hub), sock)
+        self.thread.start()
+        self.url = self.thread.url
+        return None
+
+    def stop(self) -> None:
+        if self.thread is not None:
+            self.thread.stop()
+        self.thread = self.hub = None
+        self.url = ""
+
+    def _send(self, command) -> None:
+        if not self.bridge.send(command):
+            raise RuntimeError("the engine is not running")
+
+    def _on_event(self, event) -> None:
+        if self.hub is not None:
+            self.hub.on_event(event)

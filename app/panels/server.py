@@ -1,0 +1,88 @@
+"""The "Local server" dock: the switch, the port, the URL to copy, and a log of the API's requests."""
+
+from __future__ import annotations
+
+from PySide6.QtGui import QGuiApplication
+from PySide6.QtWidgets import (
+    QCheckBox,
+    QHBoxLayout,
+    QLabel,
+    QLineEdit,
+    QPlainTextEdit,
+    QPushButton,
+    QSpinBox,
+    QVBoxLayout,
+    QWidget,
+)
+
+from app.local_server import LocalServer
+from app.panels.base import Panel
+from engine.serve import DEFAULT_PORT
+
+LOG_LINES = 200
+
+
+class ServerPanel(Panel):
+    title = "Local server"
+    dock_name = "dock-server"
+
+    def __init__(self, server: LocalServer, parent: QWidget | None = None) -> None:
+        super().__init__(parent)
+        self.server = server
+        self.switch = QCheckBox("Local server (OpenAI API)")
+        self.switch.setToolTip("Serve the loaded model to editors, agents and scripts on this machine only")
+        self.switch.toggled.connect(self._toggled)
+        self.port = QSpinBox()
+        self.port.setRange(0, 65535)
+        self.port.setSpecialValueText("any")  # 0: any free port
+        self.port.setValue(DEFAULT_PORT)
+        self.url = QLineEdit()
+        self.url.setReadOnly(True)
+        self.url.setPlaceholderText("off")
+        self.copy = QPushButton("Copy")
+        self.copy.setEnabled(False)
+        self.copy.clicked.connect(lambda: QGuiApplication.clipboard().setText(self.url.text()))
+        self.status = QLabel("Off. Turn it on to serve the model on 127.0.0.1 (this machine only).")
+        self.status.setWordWrap(True)
+        self.log = QPlainTextEdit()
+        self.log.setReadOnly(True)
+        self.log.setMaximumBlockCount(LOG_LINES)
+        self.log.setPlaceholderText("API requests appear here")
+        server.request_logged.connect(self.add_entry)
+
+        top = QHBoxLayout()
+        top.addWidget(self.switch)
+        top.addStretch(1)
+        top.addWidget(QLabel("Port:"))
+        top.addWidget(self.port)
+        address = QHBoxLayout()
+        address.addWidget(self.url, 1)
+        address.addWidget(self.copy)
+        layout = QVBoxLayout(self)
+        layout.setContentsMargins(4, 4, 4, 4)
+        layout.addLayout(top)
+        layout.addLayout(address)
+        layout.addWidget(self.status)
+        layout.addWidget(self.log, 1)
+
+    def _toggled(self, on: bool) -> None:
+        if on:
+            problem = self.server.start(self.port.value())
+            if problem is not None:
+                self.status.setText(problem)
+                self.switch.blockSignals(True)
+                self.switch.setChecked(False)
+                self.switch.blockSignals(False)
+                return
+            self.url.setText(self.server.url)
+            self.status.setText("Listening on this machine only. Use the URL as the OpenAI base URL; "
+                                f"the model is '{self.server.bridge.model.name if self.server.bridge.model else ''}'.")
+        else:
+            self.server.stop()
+            self.url.clear()
+            self.status.setText("Off.")
+        self.port.setEnabled(not on)
+        self.copy.setEnabled(on)
+
+    def add_entry(self, entry) -> None:
+        self.log.appendPlainText(entry.line())

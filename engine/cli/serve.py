@@ -1,0 +1,78 @@
+"""`moescope serve`: the model as an OpenAI-compatible server, with its own engine process.
+
+The server itself is torch-free (`engine.serve`): it loads nothing but the protocol client, and the
+worker process runs the model, restarted (and the model reloaded) if it crashes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import threading
+
+from engine import protocol as p
+from engine.cli.args import add_model_args, load_settings
+from engine.errors import MoEScopeError
+from engine.serve import DEFAULT_PORT
+
+
+def add_serve_parser(sub) -> None:
+    serve = sub.add_parser("serve", help="serve the model over the OpenAI API (loopback only unless --api-key)")
+    add_model_args(serve)
+    serve.add_argument("--host", default="127.0.0.1",
+                       help="address to listen on; anything but loopback needs --api-key (default 127.0.0.1)")
+    serve.add_argument("--port", type=int, default=DEFAULT_PORT, help=f"port (default {DEFAULT_PORT}; 0: any free one)")
+    serve.add_argument("--api-key", default=os.environ.get("MOESCOPE_API_KEY"),
+                       help="require 'Authorization: Bearer KEY' on every request (default: $MOESCOPE_API_KEY)")
+    serve.add_argument("--max-queue", type=int, default=16,
+                       help="requests waiting or running at once; more get 429 with Retry-After (default 16)")
+    serve.add_argument("--max-body-kib", type=int, default=4096, help="largest request body accepted (default 4096)")
+    serve.add_argument("--return-routed-experts", action="store_true",
+                       help="every response carries routed_experts [tokens, layers, top_k], as vLLM's flag does "
+                       "(a request can ask with return_routed_experts: true)")
+
+
+def run_serve(args: argparse.Namespace) -> int:
+    from engine.process.client import EngineClient
+    from engine.serve.app import ServerSettings, create_app
+    from engine.serve.hub import EngineHub
+    from engine.serve.runner import check_bind, listen, serve_forever, url_of
+
+    if args.max_queue < 1 or args.max_body_kib < 1:
+        raise MoEScopeError("--max-queue and --max-body-kib must be at least 1")
+    check_bind(args.host, args.api_key)
+    sock = listen(args.host, args.port)
+    loaded = threading.Event()
+    failed: list[p.Error] = []
+
+    def on_event(event) -> None:
+        hub.on_event(event)
+        if isinstance(event, p.ModelLoaded):
+            loaded.set()
+        elif isinstance(event, p.Error) and not loaded.is_set() and event.request_id is None:
+            failed.append(event)
+            loaded.set()
+
+    def restart() -> None:
+        print("moescope: the engine crashed; restarting it and reloading the model", file=sys.stderr, flush=True)
+        threading.Thread(target=client.restart, name="moescope-restart", daemon=True).start()
+
+    client = EngineClient(on_event)
+    hub = EngineHub(client.send, max_queue=args.max_queue, aliases=(args.model,), on_crash=restart,
+                    on_log=lambda entry: print(f"moescope: {entry.line()}", file=sys.stderr, flush=True))
+    client.start()
+    try:
+        client.send(load_settings(args))
+        loaded.wait()
+        if failed:
+            raise MoEScopeError(failed[0].message)
+        settings = ServerSettings(api_key=args.api_key, max_body_bytes=args.max_body_kib * 1024,
+                                  return_routed_experts=args.return_routed_experts)
+        model = hub.model.name if hub.model else args.model
+        print(f"moescope: serving {model} on {url_of(sock)} (OpenAI API; Ctrl-C stops)", file=sys.stderr, flush=True)
+        serve_forever(create_app(hub, settings), sock)
+    finally:
+        client.stop()
+        sock.close()
+    return 0
