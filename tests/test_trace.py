@@ -8,11 +8,11 @@ from pathlib import Path
 import pytest
 
 from engine.accounting.policies import POLICIES, make_policy
+from engine.accounting.sizes import parse_budget
 from engine.cli.main import main as moescope
 from engine.decode.generation import Generator
 from engine.decode.runtime import MoERuntime
 from engine.protocol import LoadModel, SamplingSettings
-from engine.accounting.sizes import parse_budget
 from engine.traces.replay import ReplayError, belady_for, compare, replay
 from engine.traces.trace import TraceError, read_trace
 from tests.helpers.checkpoints import reference_generate
