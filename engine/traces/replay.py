@@ -47,7 +47,7 @@ class ReplayError(ValueError):
 
 @dataclass
 class ReplayResult:
-    policy: str  # the policy's name, with " (oracle)" when it was calibrated on the scored routing
+    policy: str  # the policy as asked for (name and options), with " (oracle)" when calibrated on the scored routing
     slots_per_layer: list[int]
     tokens: int
     accesses: int = 0  # expert uses (one per needed expert per layer per step)
@@ -253,8 +253,7 @@ def compare(trace: Trace, policy_spec: str, spec: BudgetSpec, *, calibrate: floa
     slots, used = plan_slots(calibration, total, allocation)
     online = replay(scored, policy, slots, history=calibration, expert_bytes=expert_bytes, profile=counts)
     labelled = oracle and policy.needs_profile
-    if labelled:
-        online.policy += " (oracle)"
+    online.policy = policy_spec.strip() + (" (oracle)" if labelled else "")  # the options too: markov:decay=0.9
     offline = replay(scored, belady_for(scored), slots, expert_bytes=expert_bytes)
     predicted = predict(trace_curves(calibration), slots).hit_rate if calibration.steps else None
     return Comparison(str(spec), used, online, offline, predicted, describe_split(trace, calibration), labelled)

@@ -99,27 +99,29 @@ class MarkovPolicy(LRUPolicy):
             layers, ids = steps[0].layers, steps[0].experts
         else:
             layers, ids = np.concatenate([s.layers for s in steps]), np.concatenate([s.experts for s in steps])
+        rows = slice(None) if len(layers) == self.num_layers else layers  # a whole token: views, not copies
         width, none, side = ids.shape[1], self.num_experts, self.num_experts + 1
-        before = self._previous[layers, : max(1, int(self._width[layers].max()))]  # [rows, w], padded with `none`
+        before = self._previous[rows, : max(1, int(self._width[rows].max()))]  # [rows, w], padded with `none`
         start = layers[:, None] * side + before  # flat (layer, from)
         self._follows_flat[(start * side)[:, :, None] + ids[:, None, :]] += 1  # (from, to) distinct: no repeats
         self._leaving_flat[start] += (1, width)
-        self._follows[layers, none] = self._leaving[layers, none] = 0
-        uses, growth = self._uses[:, layers[:, None], ids], self._growth[:, layers]
+        self._follows[rows, none] = self._leaving[rows, none] = 0
+        uses = self._uses[:, layers[:, None], ids]
         if len(self.decays) > 1:  # each decay's log-likelihood of these experts, as its rate predicted them
-            odds = np.log(uses + 1e-300).sum(axis=2) - width * np.log(growth * self._mass[:, layers] + 1e-300)
-            self._skill[:, layers] = self._skill[:, layers] * self.memory + odds
-        growth /= self.decays[:, None]
-        self._growth[:, layers] = growth
-        self._uses[:, layers[:, None], ids] = uses + growth[:, :, None]  # once per step, however many tokens
-        self._mass[:, layers] = self._mass[:, layers] * self.decays[:, None] + width
-        if growth.max() > 1e100:  # every few thousand steps: back to true counts
+            self._skill[:, rows] *= self.memory
+            self._skill[:, rows] += np.log(uses + 1e-300).sum(axis=2)
+            self._skill[:, rows] -= width * np.log(self._growth[:, rows] * self._mass[:, rows] + 1e-300)
+        self._growth[:, rows] /= self.decays[:, None]
+        self._uses[:, layers[:, None], ids] = uses + self._growth[:, rows, None]  # once per step, however many tokens
+        self._mass[:, rows] *= self.decays[:, None]
+        self._mass[:, rows] += width
+        if self._growth[:, rows].max() > 1e100:  # every few thousand steps: back to true counts
             self._uses /= self._growth[:, :, None]
             self._growth[:] = 1
-        self._previous[layers] = none
-        self._previous[layers, :width] = ids
-        self._width[layers] = width
-        self._fresh[layers] = False
+        self._previous[rows] = none
+        self._previous[rows, :width] = ids
+        self._width[rows] = width
+        self._fresh[rows] = False
 
     # ----- deciding -----
     def decay_in_use(self, layer: int) -> float:
