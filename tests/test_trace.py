@@ -239,3 +239,13 @@ def test_real_olmoe_trace_markov_beats_lru_and_nothing_beats_belady():
         lru, markov = (compare(trace, p, parse_budget(budget), allocation="uniform") for p in ("lru", "markov"))
         assert markov.policy.loads < lru.policy.loads and markov.policy.hit_rate > lru.policy.hit_rate
         assert markov.policy.loads >= markov.belady.loads and markov.policy.tokens == 224
+
+
+@pytest.mark.parametrize("name", ["demo-heldout-mixed", "demo-heldout-by-skill"])
+def test_committed_demo_traces_replay_with_request_structure(name):
+    trace = read_trace(Path(__file__).resolve().parents[1] / "bench" / "traces" / f"{name}.jsonl")
+    assert (trace.num_layers, trace.num_experts, trace.top_k, trace.requests) == (4, 8, 2, 32)
+    assert all(s.predictions for s in trace.steps if s.layer == 0)  # the router lookahead promoe replays
+    lru, markov = (compare(trace, p, parse_budget("50%"), allocation="uniform") for p in ("lru", "markov"))
+    assert lru.calibration == "the first 8 of 32 requests"
+    assert markov.policy.loads < lru.policy.loads  # as in docs/performance.md
