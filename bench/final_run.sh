@@ -9,6 +9,8 @@ $PY -m bench.decode_limit --reps 3 --threads 2 --decode 64
 $PY -m bench.telemetry_overhead --model qwen3moe-64e --budget 50% --reps 5 --decode 64
 $PY -m bench.run --models qwen3moe-64e,mixtral-8e-12l,demo --budgets 10,25,50,100 --prompts 128,512 \
     --decode 64 --accelerate-decode 8 --accelerate-prompts 128
+$PY -m bench.run --models qwen3moe-64e --budgets 25,50,100 --prompts 128 --decode 64 --routings olmoe \
+    --policies lru,markov --skip-accelerate --label olmoe-routing
 $PY -m bench.lossy_cost --budgets 25,50 --n 20
 $PY bench/heatmap_bench.py
 # Slow: its first run builds llama.cpp and writes ~9 GB of GGUF files (docs/performance.md).

@@ -1,6 +1,6 @@
 """One measurement per process, so each system's peak memory is its own.
 
-    python -m bench.measure ours --model DIR --budget 25% --prompt-len 128 --decode 64 [--routing trace|random]
+    python -m bench.measure ours --model DIR --budget 25% --prompt-len 128 --decode 64 [--routing random|trace|olmoe]
     python -m bench.measure stock --model DIR --prompt-len 128 --decode 64
     python -m bench.measure accelerate --model DIR --max-memory-bytes N --prompt-len 128 --decode 64
 
@@ -35,7 +35,7 @@ def measure_ours(args) -> dict:
     import torch
 
     from bench.formats import load_settings
-    from bench.routing import bench_cache, synthetic_locality_trace
+    from bench.routing import bench_cache, olmoe_choices, synthetic_locality_trace
     from engine.decode.generation import Generator
     from engine.decode.runtime import MoERuntime
     from engine.model.inspect import inspect_checkpoint
@@ -43,10 +43,13 @@ def measure_ours(args) -> dict:
 
     torch.set_num_threads(args.threads)
     trace = None
-    if args.routing == "trace":
+    if args.routing != "random":
         info = inspect_checkpoint(args.model)
-        trace = synthetic_locality_trace(args.prompt_len + args.decode + 8, info.num_moe_layers, info.num_experts,
-                                         info.top_k, seed=args.seed)
+        if args.routing == "olmoe":  # real routing, cycled past its 299 tokens
+            trace = olmoe_choices(info.num_moe_layers, info.num_experts, info.top_k)
+        else:
+            trace = synthetic_locality_trace(args.prompt_len + args.decode + 8, info.num_moe_layers, info.num_experts,
+                                             info.top_k, seed=args.seed)
     format_settings = load_settings(args.format) if args.format else {}  # None: the checkpoint's own weights
     cache_type = bench_cache(choices=trace, forget=args.no_cache)  # no cache: baseline (c), every expert on demand
     runtime = MoERuntime(LoadModel(path=args.model, budget=args.budget, store=args.store, device=args.device,
@@ -62,6 +65,7 @@ def measure_ours(args) -> dict:
     with bandwidth_around(args) as bandwidth:
         result = generator.generate(ids, SamplingSettings(temperature=0, max_new_tokens=args.decode))
     runtime.stop_trace()
+    routing_rows_used = runtime.cache.routing.position[0] if trace is not None else None  # warm-up included
     s = result.stats
     decode_time = (s.decode_tokens - 1) / s.decode_tokens_per_s if s.decode_tokens_per_s else 0.0
     runtime.close()
@@ -82,6 +86,10 @@ def measure_ours(args) -> dict:
         "total_s": s.total_s,
         "bytes_loaded": s.bytes_loaded,
         "decode_bytes_per_token": s.decode_bytes_loaded / max(1, s.decode_tokens - 1),
+        "loads_per_token": s.bytes_loaded / layout.slot_bytes / max(1, s.prefill_tokens + s.decode_tokens),
+        "decode_loads_per_token": s.decode_bytes_loaded / layout.slot_bytes / max(1, s.decode_tokens - 1),
+        "routing_rows": None if trace is None else len(trace),  # a shorter trace is cycled
+        "routing_rows_used": routing_rows_used,
         "dense_bytes": layout.dense_bytes,
         "peak_rss_bytes": peak_rss(),
         "token_ids": result.token_ids,
@@ -178,7 +186,9 @@ def main(argv=None) -> int:
     parser.add_argument("--no-pack-weights", action="store_true", help="ours: expert matrices in plain layout")
     parser.add_argument("--fast-decode", action="store_true", help="ours: decode GEMVs skip oneDNN (engine.decode.paths.native_layers)")
     parser.add_argument("--format", default=None, help="ours: a weight format of bench.formats (bf16, ...)")
-    parser.add_argument("--routing", default="random", choices=["random", "trace"])
+    parser.add_argument("--routing", default="random", choices=["random", "trace", "olmoe"],
+                        help="the model's own router (random weights), a synthetic trace with locality, or the real "
+                        "OLMoE-1B-7B routing (bench.routing.OLMOE_TRACE; qwen3moe-64e's geometry), cycled")
     parser.add_argument("--no-cache", action="store_true")
     parser.add_argument("--impl", default="grouped_mm")
     parser.add_argument("--max-memory-bytes", type=int, default=0)

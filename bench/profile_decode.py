@@ -5,13 +5,13 @@ decodes with a wall-clock split per token:
 - experts: the expert matmuls themselves (grouped or per-expert kernels, incl. their gathers) and,
   on the one-token path, the routing-weighted sum of their outputs;
 - bookkeeping: the rest of `ExpertCache.run_layer` (routing counts, cache lookups, telemetry
-  counters, sorting rows by slot);
+  counters, sorting rows by slot), and the policy's end of token (where `markov` learns a token);
 - model: everything outside the experts (attention, norms, router, embeddings, LM head, sampling).
 With --fast-decode's whole-token step (engine.decode.paths.whole_token) the native call reports its own split
 (norms, qkv_rope, attention, o_proj, router, experts, lm_head), and the bookkeeping is the cache's
 record of the token afterwards. Also prints torch.profiler's top operators.
 
-    python -m bench.profile_decode [--geometry qwen3moe-64e] [--decode 32] [--threads 2] [--ops 15]
+    python -m bench.profile_decode [--geometry qwen3moe-64e] [--decode 32] [--threads 2] [--ops 15] [--policy lru]
 """
 
 from __future__ import annotations
@@ -34,6 +34,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--ops", type=int, default=15, help="top operators to list (0: skip the profiler)")
     parser.add_argument("--fast-decode", action="store_true", help="decode GEMVs skip oneDNN (engine.decode.paths.native_layers)")
     parser.add_argument("--no-pack-weights", action="store_true", help="expert matrices in plain layout")
+    parser.add_argument("--policy", default="lru", help="cache policy (its bookkeeping is counted)")
     parser.add_argument("--label", default="", help="e.g. before/after: named in the results")
     parser.add_argument("--out", type=Path, default=RESULTS_DIR)
     args = parser.parse_args(argv)
@@ -50,8 +51,9 @@ def main(argv: list[str] | None = None) -> int:
 
     torch.set_num_threads(args.threads)
     runtime = MoERuntime(LoadModel(path=str(build_checkpoint(args.geometry)), budget="all", store="ram",
-                                   fast_decode=args.fast_decode, pack_weights=not args.no_pack_weights))
-    clock = {"layer": 0.0, "kernels": 0.0, "whole_token_bookkeeping": 0.0}
+                                   fast_decode=args.fast_decode, pack_weights=not args.no_pack_weights,
+                                   policy=args.policy))
+    clock = {"layer": 0.0, "kernels": 0.0, "whole_token_bookkeeping": 0.0, "policy_token_end": 0.0}
     in_layer: list[bool] = []
 
     def timed(fn, key):
@@ -77,6 +79,8 @@ def main(argv: list[str] | None = None) -> int:
         return record(step) if in_layer else timed(record, "whole_token_bookkeeping")(step)
 
     runtime.cache.run_layer, runtime.cache.record = layer, record_step
+    policy = runtime.cache.policy
+    policy.on_token_end = timed(policy.on_token_end, "policy_token_end")
     cache_module.grouped_expert_mlp = timed(cache_module.grouped_expert_mlp, "kernels")
     cache_module.expert_mlp = timed(cache_module.expert_mlp, "kernels")
     runtime.cache._one_token = timed(runtime.cache._one_token, "kernels")  # the exact one-token path
@@ -108,12 +112,12 @@ def main(argv: list[str] | None = None) -> int:
 
     token_s, split, phases = decode_once()
     experts = split["kernels"] + phases.get("experts", 0.0)
-    bookkeeping = split["layer"] - split["kernels"] + split["whole_token_bookkeeping"]
+    bookkeeping = split["layer"] - split["kernels"] + split["whole_token_bookkeeping"] + split["policy_token_end"]
     report = {
         "geometry": args.geometry, "threads": args.threads, "fast_decode": args.fast_decode, "decode_tokens_per_s": 1 / token_s,
         "ms_per_token": token_s * 1e3, "experts_ms": experts * 1e3, "bookkeeping_ms": bookkeeping * 1e3,
         "model_ms": (token_s - experts - bookkeeping) * 1e3, "bookkeeping_share": bookkeeping / token_s,
-        "label": args.label, "whole_token_step": bool(phases),
+        "label": args.label, "policy": args.policy, "whole_token_step": bool(phases),
         "native_phase_ms": {k: v * 1e3 for k, v in phases.items()},
     }
     print(f"{args.geometry}, {args.threads} threads{', --fast-decode' if args.fast_decode else ''}: "

@@ -13,11 +13,18 @@ The engine knows nothing of this: a benchmark hands `MoERuntime` one of the cach
 from __future__ import annotations
 
 from functools import partial
+from pathlib import Path
 
 import numpy as np
 import torch
 
 from engine.offload.expert_cache import ExpertCache
+
+# Real routing: OLMoE-1B-7B's routers over 299 decode tokens (16 layers x 64 experts, top-8), from
+# tests/trace_olmoe_299.jsonl of the public repository sqliteai/warp (Apache-2.0), kept beside the
+# repository in ../shared (provenance in its README), not copied into it.
+OLMOE_TRACE = Path(__file__).resolve().parents[1].parent / "shared" / "traces" / "olmoe-1b-7b" / "trace_olmoe_299.jsonl"
+OLMOE_GEOMETRY = (16, 64, 8)  # MoE layers, experts, top-k
 
 
 class TraceRouting:
@@ -57,6 +64,22 @@ def synthetic_locality_trace(tokens: int, layers: int, experts: int, top_k: int,
                     chosen.append(e)
             out[t, layer] = chosen
             previous = chosen
+    return out
+
+
+def olmoe_choices(layers: int, experts: int, top_k: int) -> np.ndarray:
+    """The OLMoE trace's decode routing as [299, layers, top_k] choices, for a model of its geometry."""
+    from engine.traces.trace import read_trace
+
+    if (layers, experts, top_k) != OLMOE_GEOMETRY:
+        raise ValueError(f"the OLMoE routing is {OLMOE_GEOMETRY[0]} MoE layers x {OLMOE_GEOMETRY[1]} experts, "
+                         f"top-{OLMOE_GEOMETRY[2]}; this model has {layers} x {experts}, top-{top_k} (use qwen3moe-64e)")
+    if not OLMOE_TRACE.exists():
+        raise ValueError(f"the OLMoE trace is not here: {OLMOE_TRACE} (it lives in ../shared/traces beside the repository)")
+    trace = read_trace(OLMOE_TRACE, num_experts=experts)
+    out = np.zeros((trace.tokens, layers, top_k), dtype=np.int64)
+    for step in trace.steps:
+        out[step.token, step.layer] = step.experts
     return out
 
 

@@ -7,7 +7,11 @@ import json
 
 import pytest
 
+from bench.measure import main as measure_main
+from bench.routing import OLMOE_TRACE, olmoe_choices
 from bench.run import main as bench_main
+from engine.traces.trace import read_trace
+from tests.helpers.checkpoints import save_tiny_checkpoint
 
 pytestmark = pytest.mark.bench
 
@@ -54,3 +58,34 @@ def test_token_by_token_limit_and_prefill_pairs_run_and_report(tmp_path, mixtral
     (prefill_report,) = out.glob("prefill-pair-*.json")
     (row,) = json.loads(prefill_report.read_text())["rows"]
     assert row["ours_tokens_per_s"] > 0 and row["stock_tokens_per_s"] > 0 and len(row["seconds"]["ours"]) == 2
+
+
+@pytest.mark.skipif(not OLMOE_TRACE.exists(), reason=f"the real OLMoE-1B-7B trace is not here ({OLMOE_TRACE}: "
+                    "../shared is absent)")
+def test_harness_drives_the_olmoe_routing_for_each_policy(tmp_path, capsys):
+    # a tiny checkpoint of OLMoE-1B-7B's MoE geometry (16 layers x 64 experts, top-8), as qwen3moe-64e has
+    path = save_tiny_checkpoint("olmoe", tmp_path / "olmoe-geometry", num_hidden_layers=16, num_experts=64,
+                                num_experts_per_tok=8)
+    recorded = tmp_path / "routing.jsonl"
+    assert measure_main(["ours", "--model", str(path), "--budget", "50%", "--prompt-len", "8", "--decode", "6",
+                         "--threads", "1", "--routing", "olmoe", "--policy", "markov", "--trace-out", str(recorded)]) == 0
+    run = json.loads(capsys.readouterr().out.splitlines()[-1])
+    assert run["routing_rows"] == 299 and run["hit_rate"] < 1
+    real = olmoe_choices(16, 64, 8)
+    decode = [s for s in read_trace(recorded).steps if s.tokens == 1]
+    first = run["routing_rows_used"] - len(decode) // 16  # the rows the decode steps replayed
+    assert len(decode) == 16 * 5 and all(s.experts == sorted(real[first + s.token - 8, s.layer]) for s in decode)
+
+    out = tmp_path / "results"
+    assert bench_main(["--models", str(path), "--budgets", "50,100", "--prompts", "8", "--decode", "6",
+                       "--routings", "olmoe", "--policies", "lru,markov", "--skip-accelerate", "--threads", "1",
+                       "--out", str(out)]) == 0
+    (report_path,) = out.glob("*.json")
+    rows = [r for r in json.loads(report_path.read_text())["rows"] if r.get("budget_pct") is not None]
+    assert {(r["policy"], r["budget_pct"]) for r in rows} == {("lru", 100), ("lru", 50), ("markov", 50)}
+    for row in rows:
+        limit, ours = row["limit"], row["moescope"]
+        assert ours["decode_loads_per_token"] >= limit["belady_decode_loads_per_token"]  # nothing loads fewer
+        assert limit["decode_tokens_per_s"] > 0
+    table = report_path.with_suffix(".md").read_text()
+    assert "| olmoe (first " in table and "| markov | 50% |" in table

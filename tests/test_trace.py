@@ -3,18 +3,20 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 
 from engine.accounting.policies import POLICIES, make_policy
+from engine.accounting.sizes import parse_budget
 from engine.cli.main import main as moescope
 from engine.decode.generation import Generator
 from engine.decode.runtime import MoERuntime
 from engine.protocol import LoadModel, SamplingSettings
-from engine.traces.replay import belady_for, replay
+from engine.traces.replay import ReplayError, belady_for, compare, replay
 from engine.traces.trace import TraceError, read_trace
 from tests.helpers.checkpoints import reference_generate
-from tests.helpers.traces import hand_trace, skewed_trace, write_csv
+from tests.helpers.traces import hand_trace, request_types_trace, skewed_trace, write_csv, write_token_lines
 
 PROMPTS = [[1, 17, 42, 9, 77, 5, 63, 30, 11], [1, 23, 45, 67, 8, 9, 10], [1, 50, 51, 52, 53]]
 NEW_TOKENS = 40
@@ -47,7 +49,7 @@ def test_hand_made_trace_has_the_textbook_answer():
 def test_csv_trace_replays_through_the_cli(tmp_path, capsys):
     path = write_csv(hand_trace(), tmp_path / "hand.csv")
     code = moescope(["trace", "replay", str(path), "--num-layers", "1", "--num-experts", "4", "--top-k", "1",
-                     "--budget", "2slots", "--policy", "lru", "--expert-bytes", "100", "--json"])
+                     "--budget", "2slots", "--policy", "lru", "--expert-bytes", "100", "--calibrate", "0", "--json"])
     out, err = capsys.readouterr()
     assert code == 0, err
     result = json.loads(out)
@@ -149,3 +151,101 @@ def test_byte_budget_needs_expert_size(tmp_path, capsys):
     path = write_csv(hand_trace(), tmp_path / "hand.csv")
     assert moescope(["trace", "replay", str(path), "--num-layers", "1", "--num-experts", "4", "--budget", "1MiB"]) == 2
     assert "--expert-bytes" in capsys.readouterr().err
+
+
+# ---------------------------------------------------------------- honest scoring
+
+
+def test_split_calibrates_on_whole_requests_or_first_tokens():
+    several = request_types_trace(requests=12)
+    head, tail = several.split(0.25)
+    assert {s.request for s in head.steps} == {0, 1, 2} and {s.request for s in tail.steps} == set(range(3, 12))
+    one = skewed_trace(tokens=100, requests=1)
+    head, tail = one.split(0.25)
+    assert (head.tokens, tail.tokens) == (25, 75) and max(s.token for s in head.steps) < min(s.token for s in tail.steps)
+    assert one.split(0)[1].tokens == 100
+    with pytest.raises(ValueError, match="below 100 %"):
+        one.split(1)
+
+
+def test_replay_scores_only_what_did_not_calibrate(tmp_path, capsys):
+    trace = skewed_trace(tokens=240, requests=4)
+    result = compare(trace, "lru", parse_budget("30%"), allocation="uniform")
+    assert result.policy.tokens == result.belady.tokens == 180  # the first of 4 requests calibrated
+    assert result.calibration == "the first 1 of 4 requests"
+    path = write_csv(trace, tmp_path / "skewed.csv")
+    assert moescope(["trace", "replay", str(path), "--num-layers", "8", "--num-experts", "32", "--top-k", "2",
+                     "--calibrate", "50%"]) == 0
+    assert "scored: 120 tokens after the first 2 of 4 requests, which calibrated" in capsys.readouterr().out
+
+
+def test_replay_refuses_to_score_a_profile_policy_on_its_own_calibration(tmp_path, capsys):
+    trace = skewed_trace(tokens=240, requests=4)
+    path = write_csv(trace, tmp_path / "skewed.csv")
+    geometry = ["--num-layers", "8", "--num-experts", "32", "--top-k", "2", "--policy", "popularity"]
+    # the replayed file as its own profile: it holds the scored routing
+    assert moescope(["trace", "replay", str(path), *geometry, "--profile", str(path)]) == 2
+    assert "holds the routing being scored" in capsys.readouterr().err
+    # nothing left to calibrate on
+    assert moescope(["trace", "replay", str(path), *geometry, "--calibrate", "0"]) == 2
+    assert "needs a calibration profile" in capsys.readouterr().err
+    with pytest.raises(ReplayError, match="needs a calibration profile"):
+        replay(trace, make_policy("popularity"), [4] * 8)  # no silent default to the trace's own counts
+    # the oracle only when asked for, and labelled wherever it prints
+    assert moescope(["trace", "replay", str(path), *geometry, "--calibrate", "0", "--oracle"]) == 0
+    assert "popularity (oracle)" in capsys.readouterr().out
+    assert moescope(["trace", "replay", str(path), *geometry, "--oracle", "--json"]) == 0
+    oracle = json.loads(capsys.readouterr().out)
+    assert oracle["policy"] == "popularity (oracle)" and oracle["oracle"] is True
+    # honest by default: calibrated on the first request, not labelled
+    assert moescope(["trace", "replay", str(path), *geometry, "--json"]) == 0
+    honest = json.loads(capsys.readouterr().out)
+    assert honest["policy"] == "popularity" and honest["oracle"] is False
+    other = write_csv(skewed_trace(tokens=240, requests=4, seed=5), tmp_path / "other.csv")
+    assert moescope(["trace", "replay", str(path), *geometry, "--profile", str(other), "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["policy"] == "popularity"
+
+
+def test_replay_reports_loads_and_ratios_to_belady(tmp_path, capsys):
+    path = write_csv(skewed_trace(tokens=240), tmp_path / "skewed.csv")
+    assert moescope(["trace", "replay", str(path), "--num-layers", "8", "--num-experts", "32", "--top-k", "2",
+                     "--policy", "lru,promoe", "--budget", "30%", "--json"]) == 0
+    for run in json.loads(capsys.readouterr().out):
+        assert run["loads_vs_belady"] == pytest.approx(run["loads"] / run["belady"]["loads"])
+        assert run["hit_rate_vs_belady"] == pytest.approx(run["hit_rate"] / run["belady"]["hit_rate"])
+        assert run["loads_per_token"] == pytest.approx((run["misses"] + run["prefetch_loads"]) / run["tokens"])
+
+
+def test_per_token_layer_lists_read_like_the_olmoe_trace(tmp_path, capsys):
+    original = skewed_trace(num_layers=4, num_experts=16, top_k=3, tokens=30, requests=1)
+    path = write_token_lines(original, tmp_path / "tokens.jsonl")
+    trace = read_trace(path, num_experts=16)
+    assert (trace.num_layers, trace.num_experts, trace.top_k, trace.tokens) == (4, 16, 3, 30)
+    assert [s.experts for s in trace.steps] == [s.experts for s in original.steps]
+    with pytest.raises(TraceError, match="--num-experts"):
+        read_trace(path)
+    assert moescope(["trace", "replay", str(path), "--num-experts", "16", "--policy", "lru,markov"]) == 0
+    assert "after the first 8 of 30 tokens" in capsys.readouterr().out
+
+
+OLMOE = Path(__file__).resolve().parents[1].parent / "shared" / "traces" / "olmoe-1b-7b" / "trace_olmoe_299.jsonl"
+
+
+@pytest.mark.skipif(not OLMOE.exists(), reason=f"the real OLMoE-1B-7B trace is not here ({OLMOE}: ../shared is absent)")
+def test_real_olmoe_trace_markov_beats_lru_and_nothing_beats_belady():
+    trace = read_trace(OLMOE, num_experts=64)  # sqliteai/warp tests/trace_olmoe_299.jsonl (Apache-2.0)
+    assert (trace.num_layers, trace.num_experts, trace.top_k, trace.tokens) == (16, 64, 8, 299)
+    for budget in ("25%", "50%"):
+        lru, markov = (compare(trace, p, parse_budget(budget), allocation="uniform") for p in ("lru", "markov"))
+        assert markov.policy.loads < lru.policy.loads and markov.policy.hit_rate > lru.policy.hit_rate
+        assert markov.policy.loads >= markov.belady.loads and markov.policy.tokens == 224
+
+
+@pytest.mark.parametrize("name", ["demo-heldout-mixed", "demo-heldout-by-skill"])
+def test_committed_demo_traces_replay_with_request_structure(name):
+    trace = read_trace(Path(__file__).resolve().parents[1] / "bench" / "traces" / f"{name}.jsonl")
+    assert (trace.num_layers, trace.num_experts, trace.top_k, trace.requests) == (4, 8, 2, 32)
+    assert all(s.predictions for s in trace.steps if s.layer == 0)  # the router lookahead promoe replays
+    lru, markov = (compare(trace, p, parse_budget("50%"), allocation="uniform") for p in ("lru", "markov"))
+    assert lru.calibration == "the first 8 of 32 requests"
+    assert markov.policy.loads < lru.policy.loads  # as in docs/performance.md

@@ -6,9 +6,19 @@ engine would see. What it does not model is time: a prefetch is assumed to arriv
 needed (the engine measures lateness live: `prefetch_late`). Loads at warm-up are not counted, as
 in the engine.
 
-Next to every online policy it runs Belady's MIN (offline optimal eviction, `BeladyPolicy`) with
-the same slots: no demand-loading policy can load fewer experts. A prefetching policy can show a
-higher hit rate than MIN (its prefetches are not misses), but never fewer loads in total.
+Scoring is honest by construction (`compare`): the first part of the trace (`CALIBRATION`, a
+quarter by default: whole requests, or the first forward steps of a one-request trace) calibrates
+and is never scored. Every policy replays it first as its warm-up, as the engine would have served
+those requests; a policy that needs a calibration profile gets one built from it (or from another
+trace, `profile=`, refused when that trace holds the scored routing); the planner's miss curves
+come from it. Only the rest is scored, the same tokens for every policy. A profile built from
+the scored routing itself (knowing the future's expert frequencies) is only used when asked for
+(`oracle=True`), and the result is labelled "(oracle)".
+
+Next to every online policy it runs Belady's MIN (offline optimal eviction, `BeladyPolicy`) on the
+scored part with the same slots, starting from the best possible cache (the experts needed
+soonest): no demand-loading policy, from any state, can load fewer experts there. A prefetching
+policy can show a higher hit rate than MIN (its prefetches are not misses), but never fewer loads.
 numpy only; no torch.
 """
 
@@ -28,10 +38,16 @@ from engine.accounting.routing import RoutingStep
 from engine.accounting.sizes import BudgetSpec
 from engine.traces.trace import Trace, steps_by_boundary
 
+CALIBRATION = 0.25  # share of a trace that calibrates by default (the CLI's --calibrate)
+
+
+class ReplayError(ValueError):
+    """A replay that would not mean what it says; the message says what to give instead."""
+
 
 @dataclass
 class ReplayResult:
-    policy: str
+    policy: str  # the policy as asked for (name and options), with " (oracle)" when calibrated on the scored routing
     slots_per_layer: list[int]
     tokens: int
     accesses: int = 0  # expert uses (one per needed expert per layer per step)
@@ -65,6 +81,13 @@ class ReplayResult:
                                "bytes_per_token": self.bytes_per_token}
 
 
+    def ratios(self, belady: ReplayResult) -> tuple[float, float]:
+        """(hit rate / Belady's, loads / Belady's) on the same scored tokens."""
+        hits = self.hit_rate / belady.hit_rate if belady.hit_rate else 1.0
+        loads = self.loads / belady.loads if belady.loads else (1.0 if not self.loads else float("inf"))
+        return hits, loads
+
+
 def trace_curves(trace: Trace) -> np.ndarray:
     """The planner's miss curves for this trace (what the engine would have measured live)."""
     recorder = MissCurveRecorder(trace.num_layers, trace.num_experts)
@@ -87,18 +110,24 @@ def resolve_slots(trace: Trace, spec: BudgetSpec, expert_bytes: int | None) -> i
     return int(spec.nbytes or 0) // expert_bytes
 
 
-def plan_slots(trace: Trace, total_slots: int, allocation: str) -> tuple[list[int], str]:
-    curves = trace_curves(trace) if allocation == "planned" else None
-    return allocate(total_slots, trace.num_layers, trace.num_experts, trace.top_k, curves, allocation)
+def plan_slots(calibration: Trace, total_slots: int, allocation: str) -> tuple[list[int], str]:
+    """Slots per layer from the calibration part's miss curves (uniform when it is empty)."""
+    curves = trace_curves(calibration) if allocation == "planned" and calibration.steps else None
+    return allocate(total_slots, calibration.num_layers, calibration.num_experts, calibration.top_k, curves, allocation)
 
 
-def replay(trace: Trace, policy: CachePolicy, slots_per_layer: list[int], *, expert_bytes: int | None = None,
-           warm: bool = True, profile: np.ndarray | None = None) -> ReplayResult:
-    """`profile`: calibration counts for `needs_profile` policies (default: built from the trace itself)."""
+def replay(trace: Trace, policy: CachePolicy, slots_per_layer: list[int], *, history: Trace | None = None,
+           expert_bytes: int | None = None, warm: bool = True, profile: np.ndarray | None = None) -> ReplayResult:
+    """Replay `history` unscored (the policy's warm-up, as earlier requests in the engine), then score `trace`.
+
+    `profile`: calibration counts, required by `needs_profile` policies; never built here, so a
+    profile of the scored routing is always the caller's explicit choice (see `compare`)."""
     L, E = trace.num_layers, trace.num_experts
     policy.reset(L, E, trace.top_k)
     if policy.needs_profile:
-        policy.set_profile(profile if profile is not None else trace.activation_counts())
+        if profile is None:
+            raise ReplayError(f"policy '{policy.name}' needs a calibration profile; give one built from other routing")
+        policy.set_profile(profile)
     directory = CacheDirectory(slots_per_layer, policy)
     if warm:  # as the engine does at load: fill every slot, the policy's favourites first
         for layer, count in enumerate(slots_per_layer):
@@ -110,7 +139,11 @@ def replay(trace: Trace, policy: CachePolicy, slots_per_layer: list[int], *, exp
     result = ReplayResult(policy.name, list(slots_per_layer), trace.tokens, expert_bytes=expert_bytes)
     lossy = policy.restricts_routing
     started = False
-    for new_step, new_request, step in steps_by_boundary(trace):
+    unscored = len(history.steps) if history is not None else 0
+    everything = trace if history is None else Trace(L, E, trace.top_k, history.steps + trace.steps)
+    for index, (new_step, new_request, step) in enumerate(steps_by_boundary(everything)):
+        if index == unscored:  # the scored part starts: count from here
+            result = ReplayResult(policy.name, list(slots_per_layer), trace.tokens, expert_bytes=expert_bytes)
         if new_step and started:
             policy.on_token_end()
         if new_request:
@@ -167,21 +200,74 @@ class Comparison:
     allocation: str
     policy: ReplayResult
     belady: ReplayResult
-    predicted_hit_rate: float | None = None  # the planner's estimate from the trace's miss curves
+    predicted_hit_rate: float | None = None  # the planner's estimate from the calibration part's miss curves
+    calibration: str = ""  # what calibrated, e.g. "the first 8 of 32 requests"
+    oracle: bool = False  # the policy's profile was built from the scored routing
 
     def as_dict(self) -> dict:
+        hits, loads = self.policy.ratios(self.belady)
         return self.policy.as_dict() | {"budget": self.budget, "allocation": self.allocation,
-                                        "predicted_hit_rate": self.predicted_hit_rate,
+                                        "predicted_hit_rate": self.predicted_hit_rate, "calibration": self.calibration,
+                                        "oracle": self.oracle, "hit_rate_vs_belady": hits, "loads_vs_belady": loads,
                                         "belady": self.belady.as_dict()}
 
 
-def compare(trace: Trace, policy_spec: str, spec: BudgetSpec, *, allocation: str = "planned",
-            expert_bytes: int | None = None, profile: np.ndarray | None = None) -> Comparison:
-    """Replay `policy_spec` and Belady's MIN with the same slots; the CLI's `trace replay`."""
+def contains(source: Trace, scored: Trace) -> bool:
+    """Does `source` hold any scored request's routing, in order (the same request replayed or recorded
+    twice)? A profile built from it would know the scored future."""
+    def lines(trace: Trace) -> dict[int, str]:
+        out: dict[int, list[str]] = {}
+        for s in trace.steps:
+            out.setdefault(s.request, []).append(f"{s.layer}:{','.join(map(str, s.experts))};")
+        return {r: "".join(v) for r, v in out.items()}
+
+    known = list(lines(source).values())
+    return any(any(text in other for other in known) for text in lines(scored).values())
+
+
+def describe_split(trace: Trace, calibration: Trace) -> str:
+    """What calibrated, for every table: 'the first 8 of 32 requests' / 'the first 75 of 299 tokens'."""
+    if trace.requests > 1:
+        return f"the first {calibration.requests} of {trace.requests} requests"
+    return f"the first {calibration.tokens} of {trace.tokens} tokens"
+
+
+def compare(trace: Trace, policy_spec: str, spec: BudgetSpec, *, calibrate: float = CALIBRATION,
+            allocation: str = "planned", expert_bytes: int | None = None, profile: Trace | None = None,
+            oracle: bool = False) -> Comparison:
+    """Replay `policy_spec` and Belady's MIN with the same slots on the part of `trace` after the first
+    `calibrate` share, which calibrates (see the module's docstring); the CLI's `trace replay`.
+
+    `profile`: another trace to build a profile-needing policy's profile from (instead of the
+    calibration part); refused when it holds the scored routing. `oracle`: build that profile from
+    the scored routing itself, labelled "(oracle)"."""
     expert_bytes = expert_bytes or trace.expert_bytes
+    calibration, scored = trace.split(calibrate)
+    if not scored.steps:
+        raise ReplayError("nothing is left to score after the calibration part: give a smaller --calibrate")
+    policy = make_policy(policy_spec)
+    counts = None
+    if policy.needs_profile:
+        counts = _profile(policy.name, calibration, scored, profile, oracle)
     total = resolve_slots(trace, spec, expert_bytes)
-    slots, used = plan_slots(trace, total, allocation)
-    online = replay(trace, make_policy(policy_spec), slots, expert_bytes=expert_bytes, profile=profile)
-    offline = replay(trace, belady_for(trace), slots, expert_bytes=expert_bytes)
-    curves = trace_curves(trace)
-    return Comparison(str(spec), used, online, offline, predict(curves, slots).hit_rate)
+    slots, used = plan_slots(calibration, total, allocation)
+    online = replay(scored, policy, slots, history=calibration, expert_bytes=expert_bytes, profile=counts)
+    labelled = oracle and policy.needs_profile
+    online.policy = policy_spec.strip() + (" (oracle)" if labelled else "")  # the options too: markov:decay=0.9
+    offline = replay(scored, belady_for(scored), slots, expert_bytes=expert_bytes)
+    predicted = predict(trace_curves(calibration), slots).hit_rate if calibration.steps else None
+    return Comparison(str(spec), used, online, offline, predicted, describe_split(trace, calibration), labelled)
+
+
+def _profile(name: str, calibration: Trace, scored: Trace, profile: Trace | None, oracle: bool) -> np.ndarray:
+    if oracle:
+        return scored.activation_counts()  # the answer key, asked for and labelled
+    if profile is not None:
+        if contains(profile, scored):
+            raise ReplayError(f"the profile trace holds the routing being scored, so '{name}' would know the future: "
+                              "give a profile from other requests, or --oracle to score it that way, labelled (oracle)")
+        return profile.activation_counts()
+    if not calibration.steps:
+        raise ReplayError(f"'{name}' needs a calibration profile and nothing calibrates: give --calibrate above 0 %, "
+                          "--profile FILE (other requests), or --oracle to build it from the scored routing (labelled)")
+    return calibration.activation_counts()

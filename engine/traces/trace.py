@@ -20,6 +20,17 @@ write a plain CSV instead (`read_trace` tells them apart by the first character)
     0,0,1,5 2
 
 one row per token and layer, experts space-separated; its geometry comes from the caller.
+
+A third shape, one JSON object per decode token with every layer's expert set and no header,
+
+    {"tok": 1, "layers": [[6, 8, 15, ...], [7, 16, ...], ...]}
+
+is how the real OLMoE-1B-7B trace of the public repository sqliteai/warp is written
+(`tests/trace_olmoe_299.jsonl`, Apache-2.0; the project keeps a copy in `../shared/traces/olmoe-1b-7b/`):
+one request, decode steps only, layer count from the lines, expert count from the caller.
+
+`Trace.split` cuts a trace in two for honest replay: the first part calibrates (profiles, miss
+curves, every policy's warm-up), only the rest is scored.
 This module is numpy-only (the writer takes tensors but never imports torch).
 """
 
@@ -66,12 +77,31 @@ class Trace:
     def tokens(self) -> int:
         return sum(s.tokens for s in self.steps if s.layer == 0)
 
+    @property
+    def requests(self) -> int:
+        return len({s.request for s in self.steps})
+
     def activation_counts(self) -> np.ndarray:
         """[layers, experts] routing counts: a popularity profile built from this trace."""
         counts = np.zeros((self.num_layers, self.num_experts), dtype=np.int64)
         for s in self.steps:
             counts[s.layer, s.experts] += s.counts
         return counts
+
+    def split(self, fraction: float) -> tuple[Trace, Trace]:
+        """(first part, rest): the first `fraction` of the requests, or of the forward steps when the
+        trace holds one request. Whole requests, so a request's own routing never calibrates itself."""
+        if not 0 <= fraction < 1:
+            raise ValueError(f"the calibration share must be at least 0 % and below 100 %, got {fraction:.0%}")
+        keys = [s.request for s in self.steps] if self.requests > 1 else [(s.request, s.token) for s in self.steps]
+        order = list(dict.fromkeys(keys))
+        cut = set(order[: round(len(order) * fraction)])
+        head = [s for s, key in zip(self.steps, keys, strict=True) if key in cut]
+        tail = [s for s, key in zip(self.steps, keys, strict=True) if key not in cut]
+        return self._with(head, "calibration"), self._with(tail, "scored")
+
+    def _with(self, steps: list[TraceStep], part: str) -> Trace:
+        return Trace(self.num_layers, self.num_experts, self.top_k, steps, self.expert_bytes, self.meta | {"part": part})
 
 
 # ---------------------------------------------------------------- writing
@@ -118,13 +148,16 @@ class TraceWriter:
 def read_trace(
     path: str | Path, *, num_layers: int | None = None, num_experts: int | None = None, top_k: int | None = None
 ) -> Trace:
-    """Read a MoEScope JSON-lines trace, or a CSV (`request,token,layer,experts`) with the geometry given."""
+    """Read a MoEScope JSON-lines trace, a per-token layer-lists trace (the OLMoE shape) with the expert
+    count given, or a CSV (`request,token,layer,experts`) with the geometry given."""
     path = Path(path)
     try:
         with open(path, encoding="utf-8") as handle:
-            first = handle.read(1)
+            first = handle.readline()
             handle.seek(0)
-            if first == "{":
+            if first.startswith("{"):
+                if '"layers"' in first and '"format"' not in first:
+                    return _read_token_lines(path, handle, num_experts)
                 return _read_jsonl(path, handle)
             return _read_csv(path, handle, num_layers, num_experts, top_k)
     except OSError as exc:
@@ -154,6 +187,34 @@ def _read_jsonl(path: Path, handle: TextIO) -> Trace:
             raise TraceError(f"{path}: line {number} is not a routing record (needs r, t, l, e)") from None
         _check(path, number, steps[-1], *geometry)
     return Trace(*geometry, steps, header.get("expert_bytes"), header)
+
+
+def _read_token_lines(path: Path, handle: TextIO, num_experts: int | None) -> Trace:
+    """`{"tok": n, "layers": [[experts of layer 0], ...]}` per decode token: the shape of the OLMoE-1B-7B
+    trace from sqliteai/warp (`tests/trace_olmoe_299.jsonl`, Apache-2.0)."""
+    if num_experts is None:
+        raise TraceError(f"{path} has one line per token and no header: give --num-experts (64 for OLMoE-1B-7B)")
+    steps: list[TraceStep] = []
+    num_layers = top_k = 0
+    for number, text in enumerate(handle, start=1):
+        if not text.strip():
+            continue
+        rec = _json_line(path, number, text)
+        try:
+            layers = [[int(e) for e in experts] for experts in rec["layers"]]
+            token = int(rec.get("tok", number)) - 1  # positions from 0, as the engine's traces
+        except (KeyError, TypeError, ValueError):
+            raise TraceError(f"{path}: line {number} is not a token's routing (needs \"layers\": [[...], ...])") from None
+        num_layers = num_layers or len(layers)
+        if len(layers) != num_layers:
+            raise TraceError(f"{path}: line {number} has {len(layers)} layers, line 1 has {num_layers}")
+        for layer, experts in enumerate(layers):
+            top_k = max(top_k, len(experts))
+            steps.append(_step(0, token, layer, [experts], [[1.0 / max(1, len(experts))] * len(experts)], {}))
+            _check(path, number, steps[-1], num_layers, num_experts, None)
+    if not steps:
+        raise TraceError(f"{path} holds no routing")
+    return Trace(num_layers, num_experts, top_k, steps, None, {"format": "token-lines"})
 
 
 def _json_line(path: Path, number: int, text: str) -> dict:

@@ -8,6 +8,7 @@ exploits) and recurring request types (what MoE-Infinity's request matrices expl
 from __future__ import annotations
 
 import csv
+import json
 from pathlib import Path
 
 import numpy as np
@@ -78,3 +79,19 @@ def hand_trace() -> Trace:
     """One layer, top-1, experts 0 1 2 0 1 2 0 1 2: the textbook case where LRU with 2 slots always misses."""
     steps = [_step(0, t, 0, [e]) for t, e in enumerate([0, 1, 2] * 3)]
     return Trace(1, 4, 1, steps, 100, {"synthetic": "hand"})
+
+
+def write_token_lines(trace: Trace, path: Path) -> Path:
+    """One request of decode tokens in the per-token layer-lists shape of the OLMoE trace (no header)."""
+    by_token: dict[int, list[list[int]]] = {}
+    for s in trace.steps:
+        by_token.setdefault(s.token, [[] for _ in range(trace.num_layers)])[s.layer] = s.experts
+    path.write_text("".join(json.dumps({"tok": t + 1, "layers": layers}) + "\n" for t, layers in sorted(by_token.items())))
+    return path
+
+
+def cycle_trace(cycles: int = 20, length: int = 3) -> Trace:
+    """One layer, top-1, experts 0 1 2 0 1 2 ...: through `length` - 1 slots LRU always evicts the expert
+    needed next, while the expert that follows the one just used is perfectly predictable."""
+    steps = [_step(0, t, 0, [t % length]) for t in range(cycles * length)]
+    return Trace(1, length + 1, 1, steps, 100, {"synthetic": "cycle"})

@@ -11,13 +11,15 @@ from engine.accounting.policies.base import CachePolicy
 from engine.accounting.policies.eam import EAMPolicy
 from engine.accounting.policies.lfu import LFUPolicy
 from engine.accounting.policies.lru import LRUPolicy
+from engine.accounting.policies.markov import MarkovPolicy
 from engine.accounting.policies.popularity import PopularityPolicy
 from engine.accounting.policies.promoe import ProMoEPolicy
 from engine.accounting.policies.swapmoe import SwapMoEPolicy
 from engine.errors import MoEScopeError
 
 POLICIES: dict[str, type[CachePolicy]] = {
-    cls.name: cls for cls in (LRUPolicy, LFUPolicy, PopularityPolicy, EAMPolicy, ProMoEPolicy, SwapMoEPolicy)
+    cls.name: cls
+    for cls in (LRUPolicy, LFUPolicy, MarkovPolicy, PopularityPolicy, EAMPolicy, ProMoEPolicy, SwapMoEPolicy)
 }
 LOSSLESS = [name for name, cls in POLICIES.items() if cls.lossless]
 
