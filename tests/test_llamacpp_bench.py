@@ -50,11 +50,10 @@ def test_llama_bench_json_gives_prefill_and_decode_tokens_per_s():
                                                      "decode_tokens_per_s": pytest.approx((104.02 + 20.4992) / 2)}
 
 
-def test_formats_name_their_llama_type_and_say_what_is_not_there_yet():
+def test_formats_name_their_llama_type_and_their_load_settings():
     assert formats.LLAMA_TYPE == {"bf16": "BF16", "q8_0": "Q8_0", "q4_k": "Q4_K_M"}
     assert formats.load_settings("bf16") == {"dtype": "bfloat16"}
-    with pytest.raises(formats.FormatNotAvailable, match="no q8_0 format yet"):
-        formats.load_settings("q8_0")
+    assert formats.load_settings("q4_k") == {"dtype": "bfloat16", "expert_format": "q4_k"}
     with pytest.raises(formats.FormatNotAvailable, match="unknown format 'fp4'"):
         formats.load_settings("fp4")
 
