@@ -41,6 +41,9 @@ struct Matrix {
 inline float half_to_float(const uint8_t* p) {
   uint16_t h;
   std::memcpy(&h, p, 2);
+#if defined(__F16C__)
+  return _cvtsh_ss(h);  // one instruction where the CPU has it (every AVX2 and AVX-512 one)
+#endif
   const uint32_t sign = (h & 0x8000u) << 16, exp = (h >> 10) & 0x1f, mant = h & 0x3ffu;
   uint32_t bits;
   if (exp == 0) {
@@ -72,25 +75,16 @@ struct BlockScales {
   float min[16];  // subtracted after the product; 0 for the symmetric types
 };
 
-inline void k4_scale_min(const uint8_t* q, int j, uint8_t& sc, uint8_t& m) {
-  if (j < 4) {
-    sc = q[j] & 63;
-    m = q[j + 4] & 63;
-  } else {
-    sc = (q[j + 4] & 0xF) | ((q[j - 4] >> 6) << 4);
-    m = (q[j + 4] >> 4) | ((q[j] >> 6) << 4);
-  }
-}
-
 inline void block_scales(int32_t type, const uint8_t* b, BlockScales& s) {
   switch (type) {
     case kQ4_K: {
       const float d = half_to_float(b), dmin = half_to_float(b + 2);
-      for (int j = 0; j < 8; ++j) {
-        uint8_t sc, m;
-        k4_scale_min(b + 4, j, sc, m);
-        s.scale[2 * j] = s.scale[2 * j + 1] = d * static_cast<float>(sc);
-        s.min[2 * j] = s.min[2 * j + 1] = dmin * static_cast<float>(m);
+      const uint8_t* q = b + 4;
+      for (int j = 0; j < 4; ++j) {  // k4_scale_min unrolled: sub-blocks j and j + 4
+        s.scale[2 * j] = s.scale[2 * j + 1] = d * static_cast<float>(q[j] & 63);
+        s.min[2 * j] = s.min[2 * j + 1] = dmin * static_cast<float>(q[j + 4] & 63);
+        s.scale[2 * j + 8] = s.scale[2 * j + 9] = d * static_cast<float>((q[j + 8] & 0xF) | ((q[j] >> 6) << 4));
+        s.min[2 * j + 8] = s.min[2 * j + 9] = dmin * static_cast<float>((q[j + 8] >> 4) | ((q[j + 4] >> 6) << 4));
       }
       return;
     }
@@ -227,10 +221,83 @@ inline void group_levels_avx512(int32_t type, const uint8_t* b, int g, __m512i& 
   }
 }
 
+// The bf16 values (scale * level - min) of levels 0..n-1 (n <= 16), each rounded as the reference
+// rounds its weights: a lookup table for _mm512_permutexvar_epi16 (entries 16..31 unused).
+inline __m512i level_table(float scale, float min) {
+  static const __m512 levels = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+  const __m512 values = _mm512_sub_ps(_mm512_mul_ps(levels, _mm512_set1_ps(scale)), _mm512_set1_ps(min));
+  return _mm512_castsi256_si512((__m256i)_mm512_cvtneps_pbh(values));
+}
+
+// The same for 32 levels, from two runs of 16 (levels 0..15 then 16..31) of one scale and min.
+inline __m512i level_table_32(float scale, float min) {
+  static const __m512 low = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+  static const __m512 high = _mm512_setr_ps(16, 17, 18, 19, 20, 21, 22, 23, 24, 25, 26, 27, 28, 29, 30, 31);
+  const __m512 s = _mm512_set1_ps(scale), o = _mm512_set1_ps(min);
+  return (__m512i)_mm512_cvtne2ps_pbh(_mm512_sub_ps(_mm512_mul_ps(high, s), o), _mm512_sub_ps(_mm512_mul_ps(low, s), o));
+}
+
+inline __m512bh x32(const bf16* x) { return (__m512bh)_mm512_loadu_si512(x); }
+
+// Q4_K: per 64 weights, one 32-byte load gives two sub-blocks' nibbles; each sub-block's 16
+// possible weights are computed once (a table) and looked up, so no level is converted to float.
+inline float qdot_row_q4_k(const uint8_t* row, int64_t blocks, const bf16* x) {
+  __m512 acc0 = _mm512_setzero_ps(), acc1 = acc0;
+  const __m256i nibble = _mm256_set1_epi8(0x0F);
+  BlockScales s;
+  for (int64_t blk = 0; blk < blocks; ++blk) {
+    const uint8_t* b = row + blk * 144;
+    _mm_prefetch(reinterpret_cast<const char*>(b + 1024), _MM_HINT_NTA);
+    block_scales(kQ4_K, b, s);
+    const bf16* xb = x + blk * 256;
+    for (int c = 0; c < 4; ++c) {
+      const __m256i bytes = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 16 + 32 * c));
+      const __m512i lo = _mm512_cvtepu8_epi16(_mm256_and_si256(bytes, nibble));
+      const __m512i hi = _mm512_cvtepu8_epi16(_mm256_and_si256(_mm256_srli_epi16(bytes, 4), nibble));
+      const __m512i w_lo = _mm512_permutexvar_epi16(lo, level_table(s.scale[4 * c], s.min[4 * c]));
+      const __m512i w_hi = _mm512_permutexvar_epi16(hi, level_table(s.scale[4 * c + 2], s.min[4 * c + 2]));
+      acc0 = _mm512_dpbf16_ps(acc0, (__m512bh)w_lo, x32(xb + 64 * c));
+      acc1 = _mm512_dpbf16_ps(acc1, (__m512bh)w_hi, x32(xb + 64 * c + 32));
+    }
+  }
+  return _mm512_reduce_add_ps(_mm512_add_ps(acc0, acc1));
+}
+
+// Q4_0 (levels - 8 times d) and Q5_0 (levels - 16 times d): one table per 32-weight block.
+inline float qdot_row_q4_q5_0(const uint8_t* row, int64_t blocks, const bf16* x, bool five) {
+  __m512 acc0 = _mm512_setzero_ps(), acc1 = acc0;
+  const __m128i nibble = _mm_set1_epi8(0x0F);
+  const int64_t stride = five ? 22 : 18;
+  for (int64_t blk = 0; blk < blocks; ++blk) {
+    const uint8_t* b = row + blk * stride;
+    const float d = half_to_float(b);
+    const __m128i qs = _mm_loadu_si128(reinterpret_cast<const __m128i*>(b + (five ? 6 : 2)));
+    // elements 0-15 are the low nibbles, 16-31 the high ones
+    __m256i idx8 = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(qs, 4), nibble), _mm_and_si128(qs, nibble));
+    __m512i table;
+    if (five) {
+      uint32_t qh;
+      std::memcpy(&qh, b + 2, 4);
+      idx8 = _mm256_or_si256(idx8, _mm256_maskz_mov_epi8(qh, _mm256_set1_epi8(16)));  // the fifth bit
+      table = level_table_32(d, 16.f * d);
+    } else {
+      table = level_table(d, 8.f * d);
+    }
+    const __m512i w = _mm512_permutexvar_epi16(_mm512_cvtepu8_epi16(idx8), table);
+    if (blk & 1)
+      acc1 = _mm512_dpbf16_ps(acc1, (__m512bh)w, x32(x + 32 * blk));
+    else
+      acc0 = _mm512_dpbf16_ps(acc0, (__m512bh)w, x32(x + 32 * blk));
+  }
+  return _mm512_reduce_add_ps(_mm512_add_ps(acc0, acc1));
+}
+
 // sum over the row of bf16(dequantized weight) * x, float32.
 inline float qdot_row(const Matrix& m, int64_t r, const bf16* x) {
   const uint8_t* row = m.row(r);
   const int64_t be = block_elements(m.type), bb = block_bytes(m.type), blocks = m.cols / be;
+  if (m.type == kQ4_K) return qdot_row_q4_k(row, blocks, x);
+  if (m.type == kQ4_0 || m.type == kQ5_0) return qdot_row_q4_q5_0(row, blocks, x, m.type == kQ5_0);
   const int groups = static_cast<int>(be / 32);
   __m512 acc0 = _mm512_setzero_ps(), acc1 = acc0;
   BlockScales s;
