@@ -29,6 +29,7 @@ def pair(path: Path, prompt_len: int, turns: int, threads: int) -> dict:
     from engine.decode.kv_cache import new_cache
     from engine.decode.paths.transformers_path import last_position
     from engine.decode.runtime import MoERuntime
+    from engine.model.cache_argument import cache_argument
     from engine.protocol import LoadModel
 
     torch.set_num_threads(threads)
@@ -38,11 +39,11 @@ def pair(path: Path, prompt_len: int, turns: int, threads: int) -> dict:
     mask = torch.ones_like(ids)
 
     def run_ours() -> None:
-        ours.model(input_ids=ids, past_key_values=new_cache(ours.model.config), use_cache=True,
+        ours.model(input_ids=ids, **cache_argument(ours.model, new_cache(ours.model.config)), use_cache=True,
                    logits_to_keep=last_position(ids))
 
     def run_stock() -> None:
-        stock(input_ids=ids, attention_mask=mask, past_key_values=DynamicCache(config=stock.config), use_cache=True,
+        stock(input_ids=ids, attention_mask=mask, **cache_argument(stock, DynamicCache(config=stock.config)), use_cache=True,
               logits_to_keep=1)
 
     seconds: dict[str, list[float]] = {"ours": [], "stock": []}

@@ -18,6 +18,7 @@ from engine.decode.kv_cache import new_cache
 from engine.decode.paths import families, native_layers
 from engine.decode.paths.base import Step
 from engine.decode.runtime import MoERuntime
+from engine.model.cache_argument import cache_argument
 from engine.protocol import LoadModel
 from tests.helpers.numerics import close
 
@@ -110,13 +111,13 @@ def test_listed_attention_steps_like_its_own_forward(cls):
     caches = [DynamicCache(config=config), DynamicCache(config=config)]
     with torch.no_grad():
         for cache in caches:
-            module(prompt, rotary(prompt, torch.arange(24)[None]), None, past_key_values=cache)
+            module(prompt, rotary(prompt, torch.arange(24)[None]), None, **cache_argument(module, cache))
         step = rotary(token, torch.tensor([[24]]))
-        reference, _ = module(token, step, None, past_key_values=caches[0])
+        reference, _ = module(token, step, None, **cache_argument(module, caches[0]))
         switch = native_layers.NativeSwitch()
         assert native_layers.patch_module(module, switch)
         with switch.active():
-            ours, _ = module(token, step, None, past_key_values=caches[1])
+            ours, _ = module(token, step, None, **cache_argument(module, caches[1]))
     close(ours, reference, cls.__name__)
 
 

@@ -87,6 +87,7 @@ def test_attention_decode_step_matches_transformers(kernels, family):
     from transformers.cache_utils import DynamicCache
 
     from engine.decode.paths import native_layers
+    from engine.model.cache_argument import cache_argument
 
     module, rotary, config = attention_module(family)
     caches = [DynamicCache(config=config), DynamicCache(config=config)]
@@ -94,13 +95,13 @@ def test_attention_decode_step_matches_transformers(kernels, family):
     token = torch.randn(1, 1, 256).to(torch.bfloat16)
     with torch.no_grad():
         for cache in caches:
-            module(prompt, rotary(prompt, torch.arange(40)[None]), None, past_key_values=cache)
+            module(prompt, rotary(prompt, torch.arange(40)[None]), None, **cache_argument(module, cache))
         step = rotary(token, torch.tensor([[40]]))
-        reference, _ = module(token, step, None, past_key_values=caches[0])
+        reference, _ = module(token, step, None, **cache_argument(module, caches[0]))
         switch = native_layers.NativeSwitch()
         assert native_layers.patch_module(module, switch) and type(module).__name__.startswith("Fast")
         with switch.active():
-            ours, _ = module(token, step, None, past_key_values=caches[1])
+            ours, _ = module(token, step, None, **cache_argument(module, caches[1]))
     assert ours.shape == reference.shape == (1, 1, 256) and ours.dtype == torch.bfloat16
     close(ours, reference, f"{family} attention")
     assert torch.equal(caches[1].layers[0].keys, caches[0].layers[0].keys)

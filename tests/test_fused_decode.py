@@ -14,6 +14,7 @@ from engine.decode.kv_cache import new_cache
 from engine.decode.paths.base import Step
 from engine.decode.paths.whole_token import RotaryRows, _bits, recognise
 from engine.decode.runtime import MoERuntime
+from engine.model.cache_argument import cache_argument
 from engine.protocol import LoadModel, SamplingSettings
 from tests.helpers.checkpoints import reference_generate, save_tiny_checkpoint
 
@@ -35,7 +36,7 @@ def model_path(request, tiny_checkpoints) -> str:
 def prefilled(runtime: MoERuntime, prompt: list[int]):
     cache = new_cache(runtime.model.config)
     with torch.inference_mode():
-        runtime.model(input_ids=torch.tensor([prompt]), past_key_values=cache, use_cache=True)
+        runtime.model(input_ids=torch.tensor([prompt]), **cache_argument(runtime.model, cache), use_cache=True)
     return cache
 
 

@@ -29,6 +29,7 @@ from engine.decode.native import kernels as native
 from engine.decode.paths.base import DecodePath, Step
 from engine.decode.paths.families import is_llama_attention, is_llama_rms_norm, router_recipe
 from engine.decode.paths.transformers_path import model_forward
+from engine.model.cache_argument import cache_from_call
 from engine.model.dense_formats import QuantizedLinear
 from engine.offload.expert_compute import SlotReader, torch_one_token
 
@@ -106,15 +107,16 @@ def _fast_rms_norm_forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
 
 
 def _fast_attention_forward(self, hidden_states: torch.Tensor, position_embeddings: tuple[torch.Tensor, torch.Tensor],
-                            attention_mask: torch.Tensor | None, past_key_values=None, **kwargs):
+                            attention_mask: torch.Tensor | None, *args, **kwargs):
     """One token of Llama-style attention in three native calls (q/k/v with norms and rotary, the
     attention over the cache, o_proj); anything else takes the module's own forward."""
     kernels = _native_kernels(self, hidden_states, hidden_states)  # projections in bf16 or blocks alike
     cos, sin = position_embeddings
-    if (kernels is None or attention_mask is not None or past_key_values is None
+    kv = cache_from_call(args, kwargs)
+    if (kernels is None or attention_mask is not None or kv is None
             or hidden_states.numel() != hidden_states.shape[-1] or cos.numel() != self.head_dim
             or cos.dtype != torch.bfloat16):
-        return self._plain_forward(hidden_states, position_embeddings, attention_mask, past_key_values, **kwargs)
+        return self._plain_forward(hidden_states, position_embeddings, attention_mask, *args, **kwargs)
     q_norm, k_norm = getattr(self, "q_norm", None), getattr(self, "k_norm", None)
     eps = next((norm.variance_epsilon for norm in (q_norm, k_norm) if norm is not None), 0.0)  # one for both
     q, k, v = (linear_weight(kernels, proj) for proj in (self.q_proj, self.k_proj, self.v_proj))
@@ -122,7 +124,7 @@ def _fast_attention_forward(self, hidden_states: torch.Tensor, position_embeddin
         hidden_states, q, k, v,
         None if q_norm is None else q_norm.weight, None if k_norm is None else k_norm.weight, eps, cos, sin,
         self.head_dim)
-    key, value = past_key_values.update(key, value, self.layer_idx)
+    key, value = kv.update(key, value, self.layer_idx)
     out = kernels.attend(query, key, value, self.scaling)
     return self.o_proj(out.view(*hidden_states.shape[:-1], -1)), None
 

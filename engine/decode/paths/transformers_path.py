@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from engine.decode.paths.base import DecodePath, Step
+from engine.model.cache_argument import cache_argument
 
 
 def last_position(input_ids: torch.Tensor) -> torch.Tensor:
@@ -21,7 +22,7 @@ def model_forward(model: torch.nn.Module, step: Step) -> torch.Tensor:
     """The model's forward over the step's tokens, extending its KV cache; last position's logits."""
     ids = step.input_ids
     attention = torch.ones((1, step.position + ids.shape[1]), dtype=torch.long, device=ids.device)
-    return model(input_ids=ids, attention_mask=attention, past_key_values=step.kv, use_cache=True,
+    return model(input_ids=ids, attention_mask=attention, **cache_argument(model, step.kv), use_cache=True,
                  logits_to_keep=last_position(ids)).logits
 
 
