@@ -94,3 +94,21 @@ def disk_random_read_bandwidth(files: list[Path], piece_bytes: int, limit_bytes:
     finally:
         for fd in fds.values():
             os.close(fd)
+
+
+def host_to_gpu_bandwidth(nbytes: int = 256 << 20, repeats: int = 7) -> float:
+    """Bytes/s from pinned host memory into the GPU (the link a RAM-store miss crosses on a CUDA
+    device), median of `repeats` copies of one buffer."""
+    import torch
+
+    src = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+    dst = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+    dst.copy_(src, non_blocking=True)  # first touch: page mapping and context costs are not the link
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        dst.copy_(src, non_blocking=True)
+        torch.cuda.synchronize()
+        times.append(time.perf_counter() - start)
+    return nbytes / statistics.median(times)

@@ -31,6 +31,13 @@ def peak_rss() -> int:
     return peak_rss_bytes()
 
 
+def peak_gpu() -> dict:
+    """The GPU memory torch's allocator held at its peak, where this process used a GPU."""
+    import torch
+
+    return {"peak_gpu_bytes": torch.cuda.max_memory_allocated()} if torch.cuda.is_initialized() else {}
+
+
 def measure_ours(args) -> dict:
     import torch
 
@@ -92,6 +99,7 @@ def measure_ours(args) -> dict:
         "routing_rows_used": routing_rows_used,
         "dense_bytes": layout.dense_bytes,
         "peak_rss_bytes": peak_rss(),
+        **peak_gpu(),
         "token_ids": result.token_ids,
         **bandwidth,
     }
@@ -130,7 +138,7 @@ class _TokenClock:
 def _generate_timed(model, ids: list[int], decode: int) -> dict:
     import torch
 
-    input_ids = torch.tensor([ids])
+    input_ids = torch.tensor([ids], device=model.device)
     clock = _TokenClock()
     start = time.perf_counter()
     with torch.inference_mode():
@@ -152,11 +160,12 @@ def measure_stock(args) -> dict:
 
     torch.set_num_threads(args.threads)
     model = AutoModelForCausalLM.from_pretrained(args.model, dtype="auto", experts_implementation=args.impl)
+    model.to(args.device)
     ids = prompt_ids(model.config.get_text_config().vocab_size, args.prompt_len, args.seed)
     _generate_timed(model, ids[:8], 2)  # warm-up: first-call costs are not decode speed
     with bandwidth_around(args) as bandwidth:
         out = _generate_timed(model, ids, args.decode)
-    return {"system": f"transformers ({args.impl})", **out, "peak_rss_bytes": peak_rss(), **bandwidth}
+    return {"system": f"transformers ({args.impl})", **out, "peak_rss_bytes": peak_rss(), **peak_gpu(), **bandwidth}
 
 
 def measure_accelerate(args) -> dict:
@@ -164,15 +173,19 @@ def measure_accelerate(args) -> dict:
     from transformers import AutoModelForCausalLM
 
     torch.set_num_threads(args.threads)
+    # On a GPU, accelerate keeps what fits in max_memory there and the rest in RAM; on a CPU, the
+    # rest goes to the offload folder on disk.
+    max_memory = ({0: args.max_memory_bytes, "cpu": 1 << 40} if args.device == "cuda"
+                  else {"cpu": args.max_memory_bytes})
     with tempfile.TemporaryDirectory(prefix="moescope-offload-") as offload:
         model = AutoModelForCausalLM.from_pretrained(
-            args.model, dtype="auto", device_map="auto", max_memory={"cpu": args.max_memory_bytes},
+            args.model, dtype="auto", device_map="auto", max_memory=max_memory,
             offload_folder=offload, experts_implementation=args.impl,
         )
         ids = prompt_ids(model.config.get_text_config().vocab_size, args.prompt_len, args.seed)
         out = _generate_timed(model, ids, args.decode)
     return {"system": "transformers + accelerate offload", **out, "max_memory_bytes": args.max_memory_bytes,
-            "peak_rss_bytes": peak_rss()}
+            "peak_rss_bytes": peak_rss(), **peak_gpu()}
 
 
 def main(argv=None) -> int:
@@ -181,7 +194,8 @@ def main(argv=None) -> int:
     parser.add_argument("--model", required=True)
     parser.add_argument("--budget", default="all")
     parser.add_argument("--store", default="disk")
-    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"],
+                        help="ours: where the cache lives; stock: where the model runs; accelerate: the device it fills first")
     parser.add_argument("--policy", default="lru")
     parser.add_argument("--no-pack-weights", action="store_true", help="ours: expert matrices in plain layout")
     parser.add_argument("--fast-decode", action="store_true", help="ours: decode GEMVs skip oneDNN (engine.decode.paths.native_layers)")

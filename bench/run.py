@@ -27,7 +27,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from bench.bandwidth import disk_read_bandwidth, memory_read_bandwidth
+from bench.bandwidth import disk_read_bandwidth, host_to_gpu_bandwidth, memory_read_bandwidth
 from bench.routing import OLMOE_GEOMETRY, OLMOE_TRACE
 from bench.synthetic import build_checkpoint
 
@@ -61,7 +61,8 @@ def run(args) -> dict:
     accelerate_prompts = {int(p) for p in args.accelerate_prompts.split(",")} if args.accelerate_prompts else set(prompts)
     threads = str(args.threads)
     report = {"host": platform.node(), "date": dt.datetime.now().isoformat(timespec="seconds"),
-              "cpu": platform.processor() or platform.machine(), "threads": args.threads,
+              "cpu": platform.processor() or platform.machine(), "threads": args.threads, "device": args.device,
+              "gpu": gpu_name() if args.device == "cuda" else None,
               "decode_tokens": args.decode, "label": args.label, "rows": []}
     for name in names:
         if name == "demo":
@@ -73,16 +74,17 @@ def run(args) -> dict:
         else:
             path = build_checkpoint(name)
         files = sorted(path.glob("*.safetensors"))
-        link = disk_read_bandwidth(files)
+        link = host_to_gpu_bandwidth() if args.device == "cuda" else disk_read_bandwidth(files)
         memory = memory_read_bandwidth(threads=args.threads)
-        print(f"== {name}: disk->RAM {link / 1e9:.2f} GB/s, memory read {memory / 1e9:.1f} GB/s", flush=True)
+        print(f"== {name}: {link_name(args.device)} {link / 1e9:.2f} GB/s, memory read {memory / 1e9:.1f} GB/s",
+              flush=True)
         context = json.loads((path / "config.json").read_text()).get("max_position_embeddings") or 1 << 30
         for prompt in prompts:
             if prompt + args.decode >= context:  # e.g. the demo model's 512-token context
                 print(f"   prompt {prompt} + {args.decode} decode tokens do not fit the {context}-token context: skipped")
                 continue
             common = ["--model", str(path), "--prompt-len", str(prompt), "--decode", str(args.decode),
-                      "--threads", threads]
+                      "--threads", threads, "--device", args.device]
             stock = measure("stock", *common)
             for routing in routings:
                 if routing == "olmoe" and (problem := olmoe_mismatch(path)):
@@ -123,8 +125,8 @@ def run_routing(args, report: dict, name: str, prompt: int, routing: str, common
         for policy in policies[:1] if budget == 100 else policies:  # at 100 % nothing is evicted
             with tempfile.TemporaryDirectory() as tmp:
                 trace = Path(tmp) / "routing.jsonl"
-                ours = measure("ours", *common, "--budget", f"{budget}%", "--routing", routing, "--policy", policy,
-                               "--trace-out", str(trace))
+                ours = measure("ours", *common, *store_args(args), "--budget", f"{budget}%", "--routing", routing,
+                               "--policy", policy, "--trace-out", str(trace))
                 belady = belady_loads(trace, ours["slots_per_layer"]) if "error" not in ours else None
             if budget == 100:
                 at_full = ours
@@ -137,13 +139,46 @@ def run_routing(args, report: dict, name: str, prompt: int, routing: str, common
                 cap = ours["dense_bytes"] + ours["budget_bytes"]
                 row["accelerate"] = measure("accelerate", *common[:2], "--prompt-len", str(prompt),
                                             "--decode", str(min(args.decode, args.accelerate_decode)),
-                                            "--threads", str(args.threads), "--max-memory-bytes", str(cap))
+                                            "--threads", str(args.threads), "--device", args.device,
+                                            "--max-memory-bytes", str(cap))
             report["rows"].append(row)
             print(summary_line(row), flush=True)
-    nocache = measure("ours", *common, "--budget", f"{min(budgets)}%", "--routing", routing, "--no-cache")
+    nocache = measure("ours", *common, *store_args(args), "--budget", f"{min(budgets)}%", "--routing", routing,
+                      "--no-cache")
     report["rows"].append({"model": name, "prompt": prompt, "routing": routing, "budget_pct": None,
                            "nocache": nocache})
     print(f"   no cache ({routing}): {nocache.get('decode_tokens_per_s', 0):.2f} tok/s", flush=True)
+
+
+def store_args(args) -> list[str]:
+    """On a GPU the cache lives in GPU memory and the store is pinned RAM (misses cross PCIe); on a
+    CPU the store is the disk (misses are reads)."""
+    return ["--store", "ram" if args.device == "cuda" else "disk"]
+
+
+def link_name(device: str) -> str:
+    return "RAM->GPU (pinned)" if device == "cuda" else "disk->RAM"
+
+
+def gpu_name() -> str:
+    import torch
+
+    return torch.cuda.get_device_name(0)
+
+
+def peak_memory(measured: dict, device: str) -> int:
+    """What the budget is about: GPU memory on a GPU, resident RAM on a CPU."""
+    return measured.get("peak_gpu_bytes", 0) if device == "cuda" else measured.get("peak_rss_bytes", 0)
+
+
+def memory_name(device: str) -> str:
+    return "GPU memory" if device == "cuda" else "RAM"
+
+
+def where(report: dict) -> str:
+    if report.get("device") == "cuda":
+        return f"{report.get('gpu') or 'GPU'}, experts cached in GPU memory, pinned RAM store (misses cross PCIe)"
+    return "CPU, disk store"
 
 
 def routing_note(ours: dict, routing: str) -> str:
@@ -173,15 +208,17 @@ def write(report: dict, out: Path) -> Path:
     out.mkdir(parents=True, exist_ok=True)
     stem = out / f"{report['label'] + '-' if report.get('label') else ''}{report['host'] or 'host'}-{report['date'][:10]}"
     stem.with_suffix(".json").write_text(json.dumps(report, indent=1))
+    device = report.get("device", "cpu")
     lines = [f"# MoEScope benchmark — {report['host']}, {report['date']}", "",
-             f"{report['threads']} threads, {report['decode_tokens']} decode tokens, CPU, disk store. "
+             f"{report['threads']} threads, {report['decode_tokens']} decode tokens, {where(report)}. "
              "Decode tokens/s; loads = experts loaded per decode token, Belady's beside ours; `bound "
              "tok/s` = decode tokens/s the limit allows (compute time at 100 % + Belady's decode loads over the "
-             "disk bandwidth of this run); `limit` = time the limit allows / our time for the whole request "
+             "link bandwidth of this run); `limit` = time the limit allows / our time for the whole request "
              "(1.00 = at the limit). `olmoe` routing: OLMoE-1B-7B's 299 real decode tokens (sqliteai/warp, "
              "Apache-2.0), cycled when a run needs more.", "",
              "| model | prompt | routing | policy | budget | MoEScope tok/s | hit rate | decode loads/token (Belady) | "
-             "bytes/token | stall | peak RSS | transformers (all in RAM) | accelerate offload | bound tok/s | "
+             f"bytes/token | stall | peak {memory_name(device)} | transformers (all in {memory_name(device)}) | "
+             "accelerate offload | bound tok/s | "
              "limit eff. |",
              "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for row in report["rows"]:
@@ -191,7 +228,7 @@ def write(report: dict, out: Path) -> Path:
                          f"{nc.get('decode_tokens_per_s', 0):.2f} | {nc.get('hit_rate', 0):.0%} | "
                          f"{nc.get('decode_loads_per_token', 0):.1f} | "
                          f"{nc.get('bytes_per_token', 0) / 2**20:.1f} MiB | {nc.get('stall_share', 0):.0%} | "
-                         f"{nc.get('peak_rss_bytes', 0) / 2**20:.0f} MiB | | | | |")
+                         f"{peak_memory(nc, device) / 2**20:.0f} MiB | | | | |")
             continue
         ours, stock, acc = row["moescope"], row["transformers"], row.get("accelerate", {})
         if "error" in ours:
@@ -206,9 +243,9 @@ def write(report: dict, out: Path) -> Path:
             f"{ours['decode_tokens_per_s']:.2f} | {ours['hit_rate']:.0%} | "
             f"{ours['decode_loads_per_token']:.1f} ({lim.get('belady_decode_loads_per_token', float('nan')):.1f}) | "
             f"{ours['bytes_per_token'] / 2**20:.1f} MiB | "
-            f"{ours['stall_share']:.0%} | {ours['peak_rss_bytes'] / 2**20:.0f} MiB | "
-            f"{stock.get('decode_tokens_per_s', float('nan')):.2f} ({stock.get('peak_rss_bytes', 0) / 2**20:.0f} MiB) | "
-            f"{acc.get('decode_tokens_per_s', float('nan')):.2f} ({acc.get('peak_rss_bytes', 0) / 2**20:.0f} MiB) | "
+            f"{ours['stall_share']:.0%} | {peak_memory(ours, device) / 2**20:.0f} MiB | "
+            f"{stock.get('decode_tokens_per_s', float('nan')):.2f} ({peak_memory(stock, device) / 2**20:.0f} MiB) | "
+            f"{acc.get('decode_tokens_per_s', float('nan')):.2f} ({peak_memory(acc, device) / 2**20:.0f} MiB) | "
             f"{'' if bound is None else f'{bound:.2f}'} | {'' if eff is None else f'{eff:.2f}'} |")
     lines += ["", *goal_lines(report)]
     stem.with_suffix(".md").write_text("\n".join(lines) + "\n")
@@ -220,7 +257,7 @@ def goal_lines(report: dict) -> list[str]:
     """Issue 8's goals as ratios per model, prompt and routing (misses are findings, not failures)."""
     lines = ["## Goals", "",
              "| model | prompt | routing | policy | ours/transformers at 100 % (goal >= 0.95) | ours/accelerate at 25 % "
-             "(goal >= 5) | ours/limit time at 25 % (goal <= 1.5) | peak RSS within dense + budget + 600 MiB |",
+             "(goal >= 5) | ours/limit time at 25 % (goal <= 1.5) | peak memory within dense + budget + 600 MiB |",
              "|---|---|---|---|---|---|---|---|"]
     rows = [r for r in report["rows"] if r.get("budget_pct") is not None and "error" not in r["moescope"]]
     for key in sorted({(r["model"], r["prompt"], r["routing"], r["policy"]) for r in rows}, key=str):
@@ -235,7 +272,8 @@ def goal_lines(report: dict) -> list[str]:
         vs_acc = (ratio(quarter["moescope"]["decode_tokens_per_s"], quarter["accelerate"].get("decode_tokens_per_s"))
                   if quarter and "accelerate" in quarter else "n/a")
         eff = quarter.get("limit", {}).get("efficiency") if quarter else None
-        within = [r["moescope"]["peak_rss_bytes"] <= r["moescope"]["dense_bytes"] + r["moescope"]["budget_bytes"] + 600 * 2**20
+        within = [peak_memory(r["moescope"], report.get("device", "cpu"))
+                  <= r["moescope"]["dense_bytes"] + r["moescope"]["budget_bytes"] + 600 * 2**20
                   for r in sel.values()]
         lines.append(f"| {key[0]} | {key[1]} | {key[2]} | {key[3]} | {vs_stock} | {vs_acc} | "
                      f"{'n/a' if not eff else f'{1 / eff:.2f}'} | {sum(within)}/{len(within)} budgets |")
@@ -268,7 +306,7 @@ def plot(report: dict, target: Path) -> None:
             ax.plot([r["budget_pct"] for r in mine], [r["moescope"]["decode_tokens_per_s"] for r in mine], "o-",
                     label=f"MoEScope ({policy})")
         ax.plot(x, [r["transformers"].get("decode_tokens_per_s", float("nan")) for r in base], "--",
-                label="transformers (all in RAM)")
+                label=f"transformers (all in {memory_name(report.get('device', 'cpu'))})")
         if any("accelerate" in r for r in base):
             ax.plot(x, [r.get("accelerate", {}).get("decode_tokens_per_s", float("nan")) for r in base], "s-",
                     label="accelerate offload")
@@ -300,6 +338,8 @@ def main(argv=None) -> int:
     parser.add_argument("--accelerate-prompts", default="",
                         help="prompt lengths to run the (slow) accelerate baseline at (default: all)")
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"],
+                        help="cuda: the expert cache in GPU memory, a pinned RAM store, the limit over PCIe")
     parser.add_argument("--out", type=Path, default=RESULTS)
     parser.add_argument("--label", default="", help="prefix of the results files (<label>-<host>-<date>.md)")
     args = parser.parse_args(argv)
