@@ -185,3 +185,31 @@ def test_info_reports_the_formats_bytes(wide, capsys):
     assert q4["expert_format"] == "q4_k" and plain["expert_format"] == "original"
     assert q4["expert_bytes"] * 7 < plain["expert_bytes"]  # float32 -> 4.5 bits
     assert q4["min_budget_bytes"] == q4["expert_bytes"] * q4["top_k"] * q4["num_moe_layers"]
+
+
+def test_expanding_slots_natively_changes_no_bit_of_the_exact_path(wide, kernels):
+    """Prefill and the exact path read quantized experts and dense layers expanded to bf16; once
+    the native kernels are built they expand them (far faster than the torch reference), and the
+    logits stay bit-identical to the reference expansion's."""
+    import torch
+
+    from engine.decode.kv_cache import new_cache
+    from engine.decode.paths.base import Step
+    from engine.decode.paths.transformers_path import model_forward
+    from engine.formats.dequantize import reference_dequantizer
+    from engine.model.dense_formats import QuantizedLinear
+
+    runtime = MoERuntime(LoadModel(path=str(wide["qwen2_moe"]), budget="30%", store="ram", dtype="bfloat16",
+                                   expert_format="q4_k", dense_format="q6_k"))
+    prompt = torch.tensor([PROMPT])
+    try:
+        with torch.inference_mode():
+            native = model_forward(runtime.model, Step(prompt, new_cache(runtime.model.config), 0))
+            runtime.cache.use_dequantizer(reference_dequantizer)
+            dense = [m for m in runtime.model.modules() if isinstance(m, QuantizedLinear)]
+            for module in dense:
+                module.dequantizer = reference_dequantizer
+            reference = model_forward(runtime.model, Step(prompt, new_cache(runtime.model.config), 0))
+    finally:
+        runtime.close()
+    assert dense and torch.equal(native, reference)

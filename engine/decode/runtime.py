@@ -21,9 +21,10 @@ from engine.decode.paths.whole_token import WholeTokenPath
 from engine.decode.routers import RouterTaps, RoutingRestriction
 from engine.errors import MoEScopeError
 from engine.formats.blocks import BlockFormat, parse_format
+from engine.formats.dequantize import reference_dequantizer
 from engine.hub.local import resolve_model
 from engine.model import experts_registry
-from engine.model.dense_formats import quantize_dense
+from engine.model.dense_formats import QuantizedLinear, quantize_dense
 from engine.model.inspect import ModelInfo, describe
 from engine.model.loader import ProgressFn, build_model, resolve_device
 from engine.offload import packed_linear
@@ -70,6 +71,9 @@ class MoERuntime:
             if progress is not None:
                 progress(1.0, f"converting dense weights to {self.dense_format.label}")
             self.format_notes += quantize_dense(self.model, self.dense_format, set(self.layout.module_paths))
+            for module in self.model.modules():
+                if isinstance(module, QuantizedLinear):  # the native expansion once built: the same values
+                    module.dequantizer = native.slot_dequantizer(reference_dequantizer)
         self.tokenizer = None  # checkpoints without tokenizer files still run on token ids (--prompt-ids)
         if any((self.files.root / f).exists() for f in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")):
             self.tokenizer = AutoTokenizer.from_pretrained(self.files.root, trust_remote_code=options.trust_remote_code)
@@ -88,6 +92,8 @@ class MoERuntime:
             # --fast-decode's native kernel reads plain weights faster than oneDNN reads packed ones
             packed_params=self._packable() if options.pack_weights and not options.fast_decode else frozenset(),
         )
+        if self.layout.quantized:  # the native expansion once the kernels are built: the same values, faster
+            self.cache.use_dequantizer(native.slot_dequantizer(reference_dequantizer))
         for layer, module_path in enumerate(self.layout.module_paths):
             experts_registry.attach(self.model.get_submodule(module_path), self.cache, layer)
         self._restriction: RoutingRestriction | None = None

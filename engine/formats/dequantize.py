@@ -9,6 +9,8 @@ the model whose weights are these values rounded once to the compute dtype.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from engine.formats.blocks import QK_K, BlockFormat
@@ -24,6 +26,16 @@ def dequantize(packed: torch.Tensor, fmt: BlockFormat, columns: int, dtype: torc
         return values.to(dtype)
     out.copy_(values.view_as(out))
     return out
+
+
+# (packed blocks, format, columns, out): fills `out` with the reference's dequantized values. This
+# module's torch code is the default; a faster one giving the same values may replace it where
+# weights are expanded for torch's kernels (engine.decode.native.kernels.slot_dequantizer).
+Dequantizer = Callable[[torch.Tensor, BlockFormat, int, torch.Tensor], None]
+
+
+def reference_dequantizer(packed: torch.Tensor, fmt: BlockFormat, columns: int, out: torch.Tensor) -> None:
+    dequantize(packed, fmt, columns, out=out)
 
 
 def _half(blocks: torch.Tensor, start: int) -> torch.Tensor:

@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from engine.formats.blocks import BlockFormat, format_for
-from engine.formats.dequantize import dequantize
+from engine.formats.dequantize import Dequantizer, reference_dequantizer
 from engine.formats.quantize import quantize
 
 ROUTER_NAMES = ("gate", "router")
@@ -29,11 +29,14 @@ class QuantizedLinear(torch.nn.Module):
         self.fmt, self.dtype = fmt, linear.weight.dtype
         self.register_buffer("packed", packed, persistent=False)
         self.bias = linear.bias
+        self.dequantizer: Dequantizer = reference_dequantizer  # the runtime may give a faster one, same values
 
     @property
     def weight(self) -> torch.Tensor:
         """The dequantized weight in the compute dtype (made on each access: for code that asks)."""
-        return dequantize(self.packed, self.fmt, self.in_features, self.dtype)
+        out = torch.empty((self.out_features, self.in_features), dtype=self.dtype, device=self.packed.device)
+        self.dequantizer(self.packed, self.fmt, self.in_features, out)
+        return out
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return F.linear(x, self.weight.to(x.device), self.bias)

@@ -39,6 +39,7 @@ from engine.accounting.counters import EngineCounters
 from engine.accounting.directory import CacheDirectory, Lookup, NoFreeSlotError
 from engine.accounting.policies.base import CachePolicy
 from engine.accounting.routing import RoutingStep
+from engine.formats.dequantize import Dequantizer, reference_dequantizer
 from engine.model.layout import ExpertParam, MoELayout, aligned
 from engine.offload.expert_compute import (
     OneTokenExperts,
@@ -147,8 +148,14 @@ class ExpertCache:
         # Quantized experts are dequantized one at a time into a scratch, so they do not run grouped.
         self._grouped = (grouped_available(self.pools[0]) if self.pools else False) and not self._packed \
             and not layout.quantized
+        self._dequantizer: Dequantizer = reference_dequantizer
         self.reader = SlotReader(self._pool_params, layout.compute_dtype, packed=self._packed)
         self._one_token: OneTokenExperts = torch_one_token  # a decode path may bring its own (`experts_kernel`)
+
+    def use_dequantizer(self, dequantizer: Dequantizer) -> None:
+        """Quantized slots are expanded with `dequantizer` from now on (one giving the reference's
+        values: what runs on them does not change, only how fast they are expanded)."""
+        self._dequantizer = self.reader.dequantizer = dequantizer
 
     # ----- memory -----
     @property
@@ -245,7 +252,7 @@ class ExpertCache:
             self.pools[layer] = pool
         self.packed_params, self._packed = frozenset(), False
         self._pool_params, self._pool_slot_bytes = list(full), self.layout.slot_bytes
-        self.reader = SlotReader(self._pool_params, self.layout.compute_dtype)
+        self.reader = SlotReader(self._pool_params, self.layout.compute_dtype, dequantizer=self._dequantizer)
         self.views = [self._typed_views(pool) for pool in self.pools]
         self.slot_views = [self._per_slot(views, pool.shape[0]) for views, pool in zip(self.views, self.pools, strict=True)]
         self._grouped = grouped_available(self.pools[0]) if self.pools else False

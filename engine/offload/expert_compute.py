@@ -12,7 +12,7 @@ from typing import Protocol
 import torch
 import torch.nn.functional as F
 
-from engine.formats.dequantize import dequantize
+from engine.formats.dequantize import Dequantizer, reference_dequantizer
 from engine.model.layout import ExpertParam
 from engine.offload import packed_linear
 
@@ -60,8 +60,9 @@ class SlotReader:
     into a reused scratch in the compute dtype: the values of the model with its experts
     dequantized (engine.formats.dequantize), one expert at a time."""
 
-    def __init__(self, params: list[ExpertParam], dtype: torch.dtype, packed: bool = False) -> None:
-        self.dtype, self.packed = dtype, packed
+    def __init__(self, params: list[ExpertParam], dtype: torch.dtype, packed: bool = False,
+                 dequantizer: Dequantizer = reference_dequantizer) -> None:
+        self.dtype, self.packed, self.dequantizer = dtype, packed, dequantizer
         self.quantized = {p.name: p for p in params if p.fmt is not None}
         self._scratch: dict[str, torch.Tensor] = {}
 
@@ -75,7 +76,7 @@ class SlotReader:
             buffer = self._scratch.get(name)
             if buffer is None or buffer.device != weights[name].device:
                 buffer = self._scratch[name] = torch.empty((rows, columns), dtype=self.dtype, device=weights[name].device)
-            dequantize(weights[name], p.fmt, columns, out=buffer)
+            self.dequantizer(weights[name], p.fmt, columns, buffer)
             plain[name] = buffer.t() if p.transposed else buffer
         return plain
 

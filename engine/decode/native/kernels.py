@@ -23,7 +23,7 @@ import platformdirs
 import torch
 
 SOURCE = Path(__file__).with_name("moe_decode.cpp")
-HEADERS = (Path(__file__).with_name("quant.h"),)  # included by SOURCE: part of what a build is keyed by
+HEADERS = (Path(__file__).with_name("quant.h"), Path(__file__).with_name("quant_int.h"))  # included by SOURCE: part of what a build is keyed by
 # -march per build flavour: this CPU's best, AVX2 + FMA (laptops without AVX-512), and portable code
 # the compiler vectorises for a baseline target (tests build each, tests/test_quant_kernels.py)
 FLAVOURS = {"native": "-march=native", "avx2": "-march=x86-64-v3", "portable": "-march=x86-64"}
@@ -143,3 +143,19 @@ def weight(kernels: ModuleType, tensor: torch.Tensor, fmt=None, columns: int = 0
     if fmt is None:
         return kernels.Weight(tensor, 0, tensor.shape[-1])
     return kernels.Weight(tensor, fmt.ggml_type, columns)
+
+
+def slot_dequantizer(fallback):
+    """A Dequantizer (engine.offload.expert_compute) that expands bf16 slots with the native
+    kernels once they are built, into the same values as the torch reference (tests hold the two
+    equal bit for bit), and hands everything else to `fallback`: what a prefill or the exact path
+    reads from quantized slots does not depend on whether the kernels are ready."""
+
+    def dequantize_into(packed: torch.Tensor, fmt, columns: int, out: torch.Tensor) -> None:
+        kernels = _kernels
+        if kernels is None or out.dtype != torch.bfloat16 or out.device.type != "cpu" or not out.is_contiguous():
+            fallback(packed, fmt, columns, out)
+            return
+        kernels.dequantize(weight(kernels, packed.reshape(out.shape[0], -1), fmt, columns), out)
+
+    return dequantize_into

@@ -978,6 +978,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def_readonly("type", &Weight::type)
       .def_readonly("cols", &Weight::cols);
   m.def("gemv", &gemv, "a weight matrix times one bf16 row, float32 sums");
+  m.def("set_integer_dots", [](bool on) { integer_dots_enabled() = on; },
+        "block types with an integer kernel use it (default) or the reference-exact float loops");
   m.def("dequantize", &dequantize, "a weight matrix as bf16, the reference dequantizer's values");
   m.def("rms_norm", &rms_norm, "RMSNorm of a few bf16 rows");
   m.def("qkv_rope", &qkv_rope, "one token's q, k, v: projections, optional q/k norms, rotary embedding");

@@ -239,6 +239,17 @@ inline __m512i level_table_32(float scale, float min) {
 
 inline __m512bh x32(const bf16* x) { return (__m512bh)_mm512_loadu_si512(x); }
 
+// group_weights, 32 at a time: the same products and differences, rounded to nearest even.
+inline void group_weights_avx512(int32_t type, const uint8_t* b, const BlockScales& s, int g, bf16* w) {
+  __m512i lo, hi;
+  group_levels_avx512(type, b, g, lo, hi);
+  const __m512 w_lo = _mm512_sub_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(lo), _mm512_set1_ps(s.scale[2 * g])),
+                                    _mm512_set1_ps(s.min[2 * g]));
+  const __m512 w_hi = _mm512_sub_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(hi), _mm512_set1_ps(s.scale[2 * g + 1])),
+                                    _mm512_set1_ps(s.min[2 * g + 1]));
+  _mm512_storeu_si512(w, (__m512i)_mm512_cvtne2ps_pbh(w_hi, w_lo));
+}
+
 // Q4_K: per 64 weights, one 32-byte load gives two sub-blocks' nibbles; each sub-block's 16
 // possible weights are computed once (a table) and looked up, so no level is converted to float.
 inline float qdot_row_q4_k(const uint8_t* row, int64_t blocks, const bf16* x) {
@@ -386,26 +397,40 @@ inline float qdot_row(const Matrix& m, int64_t r, const bf16* x) {
 }
 #endif
 
-// out[n] = W[n, :] . x for rows [begin, end).
-inline void gemv_range(const Matrix& m, const bf16* x, int64_t begin, int64_t end, float* out) {
+#include "quant_int.h"  // integer dots for the common types
+
+// Whether one-row products take the integer kernels (quant_int.h) or the reference-exact float
+// loops above; switched per module for tests and A/B measurements.
+inline bool& integer_dots_enabled() {
+  static bool enabled = true;
+  return enabled;
+}
+
+// out[n - first] = W[n, :] . x for rows [begin, end).
+inline void gemv_into_rows(const Matrix& m, const bf16* x, int64_t begin, int64_t end, float* out, int64_t first) {
   if (m.type == kBF16) {
     const bf16* w = reinterpret_cast<const bf16*>(m.data);
     const int64_t ld = m.row_bytes / 2;
-    for (int64_t n = begin; n < end; ++n) out[n] = dot_row(w + n * ld, x, m.cols);
+    for (int64_t n = begin; n < end; ++n) out[n - first] = dot_row(w + n * ld, x, m.cols);
     return;
   }
-  for (int64_t n = begin; n < end; ++n) out[n] = qdot_row(m, n, x);
+  if (has_integer_dot(m.type) && integer_dots_enabled()) {
+    thread_local FixedInput fixed;
+    fixed.prepare(x, m.cols);
+    for (int64_t n = begin; n < end; ++n) out[n - first] = idot_row(m, n, fixed);
+    return;
+  }
+  for (int64_t n = begin; n < end; ++n) out[n - first] = qdot_row(m, n, x);
+}
+
+// out[n] = W[n, :] . x for rows [begin, end).
+inline void gemv_range(const Matrix& m, const bf16* x, int64_t begin, int64_t end, float* out) {
+  gemv_into_rows(m, x, begin, end, out, 0);
 }
 
 // The same for rows [begin, end), written from out[0] on (one head's rows of a projection).
 inline void gemv_rows(const Matrix& m, const bf16* x, int64_t begin, int64_t end, float* out) {
-  if (m.type == kBF16) {
-    const bf16* w = reinterpret_cast<const bf16*>(m.data);
-    const int64_t ld = m.row_bytes / 2;
-    for (int64_t n = begin; n < end; ++n) out[n - begin] = dot_row(w + n * ld, x, m.cols);
-    return;
-  }
-  for (int64_t n = begin; n < end; ++n) out[n - begin] = qdot_row(m, n, x);
+  gemv_into_rows(m, x, begin, end, out, begin);
 }
 
 // Rows [begin, end) of W dequantized to bf16 into out (row-major, cols per row): the reference's values.
@@ -421,7 +446,14 @@ inline void dequantize_rows(const Matrix& m, int64_t begin, int64_t end, bf16* o
     const uint8_t* row = m.row(n);
     for (int64_t blk = 0; blk < blocks; ++blk) {
       block_scales(m.type, row + blk * bb, s);
-      for (int g = 0; g < groups; ++g) group_weights(m.type, row + blk * bb, s, g, out + n * m.cols + blk * be + 32 * g);
+      for (int g = 0; g < groups; ++g) {
+        bf16* w = out + n * m.cols + blk * be + 32 * g;
+#if defined(MOESCOPE_AVX512BF16)
+        group_weights_avx512(m.type, row + blk * bb, s, g, w);
+#else
+        group_weights(m.type, row + blk * bb, s, g, w);
+#endif
+      }
     }
   }
 }

@@ -1,0 +1,291 @@
+// Integer dot products of block-quantized rows with one input row, for one-token decode.
+//
+// Included by quant.h (inside moe_decode.cpp's namespace). Dequantizing each weight to float,
+// as quant.h's reference-exact loops do, costs several instructions a weight and leaves a 4-bit
+// row compute-bound at a fraction of what memory can deliver. Here, as in llama.cpp's CPU
+// kernels, the weight levels stay integers: the input is put in fixed point once per call, the
+// level-times-input products are summed in int16/int32 lanes (maddubs, madd), and each block's
+// scales are applied once per sub-block in integers and once per block in float.
+//
+// Unlike llama.cpp, which rounds the input to 8 bits (Q8_K), the input keeps about 16 bits: each
+// 256-element chunk of x is scaled so its largest magnitude is 32512 and split into two int8
+// planes, x = 255 * hi + lo with both in [-127, 127] (base 255, not 256, so that negating a plane,
+// as the Q8_0 kernel does to move the weights' signs, never overflows), and both planes are
+// multiplied. The input's rounding error is then below 2^-15 of the chunk's largest value, far
+// under the bf16 rounding the input already has.
+// What this computes is sum_i w_i * x_i with w_i the reference's float32 dequantized weight
+// (scale * level - min), not rounded to bf16 first: within bf16 tolerance of the reference, not
+// bit-equal to it (tests/test_quant_kernels.py holds every flavour to that tolerance).
+
+// x in fixed point: per 256-element chunk a float scale, per element hi/lo int8 planes, and per
+// 16 elements the integer sum of the fixed-point values (for the mins and level offsets).
+struct FixedInput {
+  std::vector<int8_t> hi, lo;
+  std::vector<float> scale;     // per chunk: x ~= scale * (255 * hi + lo)
+  std::vector<int32_t> sum16;   // per 16 elements: sum of (255 * hi + lo)
+  std::vector<float> sum32;     // per 32 elements, as float (Q4_K's mins)
+  std::vector<bf16> source;    // the x these were made from
+
+  // Fixed point of x, reused when this thread's last call had the same x (the gate/up input of
+  // every expert of a layer): comparing 2 bytes an element costs far less than converting them.
+  void prepare(const bf16* x, int64_t count) {
+    if (static_cast<int64_t>(source.size()) == count && std::memcmp(source.data(), x, count * sizeof(bf16)) == 0)
+      return;
+    source.assign(x, x + count);
+    const int64_t chunks = (count + 255) / 256;
+    hi.resize(count);
+    lo.resize(count);
+    scale.resize(chunks);
+    sum16.resize((count + 15) / 16);
+    for (int64_t c = 0; c < chunks; ++c) {
+      const int64_t begin = c * 256, end = std::min(count, begin + 256);
+      float amax = 0.f;
+      for (int64_t i = begin; i < end; ++i) amax = std::max(amax, std::fabs(to_float(x[i])));
+      const float s = amax > 0.f ? amax / 32512.f : 1.f;
+      const float inv = 1.f / s;
+      scale[c] = s;
+      for (int64_t i = begin; i < end; ++i) {
+        int32_t v = static_cast<int32_t>(std::nearbyint(to_float(x[i]) * inv));
+        v = std::max(-32512, std::min(32512, v));
+        const int32_t high = (v + (v >= 0 ? 127 : -127)) / 255;  // |v - 255 * high| <= 127
+        hi[i] = static_cast<int8_t>(high);
+        lo[i] = static_cast<int8_t>(v - 255 * high);
+      }
+    }
+    for (int64_t g = 0; g < static_cast<int64_t>(sum16.size()); ++g) {
+      int32_t total = 0;
+      for (int64_t i = 16 * g; i < std::min(count, 16 * g + 16); ++i) total += 255 * hi[i] + lo[i];
+      sum16[g] = total;
+    }
+    sum32.resize((count + 31) / 32);
+    for (int64_t g = 0; g < static_cast<int64_t>(sum32.size()); ++g)
+      sum32[g] = static_cast<float>(sum16[2 * g] + (2 * g + 1 < static_cast<int64_t>(sum16.size()) ? sum16[2 * g + 1] : 0));
+  }
+};
+
+// Types with an integer kernel here; the others keep quant.h's float loops.
+inline bool has_integer_dot(int32_t type) { return type == kQ4_K || type == kQ8_0 || type == kQ6_K; }
+
+// Q4_K's 6-bit scales and mins of the 8 sub-blocks of 32 (the k4_scale_min packing).
+inline void q4_k_scales(const uint8_t* q, int32_t* sc, int32_t* mn) {
+  for (int j = 0; j < 4; ++j) {
+    sc[j] = q[j] & 63;
+    mn[j] = q[j + 4] & 63;
+    sc[j + 4] = (q[j + 8] & 0xF) | ((q[j] >> 6) << 4);
+    mn[j + 4] = (q[j + 8] >> 4) | ((q[j + 4] >> 6) << 4);
+  }
+}
+
+#if defined(__AVX2__)
+inline int32_t hsum_epi32(__m256i v) {
+  __m128i s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+  s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0x4E));
+  s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0xB1));
+  return _mm_cvtsi128_si32(s);
+}
+
+inline float hsum_ps(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+
+inline __m256i load32(const void* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); }
+
+// levels (u8) times both planes of x (s8), pairs summed to int16 then weighted by `scale` (int16)
+// into the int32 accumulators of each plane.
+inline void madd_planes(__m256i levels, const int8_t* xh, const int8_t* xl, __m256i scale, __m256i& acc_hi,
+                        __m256i& acc_lo) {
+  acc_hi = _mm256_add_epi32(acc_hi, _mm256_madd_epi16(_mm256_maddubs_epi16(levels, load32(xh)), scale));
+  acc_lo = _mm256_add_epi32(acc_lo, _mm256_madd_epi16(_mm256_maddubs_epi16(levels, load32(xl)), scale));
+}
+
+// Q4_K's 8 scales then 8 mins (6 bits each, packed in 12 bytes) as 16 bytes, a word at a time.
+inline __m128i q4_k_scales_mins(const uint8_t* q) {
+  uint32_t u[3];
+  std::memcpy(u, q, 12);
+  const uint32_t six = 0x3f3f3f3fu, four = 0x0f0f0f0fu, two = 0x03030303u;
+  const uint32_t sc_low = u[0] & six, mn_low = u[1] & six;
+  const uint32_t sc_high = (u[2] & four) | (((u[0] >> 6) & two) << 4);
+  const uint32_t mn_high = ((u[2] >> 4) & four) | (((u[1] >> 6) & two) << 4);
+  return _mm_set_epi32(static_cast<int>(mn_high), static_cast<int>(mn_low), static_cast<int>(sc_high),
+                       static_cast<int>(sc_low));
+}
+
+inline float idot_q4_k(const uint8_t* row, int64_t blocks, const FixedInput& in) {
+  const __m256i nibble = _mm256_set1_epi8(0x0F);
+  // shuffles that broadcast int16 scale j (bytes 2j, 2j + 1) to every lane
+  __m256i pick[8];
+  for (int j = 0; j < 8; ++j) pick[j] = _mm256_set1_epi16(static_cast<int16_t>((2 * j) | ((2 * j + 1) << 8)));
+  __m256 acc = _mm256_setzero_ps(), acc_min = acc;
+  for (int64_t blk = 0; blk < blocks; ++blk) {
+    const uint8_t* b = row + blk * 144;
+    _mm_prefetch(reinterpret_cast<const char*>(b + 1024), _MM_HINT_NTA);
+    const __m256i scales_mins = _mm256_cvtepu8_epi16(q4_k_scales_mins(b + 4));  // 8 scales, then 8 mins
+    const __m256i scales = _mm256_permute2x128_si256(scales_mins, scales_mins, 0x00);
+    const int8_t* xh = in.hi.data() + blk * 256;
+    const int8_t* xl = in.lo.data() + blk * 256;
+    __m256i acc_hi = _mm256_setzero_si256(), acc_lo = acc_hi;
+    for (int c = 0; c < 4; ++c) {  // 64 weights: low nibbles are sub-block 2c, high ones 2c + 1
+      const __m256i bytes = load32(b + 16 + 32 * c);
+      madd_planes(_mm256_and_si256(bytes, nibble), xh + 64 * c, xl + 64 * c,
+                  _mm256_shuffle_epi8(scales, pick[2 * c]), acc_hi, acc_lo);
+      madd_planes(_mm256_and_si256(_mm256_srli_epi16(bytes, 4), nibble), xh + 64 * c + 32, xl + 64 * c + 32,
+                  _mm256_shuffle_epi8(scales, pick[2 * c + 1]), acc_hi, acc_lo);
+    }
+    const float s = in.scale[blk];
+    const __m256 total = _mm256_fmadd_ps(_mm256_cvtepi32_ps(acc_hi), _mm256_set1_ps(255.f), _mm256_cvtepi32_ps(acc_lo));
+    acc = _mm256_fmadd_ps(total, _mm256_set1_ps(half_to_float(b) * s), acc);
+    const __m256 mins = _mm256_cvtepi32_ps(_mm256_cvtepu16_epi32(_mm256_extracti128_si256(scales_mins, 1)));
+    acc_min = _mm256_fmadd_ps(_mm256_mul_ps(mins, _mm256_loadu_ps(in.sum32.data() + blk * 8)),
+                              _mm256_set1_ps(half_to_float(b + 2) * s), acc_min);
+  }
+  return hsum_ps(_mm256_sub_ps(acc, acc_min));
+}
+
+inline float idot_q8_0(const uint8_t* row, int64_t blocks, const FixedInput& in) {
+  __m256 acc0 = _mm256_setzero_ps(), acc1 = acc0;
+  const __m256i ones = _mm256_set1_epi16(1);
+  for (int64_t blk = 0; blk < blocks; ++blk) {
+    const uint8_t* b = row + blk * 34;
+    _mm_prefetch(reinterpret_cast<const char*>(b + 1024), _MM_HINT_NTA);
+    const __m256i q = load32(b + 2);
+    const __m256i levels = _mm256_sign_epi8(q, q);  // |q|, the sign moved onto x below
+    const __m256i xh = _mm256_sign_epi8(load32(in.hi.data() + 32 * blk), q);
+    const __m256i xl = _mm256_sign_epi8(load32(in.lo.data() + 32 * blk), q);
+    const __m256i ph = _mm256_madd_epi16(_mm256_maddubs_epi16(levels, xh), ones);
+    const __m256i pl = _mm256_madd_epi16(_mm256_maddubs_epi16(levels, xl), ones);
+    const __m256 total = _mm256_cvtepi32_ps(_mm256_add_epi32(_mm256_sub_epi32(_mm256_slli_epi32(ph, 8), ph), pl));
+    const __m256 d = _mm256_set1_ps(half_to_float(b) * in.scale[blk / 8]);
+    if (blk & 1)
+      acc1 = _mm256_add_ps(acc1, _mm256_mul_ps(total, d));
+    else
+      acc0 = _mm256_add_ps(acc0, _mm256_mul_ps(total, d));
+  }
+  return hsum_ps(_mm256_add_ps(acc0, acc1));
+}
+
+// Q6_K: levels 0..63 (stored as 4 low bits + 2 high bits), minus 32, times a signed 8-bit scale
+// per 16 weights. The products use the unsigned levels; 32 * scale * sum(x) comes off per sub-block.
+inline float idot_q6_k(const uint8_t* row, int64_t blocks, const FixedInput& in) {
+  const __m256i low4 = _mm256_set1_epi8(0x0F), two = _mm256_set1_epi8(3);
+  __m256 acc = _mm256_setzero_ps();
+  float offsets = 0.f;
+  for (int64_t blk = 0; blk < blocks; ++blk) {
+    const uint8_t* b = row + blk * 210;
+    _mm_prefetch(reinterpret_cast<const char*>(b + 1024), _MM_HINT_NTA);
+    const int8_t* scales = reinterpret_cast<const int8_t*>(b + 192);
+    const int8_t* xh = in.hi.data() + blk * 256;
+    const int8_t* xl = in.lo.data() + blk * 256;
+    __m256i acc_hi = _mm256_setzero_si256(), acc_lo = acc_hi;
+    for (int half = 0; half < 2; ++half) {  // 128 weights: ql[64], qh[32]
+      const uint8_t* ql = b + 64 * half;
+      const uint8_t* qh = b + 128 + 32 * half;
+      const __m256i l0 = load32(ql), l1 = load32(ql + 32), h = load32(qh);
+      const __m256i levels[4] = {
+          _mm256_or_si256(_mm256_and_si256(l0, low4), _mm256_slli_epi16(_mm256_and_si256(h, two), 4)),
+          _mm256_or_si256(_mm256_and_si256(l1, low4),
+                          _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(h, 2), two), 4)),
+          _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l0, 4), low4),
+                          _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(h, 4), two), 4)),
+          _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l1, 4), low4),
+                          _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(h, 6), two), 4)),
+      };
+      for (int part = 0; part < 4; ++part) {  // 32 weights, sub-blocks 8 * half + 2 * part (+1)
+        const int sub = 8 * half + 2 * part;
+        const __m256i scale = _mm256_set_m128i(_mm_set1_epi16(scales[sub + 1]), _mm_set1_epi16(scales[sub]));
+        const int64_t at = 128 * half + 32 * part;
+        madd_planes(levels[part], xh + at, xl + at, scale, acc_hi, acc_lo);
+      }
+    }
+    const int32_t* sums = in.sum16.data() + blk * 16;
+    int64_t offset = 0;
+    for (int j = 0; j < 16; ++j) offset += static_cast<int64_t>(scales[j]) * sums[j];
+    const float d = half_to_float(b + 208) * in.scale[blk];
+    const __m256 total = _mm256_add_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(acc_hi), _mm256_set1_ps(255.f)),
+                                       _mm256_cvtepi32_ps(acc_lo));
+    acc = _mm256_add_ps(acc, _mm256_mul_ps(total, _mm256_set1_ps(d)));
+    offsets += d * 32.f * static_cast<float>(offset);  // 32 * scale * sum(x) can pass int32: in float
+  }
+  return hsum_ps(acc) - offsets;
+}
+
+#else
+// Portable: the same integer arithmetic, one weight at a time (the compiler vectorises what it can).
+inline float idot_q4_k(const uint8_t* row, int64_t blocks, const FixedInput& in) {
+  float sum = 0.f, mins = 0.f;
+  int32_t sc[8], mn[8];
+  for (int64_t blk = 0; blk < blocks; ++blk) {
+    const uint8_t* b = row + blk * 144;
+    q4_k_scales(b + 4, sc, mn);
+    int64_t t_hi = 0, t_lo = 0, min_total = 0;
+    for (int c = 0; c < 4; ++c) {
+      for (int half = 0; half < 2; ++half) {
+        int32_t p_hi = 0, p_lo = 0;
+        for (int l = 0; l < 32; ++l) {
+          const int32_t level = half ? b[16 + 32 * c + l] >> 4 : b[16 + 32 * c + l] & 0xF;
+          const int64_t at = blk * 256 + 64 * c + 32 * half + l;
+          p_hi += level * in.hi[at];
+          p_lo += level * in.lo[at];
+        }
+        t_hi += static_cast<int64_t>(sc[2 * c + half]) * p_hi;
+        t_lo += static_cast<int64_t>(sc[2 * c + half]) * p_lo;
+      }
+    }
+    const int32_t* sums = in.sum16.data() + blk * 16;
+    for (int j = 0; j < 8; ++j) min_total += static_cast<int64_t>(mn[j]) * (sums[2 * j] + sums[2 * j + 1]);
+    const float s = in.scale[blk];
+    sum += (255.f * static_cast<float>(t_hi) + static_cast<float>(t_lo)) * (half_to_float(b) * s);
+    mins += half_to_float(b + 2) * s * static_cast<float>(min_total);
+  }
+  return sum - mins;
+}
+
+inline float idot_q8_0(const uint8_t* row, int64_t blocks, const FixedInput& in) {
+  float sum = 0.f;
+  for (int64_t blk = 0; blk < blocks; ++blk) {
+    const uint8_t* b = row + blk * 34;
+    const int8_t* q = reinterpret_cast<const int8_t*>(b + 2);
+    int32_t t = 0;
+    for (int l = 0; l < 32; ++l) t += q[l] * (255 * in.hi[32 * blk + l] + in.lo[32 * blk + l]);
+    sum += static_cast<float>(t) * (half_to_float(b) * in.scale[blk / 8]);
+  }
+  return sum;
+}
+
+inline float idot_q6_k(const uint8_t* row, int64_t blocks, const FixedInput& in) {
+  float sum = 0.f;
+  for (int64_t blk = 0; blk < blocks; ++blk) {
+    const uint8_t* b = row + blk * 210;
+    const int8_t* scales = reinterpret_cast<const int8_t*>(b + 192);
+    int64_t total = 0;
+    for (int half = 0; half < 2; ++half) {
+      const uint8_t* ql = b + 64 * half;
+      const uint8_t* qh = b + 128 + 32 * half;
+      for (int l = 0; l < 32; ++l) {
+        const int32_t levels[4] = {(ql[l] & 0xF) | (((qh[l] >> 0) & 3) << 4), (ql[l + 32] & 0xF) | (((qh[l] >> 2) & 3) << 4),
+                                   (ql[l] >> 4) | (((qh[l] >> 4) & 3) << 4), (ql[l + 32] >> 4) | (((qh[l] >> 6) & 3) << 4)};
+        for (int part = 0; part < 4; ++part) {
+          const int64_t at = blk * 256 + 128 * half + 32 * part + l;
+          const int sub = 8 * half + 2 * part + l / 16;
+          total += static_cast<int64_t>(scales[sub]) * (levels[part] - 32) * (255 * in.hi[at] + in.lo[at]);
+        }
+      }
+    }
+    sum += static_cast<float>(total) * (half_to_float(b + 208) * in.scale[blk]);
+  }
+  return sum;
+}
+#endif
+
+// sum over the row of (dequantized weight) * x for the types of has_integer_dot.
+inline float idot_row(const Matrix& m, int64_t r, const FixedInput& in) {
+  const uint8_t* row = m.row(r);
+  const int64_t blocks = m.cols / block_elements(m.type);
+  switch (m.type) {
+    case kQ4_K: return idot_q4_k(row, blocks, in);
+    case kQ6_K: return idot_q6_k(row, blocks, in);
+    default: return idot_q8_0(row, blocks, in);
+  }
+}
