@@ -53,10 +53,17 @@ def test_native_dequantization_is_the_reference_bit_for_bit(flavour, name):
 
 
 @pytest.mark.parametrize("name", sorted(FORMATS))
-def test_quantized_gemv_is_the_dequantized_bf16_product(flavour, name):
+@pytest.mark.parametrize("integer", [True, False], ids=["integer-dots", "float-loops"])
+def test_quantized_gemv_is_the_dequantized_bf16_product(flavour, name, integer):
+    # integer dots (quant_int.h, the default where a type has one) and the reference-exact float loops
     packed, reference = quantized(name, rows=300, columns=1024, seed=2)
     x = (torch.randn(1, 1024) * 0.5).to(torch.bfloat16)
-    ours = flavour.gemv(native.weight(flavour, packed, FORMATS[name], 1024), x)
+    x[0, :7] = torch.tensor([3.0, -3.0, 1e-3, -1e-3, 0.0, 2.5, -2.99])  # extremes of the fixed-point planes
+    flavour.set_integer_dots(integer)
+    try:
+        ours = flavour.gemv(native.weight(flavour, packed, FORMATS[name], 1024), x)
+    finally:
+        flavour.set_integer_dots(True)
     assert ours.shape == (1, 300) and ours.dtype == torch.bfloat16
     close(ours, F.linear(x, reference), f"{name} gemv")
     exact = x.double() @ reference.double().t()  # the same products, summed exactly

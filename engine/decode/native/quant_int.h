@@ -18,13 +18,19 @@
 // bit-equal to it (tests/test_quant_kernels.py holds every flavour to that tolerance).
 
 // x in fixed point: per 256-element chunk a float scale, per element hi/lo int8 planes, and per
-// 16 elements the integer sum of the fixed-point values (for the mins and level offsets).
+// 16 elements the integer sum of the fixed-point values (for the mins and level offsets). The
+// planes are interleaved per 32 elements (32 hi bytes, then their 32 lo bytes): one 64-byte load
+// gives an AVX-512 kernel both planes of a 32-weight group.
 struct FixedInput {
-  std::vector<int8_t> hi, lo;
+  std::vector<int8_t> planes;
   std::vector<float> scale;     // per chunk: x ~= scale * (255 * hi + lo)
   std::vector<int32_t> sum16;   // per 16 elements: sum of (255 * hi + lo)
   std::vector<float> sum32;     // per 32 elements, as float (Q4_K's mins)
   std::vector<bf16> source;    // the x these were made from
+
+  const int8_t* hi_at(int64_t i) const { return planes.data() + 2 * i - i % 32; }  // hi of elements i...
+  const int8_t* lo_at(int64_t i) const { return hi_at(i) + 32; }
+  int32_t value(int64_t i) const { return 255 * hi_at(i)[0] + lo_at(i)[0]; }
 
   // Fixed point of x, reused when this thread's last call had the same x (the gate/up input of
   // every expert of a layer): comparing 2 bytes an element costs far less than converting them.
@@ -33,8 +39,7 @@ struct FixedInput {
       return;
     source.assign(x, x + count);
     const int64_t chunks = (count + 255) / 256;
-    hi.resize(count);
-    lo.resize(count);
+    planes.assign(2 * ((count + 31) / 32 * 32), 0);
     scale.resize(chunks);
     sum16.resize((count + 15) / 16);
     for (int64_t c = 0; c < chunks; ++c) {
@@ -48,13 +53,13 @@ struct FixedInput {
         int32_t v = static_cast<int32_t>(std::nearbyint(to_float(x[i]) * inv));
         v = std::max(-32512, std::min(32512, v));
         const int32_t high = (v + (v >= 0 ? 127 : -127)) / 255;  // |v - 255 * high| <= 127
-        hi[i] = static_cast<int8_t>(high);
-        lo[i] = static_cast<int8_t>(v - 255 * high);
+        planes[2 * i - i % 32] = static_cast<int8_t>(high);
+        planes[2 * i - i % 32 + 32] = static_cast<int8_t>(v - 255 * high);
       }
     }
     for (int64_t g = 0; g < static_cast<int64_t>(sum16.size()); ++g) {
       int32_t total = 0;
-      for (int64_t i = 16 * g; i < std::min(count, 16 * g + 16); ++i) total += 255 * hi[i] + lo[i];
+      for (int64_t i = 16 * g; i < std::min(count, 16 * g + 16); ++i) total += value(i);
       sum16[g] = total;
     }
     sum32.resize((count + 31) / 32);
@@ -64,7 +69,9 @@ struct FixedInput {
 };
 
 // Types with an integer kernel here; the others keep quant.h's float loops.
-inline bool has_integer_dot(int32_t type) { return type == kQ4_K || type == kQ8_0 || type == kQ6_K; }
+inline bool has_integer_dot(int32_t type) {
+  return type == kQ4_K || type == kQ8_0 || type == kQ6_K || type == kQ4_0 || type == kQ5_0;
+}
 
 // Q4_K's 6-bit scales and mins of the 8 sub-blocks of 32 (the k4_scale_min packing).
 inline void q4_k_scales(const uint8_t* q, int32_t* sc, int32_t* mn) {
@@ -113,6 +120,51 @@ inline __m128i q4_k_scales_mins(const uint8_t* q) {
                        static_cast<int>(sc_low));
 }
 
+#if defined(__AVX512BW__)
+// pairs of int16 products times int16 scales, added to int32 lanes (one instruction with VNNI)
+inline __m512i dot_scaled(__m512i acc, __m512i products, __m512i scale) {
+#if defined(__AVX512VNNI__)
+  return _mm512_dpwssd_epi32(acc, products, scale);
+#else
+  return _mm512_add_epi32(acc, _mm512_madd_epi16(products, scale));
+#endif
+}
+
+// AVX-512: a group's 32 levels broadcast to both halves of a 512-bit register meet both planes of
+// x in one load; int32 lanes 0-7 then hold the hi plane's sums and 8-15 the lo plane's.
+inline float idot_q4_k(const uint8_t* row, int64_t blocks, const FixedInput& in) {
+  const __m256i nibble = _mm256_set1_epi8(0x0F);
+  __m512i pick[8];
+  for (int j = 0; j < 8; ++j) pick[j] = _mm512_set1_epi16(static_cast<int16_t>((2 * j) | ((2 * j + 1) << 8)));
+  const __m512 plane_weight = _mm512_setr_ps(255, 255, 255, 255, 255, 255, 255, 255, 1, 1, 1, 1, 1, 1, 1, 1);
+  __m512 acc = _mm512_setzero_ps();
+  __m256 acc_min = _mm256_setzero_ps();
+  for (int64_t blk = 0; blk < blocks; ++blk) {
+    const uint8_t* b = row + blk * 144;
+    _mm_prefetch(reinterpret_cast<const char*>(b + 1024), _MM_HINT_NTA);
+    const __m256i scales_mins = _mm256_cvtepu8_epi16(q4_k_scales_mins(b + 4));  // 8 scales, then 8 mins
+    const __m512i scales = _mm512_broadcast_i32x4(_mm256_castsi256_si128(scales_mins));
+    __m512i sums = _mm512_setzero_si512();
+    for (int c = 0; c < 4; ++c) {  // 64 weights: low nibbles are sub-block 2c, high ones 2c + 1
+      const __m256i bytes = load32(b + 16 + 32 * c);
+      const int64_t at = blk * 256 + 64 * c;
+      const __m512i low = _mm512_broadcast_i64x4(_mm256_and_si256(bytes, nibble));
+      const __m512i high = _mm512_broadcast_i64x4(_mm256_and_si256(_mm256_srli_epi16(bytes, 4), nibble));
+      sums = dot_scaled(sums, _mm512_maddubs_epi16(low, _mm512_loadu_si512(in.hi_at(at))),
+                        _mm512_shuffle_epi8(scales, pick[2 * c]));
+      sums = dot_scaled(sums, _mm512_maddubs_epi16(high, _mm512_loadu_si512(in.hi_at(at + 32))),
+                        _mm512_shuffle_epi8(scales, pick[2 * c + 1]));
+    }
+    const float s = in.scale[blk];
+    acc = _mm512_fmadd_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(sums), plane_weight), _mm512_set1_ps(half_to_float(b) * s),
+                          acc);
+    const __m256 mins = _mm256_cvtepi32_ps(_mm256_cvtepu16_epi32(_mm256_extracti128_si256(scales_mins, 1)));
+    acc_min = _mm256_fmadd_ps(_mm256_mul_ps(mins, _mm256_loadu_ps(in.sum32.data() + blk * 8)),
+                              _mm256_set1_ps(half_to_float(b + 2) * s), acc_min);
+  }
+  return _mm512_reduce_add_ps(acc) - hsum_ps(acc_min);
+}
+#else
 inline float idot_q4_k(const uint8_t* row, int64_t blocks, const FixedInput& in) {
   const __m256i nibble = _mm256_set1_epi8(0x0F);
   // shuffles that broadcast int16 scale j (bytes 2j, 2j + 1) to every lane
@@ -124,14 +176,13 @@ inline float idot_q4_k(const uint8_t* row, int64_t blocks, const FixedInput& in)
     _mm_prefetch(reinterpret_cast<const char*>(b + 1024), _MM_HINT_NTA);
     const __m256i scales_mins = _mm256_cvtepu8_epi16(q4_k_scales_mins(b + 4));  // 8 scales, then 8 mins
     const __m256i scales = _mm256_permute2x128_si256(scales_mins, scales_mins, 0x00);
-    const int8_t* xh = in.hi.data() + blk * 256;
-    const int8_t* xl = in.lo.data() + blk * 256;
     __m256i acc_hi = _mm256_setzero_si256(), acc_lo = acc_hi;
     for (int c = 0; c < 4; ++c) {  // 64 weights: low nibbles are sub-block 2c, high ones 2c + 1
       const __m256i bytes = load32(b + 16 + 32 * c);
-      madd_planes(_mm256_and_si256(bytes, nibble), xh + 64 * c, xl + 64 * c,
+      const int64_t at = blk * 256 + 64 * c;
+      madd_planes(_mm256_and_si256(bytes, nibble), in.hi_at(at), in.lo_at(at),
                   _mm256_shuffle_epi8(scales, pick[2 * c]), acc_hi, acc_lo);
-      madd_planes(_mm256_and_si256(_mm256_srli_epi16(bytes, 4), nibble), xh + 64 * c + 32, xl + 64 * c + 32,
+      madd_planes(_mm256_and_si256(_mm256_srli_epi16(bytes, 4), nibble), in.hi_at(at + 32), in.lo_at(at + 32),
                   _mm256_shuffle_epi8(scales, pick[2 * c + 1]), acc_hi, acc_lo);
     }
     const float s = in.scale[blk];
@@ -143,6 +194,7 @@ inline float idot_q4_k(const uint8_t* row, int64_t blocks, const FixedInput& in)
   }
   return hsum_ps(_mm256_sub_ps(acc, acc_min));
 }
+#endif
 
 inline float idot_q8_0(const uint8_t* row, int64_t blocks, const FixedInput& in) {
   __m256 acc0 = _mm256_setzero_ps(), acc1 = acc0;
@@ -152,8 +204,8 @@ inline float idot_q8_0(const uint8_t* row, int64_t blocks, const FixedInput& in)
     _mm_prefetch(reinterpret_cast<const char*>(b + 1024), _MM_HINT_NTA);
     const __m256i q = load32(b + 2);
     const __m256i levels = _mm256_sign_epi8(q, q);  // |q|, the sign moved onto x below
-    const __m256i xh = _mm256_sign_epi8(load32(in.hi.data() + 32 * blk), q);
-    const __m256i xl = _mm256_sign_epi8(load32(in.lo.data() + 32 * blk), q);
+    const __m256i xh = _mm256_sign_epi8(load32(in.hi_at(32 * blk)), q);
+    const __m256i xl = _mm256_sign_epi8(load32(in.lo_at(32 * blk)), q);
     const __m256i ph = _mm256_madd_epi16(_mm256_maddubs_epi16(levels, xh), ones);
     const __m256i pl = _mm256_madd_epi16(_mm256_maddubs_epi16(levels, xl), ones);
     const __m256 total = _mm256_cvtepi32_ps(_mm256_add_epi32(_mm256_sub_epi32(_mm256_slli_epi32(ph, 8), ph), pl));
@@ -176,8 +228,6 @@ inline float idot_q6_k(const uint8_t* row, int64_t blocks, const FixedInput& in)
     const uint8_t* b = row + blk * 210;
     _mm_prefetch(reinterpret_cast<const char*>(b + 1024), _MM_HINT_NTA);
     const int8_t* scales = reinterpret_cast<const int8_t*>(b + 192);
-    const int8_t* xh = in.hi.data() + blk * 256;
-    const int8_t* xl = in.lo.data() + blk * 256;
     __m256i acc_hi = _mm256_setzero_si256(), acc_lo = acc_hi;
     for (int half = 0; half < 2; ++half) {  // 128 weights: ql[64], qh[32]
       const uint8_t* ql = b + 64 * half;
@@ -195,8 +245,8 @@ inline float idot_q6_k(const uint8_t* row, int64_t blocks, const FixedInput& in)
       for (int part = 0; part < 4; ++part) {  // 32 weights, sub-blocks 8 * half + 2 * part (+1)
         const int sub = 8 * half + 2 * part;
         const __m256i scale = _mm256_set_m128i(_mm_set1_epi16(scales[sub + 1]), _mm_set1_epi16(scales[sub]));
-        const int64_t at = 128 * half + 32 * part;
-        madd_planes(levels[part], xh + at, xl + at, scale, acc_hi, acc_lo);
+        const int64_t at = blk * 256 + 128 * half + 32 * part;
+        madd_planes(levels[part], in.hi_at(at), in.lo_at(at), scale, acc_hi, acc_lo);
       }
     }
     const int32_t* sums = in.sum16.data() + blk * 16;
@@ -207,6 +257,38 @@ inline float idot_q6_k(const uint8_t* row, int64_t blocks, const FixedInput& in)
                                        _mm256_cvtepi32_ps(acc_lo));
     acc = _mm256_add_ps(acc, _mm256_mul_ps(total, _mm256_set1_ps(d)));
     offsets += d * 32.f * static_cast<float>(offset);  // 32 * scale * sum(x) can pass int32: in float
+  }
+  return hsum_ps(acc) - offsets;
+}
+
+// Q4_0 (levels 0..15, minus 8) and Q5_0 (a fifth bit from the block's 32-bit mask, minus 16),
+// one float scale per 32 weights: unsigned levels times x, the offset times sum(x) taken off.
+inline float idot_q4_q5_0(const uint8_t* row, int64_t blocks, const FixedInput& in, bool five) {
+  const __m128i low4 = _mm_set1_epi8(0x0F);
+  const __m256i ones = _mm256_set1_epi16(1);
+  const __m256i spread = _mm256_setr_epi64x(0, 0x0101010101010101, 0x0202020202020202, 0x0303030303030303);
+  const __m256i bit = _mm256_set1_epi64x(static_cast<int64_t>(0x8040201008040201ull));
+  const int64_t stride = five ? 22 : 18;
+  const float offset = five ? 16.f : 8.f;
+  __m256 acc = _mm256_setzero_ps();
+  float offsets = 0.f;
+  for (int64_t blk = 0; blk < blocks; ++blk) {
+    const uint8_t* b = row + blk * stride;
+    const __m128i qs = _mm_loadu_si128(reinterpret_cast<const __m128i*>(b + (five ? 6 : 2)));
+    __m256i levels = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(qs, 4), low4), _mm_and_si128(qs, low4));
+    if (five) {
+      uint32_t qh;
+      std::memcpy(&qh, b + 2, 4);
+      const __m256i spread_bits = _mm256_shuffle_epi8(_mm256_set1_epi32(static_cast<int>(qh)), spread);
+      const __m256i set = _mm256_cmpeq_epi8(_mm256_and_si256(spread_bits, bit), bit);  // byte i: bit i of qh
+      levels = _mm256_or_si256(levels, _mm256_and_si256(set, _mm256_set1_epi8(0x10)));
+    }
+    const __m256i ph = _mm256_madd_epi16(_mm256_maddubs_epi16(levels, load32(in.hi_at(32 * blk))), ones);
+    const __m256i pl = _mm256_madd_epi16(_mm256_maddubs_epi16(levels, load32(in.lo_at(32 * blk))), ones);
+    const __m256 total = _mm256_cvtepi32_ps(_mm256_add_epi32(_mm256_sub_epi32(_mm256_slli_epi32(ph, 8), ph), pl));
+    const float d = half_to_float(b) * in.scale[blk / 8];
+    acc = _mm256_fmadd_ps(total, _mm256_set1_ps(d), acc);
+    offsets += d * offset * static_cast<float>(in.sum16[2 * blk] + in.sum16[2 * blk + 1]);
   }
   return hsum_ps(acc) - offsets;
 }
@@ -226,8 +308,8 @@ inline float idot_q4_k(const uint8_t* row, int64_t blocks, const FixedInput& in)
         for (int l = 0; l < 32; ++l) {
           const int32_t level = half ? b[16 + 32 * c + l] >> 4 : b[16 + 32 * c + l] & 0xF;
           const int64_t at = blk * 256 + 64 * c + 32 * half + l;
-          p_hi += level * in.hi[at];
-          p_lo += level * in.lo[at];
+          p_hi += level * in.hi_at(at)[0];
+          p_lo += level * in.lo_at(at)[0];
         }
         t_hi += static_cast<int64_t>(sc[2 * c + half]) * p_hi;
         t_lo += static_cast<int64_t>(sc[2 * c + half]) * p_lo;
@@ -248,7 +330,7 @@ inline float idot_q8_0(const uint8_t* row, int64_t blocks, const FixedInput& in)
     const uint8_t* b = row + blk * 34;
     const int8_t* q = reinterpret_cast<const int8_t*>(b + 2);
     int32_t t = 0;
-    for (int l = 0; l < 32; ++l) t += q[l] * (255 * in.hi[32 * blk + l] + in.lo[32 * blk + l]);
+    for (int l = 0; l < 32; ++l) t += q[l] * in.value(32 * blk + l);
     sum += static_cast<float>(t) * (half_to_float(b) * in.scale[blk / 8]);
   }
   return sum;
@@ -269,11 +351,31 @@ inline float idot_q6_k(const uint8_t* row, int64_t blocks, const FixedInput& in)
         for (int part = 0; part < 4; ++part) {
           const int64_t at = blk * 256 + 128 * half + 32 * part + l;
           const int sub = 8 * half + 2 * part + l / 16;
-          total += static_cast<int64_t>(scales[sub]) * (levels[part] - 32) * (255 * in.hi[at] + in.lo[at]);
+          total += static_cast<int64_t>(scales[sub]) * (levels[part] - 32) * in.value(at);
         }
       }
     }
     sum += static_cast<float>(total) * (half_to_float(b + 208) * in.scale[blk]);
+  }
+  return sum;
+}
+
+inline float idot_q4_q5_0(const uint8_t* row, int64_t blocks, const FixedInput& in, bool five) {
+  const int64_t stride = five ? 22 : 18;
+  const int32_t offset = five ? 16 : 8;
+  float sum = 0.f;
+  for (int64_t blk = 0; blk < blocks; ++blk) {
+    const uint8_t* b = row + blk * stride;
+    const uint8_t* qs = b + (five ? 6 : 2);
+    uint32_t qh = 0;
+    if (five) std::memcpy(&qh, b + 2, 4);
+    int32_t t = 0;
+    for (int l = 0; l < 32; ++l) {
+      int32_t level = l < 16 ? qs[l] & 0xF : qs[l - 16] >> 4;
+      if (five) level |= static_cast<int32_t>((qh >> l) & 1u) << 4;
+      t += (level - offset) * in.value(32 * blk + l);
+    }
+    sum += static_cast<float>(t) * (half_to_float(b) * in.scale[blk / 8]);
   }
   return sum;
 }
@@ -286,6 +388,8 @@ inline float idot_row(const Matrix& m, int64_t r, const FixedInput& in) {
   switch (m.type) {
     case kQ4_K: return idot_q4_k(row, blocks, in);
     case kQ6_K: return idot_q6_k(row, blocks, in);
+    case kQ4_0: return idot_q4_q5_0(row, blocks, in, false);
+    case kQ5_0: return idot_q4_q5_0(row, blocks, in, true);
     default: return idot_q8_0(row, blocks, in);
   }
 }
