@@ -4,8 +4,9 @@ dense weights are stored in (a new choice reloads it); open another one."""
 from __future__ import annotations
 
 from PySide6.QtCore import Signal
-from PySide6.QtWidgets import QComboBox, QFileDialog, QHBoxLayout, QLabel, QProgressBar, QPushButton, QWidget
+from PySide6.QtWidgets import QFileDialog, QHBoxLayout, QLabel, QProgressBar, QPushButton, QWidget
 
+from app.format_picker import FormatPicker
 from app.models import formats
 from app.models.stats_format import format_bytes
 from engine import protocol as p
@@ -20,36 +21,6 @@ def model_summary(m: p.ModelLoaded, budget_bytes: int) -> str:
     return (f"{format_bytes(total)} · {m.num_layers} MoE layers x {m.num_experts} experts (top-{m.top_k}) · "
             f"in {m.device} memory: {format_bytes(resident)} ({resident / total:.0%}) · "
             f"{formats.loaded_formats_text(m.expert_format, m.dense_format, m.dtype)}, store {m.store}")
-
-
-class FormatPicker(QComboBox):
-    """One weight format picker: Original, then the block formats, each quantized one marked approximate."""
-
-    def __init__(self, what: str, parent: QWidget | None = None) -> None:
-        super().__init__(parent)
-        self.setObjectName(f"{what}-format")
-        self.setToolTip(f"How the {what} weights are stored: the original weights, or a block format (approximate; "
-                        "converted once into MoEScope's cache folder, with progress). Changing it reloads the model.")
-        self.set_quality({})
-
-    def set_quality(self, quality: dict[str, formats.FormatQuality]) -> None:
-        """Labels and tooltips for the model at hand (its card's measured costs), keeping the choice."""
-        current = self.current()
-        self.blockSignals(True)
-        self.clear()
-        for name in formats.CHOICES:
-            self.addItem(formats.choice_label(name, quality), name)
-            self.setItemData(self.count() - 1, formats.choice_tip(name, quality), 3)  # Qt.ToolTipRole
-        self.show_format(current)
-        self.blockSignals(False)
-
-    def current(self) -> str:
-        return self.currentData() or formats.ORIGINAL
-
-    def show_format(self, name: str) -> None:
-        self.blockSignals(True)
-        self.setCurrentIndex(max(0, self.findData(formats.canonical(name))))
-        self.blockSignals(False)
 
 
 class ModelBar(QWidget):
@@ -81,6 +52,7 @@ class ModelBar(QWidget):
         self.expert_format = FormatPicker("expert")
         self.dense_format = FormatPicker("dense")
         for picker in (self.expert_format, self.dense_format):
+            picker.setToolTip(picker.toolTip() + " Changing it reloads the model.")
             picker.setEnabled(False)  # until a local model is loaded
             picker.activated.connect(self._format_picked)
         self.connect_button = QPushButton("Connect to a server…")

@@ -430,6 +430,19 @@ class LibraryListing:
 
 
 @dataclass
+class FormatFit:
+    """The fit verdict with the routed experts stored in one format (engine.hub.fit.format_verdicts)."""
+
+    format: str  # original | q8_0 | q6_k | q4_k | q3_k | q2_k
+    kind: str  # fits-gpu | fits-ram | offload | too-big
+    headline: str
+    budget: str | None  # the recommended budget in this format, for LoadModel.budget; None: cannot run
+    budget_bytes: int | None
+    expert_bytes: int  # every expert, as slots in this format
+    min_budget_bytes: int
+
+
+@dataclass
 class FitEstimateReady:
     """engine.hub.fit's verdict for this machine and the numbers behind it (bytes at the compute dtype)."""
 
@@ -453,6 +466,8 @@ class FitEstimateReady:
     local_path: str | None = None
     gated: bool = False
     notes: list[str] = field(default_factory=list)
+    formats: list[FormatFit] = field(default_factory=list)  # the verdict per weight format, most precise first
+    format_summary: str = ""  # e.g. "fits in RAM at 4-bit (12.3 GiB); offloaded at 25% in bf16"; "" if moot
 
 
 @dataclass
