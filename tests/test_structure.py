@@ -35,7 +35,8 @@ ALLOWED = {
     "engine.cli": {"engine.errors", "engine.protocol", "engine.accounting", "engine.formats", "engine.traces",
                    "engine.model", "engine.hub", "engine.decode", "engine.process", "engine.serve"},
 }
-TORCH_FREE = ("engine.protocol", "engine.errors", "engine.accounting", "engine.traces", "engine.process.client",
+TORCH_FREE = ("engine.protocol", "engine.errors", "engine.accounting", "engine.traces", "engine.formats.blocks",
+              "engine.process.client",
               "engine.process.worker_entry", "engine.serve", "engine.remote", "engine.cli.serve", "app")
 QT = ("PySide6", "shiboken6", "pyqtgraph")
 
