@@ -50,13 +50,15 @@ class EngineBridge(QObject):
             return False
         return True
 
-    def load(self, path: str, budget: str = "all", policy: str | None = None) -> None:
+    def load(self, path: str, budget: str = "all", policy: str | None = None, *, expert_format: str = "original",
+             dense_format: str = "original", exact: bool = False) -> None:
         self.model = None
         if self.remote:  # back from a remote server to MoEScope's own engine
             self._switch(self._local_factory)
             self.remote = ""
             self.start()
-        self.send(p.LoadModel(path=path, budget=budget, policy=policy or "lru"))
+        self.send(p.LoadModel(path=path, budget=budget, policy=policy or "lru", expert_format=expert_format,
+                              dense_format=dense_format, fast_decode=not exact))
 
     def connect_remote(self, url: str, api_key: str | None, model: str) -> None:
         """Chat with an OpenAI-compatible server instead of the local engine (stopped until a model is loaded)."""
@@ -72,8 +74,8 @@ class EngineBridge(QObject):
         self.client.stop()
         self.client = factory(self._incoming.emit)
 
-    def set_fast_decode(self, enabled: bool) -> None:
-        self.send(p.SetFastDecode(enabled))
+    def set_exact(self, exact: bool) -> None:
+        self.send(p.SetFastDecode(not exact))
 
     def restart(self) -> None:
         """A new worker, reloading the last model with the budget, policy and kernels in force."""

@@ -26,23 +26,26 @@ from PySide6.QtWidgets import (
     QWidget,
 )
 
-from app.models.library import LibraryModel, fit_lines
+from app.format_picker import FormatPicker
+from app.models.formats import card_quality
+from app.models.library import LibraryModel, default_format, fit_lines
 from engine import protocol as p
 
 COLUMNS = ("Model", "Status", "Size", "Description")
 VERDICT_COLOURS = {"fits-gpu": "#2e7d32", "fits-ram": "#2e7d32", "offload": "#1565c0", "too-big": "#c62828",
                    "unsupported": "#c62828"}
-FIT_LABELS = ("Total size", "Experts", "Dense weights", "Minimum budget", "Recommended budget", "Download")
+FIT_LABELS = ("Total size", "Experts", "Dense weights", "Minimum budget", "Recommended budget", "By format", "Download")
 
 
 class LibraryDialog(QDialog):
-    use_requested = Signal(str, str)  # checkpoint folder, budget ("" : the app's remembered one)
+    use_requested = Signal(str, str, str)  # checkpoint folder, budget ("": the app's remembered one), expert format
 
     def __init__(self, bridge, parent: QWidget | None = None) -> None:
         super().__init__(parent)
         self.bridge = bridge
         self.model = LibraryModel()
         self._engine_pid: int | None = bridge.pid  # commands already sent belong to this engine
+        self._format_shown_for: str | None = None  # the model whose default format the picker shows
         self.setWindowTitle("Model library")
         self.setObjectName("library-dialog")
         self.resize(1100, 640)
@@ -82,6 +85,9 @@ class LibraryDialog(QDialog):
             value.setWordWrap(True)
             self.numbers[label] = value
             form.addRow(label, value)
+        self.expert_format = FormatPicker("expert")
+        self.expert_format.activated.connect(lambda _index: self._refresh_buttons())
+        form.addRow("Load experts as", self.expert_format)
         self.notes = QLabel("")
         self.notes.setWordWrap(True)
         self.notes.setStyleSheet("color: palette(placeholder-text);")
@@ -167,7 +173,7 @@ class LibraryDialog(QDialog):
             self._send(p.CancelDownload(self.model.download.repo_id))
 
     def use_selected(self) -> None:
-        target = self.model.use_target(self.selected_repo())
+        target = self.model.use_target(self.selected_repo(), self.expert_format.current())
         if target is not None:
             self.hide()
             self.use_requested.emit(*target)
@@ -290,7 +296,7 @@ class LibraryDialog(QDialog):
             label.setText("")
         notes = []
         if est is not None:
-            self.verdict.setText(est.headline)
+            self.verdict.setText(est.headline + (f"\n{est.format_summary}" if est.format_summary else ""))
             self.verdict.setStyleSheet(f"color: {VERDICT_COLOURS.get(est.kind, 'palette(text)')};")
             for label, value in fit_lines(est):
                 self.numbers[label].setText(value)
@@ -305,6 +311,11 @@ class LibraryDialog(QDialog):
             notes.insert(0, entry.problem)
         if entry is not None and entry.local_path:
             notes.append(f"in {entry.local_path}")
+        if repo != self._format_shown_for:  # a new selection or estimate: its own default, its card's figures
+            self.expert_format.set_quality(card_quality(entry.local_path) if entry is not None and entry.local_path
+                                           else {})
+            self.expert_format.show_format(default_format(est))
+            self._format_shown_for = repo if est is not None else None
         self.notes.setText("\n".join(notes))
         self._refresh_buttons()
 
@@ -330,7 +341,7 @@ class LibraryDialog(QDialog):
         self.download_button.setEnabled(self.model.can_download(repo))
         self.cancel_button.setVisible(state is not None)
         self.cancel_button.setEnabled(state is not None and not state.cancelling)
-        self.use_button.setEnabled(self.model.use_target(repo) is not None)
+        self.use_button.setEnabled(self.model.use_target(repo, self.expert_format.current()) is not None)
 
     def _refresh_status(self) -> None:
         text = self.model.status

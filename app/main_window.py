@@ -87,7 +87,8 @@ class MainWindow(QMainWindow):
         self.banner.restart_requested.connect(self.restart_engine)
         self.budget.budget_requested.connect(self.set_budget)
         self.system.policy_requested.connect(self.set_policy)
-        self.system.fast_decode_requested.connect(self.bridge.set_fast_decode)
+        self.system.exact_requested.connect(self.set_exact)
+        self.model_bar.formats_requested.connect(self.set_formats)
         self.model_bar.open_folder_requested.connect(self.open_model)
         self.model_bar.library_requested.connect(self.open_library)
         self.model_bar.connect_requested.connect(self.connect_to_server)
@@ -211,17 +212,41 @@ class MainWindow(QMainWindow):
         self.bridge.start()
         self.load_model(model, budget)
 
-    def load_model(self, model: str, budget: str | None = None) -> None:
+    def load_model(self, model: str, budget: str | None = None, expert_format: str | None = None,
+                   dense_format: str | None = None) -> None:
+        """Load `model`; what is not given comes from what the window remembers for it. Formats given are
+        remembered for it (like a budget dragged on the slider)."""
         budget = budget or self.settings.budget_for(model)
+        remembered = self.settings.formats_for(model)
+        experts, dense = expert_format or remembered[0], dense_format or remembered[1]
+        if self.remember and (experts, dense) != remembered:
+            self.settings.set_formats_for(model, experts, dense)
         self.chat.ready = False  # messages wait for this model (the controller queues them)
         self.model_bar.set_loading(model)
+        self.model_bar.show_formats(experts, dense)
         self.statusBar().showMessage(f"Loading {model}…")
-        self.bridge.load(model, budget, self.settings.policy)
+        self.bridge.load(model, budget, self.settings.policy, expert_format=experts, dense_format=dense,
+                         exact=self.settings.exact)
 
-    def open_model(self, path: str, budget: str | None = None) -> None:
+    def open_model(self, path: str, budget: str | None = None, expert_format: str | None = None) -> None:
         if self.chat.streaming:
             self.chat.stop()
-        self.load_model(path, budget or None)
+        self.load_model(path, budget or None, expert_format or None)
+
+    def set_formats(self, expert_format: str, dense_format: str) -> None:
+        """The model bar's pickers: reload the current model in the new formats (converted once, with progress)."""
+        last = self.bridge.last_load
+        if last is None or self.bridge.remote:
+            return
+        if self.chat.streaming:
+            self.chat.stop()
+        self.load_model(last.path, last.budget, expert_format, dense_format)  # the budget in force, live changes too
+
+    def set_exact(self, exact: bool) -> None:
+        """The System panel's Exact switch: transformers' kernels (True) or the native ones, from the next token."""
+        self.bridge.set_exact(exact)
+        if self.remember:
+            self.settings.exact = exact
 
     def open_library(self) -> LibraryDialog:
         if self.library is None:

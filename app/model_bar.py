@@ -1,10 +1,13 @@
-"""The current model: name, size, how much of it sits in compute memory; open another one."""
+"""The current model: name, size, how much of it sits in compute memory, the formats its experts and
+dense weights are stored in (a new choice reloads it); open another one."""
 
 from __future__ import annotations
 
 from PySide6.QtCore import Signal
 from PySide6.QtWidgets import QFileDialog, QHBoxLayout, QLabel, QProgressBar, QPushButton, QWidget
 
+from app.format_picker import FormatPicker
+from app.models import formats
 from app.models.stats_format import format_bytes
 from engine import protocol as p
 
@@ -16,13 +19,15 @@ def model_summary(m: p.ModelLoaded, budget_bytes: int) -> str:
     total = m.dense_bytes + m.all_expert_bytes
     resident = m.dense_bytes + budget_bytes
     return (f"{format_bytes(total)} · {m.num_layers} MoE layers x {m.num_experts} experts (top-{m.top_k}) · "
-            f"in {m.device} memory: {format_bytes(resident)} ({resident / total:.0%}) · {m.dtype}, store {m.store}")
+            f"in {m.device} memory: {format_bytes(resident)} ({resident / total:.0%}) · "
+            f"{formats.loaded_formats_text(m.expert_format, m.dense_format, m.dtype)}, store {m.store}")
 
 
 class ModelBar(QWidget):
     open_folder_requested = Signal(str)
     library_requested = Signal()
     connect_requested = Signal()
+    formats_requested = Signal(str, str)  # experts, dense: the user picked another format
 
     def __init__(self, parent: QWidget | None = None) -> None:
         super().__init__(parent)
@@ -44,6 +49,12 @@ class ModelBar(QWidget):
         self.open_button = QPushButton("Open folder…")
         self.open_button.setToolTip("Load a local checkpoint folder (safetensors)")
         self.open_button.clicked.connect(self.choose_folder)
+        self.expert_format = FormatPicker("expert")
+        self.dense_format = FormatPicker("dense")
+        for picker in (self.expert_format, self.dense_format):
+            picker.setToolTip(picker.toolTip() + " Changing it reloads the model.")
+            picker.setEnabled(False)  # until a local model is loaded
+            picker.activated.connect(self._format_picked)
         self.connect_button = QPushButton("Connect to a server…")
         self.connect_button.setToolTip("Chat with a model served by vLLM, SGLang or another OpenAI-compatible server")
         self.connect_button.clicked.connect(self.connect_requested)
@@ -52,6 +63,10 @@ class ModelBar(QWidget):
         layout.addWidget(self.name)
         layout.addWidget(self.details, 1)
         layout.addWidget(self.progress)
+        layout.addWidget(QLabel("Experts"))
+        layout.addWidget(self.expert_format)
+        layout.addWidget(QLabel("Dense"))
+        layout.addWidget(self.dense_format)
         layout.addWidget(self.library)
         layout.addWidget(self.open_button)
         layout.addWidget(self.connect_button)
@@ -67,12 +82,25 @@ class ModelBar(QWidget):
             self.name.setText(event.name)
             self.name.setToolTip(event.path)
             self.details.setText(model_summary(event, event.budget_bytes))
+            quality = {} if event.remote else formats.card_quality(event.path)
+            for picker, name in ((self.expert_format, event.expert_format), (self.dense_format, event.dense_format)):
+                picker.set_quality(quality)
+                picker.show_format(name)
+                picker.setEnabled(not event.remote)
         elif isinstance(event, p.BudgetChanged) and self.model is not None:
             self.details.setText(model_summary(self.model, event.budget_bytes))
         elif isinstance(event, p.Error) and (event.kind == "engine-crashed" or self.loading):
             self.progress.setVisible(False)  # a load that failed, or a crash: no model now
             self.model, self.loading = None, False
             self.details.setText(f"not loaded: {event.message}")
+
+    def _format_picked(self, _index: int) -> None:
+        self.formats_requested.emit(self.expert_format.current(), self.dense_format.current())
+
+    def show_formats(self, expert_format: str, dense_format: str) -> None:
+        """The formats a load asked for, shown while it runs (the engine's ModelLoaded confirms them)."""
+        self.expert_format.show_format(expert_format)
+        self.dense_format.show_format(dense_format)
 
     def set_loading(self, path: str) -> None:
         self.name.setText(path)

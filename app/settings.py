@@ -1,4 +1,5 @@
-"""What the app remembers between runs (QSettings): window, docks, theme, model, budget, policy."""
+"""What the app remembers between runs (QSettings): window, docks, theme, model, budget, weight
+formats, policy, exact kernels."""
 
 from __future__ import annotations
 
@@ -59,6 +60,24 @@ class AppSettings:
 
     def set_budget_for(self, model: str, budget: str) -> None:
         self.qs.setValue(f"budgets/{_key(model)}", budget)
+
+    def formats_for(self, model: str) -> tuple[str, str]:
+        """(experts, dense) weight formats, per model like the budget: what a model can take differs."""
+        return (self._get(f"expert_formats/{_key(model)}", "original") or "original",
+                self._get(f"dense_formats/{_key(model)}", "original") or "original")
+
+    def set_formats_for(self, model: str, expert_format: str, dense_format: str) -> None:
+        self.qs.setValue(f"expert_formats/{_key(model)}", expert_format)
+        self.qs.setValue(f"dense_formats/{_key(model)}", dense_format)
+
+    @property
+    def exact(self) -> bool:
+        """Transformers' own decode kernels instead of the native ones (off by default)."""
+        return self._get("engine/exact", "false") == "true"
+
+    @exact.setter
+    def exact(self, value: bool) -> None:
+        self.qs.setValue("engine/exact", "true" if value else "false")
 
     @property
     def policy(self) -> str:

@@ -86,7 +86,10 @@ class LoadModel:
     dtype: str = "auto"  # auto | float32 | bfloat16 | float16
     allow_pickle: bool = False
     trust_remote_code: bool = False
-    fast_decode: bool = False  # CPU decode on the native kernels: faster, not bit-identical
+    # decode on MoEScope's native CPU kernels where they run (bf16 on a CPU; elsewhere, or until they are
+    # built, transformers' kernels, and telemetry says why). False (`--exact`): transformers' kernels only,
+    # bit-identical to stock transformers; the native ones sum in another order.
+    fast_decode: bool = True
     expert_format: str = "original"  # routed experts: original | q8_0 | q6_k | q4_k | q3_k | q2_k (8bit, 4bit, ...)
     dense_format: str = "original"  # every other linear layer (not the routers): the same choices
     allocation: str = "planned"  # planned | uniform: how a budget is split across layers
@@ -123,7 +126,7 @@ class SetPolicy:
 
 @dataclass
 class SetFastDecode:
-    enabled: bool  # CPU decode kernels that are faster but not bit-identical (engine.decode.paths.native_layers)
+    enabled: bool  # False: exact, transformers' kernels only (the System panel's "Exact" switch, live)
 
 
 @dataclass
@@ -254,8 +257,10 @@ class ModelLoaded:
     policies: list[PolicyInfo]
     load_seconds: float
     budget_note: str = ""  # e.g. the budget was clamped to the minimum
-    fast_decode: bool = False  # faster CPU decode kernels on (not bit-identical; engine.decode.paths.native_layers)
-    fast_decode_available: bool = False  # a CPU engine on a bf16/fp16 model: the switch changes something
+    fast_decode: bool = False  # the native decode kernels are on (asked for and available); else exact
+    fast_decode_available: bool = False  # a CPU engine on a bf16 model: the switch changes something
+    expert_format: str = "original"  # as loaded: original | q8_0 | q6_k | q4_k | ... (engine.formats.blocks)
+    dense_format: str = "original"  # the other linear layers, the same choices
     remote: str = ""  # the server's URL when the engine is a remote OpenAI-compatible server (engine.remote)
 
 
@@ -425,6 +430,19 @@ class LibraryListing:
 
 
 @dataclass
+class FormatFit:
+    """The fit verdict with the routed experts stored in one format (engine.hub.fit.format_verdicts)."""
+
+    format: str  # original | q8_0 | q6_k | q4_k | q3_k | q2_k
+    kind: str  # fits-gpu | fits-ram | offload | too-big
+    headline: str
+    budget: str | None  # the recommended budget in this format, for LoadModel.budget; None: cannot run
+    budget_bytes: int | None
+    expert_bytes: int  # every expert, as slots in this format
+    min_budget_bytes: int
+
+
+@dataclass
 class FitEstimateReady:
     """engine.hub.fit's verdict for this machine and the numbers behind it (bytes at the compute dtype)."""
 
@@ -448,6 +466,8 @@ class FitEstimateReady:
     local_path: str | None = None
     gated: bool = False
     notes: list[str] = field(default_factory=list)
+    formats: list[FormatFit] = field(default_factory=list)  # the verdict per weight format, most precise first
+    format_summary: str = ""  # e.g. "fits in RAM at 4-bit (12.3 GiB); offloaded at 25% in bf16"; "" if moot
 
 
 @dataclass

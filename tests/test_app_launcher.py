@@ -15,7 +15,8 @@ ROOT = Path(__file__).resolve().parents[1]
 ALLOWED_ENGINE_IMPORTS = {"engine", "engine.protocol", "engine.process.client", "engine.accounting.planner", "engine.accounting.sizes",
                           # the torch-free server and remote client (tests/test_structure.py holds them torch-free)
                           "engine.errors", "engine.serve", "engine.serve.app", "engine.serve.hub", "engine.serve.runner",
-                          "engine.remote.client"}
+                          "engine.remote.client",
+                          "engine.formats.blocks"}  # the weight formats' names, labels and sizes (numpy only)
 
 
 def test_subcommands_go_to_the_engine_cli(monkeypatch):

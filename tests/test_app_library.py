@@ -15,11 +15,13 @@ from app.engine_bridge import EngineBridge
 from app.library_dialog import LibraryDialog
 from app.main_window import MainWindow
 from app.models.history import HistoryStore
-from app.models.library import LibraryModel, parse_request_id
+from app.models.library import LibraryModel, default_format, fit_lines, format_lines, parse_request_id
 from app.settings import AppSettings
 from engine import protocol as p
 from tests.helpers.app_fixtures import Recorder, ScriptedClient
 from tests.helpers.hub.library_hub import HoldingHub, fill_hub, hub_environment, place_in_cache
+
+GiB = 1024**3
 
 ROOT = Path(__file__).resolve().parents[1]
 START_MS = 180_000  # the worker imports torch before it answers: slow on a busy 2-core machine
@@ -177,7 +179,7 @@ def test_model_keeps_state_from_events_alone():
     assert [e.repo_id for e in model.rows()] == ["a/one", "b/two", "c/three"]  # no duplicate of a local row
     model.filter_text = "sec"
     assert [e.repo_id for e in model.rows()] == ["b/two", "c/three"]
-    assert model.use_target("b/two") == ("/m", "") and model.use_target("a/one") is None
+    assert model.use_target("b/two") == ("/m", "", "original") and model.use_target("a/one") is None
 
     model.apply(p.DownloadProgress("a/one", 0, 0, 0.0, None, "looking up a/one…"))
     assert model.download.fraction is None and model.download.text == "looking up a/one…"
@@ -230,3 +232,25 @@ def test_dialog_sends_commands_and_forgets_the_work_of_a_stopped_engine(qtbot):
     client.emit(p.Error("network", "cannot reach the Hugging Face Hub", True, p.library_request_id("search")))
     qtbot.waitUntil(lambda: dialog.status.text() == "cannot reach the Hugging Face Hub", timeout=5000)
     assert dialog.model.searching is None
+
+
+def test_the_fit_per_format_picks_what_use_loads():
+    """Too big in bf16, offloaded at 8-bit, whole at 4-bit: "Use" loads the most precise format that runs, or
+    the one picked, each with its own recommended budget."""
+    model = LibraryModel()
+    model.apply(p.LibraryListing([p.LibraryEntry("big/moe", "", "cache", True, "/big")]))
+    fits = [p.FormatFit("original", "too-big", "too big", None, None, 60 * GiB, 6 * GiB),
+            p.FormatFit("q8_0", "offload", "runs offloaded", "9.5GiB", int(9.5 * GiB), 32 * GiB, 3 * GiB),
+            p.FormatFit("q4_k", "fits-ram", "fits in RAM", "all", 17 * GiB, 17 * GiB, GiB)]
+    est = p.FitEstimateReady("big/moe", "too-big", "too big for this machine", None, None, 64 * GiB, 4 * GiB, 60 * GiB,
+                             6 * GiB, 128, 48, 8, 30 * 10**9, 3 * 10**9, "bfloat16", 0, True, "/big", formats=fits,
+                             format_summary="fits in RAM at 4-bit (21.00 GiB); too big in bf16")
+    model.apply(est)
+    assert default_format(est) == "q8_0"  # the most precise format that runs here
+    assert model.use_target("big/moe") is None  # not in its original weights
+    assert model.use_target("big/moe", "q8_0") == ("/big", "9.5GiB", "q8_0")
+    assert model.use_target("big/moe", "q4_k") == ("/big", "all", "q4_k")
+    assert format_lines(est) == ["Original: too big for this machine; experts 60.00 GiB",
+                                 "8-bit (Q8_0), approximate: runs offloaded (budget 9.50 GiB); experts 32.00 GiB",
+                                 "4-bit (Q4_K), approximate: fits in RAM; experts 17.00 GiB"]
+    assert ("By format", "\n".join(format_lines(est))) in fit_lines(est)

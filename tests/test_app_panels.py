@@ -243,23 +243,35 @@ def test_system_panel_lists_policies_with_lossy_marked(qtbot):
     assert panel.state.text() == "crashed" and not panel.policy.isEnabled()
 
 
-def test_system_panel_fast_decode_switch_is_labelled_and_follows_the_engine(qtbot):
+def test_system_panel_exact_switch_is_off_by_default_and_follows_the_engine(qtbot):
     panel = SystemPanel()
     qtbot.addWidget(panel)
-    assert not panel.fast_decode.isEnabled()  # nothing loaded yet
+    assert not panel.exact.isEnabled()  # nothing loaded yet
     loaded = model_loaded()
-    loaded.fast_decode_available = True
+    loaded.fast_decode, loaded.fast_decode_available = True, True  # the default on a bf16 CPU model
     panel.on_event(loaded)
-    assert panel.fast_decode.isEnabled() and not panel.fast_decode.isChecked()
-    assert "not bit-identical" in panel.fast_decode.text()
-    with qtbot.waitSignal(panel.fast_decode_requested) as blocker:
-        panel.fast_decode.click()  # as a user click does: toggles and emits clicked
+    assert panel.exact.isEnabled() and not panel.exact.isChecked()
+    assert "Exact" in panel.exact.text() and "bit-identical" in panel.exact.text()
+    with qtbot.waitSignal(panel.exact_requested) as blocker:
+        panel.exact.click()  # as a user click does: toggles and emits clicked
     assert blocker.args == [True]
-    panel.on_event(p.FastDecodeChanged(enabled=True, available=True))
-    assert panel.fast_decode.isChecked()
-    panel.on_event(p.FastDecodeChanged(enabled=False, available=False))  # e.g. a float32 model: nothing to switch
-    assert not panel.fast_decode.isEnabled() and not panel.fast_decode.isChecked()
-    assert "bf16" in panel.fast_decode.toolTip()
+    panel.on_event(p.FastDecodeChanged(enabled=False, available=True))
+    assert panel.exact.isChecked() and panel.exact.isEnabled()
+    panel.on_event(p.FastDecodeChanged(enabled=True, available=False))  # e.g. a float32 model: exact is all there is
+    assert not panel.exact.isEnabled() and panel.exact.isChecked()
+    assert "bf16" in panel.exact.toolTip()
+
+
+def test_system_panel_says_in_which_formats_the_model_runs(qtbot):
+    panel = SystemPanel()
+    qtbot.addWidget(panel)
+    loaded = model_loaded()
+    loaded.expert_format, loaded.dense_format, loaded.dtype = "q4_k", "original", "bfloat16"
+    panel.on_event(loaded)
+    assert panel.formats.text() == "experts Q4_K, dense bf16"
+    loaded.expert_format, loaded.dense_format, loaded.dtype = "original", "q8_0", "float32"
+    panel.on_event(loaded)
+    assert panel.formats.text() == "experts fp32, dense Q8_0"
 
 
 def test_system_panel_says_how_the_last_token_ran(qtbot):
@@ -278,3 +290,4 @@ def test_system_panel_says_how_the_last_token_ran(qtbot):
     panel.on_event(slower)
     panel.render()
     assert "Why not faster: not every expert is resident" in panel.decode_path.toolTip()
+    assert panel.decode_reason.text() == "not faster: not every expert is resident (the budget is below all)"

@@ -174,3 +174,46 @@ def test_budget_arg_never_goes_below_the_minimum(estimates):
     from engine.accounting.sizes import parse_size
 
     assert parse_size(budget_arg(est.min_budget_bytes, est)) >= est.min_budget_bytes
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+@pytest.mark.parametrize("fmt", ["q8_0", "q4_k", "q2_k"])
+def test_sizes_in_a_format_are_the_engines_quantized_layout(tmp_path_factory, family, fmt):
+    # the config-only estimate in a format counts the bytes the engine's quantized store will hold
+    from engine.formats.blocks import parse_format
+    from engine.hub.local import estimate_folder
+    from engine.model.inspect import inspect_checkpoint
+    from tests.helpers.checkpoints import WIDE, save_tiny_checkpoint
+
+    path = save_tiny_checkpoint(family, tmp_path_factory.mktemp(f"{family}-{fmt}") / family, **WIDE[family])
+    sized = estimate_folder(path).in_format(parse_format(fmt))
+    info = inspect_checkpoint(path, expert_format=parse_format(fmt))
+    assert (sized.bytes_per_expert, sized.all_expert_bytes, sized.min_budget_bytes) == (
+        info.expert_bytes, info.all_expert_bytes, info.min_budget_bytes)
+    assert sized.expert_format == fmt
+
+
+def test_the_verdict_per_format_says_which_format_makes_the_model_fit(estimates):
+    from engine.hub.fit import format_summary, format_verdicts
+
+    # Mixtral 8x7B on 32 GiB of RAM: offloaded in bf16, whole at 4 bits and below
+    verdicts = format_verdicts(estimates["mixtral-8x7b"], machine(ram=32 * GiB))
+    kinds = {v.format: v.verdict.kind for v in verdicts}
+    assert kinds == {"original": "offload", "q8_0": "offload", "q6_k": "offload", "q4_k": "fits-ram",
+                     "q3_k": "fits-ram", "q2_k": "fits-ram"}
+    bytes_ = [v.estimate.all_expert_bytes for v in verdicts]
+    assert bytes_ == sorted(bytes_, reverse=True) and bytes_[3] == pytest.approx(bytes_[0] * 4.5 / 16, rel=0.01)
+    summary = format_summary(verdicts)
+    assert summary.startswith("fits in RAM at 4-bit (") and summary.endswith("; offloaded at 26% in bf16")
+    # whole in its own weights: nothing to compare
+    assert format_summary(format_verdicts(estimates["olmoe-1b-7b"], machine(ram=64 * GiB))) == ""
+
+
+def test_a_format_the_experts_cannot_take_is_left_out(tmp_path):
+    from engine.hub.fit import format_verdicts
+    from engine.hub.local import estimate_folder
+    from tests.helpers.checkpoints import save_tiny_checkpoint
+
+    # OLMoE's tiny experts are 24 wide: no block format (32 or 256 elements) stores their down projection
+    est = estimate_folder(save_tiny_checkpoint("olmoe", tmp_path / "olmoe"))
+    assert [v.format for v in format_verdicts(est, machine(ram=64 * GiB))] == ["original"]

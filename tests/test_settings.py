@@ -67,22 +67,30 @@ def test_command_line_defaults_are_the_dataclasses_defaults():
 
 
 def test_options_given_on_the_command_line_reach_the_settings():
-    args = parse(["--budget", "25%", "--store", "disk", "--policy", "lfu", "--fast-decode", "--no-pack-weights",
-                  "--temperature", "0.2", "--top-p", "0.5", "--stop", "END", "--seed", "7"])
+    args = parse(["--budget", "25%", "--store", "disk", "--policy", "lfu", "--exact", "--no-pack-weights",
+                  "--expert-format", "4bit", "--temperature", "0.2", "--top-p", "0.5", "--stop", "END", "--seed", "7"])
     load, settings = load_settings(args), sampling_settings(args)
-    assert (load.budget, load.store, load.policy, load.fast_decode, load.pack_weights) == ("25%", "disk", "lfu", True,
+    assert (load.budget, load.store, load.policy, load.fast_decode, load.pack_weights) == ("25%", "disk", "lfu", False,
                                                                                           False)
+    assert load.expert_format == "4bit"
     assert (settings.temperature, settings.top_p, settings.stop, settings.seed) == (0.2, 0.5, ["END"], 7)
+
+
+def test_native_kernels_are_the_default_and_fast_decode_is_an_accepted_old_spelling(capsys):
+    assert p.LoadModel(path="demo").fast_decode and load_settings(parse([])).fast_decode
+    assert not load_settings(parse(["--exact"])).fast_decode
+    assert load_settings(parse(["--fast-decode"])).fast_decode
+    assert "--fast-decode is the default now" in capsys.readouterr().err
 
 
 def test_a_restart_reloads_with_the_live_changes_without_touching_the_sent_command():
     client = EngineClient(lambda event: None)  # never started: only what it remembers is looked at
     load = p.LoadModel(path="demo", budget="all", policy="lru")
     client._remember(load)
-    for change in (p.SetBudget("25%"), p.SetPolicy("lfu"), p.SetFastDecode(True)):
+    for change in (p.SetBudget("25%"), p.SetPolicy("lfu"), p.SetFastDecode(False)):
         client._remember(change)
-    assert (client.last_load.budget, client.last_load.policy, client.last_load.fast_decode) == ("25%", "lfu", True)
-    assert (load.budget, load.policy, load.fast_decode) == ("all", "lru", False)  # the caller's object is its own
+    assert (client.last_load.budget, client.last_load.policy, client.last_load.fast_decode) == ("25%", "lfu", False)
+    assert (load.budget, load.policy, load.fast_decode) == ("all", "lru", True)  # the caller's object is its own
 
 
 def test_reply_statistics_are_typed_and_survive_older_and_newer_history_rows():

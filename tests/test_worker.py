@@ -125,26 +125,27 @@ def test_sigkill_mid_reply_is_reported_and_restart_reloads(engine):
     assert len(done_for(log, "after", mark).token_ids) == 4
 
 
-def test_fast_decode_switch_applies_live_and_survives_a_restart(endless_checkpoint):
+def test_exact_switch_applies_live_and_survives_a_restart(endless_checkpoint, kernels):
+    # `kernels`: built here first, so the worker's bf16 load (native kernels by default) finds them cached
     client, log = started_client()
     try:
         client.send(p.LoadModel(path=str(endless_checkpoint), budget="all", store="ram", dtype="bfloat16"))
         loaded = log.wait_for(lambda e: isinstance(e, (p.ModelLoaded, p.Error)))
-        assert isinstance(loaded, p.ModelLoaded) and not loaded.fast_decode and loaded.fast_decode_available
+        assert isinstance(loaded, p.ModelLoaded) and loaded.fast_decode and loaded.fast_decode_available  # the default
         mark = log.mark()
-        client.send(p.SetFastDecode(True))
+        client.send(p.SetFastDecode(False))  # the System panel's Exact switch
         changed = log.wait_for(lambda e: isinstance(e, p.FastDecodeChanged), start=mark)
-        assert changed.enabled and changed.available
+        assert not changed.enabled and changed.available
         client.send(p.Generate("f", prompt_ids=PROMPT_IDS, sampling=p.SamplingSettings(temperature=0, max_new_tokens=8)))
         assert len(done_for(log, "f", mark).token_ids) == 8
         mark = log.mark()
         client.restart(reload=True)  # e.g. after a crash: the switch stays as the user left it
         reloaded = log.wait_for(lambda e: isinstance(e, (p.ModelLoaded, p.Error)), start=mark)
-        assert isinstance(reloaded, p.ModelLoaded) and reloaded.fast_decode
+        assert isinstance(reloaded, p.ModelLoaded) and not reloaded.fast_decode
         mark = log.mark()
         client.send(p.LoadModel(path=str(endless_checkpoint), budget="all", store="ram"))  # float32: exact kernels only
         plain = log.wait_for(lambda e: isinstance(e, (p.ModelLoaded, p.Error)), start=mark)
-        assert isinstance(plain, p.ModelLoaded) and not plain.fast_decode_available
+        assert isinstance(plain, p.ModelLoaded) and not plain.fast_decode_available and not plain.fast_decode
     finally:
         client.stop()
 

@@ -9,8 +9,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from app.models.formats import ORIGINAL, choice_label
 from engine import protocol as p
 from engine.accounting.sizes import format_bytes
+
+RUNS = ("fits-gpu", "fits-ram", "offload")
+KIND_WORDS = {"fits-gpu": "fits in GPU memory", "fits-ram": "fits in RAM", "offload": "runs offloaded",
+              "too-big": "too big for this machine"}
 
 
 def format_eta(seconds: float | None) -> str:
@@ -124,16 +129,21 @@ class LibraryModel:
         failed = entry.repo_id.lower() in self.estimate_errors  # e.g. no such repo: a download would fail the same way
         return not entry.problem and not failed and (est is None or est.kind != "unsupported")
 
-    def use_target(self, repo_id: str | None) -> tuple[str, str] | None:
-        """(checkpoint folder, budget) for LoadModel, when the model is downloaded and runnable.
-        The budget is the estimate's recommendation; "" leaves it to the app's remembered budget."""
+    def use_target(self, repo_id: str | None, expert_format: str = ORIGINAL) -> tuple[str, str, str] | None:
+        """(checkpoint folder, budget, expert format) for LoadModel, when the model is downloaded and runs
+        here in that format. The budget is the estimate's recommendation for the format; "" leaves it to
+        the app's remembered budget."""
         entry = self.entry(repo_id) if repo_id else None
         if entry is None or not entry.downloaded or not entry.local_path or entry.problem:
             return None
         est = self.estimate(entry.repo_id)
-        if est is not None and not est.budget:
-            return None  # downloaded, but the verdict says it cannot run here
-        return entry.local_path, (est.budget if est is not None and est.budget else "")
+        if est is None:
+            return entry.local_path, "", expert_format
+        verdict = next((f for f in est.formats if f.format == expert_format), None)
+        budget = verdict.budget if verdict is not None else est.budget if expert_format == ORIGINAL else None
+        if not budget:
+            return None  # downloaded, but the verdict says it cannot run here (in this format)
+        return entry.local_path, budget, expert_format
 
     # ----- events in -----
     def engine_started(self) -> None:
@@ -208,6 +218,25 @@ class LibraryModel:
         self.status, self.status_is_error = text, error
 
 
+def default_format(est: p.FitEstimateReady | None) -> str:
+    """What "Use" loads unless the user picks another: the original weights, or, when they cannot run
+    here, the most precise format that can."""
+    if est is None or est.kind in RUNS or not est.formats:
+        return ORIGINAL
+    return next((f.format for f in est.formats if f.kind in RUNS), ORIGINAL)
+
+
+def format_lines(est: p.FitEstimateReady) -> list[str]:
+    """One line per format: how the model runs here with its experts in it."""
+    lines = []
+    for fit in est.formats:
+        how = KIND_WORDS.get(fit.kind, fit.kind)
+        if fit.kind == "offload" and fit.budget_bytes:
+            how += f" (budget {format_bytes(fit.budget_bytes)})"
+        lines.append(f"{choice_label(fit.format)}: {how}; experts {format_bytes(fit.expert_bytes)}")
+    return lines
+
+
 def fit_lines(est: p.FitEstimateReady) -> list[tuple[str, str]]:
     """The numbers under the verdict, as (label, value) rows."""
     rows = [("Total size", f"{format_bytes(est.total_bytes)} ({format_count(est.total_params)} parameters, "
@@ -222,6 +251,8 @@ def fit_lines(est: p.FitEstimateReady) -> list[tuple[str, str]]:
         recommended = (f"all experts ({format_bytes(est.budget_bytes or 0)})" if est.budget == "all"
                        else est.budget.replace("GiB", " GiB").replace("MiB", " MiB"))  # what Use loads with
         rows.append(("Recommended budget", recommended))
+    if est.formats:
+        rows.append(("By format", "\n".join(format_lines(est))))
     rows.append(("Download", "downloaded" if est.downloaded else
                  format_bytes(est.download_bytes) if est.download_bytes else "nothing left to fetch"))
     return rows

@@ -1,21 +1,24 @@
-"""System: RAM and VRAM use, the engine's state, the cache policy picker (lossy ones marked) and the
-fast decode kernels switch (labelled: not bit-identical)."""
+"""System: RAM and VRAM use, the engine's state, the cache policy picker (lossy ones marked), the
+Exact kernels switch, and how the last token ran: the weights' formats and the decode path."""
 
 from __future__ import annotations
 
 from PySide6.QtCore import Signal
 from PySide6.QtWidgets import QCheckBox, QComboBox, QFormLayout, QLabel, QProgressBar, QWidget
 
+from app.models.formats import loaded_formats_text
 from app.models.stats_format import format_bytes
 from app.panels.base import Panel
 from engine import protocol as p
 
-FAST_DECODE_TEXT = "Fast decode kernels (not bit-identical)"
-FAST_DECODE_TIP = ("bf16 decode steps on the CPU use MoEScope's native kernels (a layer's experts in one pass, "
-                   "compiled once per machine; a C++ compiler is needed) and float32-matmul attention; with every "
-                   "expert resident, a Qwen3-MoE or Mixtral token runs whole in one native call. Several times "
-                   "faster decode (docs/performance.md), the same arithmetic summed in another order, so replies "
-                   "can differ from plain transformers in rare near-ties. Off: every token equals transformers'.")
+EXACT_TEXT = "Exact (transformers' kernels, bit-identical)"
+EXACT_TIP = ("Off (the default): bf16 decode steps on the CPU use MoEScope's native kernels (a layer's experts in "
+             "one pass, compiled once per machine; a C++ compiler is needed) and float32-matmul attention; with every "
+             "expert resident, a Qwen3-MoE or Mixtral token runs whole in one native call. Several times faster "
+             "decode (docs/performance.md), the same arithmetic summed in another order, so replies can differ from "
+             "plain transformers in rare near-ties. On: every token equals transformers'.")
+EXACT_ONLY_TIP = ("This model decodes on transformers' kernels: the native ones compute bf16 weights on a CPU "
+                  "(load it in bfloat16 for them).")
 
 
 DECODE_PATH_TIP = ("How the last decode token ran. The whole-token native step needs every expert resident "
@@ -37,7 +40,7 @@ class SystemPanel(Panel):
     dock_name = "dock-system"
     local_only = True
     policy_requested = Signal(str)
-    fast_decode_requested = Signal(bool)
+    exact_requested = Signal(bool)  # True: transformers' kernels only
 
     def __init__(self, parent: QWidget | None = None) -> None:
         super().__init__(parent)
@@ -56,13 +59,21 @@ class SystemPanel(Panel):
         self.policy.activated.connect(self._picked)
         self.policy_note = QLabel("")
         self.policy_note.setWordWrap(True)
-        self.fast_decode = QCheckBox(FAST_DECODE_TEXT)
-        self.fast_decode.setToolTip(FAST_DECODE_TIP)
-        self.fast_decode.setEnabled(False)
-        self.fast_decode.clicked.connect(self._fast_decode_clicked)  # user clicks only, not setChecked
+        self.exact = QCheckBox(EXACT_TEXT)
+        self.exact.setToolTip(EXACT_TIP)
+        self.exact.setEnabled(False)
+        self.exact.clicked.connect(self._exact_clicked)  # user clicks only, not setChecked
+        self.formats = QLabel("–")
+        self.formats.setObjectName("weight-formats")
+        self.formats.setToolTip("How the loaded model's weights are stored: the routed experts, and every other "
+                                "linear layer. Quantized formats are approximate (pick them in the model bar).")
         self.decode_path = QLabel("–")
         self.decode_path.setObjectName("decode-path")
         self.decode_path.setToolTip(DECODE_PATH_TIP)
+        self.decode_reason = QLabel("")
+        self.decode_reason.setObjectName("decode-reason")
+        self.decode_reason.setWordWrap(True)
+        self.decode_reason.setStyleSheet("color: palette(placeholder-text);")
 
         form = QFormLayout(self)
         form.setContentsMargins(6, 6, 6, 6)
@@ -72,8 +83,10 @@ class SystemPanel(Panel):
         form.addRow(self.vram_label, self.vram)
         form.addRow("Cache policy", self.policy)
         form.addRow("", self.policy_note)
-        form.addRow("Kernels", self.fast_decode)
+        form.addRow("Kernels", self.exact)
+        form.addRow("Weights", self.formats)
         form.addRow("Decode", self.decode_path)
+        form.addRow("", self.decode_reason)
         self._show_vram(False)
 
     def _show_vram(self, visible: bool) -> None:
@@ -100,29 +113,27 @@ class SystemPanel(Panel):
             self.policy.setEnabled(True)
             self.policies = list(event.policies)
             self._describe()
-            self._show_fast_decode(event.fast_decode, event.fast_decode_available)
+            self._show_kernels(event.fast_decode, event.fast_decode_available)
+            self.formats.setText(loaded_formats_text(event.expert_format, event.dense_format, event.dtype))
         elif isinstance(event, p.FastDecodeChanged):
-            self._show_fast_decode(event.enabled, event.available)
+            self._show_kernels(event.enabled, event.available)
         elif isinstance(event, p.PolicyChanged):
             self.policy.setCurrentIndex(max(0, self.policy.findData(event.policy)))
             self._describe()
         elif isinstance(event, p.Error) and event.kind == "engine-crashed":
             self.policy.setEnabled(False)
-            self.fast_decode.setEnabled(False)
+            self.exact.setEnabled(False)
             self.snapshot = None
             self.set_state("crashed")
 
-    def _fast_decode_clicked(self) -> None:
-        self.fast_decode_requested.emit(self.fast_decode.isChecked())
+    def _exact_clicked(self) -> None:
+        self.exact_requested.emit(self.exact.isChecked())
 
-    def _show_fast_decode(self, enabled: bool, available: bool) -> None:
-        self.fast_decode.setChecked(enabled)
-        self.fast_decode.setEnabled(available)
-        if not available:
-            self.fast_decode.setToolTip("Only for CPU engines running bf16 weights; this model runs on the exact "
-                                        "kernels.")
-        else:
-            self.fast_decode.setToolTip(FAST_DECODE_TIP)
+    def _show_kernels(self, native_on: bool, available: bool) -> None:
+        """Exact is ticked whenever transformers' kernels decode: asked for, or the only ones for this model."""
+        self.exact.setChecked(not (native_on and available))
+        self.exact.setEnabled(available)
+        self.exact.setToolTip(EXACT_TIP if available else EXACT_ONLY_TIP)
 
     def _describe(self) -> None:
         current = self.policy.currentData()
@@ -141,8 +152,9 @@ class SystemPanel(Panel):
             return
         self.set_state(s.state)
         self.decode_path.setText(s.decode_path or "–")
-        why = f"\n\nWhy not faster: {s.decode_path_reason}." if s.decode_path_reason else ""
-        self.decode_path.setToolTip(DECODE_PATH_TIP + why)
+        why = f"not faster: {s.decode_path_reason}" if s.decode_path and s.decode_path_reason else ""
+        self.decode_reason.setText(why)
+        self.decode_path.setToolTip(DECODE_PATH_TIP + (f"\n\nWhy {why}." if why else ""))
         _usage(self.ram, s.ram_used_bytes, s.ram_total_bytes)
         self.engine_rss.setText(f"{format_bytes(s.rss_bytes)} resident · cache {format_bytes(s.budget_bytes)}")
         has_gpu = s.gpu_total_bytes is not None and s.gpu_used_bytes is not None

@@ -7,6 +7,7 @@ their defaults are the CLI's, and `SamplingSettings.problem()` is the one check 
 from __future__ import annotations
 
 import argparse
+import sys
 from dataclasses import fields
 
 from engine import protocol as p
@@ -37,16 +38,26 @@ def add_model_args(parser: argparse.ArgumentParser) -> None:
                         help="record routing (request, token, layer, experts, weights) to FILE as JSON lines")
     parser.add_argument("--dtype", default=LOAD["dtype"], choices=["auto", "float32", "bfloat16", "float16"])
     add_format_arg(parser)
-    parser.add_argument("--fast-decode", action="store_true", default=LOAD["fast_decode"],
-                        help="bf16 decode on MoEScope's native CPU kernels (a layer's experts in one pass, Llama-style "
-                        "attention in three calls; a whole Qwen3-MoE or Mixtral token in one call when every expert "
-                        "is resident). Same arithmetic summed in another order, so not bit-identical to "
-                        "transformers' kernels (bench.decode_pair counts the greedy tokens that still match)")
+    parser.add_argument("--exact", dest="fast_decode", action="store_false", default=LOAD["fast_decode"],
+                        help="decode on transformers' own kernels, bit-identical to stock transformers. By default "
+                        "bf16 decode on a CPU runs MoEScope's native kernels (a layer's experts in one pass, "
+                        "Llama-style attention in three calls; a whole Qwen3-MoE or Mixtral token in one call when "
+                        "every expert is resident): the same arithmetic summed in another order, so not bit-identical "
+                        "(bench.decode_pair counts the greedy tokens that still match)")
+    parser.add_argument("--fast-decode", action=_Deprecated, nargs=0, help=argparse.SUPPRESS)
     parser.add_argument("--no-pack-weights", dest="pack_weights", action="store_false", default=LOAD["pack_weights"],
                         help="CPU bf16/fp16: keep expert matrices in the plain layout instead of pre-arranging them for "
                         "oneDNN as they are loaded (same results either way; packed decodes faster)")
     parser.add_argument("--allow-pickle", action="store_true", help="accept .bin/.pt weights (pickle can run code)")
     parser.add_argument("--trust-remote-code", action="store_true", help="run Python code shipped with the model")
+
+
+class _Deprecated(argparse.Action):
+    """`--fast-decode`: the native kernels are the default now; accepted so old scripts still run."""
+
+    def __call__(self, parser, namespace, values, option_string=None) -> None:
+        print(f"moescope: note: {option_string} is the default now and will be removed; --exact selects "
+              "transformers' kernels", file=sys.stderr)
 
 
 def add_format_arg(parser: argparse.ArgumentParser) -> None:

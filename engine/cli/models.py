@@ -171,7 +171,7 @@ def _search(args: argparse.Namespace) -> int:
 
 def _info(args: argparse.Namespace) -> int:
     from engine.accounting.sizes import format_bytes
-    from engine.hub.fit import fit_model
+    from engine.hub.fit import fit_model, format_summary
     from engine.hub.paths import hub_cache_dir
 
     cache_dir = hub_cache_dir()
@@ -193,6 +193,12 @@ def _info(args: argparse.Namespace) -> int:
     print(f"files            {fit.files}")
     print(f"this machine     {_machine_line(fit.machine, cache_dir).removeprefix('this machine: ')}")
     print(f"verdict          {fit.verdict.headline}")
+    formats = fit.formats
+    if summary := format_summary(formats):  # the format decides how the model runs here
+        print(f"by format        {summary}")
+        for verdict in formats[1:]:  # the original is the verdict above
+            print(f"  {verdict.words:<6s} experts {format_bytes(verdict.estimate.all_expert_bytes):>10s}: "
+                  f"{verdict.verdict.headline} (--expert-format {verdict.format})")
     for line in fit.notes:
         print(f"note             {line}")
     return 0

@@ -20,7 +20,7 @@ from engine.decode.paths.transformers_path import TransformersPath, last_positio
 from engine.decode.paths.whole_token import WholeTokenPath
 from engine.decode.routers import RouterTaps, RoutingRestriction
 from engine.errors import MoEScopeError
-from engine.formats.blocks import BlockFormat, parse_format
+from engine.formats.blocks import BlockFormat, format_name, parse_format
 from engine.formats.dequantize import reference_dequantizer
 from engine.hub.local import resolve_model
 from engine.model import experts_registry
@@ -42,7 +42,7 @@ def _parse_format(name: str, what: str) -> BlockFormat | None:
 
 class MoERuntime:
     """`settings` are what the user asked for at load and stay as given; what changes live (budget,
-    policy, fast decode) is this object's own state. `cache_type`: benchmarks substitute a subclass
+    policy, exact or native decode kernels) is this object's own state. `cache_type`: benchmarks substitute a subclass
     of `ExpertCache` (bench/routing.py)."""
 
     def __init__(self, settings: p.LoadModel, progress: ProgressFn | None = None,
@@ -84,13 +84,14 @@ class MoERuntime:
         self.plan = self._plan(parse_budget(options.budget))
         self.policy_spec = options.policy
         policy = make_policy(options.policy)
-        self.fast_decode = False  # live: the System panel's switch
+        self.fast_decode = False  # asked for (live: the System panel's "Exact" switch); runs where available
+        native_first = options.fast_decode and self.fast_decode_available
         self.routers = RouterTaps(self.model, self.layout)
         self.cache = cache_type(
             self.layout, self.store, self.device, policy, self.plan.slots_per_layer, self.counters,
             predictor=self.routers,
-            # --fast-decode's native kernel reads plain weights faster than oneDNN reads packed ones
-            packed_params=self._packable() if options.pack_weights and not options.fast_decode else frozenset(),
+            # the native experts kernel reads plain weights faster than oneDNN reads packed ones
+            packed_params=self._packable() if options.pack_weights and not native_first else frozenset(),
         )
         if self.layout.quantized:  # the native expansion once the kernels are built: the same values, faster
             self.cache.use_dequantizer(native.slot_dequantizer(reference_dequantizer))
@@ -103,8 +104,8 @@ class MoERuntime:
         self.decode_path = ""  # how the last decode token ran, in words (a DecodePath's label)
         self.decode_path_reason = ""  # why the next faster path did not run it
         self.profile_note = ""
-        if options.fast_decode and self.fast_decode_available:
-            self.set_fast_decode(True)
+        self.set_fast_decode(options.fast_decode)
+        if native_first:
             if progress is not None and native.ready() is None:
                 progress(1.0, "building native decode kernels (first use on this machine)")
             # Asked for at load: the first tokens should not run on the slower kernels. Bounded, since
@@ -236,13 +237,24 @@ class MoERuntime:
         return self.device.type == "cpu" and self.dtype == torch.bfloat16
 
     def set_fast_decode(self, enabled: bool) -> bool:
-        """Switch the native decode paths, between tokens; returns whether they are on now."""
+        """Ask for the native decode paths (True) or transformers' exact kernels (False), between tokens;
+        returns whether the native ones are on now. Asked for where they cannot run (a GPU, a float32
+        model), decode stays exact and the path chooser says why."""
         if enabled and self.fast_decode_available:
             self.native_layers.enable()  # idempotent: the modules deviate only inside a native step
             if not native.failed():
                 self.cache.unpack()  # the native experts kernel reads plain weights (for the rest of the session)
-        self.fast_decode = enabled and self.fast_decode_available
-        return self.fast_decode
+        self.fast_decode = enabled
+        return self.fast_decode_on
+
+    @property
+    def fast_decode_on(self) -> bool:
+        return self.fast_decode and self.fast_decode_available
+
+    @property
+    def format_names(self) -> tuple[str, str]:
+        """(experts, dense) as loaded: "original" or a block format's name (q4_k, ...)."""
+        return format_name(self.expert_format), format_name(self.dense_format)
 
     @property
     def routing_restricted(self) -> bool:

@@ -9,9 +9,10 @@ parameters in the compute dtype, and the minimum budget is top-k slots per MoE l
 from __future__ import annotations
 
 import warnings
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from engine.errors import CheckpointError
+from engine.formats.blocks import BlockFormat, format_for, format_name
 from engine.hub.supported import config_problem, quantization_of
 from engine.model.dtypes import dtype_name
 
@@ -46,6 +47,9 @@ class SizeEstimate:
     quantization: str | None = None
     problem: str | None = None  # why the engine cannot run it (yet), None when it can
     notes: list[str] = field(default_factory=list)
+    expert_format: str = "original"  # the experts' bytes above are in this format (see `in_format`)
+    expert_param_shapes: list[tuple[int, ...]] = field(default_factory=list)  # one expert's share of each parameter
+    experts_transposed: bool = False  # the expert matrices are [in, out] (x @ W), as GPT-OSS's
 
     @property
     def runnable(self) -> bool:
@@ -54,6 +58,38 @@ class SizeEstimate:
     @property
     def kv_bytes(self) -> int:
         return self.kv_bytes_per_token * CONTEXT_TOKENS
+
+    def in_format(self, fmt: BlockFormat | None) -> SizeEstimate | None:
+        """The same model with its routed experts stored in `fmt` (None: as the checkpoint has them), laid
+        out as the engine's quantized store lays them (engine.model.layout.quantized_params: matrices in
+        the format or llama.cpp's fallback for their width, vectors in the compute dtype); None when a
+        matrix fits neither."""
+        if fmt is None or not self.expert_param_shapes:
+            return self if fmt is None else None
+        from engine.model.layout import aligned
+
+        slot = 0
+        for shape in self.expert_param_shapes:
+            if len(shape) == 2:
+                columns = shape[0] if self.experts_transposed else shape[1]
+                chosen = format_for(fmt, columns)
+                if chosen is None:
+                    return None
+                slot += aligned(chosen.packed_bytes((shape[0] * shape[1] // columns, columns)))
+            else:
+                slot += aligned(_numel(shape) * self.bytes_per_param)
+        slot = aligned(slot)
+        experts = self.num_experts * self.num_moe_layers
+        return replace(self, expert_format=format_name(fmt), bytes_per_expert=slot, all_expert_bytes=slot * experts,
+                       min_budget_bytes=slot * self.top_k * self.num_moe_layers,
+                       expert_bytes=slot * experts, notes=list(self.notes))
+
+
+def _numel(shape: tuple[int, ...]) -> int:
+    n = 1
+    for dim in shape:
+        n *= dim
+    return n
 
 
 def estimate_from_config(config: dict, *, weight_file_bytes: int | None = None) -> SizeEstimate:
@@ -125,6 +161,8 @@ def estimate_from_config(config: dict, *, weight_file_bytes: int | None = None) 
         quantization=quant,
         problem=problem,
         notes=notes,
+        expert_param_shapes=[tuple(p.shape[1:]) for p in experts[0].parameters(recurse=False)] if experts else [],
+        experts_transposed=bool(experts and getattr(experts[0], "is_transposed", False)),
     )
 
 

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from engine.accounting.sizes import format_bytes
+from engine.formats.blocks import FORMATS, parse_format
 from engine.hub.estimate import CONTEXT_TOKENS, SizeEstimate, estimate_from_config
 from engine.hub.machine import MachineInfo
 
@@ -103,6 +104,62 @@ def _run_verdict(est: SizeEstimate, m: MachineInfo) -> FitVerdict:
     )
 
 
+FORMAT_CHOICES = ("original", "q8_0", "q6_k", "q4_k", "q3_k", "q2_k")  # most precise first, as the window offers them
+WHOLE = ("fits-gpu", "fits-ram")
+SHORT_DTYPES = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32"}
+
+
+@dataclass
+class FormatVerdict:
+    """The verdict with the routed experts stored in one format."""
+
+    format: str  # original | q8_0 | ...
+    estimate: SizeEstimate  # the sizes in that format
+    verdict: FitVerdict
+
+    @property
+    def words(self) -> str:
+        """"4-bit", or the checkpoint's dtype for the original."""
+        if self.format == "original":
+            return SHORT_DTYPES.get(self.estimate.dtype, self.estimate.dtype)
+        return FORMATS[self.format].label.split(" ")[0]
+
+
+def format_verdicts(est: SizeEstimate, machine: MachineInfo) -> list[FormatVerdict]:
+    """The verdict in each format the window offers that the model's experts can be stored in."""
+    if est.problem or not est.num_moe_layers:
+        return []
+    found = []
+    for name in FORMAT_CHOICES:
+        sized = est.in_format(parse_format(name))
+        if sized is not None:
+            found.append(FormatVerdict(name, sized, _run_verdict(sized, machine)))
+    return found
+
+
+def format_summary(verdicts: list[FormatVerdict]) -> str:
+    """One line comparing formats when the format decides how the model runs, e.g. "fits in RAM at
+    4-bit (12.3 GiB); offloaded at 25 % in bfloat16"; "" when the original weights fit whole already."""
+    if not verdicts or verdicts[0].format != "original" or verdicts[0].verdict.kind in WHOLE:
+        return ""
+    original, parts = verdicts[0], []
+    whole = next((v for v in verdicts[1:] if v.verdict.kind in WHOLE), None)
+    if whole is not None:
+        where = "GPU memory" if whole.verdict.kind == "fits-gpu" else "RAM"
+        size = whole.estimate.dense_bytes + whole.estimate.all_expert_bytes
+        parts.append(f"fits in {where} at {whole.words} ({format_bytes(size)})")
+    if original.verdict.kind == "offload" and original.verdict.budget_bytes:
+        share = original.verdict.budget_bytes / max(original.estimate.all_expert_bytes, 1)
+        parts.append(f"offloaded at {share:.0%} in {original.words}")
+    elif original.verdict.kind == "too-big":
+        runs = next((v for v in verdicts[1:] if v.verdict.runs), None)
+        if runs is not None and whole is None:
+            share = (runs.verdict.budget_bytes or 0) / max(runs.estimate.all_expert_bytes, 1)
+            parts.append(f"runs offloaded at {share:.0%} at {runs.words}")
+        parts.append(f"too big in {original.words}")
+    return "; ".join(parts)
+
+
 def _whole_slots(nbytes: int, est: SizeEstimate) -> int:
     """Round down to whole expert slots (what the planner allocates), never below the minimum."""
     if est.bytes_per_expert <= 0:
@@ -133,6 +190,10 @@ class ModelFit:
     local_path: Path | None = None  # a complete checkpoint folder, ready to load
     gated: bool = False
     remote: object | None = None  # engine.hub.remote's look-up, when the Hub was asked
+
+    @property
+    def formats(self) -> list[FormatVerdict]:
+        return format_verdicts(self.estimate, self.machine)
 
     @property
     def notes(self) -> list[str]:

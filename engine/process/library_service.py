@@ -171,10 +171,11 @@ def _mark_cached(entry: p.LibraryEntry, local) -> p.LibraryEntry:
 
 def estimate_model(repo_id: str) -> p.FitEstimateReady:
     """The fit verdict (engine.hub.fit.fit_model, as `moescope models info` shows it) as an event."""
-    from engine.hub.fit import fit_model
+    from engine.hub.fit import fit_model, format_summary
 
     fit = fit_model(repo_id)
     est, verdict = fit.estimate, fit.verdict
+    formats = fit.formats
     return p.FitEstimateReady(
         repo_id=repo_id, kind=verdict.kind, headline=verdict.headline, budget=verdict.budget_arg,
         budget_bytes=verdict.budget_bytes, total_bytes=est.dense_bytes + est.all_expert_bytes,
@@ -183,6 +184,9 @@ def estimate_model(repo_id: str) -> p.FitEstimateReady:
         total_params=est.total_params, active_params=est.active_params, dtype=est.dtype,
         download_bytes=fit.missing_bytes, downloaded=fit.local_path is not None,
         local_path=str(fit.local_path) if fit.local_path else None, gated=fit.gated, notes=fit.notes,
+        formats=[p.FormatFit(f.format, f.verdict.kind, f.verdict.headline, f.verdict.budget_arg, f.verdict.budget_bytes,
+                             f.estimate.all_expert_bytes, f.estimate.min_budget_bytes) for f in formats],
+        format_summary=format_summary(formats),
     )
 
 

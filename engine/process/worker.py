@@ -146,7 +146,8 @@ class Worker:
             policy=runtime.cache.policy.name,
             policies=[p.PolicyInfo(name, cls.lossless, cls.description) for name, cls in POLICIES.items()],
             load_seconds=runtime.load_seconds, budget_note=runtime.plan.note,
-            fast_decode=runtime.fast_decode, fast_decode_available=runtime.fast_decode_available,
+            fast_decode=runtime.fast_decode_on, fast_decode_available=runtime.fast_decode_available,
+            expert_format=runtime.format_names[0], dense_format=runtime.format_names[1],
         ))
         self._snapshot(force=True)
 

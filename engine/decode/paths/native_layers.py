@@ -1,4 +1,4 @@
-"""The native per-layer path (`--fast-decode`): a decode token through the model's own forward,
+"""The native per-layer path (the default decode; `--exact` turns it off): a decode token through the model's own forward,
 with the modules the native kernels compute switched onto them. The same arithmetic as
 transformers, summed in a different order: faster, not bit-identical.
 
@@ -273,7 +273,7 @@ def install(model: torch.nn.Module) -> NativeSwitch:
 def native_problem(runtime, step: Step) -> str | None:
     """Why no native kernel can run `step` (shared by both native paths); None when they can."""
     if not runtime.fast_decode:
-        return "fast decode is off"
+        return "exact kernels were asked for (--exact, or the System panel's Exact switch)"
     if step.prefill:
         return "prompts (prefill) run on transformers' kernels"
     if runtime.device.type != "cpu":
@@ -283,7 +283,7 @@ def native_problem(runtime, step: Step) -> str | None:
     if native.ready() is None:
         return native.status()
     if runtime.cache.packed_params:
-        return "the expert matrices are packed for oneDNN (they are unpacked when fast decode is switched on)"
+        return "the expert matrices are packed for oneDNN (they are unpacked when the Exact switch is turned off)"
     return None
 
 
@@ -305,7 +305,7 @@ class NativeLayersPath(DecodePath):
     def unavailable(self, step: Step) -> str | None:
         problem = native_problem(self.runtime, step)
         if problem is None and self._switch is None:
-            return "fast decode was not set up for this model"
+            return "the native kernels were not set up for this model"
         return problem
 
     def run(self, step: Step) -> torch.Tensor:

@@ -1,4 +1,4 @@
-"""The whole-token path (`--fast-decode`): one native call per decode token when every expert is resident.
+"""The whole-token path (default decode; not with `--exact`): one native call per decode token when every expert is resident.
 
 The native per-layer path (engine.decode.paths.native_layers) runs each layer's weights at close
 to the memory bandwidth, but a Qwen3-MoE-shaped token still spent about a third of its time in
