@@ -1,14 +1,17 @@
 """MoEScope's weight formats in the benchmarks, each set against the llama.cpp type of the same bits.
 
-`load_settings` is the one place a format name becomes MoEScope load settings: a quantized
-format plugs in here (and in `bytes_per_token`) when the engine has it.
+`load_settings` is the one place a format name becomes MoEScope load settings. A name is
+`<experts>` (dense weights in the same format, as llama.cpp's single-type GGUFs have them; `bf16`:
+nothing quantized) or `<experts>-d<dense>` for mixed quantization, e.g. `q4_k-dq8_0` (4-bit
+experts, 8-bit dense weights). llama.cpp's Q4_K_M keeps a few dense tensors at Q6_K, so `q4_k`
+(all dense Q4_K) reads slightly fewer bytes a token than it, and `q4_k-dq6_k` slightly more.
 """
 
 from __future__ import annotations
 
 from pathlib import Path
 
-LLAMA_TYPE = {"bf16": "BF16", "q8_0": "Q8_0", "q4_k": "Q4_K_M"}
+LLAMA_TYPE = {"bf16": "BF16", "q8_0": "Q8_0", "q4_k": "Q4_K_M", "q4_k-dq6_k": "Q4_K_M", "q4_k-dq8_0": "Q4_K_M"}
 
 
 class FormatNotAvailable(ValueError):
@@ -20,10 +23,19 @@ def _check(fmt: str) -> None:
         raise FormatNotAvailable(f"unknown format {fmt!r} (known: {', '.join(LLAMA_TYPE)})")
 
 
+def _split(fmt: str) -> tuple[str | None, str | None]:
+    """(expert format, dense format) of a bench format name; None: the checkpoint's own weights."""
+    experts, _, dense = fmt.partition("-d")
+    if experts == "bf16":
+        return None, None
+    return experts, dense or experts
+
+
 def load_settings(fmt: str) -> dict:
-    """The `LoadModel` fields that make MoEScope run `fmt`: bf16 compute, experts in the format."""
+    """The `LoadModel` fields that make MoEScope run `fmt`: bf16 compute, weights in the format."""
     _check(fmt)
-    return {"dtype": "bfloat16"} | ({} if fmt == "bf16" else {"expert_format": fmt})
+    experts, dense = _split(fmt)
+    return {"dtype": "bfloat16"} | ({} if experts is None else {"expert_format": experts, "dense_format": dense})
 
 
 def bytes_per_token(model_dir: Path, fmt: str) -> int:
@@ -31,4 +43,5 @@ def bytes_per_token(model_dir: Path, fmt: str) -> int:
     from bench.decode_limit import active_bytes_per_token
 
     _check(fmt)
-    return active_bytes_per_token(model_dir, None if fmt == "bf16" else fmt)[0]
+    experts, dense = _split(fmt)
+    return active_bytes_per_token(model_dir, experts, dense)[0]

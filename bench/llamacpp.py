@@ -88,7 +88,8 @@ def measure_geometry(lc: LlamaCpp, name: str, path: Path, fmts: list[str], args)
         flip = rep % 2 == 1
         for fmt in reversed(fmts) if flip else fmts:
             runs: dict = {"bandwidth": memory_read_bandwidth(threads=args.threads)}
-            for system in reversed(SYSTEMS) if flip else SYSTEMS:
+            systems = [s for s in SYSTEMS if s in args.systems]
+            for system in reversed(systems) if flip else systems:
                 if system == "llama":
                     runs[system] = run_llama_bench(lc, ggufs[formats.LLAMA_TYPE[fmt]], args)
                 elif ours[fmt][0] is not None:
@@ -96,7 +97,7 @@ def measure_geometry(lc: LlamaCpp, name: str, path: Path, fmts: list[str], args)
             reps[fmt].append(runs)
             print(f"{name} {fmt} rep {rep + 1}: " + ", ".join(
                 f"{s} {runs[s]['decode_tokens_per_s']:.1f} / {runs[s]['prefill_tokens_per_s']:.0f}"
-                for s in SYSTEMS if s in runs) + " tok/s (decode / prefill)", flush=True)
+                for s in systems if s in runs) + " tok/s (decode / prefill)", flush=True)
     return [summarise(name, fmt, reps[fmt], ours[fmt], llama_bytes[fmt]) for fmt in fmts]
 
 
@@ -109,7 +110,7 @@ def summarise(name: str, fmt: str, reps: list[dict], ours: tuple[int | None, str
                  "moescope_bytes_per_token": ours_bytes, "llama_bytes_per_token": llama.bytes_per_token,
                  "llama_bytes_by_type": llama.bytes_by_type, "llama_file_bytes": llama.file_bytes,
                  "bandwidth_bytes_per_s": statistics.median(r["bandwidth"] for r in reps), "reps": reps}
-    for system in SYSTEMS if why is None else ("llama",):
+    for system in [s for s in SYSTEMS if s in reps[0]] if why is None else ("llama",):
         for phase in ("decode", "prefill"):
             row[f"{system}_{phase}_tokens_per_s"] = statistics.median(r[system][f"{phase}_tokens_per_s"] for r in reps)
         row[f"{system}_decode_over_limit"] = statistics.median(
@@ -160,8 +161,11 @@ def table(rows: list[dict], args) -> list[str]:
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench.llamacpp")
     parser.add_argument("--geometries", default="qwen3moe-64e,mixtral-8e", help="bench.synthetic names or folders")
-    parser.add_argument("--formats", default=",".join(formats.LLAMA_TYPE), help="MoEScope formats (bench.formats)")
+    parser.add_argument("--formats", default="bf16,q8_0,q4_k,q4_k-dq8_0",
+                        help=f"MoEScope formats (bench.formats: {', '.join(formats.LLAMA_TYPE)})")
     parser.add_argument("--reps", type=int, default=3)
+    parser.add_argument("--systems", default=",".join(SYSTEMS),
+                        help="which of llama, exact, fast to run (exact decodes far slower: leave it out for a quick run)")
     parser.add_argument("--prompt-len", type=int, default=128)
     parser.add_argument("--decode", type=int, default=64)
     parser.add_argument("--threads", type=int, default=2)
@@ -172,6 +176,7 @@ def main(argv=None) -> int:
     parser.add_argument("--prepare-only", action="store_true", help="build, convert and quantize; measure nothing")
     parser.add_argument("--out", type=Path, default=RESULTS_DIR)
     args = parser.parse_args(argv)
+    args.systems = [s for s in args.systems.split(",") if s]
     fmts = args.formats.split(",")
     unknown = [f for f in fmts if f not in formats.LLAMA_TYPE]
     if unknown:

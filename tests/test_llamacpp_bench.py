@@ -51,9 +51,11 @@ def test_llama_bench_json_gives_prefill_and_decode_tokens_per_s():
 
 
 def test_formats_name_their_llama_type_and_their_load_settings():
-    assert formats.LLAMA_TYPE == {"bf16": "BF16", "q8_0": "Q8_0", "q4_k": "Q4_K_M"}
+    assert {formats.LLAMA_TYPE[f] for f in ("bf16", "q8_0", "q4_k", "q4_k-dq8_0")} == {"BF16", "Q8_0", "Q4_K_M"}
     assert formats.load_settings("bf16") == {"dtype": "bfloat16"}
-    assert formats.load_settings("q4_k") == {"dtype": "bfloat16", "expert_format": "q4_k"}
+    assert formats.load_settings("q4_k") == {"dtype": "bfloat16", "expert_format": "q4_k", "dense_format": "q4_k"}
+    assert formats.load_settings("q4_k-dq8_0") == {"dtype": "bfloat16", "expert_format": "q4_k",
+                                                   "dense_format": "q8_0"}  # mixed quantization
     with pytest.raises(formats.FormatNotAvailable, match="unknown format 'fp4'"):
         formats.load_settings("fp4")
 
