@@ -70,30 +70,50 @@ def test_quantized_gemv_is_the_dequantized_bf16_product(flavour, name, integer):
     assert (ours.double() - exact).abs().max() <= 0.01 * exact.abs().max()
 
 
-@pytest.mark.parametrize("name", ["q8_0", "q4_k", "q6_k", "q2_k"])
-def test_quantized_experts_in_one_call(flavour, name):
-    # One token through 8 quantized experts of [2I, H] / [H, I], weighted and summed, as the
-    # cache's one-token path computes it with the dequantized bf16 experts.
+@pytest.mark.parametrize("name", ["q8_0", "q4_k", "q6_k", "q3_k", "q2_k", "q5_0"])
+@pytest.mark.parametrize("seed", [0, 4])
+def test_quantized_experts_in_one_call(flavour, name, seed):
+    # One token through 8 quantized experts of [2I, H] / [H, I], weighted and summed, set against
+    # the same computation in float32 on the float32 dequantized weights. The reference the
+    # engine's exact path computes (bf16 weights, transformers' bf16 roundings) is itself some way
+    # from it, and the integer dots (which skip rounding the weights to bf16) must be no further.
     from transformers import Qwen3MoeConfig
     from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeExperts
 
+    from engine.formats.dequantize import dequantize
     from engine.offload.expert_compute import expert_mlp, weighted_sum
 
     hidden, inter, fmt = 512, 256, FORMATS[name]
     config = Qwen3MoeConfig(hidden_size=hidden, moe_intermediate_size=inter, num_experts=8, num_experts_per_tok=8)
     config._experts_implementation = "eager"
-    module = Qwen3MoeExperts(config).to(torch.bfloat16)
+    module = Qwen3MoeExperts(config)
     experts = []
     for e in range(8):
-        gate_up, gate_up_ref = quantized(name, 2 * inter, hidden, seed=10 + e)
-        down, down_ref = quantized(name, hidden, inter, seed=20 + e)
-        experts.append(((gate_up, down), {"gate_up_proj": gate_up_ref, "down_proj": down_ref}))
-    x = torch.randn(1, hidden).to(torch.bfloat16)
-    route = torch.softmax(torch.randn(8), dim=0)
-    reference = weighted_sum([expert_mlp(module, x, w) for _, w in experts], route, torch.float32, torch.bfloat16)
-    ours = flavour.moe_decode(x, [native.weight(flavour, g, fmt, hidden) for (g, _), _ in experts],
-                              [native.weight(flavour, d, fmt, inter) for (_, d), _ in experts], route)
-    close(ours, reference, f"{name} experts")
+        gate_up, _ = quantized(name, 2 * inter, hidden, seed=10 + e)
+        down, _ = quantized(name, hidden, inter, seed=20 + e)
+        experts.append((gate_up, down))
+    generator = torch.Generator().manual_seed(seed)
+    x = torch.randn(1, hidden, generator=generator).to(torch.bfloat16)
+    route = torch.softmax(torch.randn(8, generator=generator), dim=0)
+
+    def through_torch(dtype: torch.dtype) -> torch.Tensor:
+        outputs = [expert_mlp(module.to(dtype), x.to(dtype), {"gate_up_proj": dequantize(g, fmt, hidden, dtype),
+                                                               "down_proj": dequantize(d, fmt, inter, dtype)})
+                   for g, d in experts]
+        return weighted_sum(outputs, route, torch.float32, dtype).float()
+
+    truth, reference = through_torch(torch.float32), through_torch(torch.bfloat16)
+    for integer in (True, False):
+        flavour.set_integer_dots(integer)
+        try:
+            ours = flavour.moe_decode(x, [native.weight(flavour, g, fmt, hidden) for g, _ in experts],
+                                      [native.weight(flavour, d, fmt, inter) for _, d in experts], route).float()
+        finally:
+            flavour.set_integer_dots(True)
+        scale = truth.abs().max()
+        assert (ours - truth).abs().max() <= 2 * (reference - truth).abs().max() + 0.01 * scale, (name, integer)
+        if not integer:
+            close(ours, reference, f"{name} experts")  # the float loops: the reference's own values
 
 
 def test_a_matrix_that_does_not_match_its_type_is_refused(flavour):

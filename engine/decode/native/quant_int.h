@@ -70,7 +70,17 @@ struct FixedInput {
 
 // Types with an integer kernel here; the others keep quant.h's float loops.
 inline bool has_integer_dot(int32_t type) {
-  return type == kQ4_K || type == kQ8_0 || type == kQ6_K || type == kQ4_0 || type == kQ5_0;
+  return type == kQ4_K || type == kQ8_0 || type == kQ6_K || type == kQ4_0 || type == kQ5_0 || type == kQ3_K ||
+         type == kQ2_K;
+}
+
+// Q3_K's 16 scales (6 bits, stored + 32) as signed integers.
+inline void q3_k_scales(const uint8_t* sc, int32_t* out) {
+  for (int j = 0; j < 16; ++j) {
+    const int low = j < 8 ? sc[j] & 0xF : sc[j - 8] >> 4;
+    const int high = (sc[8 + j % 4] >> (2 * (j / 4))) & 3;
+    out[j] = (low | (high << 4)) - 32;
+  }
 }
 
 // Q4_K's 6-bit scales and mins of the 8 sub-blocks of 32 (the k4_scale_min packing).
@@ -293,6 +303,47 @@ inline float idot_q4_q5_0(const uint8_t* row, int64_t blocks, const FixedInput& 
   return hsum_ps(acc) - offsets;
 }
 
+// Q2_K and Q3_K: group g (32 weights) has 2-bit levels at bit 2 * (g % 4) of 32 bytes, Q3_K a
+// third bit from its high-bit mask (level - 4 when that bit is clear); a scale per 16 weights,
+// with Q2_K a min per 16 too. Unsigned levels times x; the mins or the 4s come off per sub-block.
+inline float idot_q2_q3_k(const uint8_t* row, int64_t blocks, const FixedInput& in, bool three) {
+  const __m256i two_bits = _mm256_set1_epi8(3), one_bit = _mm256_set1_epi8(1);
+  __m256 acc = _mm256_setzero_ps();
+  float offsets = 0.f;
+  int32_t scales[16];
+  for (int64_t blk = 0; blk < blocks; ++blk) {
+    const uint8_t* b = row + blk * (three ? 110 : 84);
+    _mm_prefetch(reinterpret_cast<const char*>(b + 1024), _MM_HINT_NTA);
+    int64_t offset = 0;  // sum over sub-blocks of min (Q2_K) or 4 * scale (Q3_K) times sum(x)
+    const int32_t* sums = in.sum16.data() + blk * 16;
+    if (three) {
+      q3_k_scales(b + 96, scales);
+      for (int j = 0; j < 16; ++j) offset += 4 * static_cast<int64_t>(scales[j]) * sums[j];
+    } else {
+      for (int j = 0; j < 16; ++j) {
+        scales[j] = b[j] & 0xF;
+        offset += static_cast<int64_t>(b[j] >> 4) * sums[j];
+      }
+    }
+    const __m256i hmask = three ? load32(b) : _mm256_setzero_si256();
+    __m256i acc_hi = _mm256_setzero_si256(), acc_lo = acc_hi;
+    for (int g = 0; g < 8; ++g) {
+      const __m256i qs = load32(b + (three ? 32 : 16) + 32 * (g / 4));
+      __m256i levels = _mm256_and_si256(_mm256_srli_epi16(qs, 2 * (g % 4)), two_bits);
+      if (three) levels = _mm256_or_si256(levels, _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(hmask, g), one_bit), 2));
+      const __m256i scale = _mm256_set_m128i(_mm_set1_epi16(static_cast<int16_t>(scales[2 * g + 1])),
+                                             _mm_set1_epi16(static_cast<int16_t>(scales[2 * g])));
+      madd_planes(levels, in.hi_at(blk * 256 + 32 * g), in.lo_at(blk * 256 + 32 * g), scale, acc_hi, acc_lo);
+    }
+    const float s = in.scale[blk];
+    const float d = half_to_float(b + (three ? 108 : 80)) * s;
+    const __m256 total = _mm256_fmadd_ps(_mm256_cvtepi32_ps(acc_hi), _mm256_set1_ps(255.f), _mm256_cvtepi32_ps(acc_lo));
+    acc = _mm256_fmadd_ps(total, _mm256_set1_ps(d), acc);
+    offsets += (three ? d : half_to_float(b + 82) * s) * static_cast<float>(offset);
+  }
+  return hsum_ps(acc) - offsets;
+}
+
 #else
 // Portable: the same integer arithmetic, one weight at a time (the compiler vectorises what it can).
 inline float idot_q4_k(const uint8_t* row, int64_t blocks, const FixedInput& in) {
@@ -379,6 +430,34 @@ inline float idot_q4_q5_0(const uint8_t* row, int64_t blocks, const FixedInput& 
   }
   return sum;
 }
+inline float idot_q2_q3_k(const uint8_t* row, int64_t blocks, const FixedInput& in, bool three) {
+  float sum = 0.f;
+  int32_t scales[16];
+  for (int64_t blk = 0; blk < blocks; ++blk) {
+    const uint8_t* b = row + blk * (three ? 110 : 84);
+    if (three) q3_k_scales(b + 96, scales);
+    int64_t total = 0, mins = 0;
+    for (int g = 0; g < 8; ++g) {
+      const uint8_t* qs = b + (three ? 32 : 16) + 32 * (g / 4);
+      for (int l = 0; l < 32; ++l) {
+        const int sub = 2 * g + l / 16;
+        int32_t level = (qs[l] >> (2 * (g % 4))) & 3;
+        const int64_t x = in.value(blk * 256 + 32 * g + l);
+        if (three) {
+          level -= ((b[l] >> g) & 1) ? 0 : 4;
+          total += scales[sub] * level * x;
+        } else {
+          total += (b[sub] & 0xF) * level * x;
+          mins += (b[sub] >> 4) * x;
+        }
+      }
+    }
+    const float s = in.scale[blk];
+    sum += static_cast<float>(total) * (half_to_float(b + (three ? 108 : 80)) * s);
+    if (!three) sum -= static_cast<float>(mins) * (half_to_float(b + 82) * s);
+  }
+  return sum;
+}
 #endif
 
 // sum over the row of (dequantized weight) * x for the types of has_integer_dot.
@@ -390,6 +469,8 @@ inline float idot_row(const Matrix& m, int64_t r, const FixedInput& in) {
     case kQ6_K: return idot_q6_k(row, blocks, in);
     case kQ4_0: return idot_q4_q5_0(row, blocks, in, false);
     case kQ5_0: return idot_q4_q5_0(row, blocks, in, true);
+    case kQ3_K: return idot_q2_q3_k(row, blocks, in, true);
+    case kQ2_K: return idot_q2_q3_k(row, blocks, in, false);
     default: return idot_q8_0(row, blocks, in);
   }
 }
