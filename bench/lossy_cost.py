@@ -217,8 +217,14 @@ def table(rows: list[dict], claimed: list[str], n: int) -> list[str]:
 def write_card(path: Path, rows: list[dict], n: int, argv: list[str]) -> None:
     """The format rows into the model card's JSON (`format_quality`), for the window's format picker."""
     card = json.loads(path.read_text())
-    keys = ("expert_format", "dense_format", "experts_stored_as", "dense_stored_as", "expert_bits_per_weight",
-            "claimed_mean_delta_points", "worst_claimed_delta_points", "kl_mean", "same_top_token", "perplexity")
+    keys = ("expert_format", "dense_format", "expert_bits_per_weight", "claimed_mean_delta_points",
+            "worst_claimed_delta_points", "kl_mean", "same_top_token", "perplexity")
+
+    def card_row(row: dict) -> dict:
+        experts, dense = stored_label(row)
+        return {**{k: float(f"{row[k]:.5g}") if isinstance(row[k], float) else row[k] for k in keys},
+                "experts_stored_as": experts, "dense_stored_as": dense}
+
     card["format_quality"] = {
         "measured": dt.date.today().isoformat(),
         "command": "python -m bench.lossy_cost " + " ".join(argv),
@@ -227,8 +233,7 @@ def write_card(path: Path, rows: list[dict], n: int, argv: list[str]) -> None:
         "units": "*_delta_points: held-out greedy accuracy on the claimed skills minus the float model's, in points "
                  "(mean over skills, and the skill furthest off); kl_mean: mean KL(float || format) of the next-token "
                  "distributions over held-out answer tokens, nats",
-        "rows": [{k: round(r[k], 6) if isinstance(r[k], float) else r[k] for k in keys} for r in rows
-                 if r["policy"] == "lru" and r["budget"] == "all"],
+        "rows": [card_row(r) for r in rows if r["policy"] == "lru" and r["budget"] == "all"],
     }
     path.write_text(json.dumps(card, indent=1) + "\n")
 
