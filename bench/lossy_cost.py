@@ -1,110 +1,241 @@
-"""The quality cost of the lossy policy (swapmoe) against a lossless one, on the demo model.
+"""The quality cost of what MoEScope may trade accuracy for, on the demo model: the lossy policy
+(swapmoe) at a budget, and the block weight formats of the experts and of the dense layers.
 
-swapmoe restricts each router to the experts already resident, so it never misses — and its
-answers change. This measures by how much, at the budgets the speed benchmark uses:
-- perplexity of the answers of held-out demo chats, given their questions, through the engine;
-- held-out greedy accuracy per skill (the model card's metric).
-A lossless policy (lru) at the same budget equals the model itself, so it is the reference.
+Every row is measured through the engine against the float model (the checkpoint's own float32
+weights, lossless `lru`, budget `all`) on the held-out questions of every skill:
+- held-out greedy accuracy per skill (the model card's metric), and its difference from the float
+  model in points;
+- teacher-forced on the held-out chats (question and reference answer, the same tokens for every
+  row, so every row scores the same positions): the mean KL(float || row) of the next-token
+  distributions over the answer tokens (nats), how often both pick the same most likely token,
+  and the answers' perplexity.
 
-    python -m bench.lossy_cost [--budgets 25,50] [--n 20] [--out bench/results]
+Greedy decoding, budget `all` for the formats, and always the exact path (transformers' kernels on
+the dequantized weights, the fast native kernels switched off) so the numbers describe the format,
+not a kernel. Where a format's block does not divide a matrix's width the engine stores it in
+llama.cpp's fallback format; the table says what each matrix actually got.
+
+    python -m bench.lossy_cost [--budgets 25,50] [--n 20]
+    python -m bench.lossy_cost --formats q8_0,q4_k,q2_k [--dense-formats original,q8_0] [--n 50]
+        [--card resources/models/demo/moescope_demo.json]
 """
 
 from __future__ import annotations
 
 import argparse
+import datetime as dt
 import json
+import math
 import os
 import sys
+from collections import Counter
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from bench.output import RESULTS_DIR, result_stem
+from bench.output import RESULTS_DIR, write_report
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
+# The issue's goals, in points of held-out accuracy on each claimed skill, by expert format.
+GOAL_POINTS = {"q8_0": 2.0, "q4_k": 5.0, "q4_0": 5.0}
 
 
-def answer_perplexity(runtime, n_per_skill: int) -> float:
-    """exp(mean NLL) of the assistant's answer tokens of held-out chats, given the question.
+@dataclass(frozen=True)
+class Setting:
+    policy: str = "lru"
+    budget: str = "all"
+    expert_format: str = "original"
+    dense_format: str = "original"
 
-    Only answers are scored: the demo model is trained on answers only, so its predictions of the
-    user's words are meaningless.
-    """
-    import math
-
-    import torch
-    import torch.nn.functional as F
-
-    from engine.demo.corpus import SKILLS, heldout
-
-    total, count = 0.0, 0
-    with torch.inference_mode():
-        for skill in SKILLS:
-            for ex in heldout(skill, n_per_skill):
-                question = runtime.tokenizer.apply_chat_template([{"role": "user", "content": ex.user}],
-                                                                 add_generation_prompt=True, tokenize=True,
-                                                                 return_dict=False)
-                chat = runtime.tokenizer.apply_chat_template(
-                    [{"role": "user", "content": ex.user}, {"role": "assistant", "content": ex.assistant}],
-                    tokenize=True, return_dict=False)
-                ids = torch.tensor([chat])
-                logits = runtime.model(input_ids=ids, attention_mask=torch.ones_like(ids), use_cache=False).logits
-                runtime.counters.end_token()
-                runtime.cache.policy.on_token_end()
-                start, end = len(question), ids.shape[1] - 1  # the answer through <|im_end|>, not the newline after
-                total += float(F.cross_entropy(logits[0, start - 1 : end - 1].float(), ids[0, start:end], reduction="sum"))
-                count += end - start
-    return math.exp(total / count)
+    @property
+    def lossy_policy(self) -> bool:
+        return self.policy == "swapmoe"
 
 
-def measure(policy: str, budget: str, n: int) -> dict:
+FLOAT = Setting()
+
+
+def canonical_format(name: str) -> str:
+    """`4bit` -> `q4_k`, `bf16` -> `original`; an unknown name is refused with the choices."""
+    from engine.formats.blocks import format_name, parse_format
+
+    try:
+        return format_name(parse_format(name))
+    except ValueError as exc:
+        raise SystemExit(f"python -m bench.lossy_cost: {exc}") from None
+
+
+def stored_formats(runtime) -> dict:
+    """What each matrix was actually stored as, after the engine's fallbacks for narrow matrices."""
+    from engine.model.dense_formats import QuantizedLinear
+
+    layout = runtime.layout
+    experts = {p.name: p.fmt.name if p.fmt is not None else str(p.dtype).removeprefix("torch.") for p in layout.params}
+    weights = sum(math.prod(p.shape) for p in layout.params)
+    stored_bytes = sum(p.nbytes for p in layout.params)  # not slot_bytes: a slot is padded for alignment
+    dense = Counter(m.fmt.name for m in runtime.model.modules() if isinstance(m, QuantizedLinear))
+    return {"experts_stored_as": experts, "expert_bits_per_weight": stored_bytes * 8 / weights,
+            "dense_stored_as": dict(dense) or {str(runtime.dtype).removeprefix("torch."): 0},
+            "format_notes": list(runtime.format_notes)}
+
+
+def measure(setting: Setting, n: int, reference: dict | None) -> dict:
+    """One row; `reference` is the float model's row (None while measuring the float model itself),
+    and the float row keeps its log-probabilities for the rows after it."""
+    from bench.answer_scores import answer_logprobs, compare, heldout_chats
     from engine.decode.runtime import MoERuntime
     from engine.demo.corpus import SKILLS, heldout
     from engine.demo.engine_backend import engine_answer_fn
     from engine.demo.evaluate import accuracy_per_skill
     from engine.protocol import LoadModel
 
-    runtime = MoERuntime(LoadModel(path="demo", budget=budget, store="ram", policy=policy))
+    runtime = MoERuntime(LoadModel(path="demo", budget=setting.budget, store="ram", policy=setting.policy,
+                                   expert_format=setting.expert_format, dense_format=setting.dense_format))
     try:
-        ppl = answer_perplexity(runtime, n)
+        runtime.set_fast_decode(False)  # the exact path, whatever the load default is
+        chats = heldout_chats(runtime.tokenizer, SKILLS, n)
+        logprobs = answer_logprobs(runtime, chats)
+        scores = compare(chats, reference["logprobs"] if reference else logprobs, logprobs)
         acc = accuracy_per_skill(engine_answer_fn(runtime), {s: heldout(s, n) for s in SKILLS})
+        row = {**asdict(setting), **stored_formats(runtime), **asdict(scores), "decode_path": runtime.decode_path,
+               "accuracy": {s: r["accuracy"] for s, r in acc.items()}, "questions": {s: r["n"] for s, r in acc.items()}}
     finally:
         runtime.close()
-    return {"policy": policy, "budget": budget, "perplexity": ppl,
-            "accuracy": {s: r["accuracy"] for s, r in acc.items()}}
+    base = reference["accuracy"] if reference else row["accuracy"]
+    row["delta_points"] = {s: 100 * (a - base[s]) for s, a in row["accuracy"].items()}
+    if reference is None:
+        row["logprobs"] = logprobs
+    return row
+
+
+def claimed_skills() -> list[str]:
+    from resources import DEMO_MODEL_DIR
+
+    return json.loads((DEMO_MODEL_DIR / "moescope_demo.json").read_text())["skills"]
+
+
+def summarise(row: dict, claimed: list[str], setting: Setting) -> None:
+    """Accuracy over the claimed skills, and the issue's goal this row is held to (if any): a
+    format row, with a limit for its expert format and for its dense format (original: none)."""
+    deltas = [row["delta_points"][s] for s in claimed]
+    row["claimed_mean_accuracy"] = sum(row["accuracy"][s] for s in claimed) / len(claimed)
+    row["claimed_mean_delta_points"] = sum(deltas) / len(deltas)
+    row["worst_claimed_delta_points"] = max(deltas, key=abs)
+    limits = [GOAL_POINTS.get(setting.expert_format),
+              0.0 if setting.dense_format == "original" else GOAL_POINTS.get(setting.dense_format)]
+    goal = None if None in limits or setting.lossy_policy else max(limits)
+    row["goal_points"] = goal
+    row["goal_met"] = None if goal is None else abs(row["worst_claimed_delta_points"]) <= goal
+
+
+def settings_from(args) -> list[Setting]:
+    settings = [FLOAT]
+    for budget in args.budgets.split(",") if args.budgets else []:
+        settings += [Setting("lru", f"{budget}%"), Setting("swapmoe", f"{budget}%")]
+    formats = [canonical_format(f) for f in args.formats.split(",")] if args.formats else []
+    dense = [canonical_format(f) for f in args.dense_formats.split(",")]
+    settings += [Setting(expert_format=e, dense_format=d) for e in formats for d in dense]
+    return list(dict.fromkeys(settings))  # the float model once
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m bench.lossy_cost")
-    parser.add_argument("--budgets", default="25,50")
-    parser.add_argument("--n", type=int, default=20, help="held-out questions per skill")
+    parser = argparse.ArgumentParser(prog="python -m bench.lossy_cost",
+                                     description="Quality cost of the lossy policy and the weight formats on the "
+                                                 "demo model, against the float model.")
+    parser.add_argument("--budgets", default=None,
+                        help="budgets in %% for lru and swapmoe (default 25,50 when no --formats is given)")
+    parser.add_argument("--formats", default=None, help="expert formats, e.g. q8_0,q6_k,q4_k,q3_k,q2_k or 8bit,4bit")
+    parser.add_argument("--dense-formats", default="original", help="dense formats, each with every expert format")
+    parser.add_argument("--n", type=int, default=20, help="held-out questions per skill (fewer where a skill has fewer)")
     parser.add_argument("--out", type=Path, default=RESULTS_DIR)
+    parser.add_argument("--card", type=Path, help="also write the format rows into this model card JSON "
+                                                  "(resources/models/demo/moescope_demo.json)")
     args = parser.parse_args(argv)
-    rows = []
-    for budget in args.budgets.split(","):
-        for policy in ("lru", "swapmoe"):
-            row = measure(policy, f"{budget}%", args.n)
-            rows.append(row)
-            mean_acc = sum(row["accuracy"].values()) / len(row["accuracy"])
-            print(f"{policy:8s} {budget:>3s}%  perplexity {row['perplexity']:.3f}  mean accuracy {mean_acc:.3f}", flush=True)
-    write(rows, args)
+    if args.budgets is None and not args.formats:
+        args.budgets = "25,50"
+    claimed = claimed_skills()
+    rows: list[dict] = []
+    for setting in settings_from(args):
+        row = measure(setting, args.n, rows[0] if rows else None)
+        summarise(row, claimed, setting)
+        rows.append(row)
+        print(f"{row_label(row):32s} perplexity {row['perplexity']:.3f}  KL {row['kl_mean']:.2e}  "
+              f"claimed-skill accuracy {row['claimed_mean_accuracy']:.3f} "
+              f"({row['claimed_mean_delta_points']:+.1f} points)", flush=True)
+    rows[0].pop("logprobs")
+    kind = "format-quality" if args.formats else "lossy-cost"
+    write_report(args.out, kind, {"n_per_skill": args.n, "claimed_skills": claimed, "rows": rows},
+                 table(rows, claimed, args.n))
+    if args.card:
+        write_card(args.card, rows, args.n, argv if argv is not None else sys.argv[1:])
     return 0
 
 
-def write(rows: list[dict], args) -> None:
-    args.out.mkdir(parents=True, exist_ok=True)
-    stem = result_stem("lossy-cost")
-    (args.out / f"{stem}.json").write_text(json.dumps(rows, indent=1))
+def row_label(row: dict) -> str:
+    if row["policy"] != "lru" or row["budget"] != "all":
+        return f"{row['policy']} {row['budget']}"
+    return f"experts {row['expert_format']}, dense {row['dense_format']}"
+
+
+def stored_label(row: dict) -> tuple[str, str]:
+    experts = ", ".join(f"{name} {fmt}" for name, fmt in row["experts_stored_as"].items())
+    dense = ", ".join(f"{fmt} x{count}" if count else fmt for fmt, count in row["dense_stored_as"].items())
+    return experts, dense
+
+
+def table(rows: list[dict], claimed: list[str], n: int) -> list[str]:
     skills = list(rows[0]["accuracy"])
-    lines = [f"Quality cost of the lossy policy on the demo model — {args.n} held-out questions per skill, greedy.", "",
-             "| policy | budget | answer perplexity | mean accuracy | " + " | ".join(skills) + " |",
-             "|---" * (4 + len(skills)) + "|"]
+    lines = [f"Quality cost on the demo model against the float model (float32, lru, budget `all`): up to {n} "
+             "held-out questions per skill, greedy, exact path (transformers' kernels on the dequantized weights). "
+             "KL(float || row) in nats, mean over the answer tokens of the held-out chats, teacher-forced on the "
+             "reference answers; 'same top' is the share of those positions where both pick the same token. "
+             "Accuracy in %, per skill (difference from the float model in points); 'claimed' = the "
+             f"{len(claimed)} skills the model card claims; the goal is the largest |difference| on a claimed "
+             "skill.", "",
+             "| policy | budget | experts | dense | experts stored as | bits / expert weight | dense stored as "
+             "| perplexity | mean KL | same top | claimed mean | mean diff | worst claimed diff | goal | "
+             + " | ".join(skills) + " |",
+             "|---" * (14 + len(skills)) + "|"]
     for r in rows:
-        acc = r["accuracy"]
+        experts, dense = stored_label(r)
+        goal = "" if r["goal_points"] is None else \
+            f"<= {r['goal_points']:.0f}: {'met' if r['goal_met'] else '**missed**'}"
+        per_skill = [f"{100 * r['accuracy'][s]:.0f}" + (f" ({r['delta_points'][s]:+.0f})" if r["delta_points"][s] else "")
+                     for s in skills]
         lines.append(f"| {r['policy']}{' (lossy)' if r['policy'] == 'swapmoe' else ''} | {r['budget']} | "
-                     f"{r['perplexity']:.3f} | {sum(acc.values()) / len(acc):.3f} | "
-                     + " | ".join(f"{acc[s]:.2f}" for s in skills) + " |")
-    (args.out / f"{stem}.md").write_text("\n".join(lines) + "\n")
-    print("\n".join(lines))
+                     f"{r['expert_format']} | {r['dense_format']} | {experts} | {r['expert_bits_per_weight']:.2f} | "
+                     f"{dense} | {r['perplexity']:.4f} | {r['kl_mean']:.2e} | {100 * r['same_top_token']:.2f} % | "
+                     f"{100 * r['claimed_mean_accuracy']:.1f} | {r['claimed_mean_delta_points']:+.1f} | "
+                     f"{r['worst_claimed_delta_points']:+.0f} | {goal} | " + " | ".join(per_skill) + " |")
+    notes = dict.fromkeys(note for r in rows for note in r["format_notes"])
+    if notes:
+        lines += ["", "The engine's notes on the formats (narrow matrices take llama.cpp's fallback format):", ""]
+        lines += [f"- {note}" for note in notes]
+    return lines
+
+
+def write_card(path: Path, rows: list[dict], n: int, argv: list[str]) -> None:
+    """The format rows into the model card's JSON (`format_quality`), for the window's format picker."""
+    card = json.loads(path.read_text())
+    keys = ("expert_format", "dense_format", "expert_bits_per_weight", "claimed_mean_delta_points",
+            "worst_claimed_delta_points", "kl_mean", "same_top_token", "perplexity")
+
+    def card_row(row: dict) -> dict:
+        experts, dense = stored_label(row)
+        return {**{k: float(f"{row[k]:.5g}") if isinstance(row[k], float) else row[k] for k in keys},
+                "experts_stored_as": experts, "dense_stored_as": dense}
+
+    card["format_quality"] = {
+        "measured": dt.date.today().isoformat(),
+        "command": "python -m bench.lossy_cost " + " ".join(argv),
+        "heldout_per_skill": n,
+        "reference": "the float model as shipped (float32), exact path, budget all",
+        "units": "*_delta_points: held-out greedy accuracy on the claimed skills minus the float model's, in points "
+                 "(mean over skills, and the skill furthest off); kl_mean: mean KL(float || format) of the next-token "
+                 "distributions over held-out answer tokens, nats",
+        "rows": [card_row(r) for r in rows if r["policy"] == "lru" and r["budget"] == "all"],
+    }
+    path.write_text(json.dumps(card, indent=1) + "\n")
 
 
 if __name__ == "__main__":

@@ -89,3 +89,34 @@ def test_harness_drives_the_olmoe_routing_for_each_policy(tmp_path, capsys):
         assert limit["decode_tokens_per_s"] > 0
     table = report_path.with_suffix(".md").read_text()
     assert "| olmoe (first " in table and "| markov | 50% |" in table
+
+
+def test_format_quality_table_scores_each_format_against_the_float_model(tmp_path):
+    from bench.lossy_cost import main as lossy_cost
+    from resources import DEMO_MODEL_DIR
+
+    out, card = tmp_path / "results", tmp_path / "moescope_demo.json"
+    card.write_text((DEMO_MODEL_DIR / "moescope_demo.json").read_text())
+    assert lossy_cost(["--formats", "8bit", "--n", "2", "--out", str(out), "--card", str(card)]) == 0
+    (report_path,) = out.glob("format-quality-*.json")
+    float_row, q8_row = json.loads(report_path.read_text())["rows"]
+    assert (float_row["expert_format"], q8_row["expert_format"]) == ("original", "q8_0")
+    assert float_row["kl_mean"] == 0 and float_row["same_top_token"] == 1
+    assert all(d == 0 for d in float_row["delta_points"].values())
+    assert 0 < q8_row["kl_mean"] < 0.01  # 8-bit blocks move the distributions, a little
+    assert q8_row["experts_stored_as"] == {"gate_up_proj": "q8_0", "down_proj": "q8_0"}
+    assert q8_row["decode_path"] == "exact: transformers' kernels" and q8_row["goal_points"] == 2
+    header = report_path.with_suffix(".md").read_text().splitlines()[2]
+    for column in ("experts", "dense", "experts stored as", "perplexity", "mean KL", "worst claimed diff", "goal",
+                   "count_letters"):
+        assert f"| {column} |" in header
+    rows = json.loads(card.read_text())["format_quality"]["rows"]
+    assert [(r["expert_format"], r["dense_format"]) for r in rows] == [("original", "original"), ("q8_0", "original")]
+
+
+def test_format_quality_refuses_an_unknown_format_in_one_line(capsys):
+    from bench.lossy_cost import main as lossy_cost
+
+    with pytest.raises(SystemExit) as exit_info:
+        lossy_cost(["--formats", "q9_9", "--n", "1"])
+    assert "unknown weight format 'q9_9'; choose one of" in str(exit_info.value)
