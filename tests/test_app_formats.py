@@ -37,11 +37,15 @@ def loaded(events: Recorder) -> list[p.ModelLoaded]:
 
 
 def test_a_quality_figure_on_the_model_card_labels_its_format_and_the_rest_say_approximate(qtbot, tmp_path):
-    (tmp_path / "moescope_demo.json").write_text(json.dumps({"quality": {"formats": {
-        "q4_k": {"accuracy_delta_points": -1.25, "kl_mean": 0.0042}, "q8_0": {"accuracy_delta_points": 0.0},
-        "q2_k": {"kl_mean": "n/a"}}}}))
+    def row(experts: str, dense: str = "original", **figures) -> dict:
+        return {"expert_format": experts, "dense_format": dense, **figures}
+
+    (tmp_path / "moescope_demo.json").write_text(json.dumps({"format_quality": {"rows": [
+        row("original", claimed_mean_delta_points=0.0, kl_mean=0.0),
+        row("q4_k", claimed_mean_delta_points=-1.25, kl_mean=0.0042), row("q8_0", claimed_mean_delta_points=0.0),
+        row("q4_k", "q8_0", claimed_mean_delta_points=-9.0), row("q2_k", kl_mean="n/a")]}}))
     quality = card_quality(str(tmp_path))
-    assert set(quality) == {"q4_k", "q8_0"}  # a figure that is not a number is no figure
+    assert set(quality) == {"q4_k", "q8_0"}  # a figure that is not a number is no figure; mixed rows aside
     bar = ModelBar()
     qtbot.addWidget(bar)
     loaded = model_loaded()
@@ -55,6 +59,8 @@ def test_a_quality_figure_on_the_model_card_labels_its_format_and_the_rest_say_a
     assert picker.current() == "q4_k" and picker.isEnabled()
     assert "No measured quality figure" in picker.itemData(picker.findData("q3_k"), 3)  # Qt.ToolTipRole
     assert card_quality(str(tmp_path / "elsewhere")) == {}  # no card: labels say approximate only
+    demo = card_quality("demo")  # the embedded model's card carries the measured figures
+    assert {"q8_0", "q4_k", "q2_k"} <= set(demo) and demo["q8_0"].accuracy_delta_points == 0.0
     assert loaded_formats_text("4bit", "original", "bfloat16") == "experts Q4_K, dense bf16"
 
 

@@ -3,14 +3,16 @@ marked approximate, with its measured quality cost when the model's card has one
 line that says in which formats a model is loaded. Qt-free.
 
 A measured cost comes from the model card MoEScope's own models carry (`moescope_demo.json` in the
-checkpoint folder; the demo's is `resources/models/demo/moescope_demo.json`), under
-`quality.formats.<format>`, both fields optional:
+checkpoint folder; the demo's is `resources/models/demo/moescope_demo.json`, written by
+`python -m bench.lossy_cost --formats ... --card`), under `format_quality.rows`: one row per
+(expert format, dense format), of which the picker shows those with the dense weights as shipped:
 
-    {"quality": {"formats": {"q4_k": {"accuracy_delta_points": -1.2, "kl_mean": 0.004}}}}
+    {"format_quality": {"rows": [{"expert_format": "q4_k", "dense_format": "original",
+                                  "claimed_mean_delta_points": -0.1, "kl_mean": 0.00023, ...}]}}
 
-`accuracy_delta_points`: held-out accuracy of the model with that format minus the float model's,
-in percentage points (mean over the claimed skills); `kl_mean`: the mean KL divergence of the
-next-token distributions from the float model's, in nats.
+`claimed_mean_delta_points`: held-out accuracy of the model with that format minus the float
+model's, in percentage points (mean over the claimed skills); `kl_mean`: the mean KL divergence of
+the next-token distributions from the float model's, in nats. Both optional.
 """
 
 from __future__ import annotations
@@ -66,17 +68,19 @@ def card_quality(model: str) -> dict[str, FormatQuality]:
     """The measured cost of each format on `model`, from its card; {} when it has none."""
     try:
         card = json.loads((model_folder(model) / CARD_FILE).read_text(encoding="utf-8"))
-        formats = card["quality"]["formats"]
+        rows = card["format_quality"]["rows"]
     except (OSError, ValueError, KeyError, TypeError):
         return {}
-    if not isinstance(formats, dict):
+    if not isinstance(rows, list):
         return {}
     found = {}
-    for name, figures in formats.items():
-        if isinstance(figures, dict):
-            quality = FormatQuality(_number(figures.get("accuracy_delta_points")), _number(figures.get("kl_mean")))
-            if quality.text():
-                found[canonical(name)] = quality
+    for row in rows:
+        if not isinstance(row, dict) or canonical(row.get("dense_format")) != ORIGINAL:
+            continue
+        name = canonical(row.get("expert_format"))
+        quality = FormatQuality(_number(row.get("claimed_mean_delta_points")), _number(row.get("kl_mean")))
+        if name != ORIGINAL and quality.text():
+            found[name] = quality
     return found
 
 
