@@ -120,3 +120,16 @@ def test_format_quality_refuses_an_unknown_format_in_one_line(capsys):
     with pytest.raises(SystemExit) as exit_info:
         lossy_cost(["--formats", "q9_9", "--n", "1"])
     assert "unknown weight format 'q9_9'; choose one of" in str(exit_info.value)
+
+
+def test_quantized_gemv_bench_sets_integer_dots_beside_the_float_loops(tmp_path, kernels):
+    from bench.quant_gemv import main as gemv_main
+
+    assert gemv_main(["--rows", "64", "--cols", "512", "--formats", "q4_k,q5_0", "--reps", "1", "--rounds", "1",
+                      "--out", str(tmp_path)]) == 0
+    (payload,) = [json.loads(p.read_text()) for p in tmp_path.glob("quant-gemv-*.json")]
+    assert [r["format"] for r in payload["rows"]] == ["q4_k", "q5_0"]
+    for row in payload["rows"]:
+        assert row["integer_weights_per_s"] > 0 and row["float_weights_per_s"] > 0
+        assert row["errors"]["integer"] < 0.02 and row["errors"]["float"] < 0.02  # within bf16 output rounding
+    assert "| q4_k | 4.50 |" in next(tmp_path.glob("quant-gemv-*.md")).read_text()
