@@ -149,6 +149,8 @@ class Worker:
             load_seconds=runtime.load_seconds, budget_note=runtime.plan.note,
             fast_decode=runtime.fast_decode_on, fast_decode_available=runtime.fast_decode_available,
             expert_format=runtime.format_names[0], dense_format=runtime.format_names[1],
+            overhead_bytes=runtime.overhead.total_bytes, baseline_rss_bytes=runtime.overhead.baseline_bytes,
+            dense_resident_bytes=runtime.overhead.dense_bytes,
         ))
         self._snapshot(force=True)
 
