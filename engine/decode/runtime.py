@@ -119,6 +119,7 @@ class MoERuntime:
         self.tracer = None
         if options.trace:
             self.start_trace(options.trace)
+        memory.release_free_heap()
         self.overhead = memory.EngineOverhead(baseline, memory.rss_bytes(), host_tensor_bytes(self.model),
                                               self._host_expert_bytes())
         memory.note_overhead(self.overhead)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ctypes
 import resource
 import sys
 from dataclasses import dataclass
@@ -30,6 +31,18 @@ def peak_rss_bytes() -> int:
         return peak
     scale = 1 if sys.platform == "darwin" else 1024  # macOS reports bytes, Linux KiB
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * scale
+
+
+def release_free_heap() -> None:
+    """Hand the C heap's free pages back to the OS (glibc's malloc_trim). A load's conversions and
+    temporaries leave freed memory that the process would otherwise keep resident; elsewhere a no-op."""
+    if not sys.platform.startswith("linux"):
+        return
+    try:
+        trim = ctypes.CDLL(None).malloc_trim  # the C library this process already runs on
+    except (OSError, AttributeError):  # a libc without malloc_trim (musl)
+        return
+    trim(0)
 
 
 def rss_bytes() -> int:
