@@ -61,3 +61,17 @@ def test_model_loaded_reports_the_overhead_and_a_second_load_does_not_stack(mid_
         assert second.overhead_bytes < first.overhead_bytes + weights / 4
     finally:
         client.stop()
+
+
+@pytest.mark.bench
+def test_the_overhead_benchmark_measures_each_point_and_writes_its_table(tmp_path):
+    from bench.overhead import main
+
+    assert main(["--models", "demo", "--out", str(tmp_path)]) == 0
+    (table,) = tmp_path.glob("overhead-*.md")
+    text = table.read_text()
+    for point in ("+ torch", "+ generation path imports", "loaded (budget all)", "overhead while decoding"):
+        assert point in text
+    (result,) = json.loads(next(tmp_path.glob("overhead-*.json")).read_text())["results"]
+    assert 0 < result["baseline_bytes"] <= result["overhead_at_load"] < 2 * GiB
+    assert result["lazy_modules_loaded"] == []
