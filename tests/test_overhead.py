@@ -39,8 +39,13 @@ def test_info_reports_the_engine_overhead():
 
 @pytest.fixture(scope="module")
 def mid_checkpoint(tmp_path_factory):
-    # weights big enough to see: 96 MiB of experts, ~44 MiB of dense weights
-    return write_large_qwen3_moe(tmp_path_factory.mktemp("mid") / "qwen3-moe-mid", layers=2, experts=16, vocab=8192)
+    # weights big enough to see: 96 MiB of experts, ~44 MiB of dense weights. Building the skeleton draws
+    # from torch's global generator: forked, so the tests after this one see the state they always saw.
+    import torch
+
+    with torch.random.fork_rng():
+        return write_large_qwen3_moe(tmp_path_factory.mktemp("mid") / "qwen3-moe-mid", layers=2, experts=16,
+                                     vocab=8192)
 
 
 @pytest.mark.process
