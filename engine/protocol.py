@@ -262,6 +262,10 @@ class ModelLoaded:
     expert_format: str = "original"  # as loaded: original | q8_0 | q6_k | q4_k | ... (engine.formats.blocks)
     dense_format: str = "original"  # the other linear layers, the same choices
     remote: str = ""  # the server's URL when the engine is a remote OpenAI-compatible server (engine.remote)
+    # the engine process's own memory, measured at the end of the load (engine.system.memory.EngineOverhead):
+    overhead_bytes: int = 0  # resident beyond dense weights and experts: what a memory limit loses first
+    baseline_rss_bytes: int = 0  # of it, before any weights (interpreter, torch, transformers); the rest is the model's code, tokenizer, kernels
+    dense_resident_bytes: int = 0  # the dense weights in the engine's RAM as loaded (in their format; 0 on a GPU)
 
 
 @dataclass

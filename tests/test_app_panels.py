@@ -225,6 +225,25 @@ def test_budget_keyboard_steps_apply_after_a_pause(qtbot):
     assert blocker.args == [str(model_loaded().min_budget_bytes)]
 
 
+def test_budget_panel_shows_the_engines_own_memory_beside_dense_cache_and_the_rest(qtbot):
+    from dataclasses import replace
+
+    MiB = 2**20
+    panel = BudgetPanel(estimator=lambda n: None)
+    qtbot.addWidget(panel)
+    model = replace(model_loaded(layers=4, experts=8, expert_bytes=MiB), overhead_bytes=350 * MiB,
+                    baseline_rss_bytes=320 * MiB, dense_resident_bytes=20 * MiB)
+    panel.on_event(model)
+    panel.on_event(replace(snapshot(expert_bytes=MiB), rss_bytes=420 * MiB))  # cache: 4 x 8 slots of 1 MiB
+    panel.refresh()
+    assert panel.memory_label.text() == ("Engine RAM 420.00 MiB: engine overhead 350.00 MiB · dense weights 20.00 MiB"
+                                         " · expert cache 32.00 MiB · KV cache and scratch 18.00 MiB")
+    # an engine that did not measure itself (a remote server): no line rather than a wrong one
+    panel.on_event(model_loaded())
+    panel.refresh()
+    assert panel.memory_label.text() == ""
+
+
 def test_system_panel_lists_policies_with_lossy_marked(qtbot):
     panel = SystemPanel()
     qtbot.addWidget(panel)

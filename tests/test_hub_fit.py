@@ -17,6 +17,7 @@ from tests.helpers.checkpoints import FAMILIES
 
 FIXTURES = Path(__file__).parent / "helpers" / "hub"
 GiB = 1024**3
+MiB = 1024**2
 
 # Published totals and active counts (billions). `embedding_in_active`: whether the publisher's active
 # count includes the input embedding (Mistral, Qwen and AllenAI count it; DeepSeek and OpenAI do not).
@@ -143,6 +144,38 @@ def test_too_big(estimates):
     assert verdict.headline.startswith("too big for this machine: needs at least ")
     assert "(dense 2.99 GiB + minimum budget 21.00 GiB + working memory" in verdict.headline
     assert verdict.headline.endswith("8.00 GiB RAM available")
+
+
+def test_the_engines_own_memory_comes_out_of_ram_before_the_experts(estimates):
+    from engine.hub.fit import ACTIVATION_MARGIN
+    from engine.system.memory import ENGINE_OVERHEAD_ESTIMATE
+
+    est = estimates["olmoe-1b-7b"]
+    working = est.dense_bytes + est.all_expert_bytes + est.kv_bytes + ACTIVATION_MARGIN
+    # room for dense weights, every expert and the working memory, not for the engine itself: not "fits"
+    short = assess(est, machine(ram=working + ENGINE_OVERHEAD_ESTIMATE // 2))
+    assert short.kind == "offload" and short.budget_bytes < est.all_expert_bytes
+    assert any("engine overhead" in d and "estimated until a model loads" in d for d in short.details)
+    assert assess(est, machine(ram=working + ENGINE_OVERHEAD_ESTIMATE)).kind == "fits-ram"
+    # a measured overhead replaces the estimate
+    measured = MachineInfo(ram_total=10**12, ram_available=working + 64 * MiB, disk_free=10**15,
+                           engine_overhead=128 * MiB, overhead_measured=True)
+    verdict = assess(est, measured)
+    assert verdict.kind == "offload"
+    assert any("engine overhead 128.00 MiB (measured at this engine's last load)" in d for d in verdict.details)
+
+
+def test_the_machine_probe_takes_the_overhead_this_process_measured(tmp_path, monkeypatch):
+    from engine.hub.machine import probe_machine
+    from engine.system import memory
+
+    monkeypatch.setattr(memory, "_measured_overhead", None)
+    before = probe_machine(tmp_path)
+    assert (before.engine_overhead, before.overhead_measured) == (memory.ENGINE_OVERHEAD_ESTIMATE, False)
+    memory.note_overhead(memory.EngineOverhead(baseline_bytes=300 * MiB, loaded_bytes=900 * MiB,
+                                               dense_bytes=200 * MiB, expert_bytes=300 * MiB))
+    after = probe_machine(tmp_path)
+    assert (after.engine_overhead, after.overhead_measured) == (400 * MiB, True)
 
 
 def test_gpu_too_small_falls_back_to_cpu_and_says_why(estimates):

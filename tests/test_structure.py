@@ -24,7 +24,8 @@ ALLOWED = {
     "engine.formats": {"engine.errors"},
     "engine.traces": {"engine.errors", "engine.accounting"},
     "engine.model": {"engine.errors", "engine.system", "engine.accounting", "engine.formats"},
-    "engine.hub": {"engine.errors", "engine.protocol", "engine.accounting", "engine.formats", "engine.model"},
+    "engine.hub": {"engine.errors", "engine.protocol", "engine.system", "engine.accounting", "engine.formats",
+                   "engine.model"},
     "engine.offload": {"engine.errors", "engine.system", "engine.accounting", "engine.formats", "engine.model"},
     "engine.decode": {"engine.errors", "engine.protocol", "engine.system", "engine.accounting", "engine.formats",
                       "engine.traces", "engine.model", "engine.hub", "engine.offload"},
@@ -32,7 +33,7 @@ ALLOWED = {
     "engine.process": {"engine.errors", "engine.protocol", "engine.accounting", "engine.hub", "engine.decode"},
     "engine.serve": {"engine.errors", "engine.protocol"},
     "engine.remote": {"engine.errors", "engine.protocol"},
-    "engine.cli": {"engine.errors", "engine.protocol", "engine.accounting", "engine.formats", "engine.traces",
+    "engine.cli": {"engine.errors", "engine.protocol", "engine.system", "engine.accounting", "engine.formats", "engine.traces",
                    "engine.model", "engine.hub", "engine.decode", "engine.process", "engine.serve"},
 }
 TORCH_FREE = ("engine.protocol", "engine.errors", "engine.accounting", "engine.traces", "engine.formats.blocks",

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from engine import protocol as p
+
 MAX_STEPS = 1000  # enough resolution for a smooth drag; a model with fewer slots gets one step per slot
 
 
@@ -52,3 +54,17 @@ def free_compute_memory(snapshot, budget_bytes: int) -> tuple[str, int] | None:
         return "free RAM", free_for_budget(budget_bytes, psutil.virtual_memory().available)
     except Exception:  # psutil missing or unreadable: no marker is better than a wrong one
         return None
+
+
+def memory_breakdown(model: p.ModelLoaded | None, snapshot: p.TelemetrySnapshot | None) -> list[tuple[str, int]]:
+    """The engine process's resident memory in parts, from the load's measurement and the latest
+    snapshot: [] for an engine that did not measure itself (a remote server, an older engine)."""
+    if model is None or snapshot is None or not model.overhead_bytes:
+        return []
+    parts = [("engine overhead", model.overhead_bytes)]
+    if model.dense_resident_bytes:
+        parts.append(("dense weights", model.dense_resident_bytes))
+    if model.device == "cpu":  # with a GPU, the cache's slots are in GPU memory
+        parts.append(("expert cache", snapshot.budget_bytes))
+    parts.append(("KV cache and scratch", max(snapshot.rss_bytes - sum(n for _, n in parts), 0)))
+    return parts

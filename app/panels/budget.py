@@ -11,7 +11,7 @@ from PySide6.QtCore import QRectF, Qt, QTimer, Signal
 from PySide6.QtGui import QColor, QPainter, QPen
 from PySide6.QtWidgets import QHBoxLayout, QLabel, QSizePolicy, QSlider, QVBoxLayout, QWidget
 
-from app.models.budget import BudgetScale, free_compute_memory
+from app.models.budget import BudgetScale, free_compute_memory, memory_breakdown
 from app.models.budget_estimate import Estimate, Estimator
 from app.models.stats_format import format_bytes
 from app.panels.base import Panel, integer_ticks, quiet_plot, style_plot
@@ -100,6 +100,12 @@ class BudgetPanel(Panel):
         self.note = QLabel("")
         self.note.setWordWrap(True)
         self.note.setVisible(False)
+        self.memory_label = QLabel("")
+        self.memory_label.setWordWrap(True)
+        self.memory_label.setToolTip(
+            "The engine process's resident memory. Engine overhead is what it costs by itself (Python, torch, "
+            "transformers, the model's code and tokenizer), measured at load: a memory limit loses it before "
+            "the expert budget.")
         self._apply_timer = QTimer(self, singleShot=True, interval=APPLY_DELAY_MS)
         self._apply_timer.timeout.connect(self._apply_current)
 
@@ -124,6 +130,7 @@ class BudgetPanel(Panel):
         layout.addWidget(self.scale_bar)
         layout.addLayout(self.ends)
         layout.addWidget(self.estimate_label)
+        layout.addWidget(self.memory_label)
         layout.addWidget(self.note)
         layout.addWidget(self.plot, 1)
 
@@ -226,6 +233,11 @@ class BudgetPanel(Panel):
             f"Budget <b>{format_bytes(self.budget_bytes)}</b> of {format_bytes(m.max_budget_bytes)} "
             f"({self.scale.fraction(self.budget_bytes):.0%}) · {avg:.1f} of {m.num_experts} slots per layer{pending}"
         )
+        parts = memory_breakdown(m, self.snapshot)
+        self.memory_label.setText(
+            f"Engine RAM {format_bytes(self.snapshot.rss_bytes)}: " + " · ".join(
+                f"{name} {format_bytes(nbytes)}" for name, nbytes in parts) if parts else "")
+        # the marker needs no overhead taken off: the running engine's own memory is already not free
         free = free_compute_memory(self.snapshot, self.budget_bytes)
         if free is not None:
             where, nbytes = free

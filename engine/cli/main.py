@@ -146,6 +146,7 @@ def cmd_info(args: argparse.Namespace) -> int:
         raise MoEScopeError(str(exc)) from None
     info = inspect_checkpoint(resolve_model(args.model), allow_pickle=args.allow_pickle,
                               trust_remote_code=args.trust_remote_code, expert_format=fmt)
+    info.engine_overhead_bytes = _engine_overhead_here()
     if args.json:
         print(json.dumps(asdict(info)))
         return 0
@@ -157,8 +158,21 @@ def cmd_info(args: argparse.Namespace) -> int:
     print(f"all experts      {format_bytes(info.all_expert_bytes)}")
     print(f"dense weights    {format_bytes(info.dense_bytes)}")
     print(f"minimum budget   {format_bytes(info.min_budget_bytes)}")
+    print(f"engine overhead  {format_bytes(info.engine_overhead_bytes)} (the engine process before any weights: "
+          "Python, torch, transformers, this model's code)")
+    whole = info.dense_bytes + info.all_expert_bytes + info.engine_overhead_bytes
+    print(f"at budget all    {format_bytes(whole)} (dense + all experts + engine overhead, before the KV cache)")
     print(f"context          {info.context_length} tokens")
     return 0
+
+
+def _engine_overhead_here() -> int:
+    """This process's resident memory with the generation path imported and no weights read (the
+    inspection built the model on the meta device): what the engine costs by itself before a load."""
+    from engine.decode import generation, runtime  # noqa: F401  (what a load imports)
+    from engine.system.memory import rss_bytes
+
+    return rss_bytes()
 
 
 def cmd_policies(_: argparse.Namespace) -> int:

@@ -25,12 +25,13 @@ from engine.formats.dequantize import reference_dequantizer
 from engine.hub.local import resolve_model
 from engine.model import experts_registry
 from engine.model.dense_formats import QuantizedLinear, quantize_dense
-from engine.model.inspect import ModelInfo, describe
+from engine.model.inspect import ModelInfo, describe, host_tensor_bytes
 from engine.model.loader import ProgressFn, build_model, resolve_device
 from engine.offload import packed_linear
 from engine.offload.expert_cache import ExpertCache
 from engine.offload.quantized_store import quantize_layout
 from engine.offload.store import DiskStore, ExpertStore, RamStore
+from engine.system import memory
 
 
 def _parse_format(name: str, what: str) -> BlockFormat | None:
@@ -50,6 +51,7 @@ class MoERuntime:
         from transformers import AutoTokenizer
 
         started = time.perf_counter()
+        baseline = memory.baseline_rss_bytes()  # before this process reads any weights
         options = self.settings = settings
         self.device = resolve_device(options.device)
         loaded = build_model(
@@ -117,6 +119,10 @@ class MoERuntime:
         self.tracer = None
         if options.trace:
             self.start_trace(options.trace)
+        memory.release_free_heap()
+        self.overhead = memory.EngineOverhead(baseline, memory.rss_bytes(), host_tensor_bytes(self.model),
+                                              self._host_expert_bytes())
+        memory.note_overhead(self.overhead)
         self.load_seconds = time.perf_counter() - started
 
     # ----- setup -----
@@ -135,6 +141,11 @@ class MoERuntime:
         requested = spec.resolve_bytes(self.layout.all_expert_bytes, self.layout.slot_bytes)
         curves = self.miss_curves() if self.settings.allocation == "planned" else None
         return plan_budget(self.layout, requested, curves=curves, allocation=self.settings.allocation)
+
+    def _host_expert_bytes(self) -> int:
+        """Expert bytes in this process's memory now: the RAM store, and on a CPU the slots filled so far."""
+        store = self.layout.all_expert_bytes if self.store.kind == "ram" else 0
+        return store + (self.warm_bytes if self.device.type == "cpu" else 0)
 
     def _setup_cpu_experts(self, mode: str) -> str:
         """Fiddler's CPU execution of misses: only with a GPU and the RAM store; a no-op otherwise."""
@@ -304,7 +315,9 @@ class MoERuntime:
         return int(getattr(config, "max_position_embeddings", 0) or 1 << 30)
 
     def info(self) -> ModelInfo:
-        return describe(self.files, self.layout, self.model.config, self.dtype, str(self.device), self.store.kind)
+        info = describe(self.files, self.layout, self.model.config, self.dtype, str(self.device), self.store.kind)
+        info.engine_overhead_bytes = self.overhead.total_bytes
+        return info
 
     def close(self) -> None:
         self.stop_trace()

@@ -13,8 +13,6 @@ round differently: the format, not bit-equality with llama-quantize, is the cont
 from __future__ import annotations
 
 import numpy as np
-from gguf import GGMLQuantizationType
-from gguf import quants as gguf_quants
 
 from engine.formats.blocks import QK_K, BlockFormat
 
@@ -30,6 +28,10 @@ def quantize(matrix: np.ndarray, fmt: BlockFormat) -> np.ndarray:
     if columns % fmt.block:
         raise ValueError(f"{columns} columns are not a whole number of {fmt.block}-element blocks")
     if fmt.name in GGUF_QUANTIZERS:  # the gguf package's own, bit-exact with llama.cpp's reference
+        # imported here: the generation path imports this module, and only a conversion needs gguf
+        from gguf import GGMLQuantizationType
+        from gguf import quants as gguf_quants
+
         return gguf_quants.quantize(x, GGMLQuantizationType(fmt.ggml_type)).reshape(rows, fmt.row_bytes(columns))
     blocks = x.reshape(-1, fmt.block)
     out = np.empty((blocks.shape[0], fmt.block_bytes), dtype=np.uint8)

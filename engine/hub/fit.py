@@ -13,7 +13,7 @@ from engine.hub.machine import MachineInfo
 
 GiB = 1024**3
 MiB = 1024**2
-RUNTIME_RAM = 768 * MiB  # Python + torch + transformers + tokenizer (~0.4 GiB measured, README) with headroom
+ACTIVATION_MARGIN = 256 * MiB  # prefill activations and decode scratch beyond the KV cache: headroom
 GPU_RESERVE = 768 * MiB  # CUDA context, kernel workspaces, allocator slack
 CPU_CACHE_SHARE = 0.8  # of the RAM left after dense weights: the rest stays free for the page cache and other apps
 RAM_STORE_SHARE = 0.6  # the engine keeps experts in RAM (GPU runs) only below this share of free RAM (engine.decode.runtime)
@@ -51,7 +51,9 @@ def _run_verdict(est: SizeEstimate, m: MachineInfo) -> FitVerdict:
     if est.problem:
         return FitVerdict("unsupported", f"cannot run yet: {est.problem}")
     kv = est.kv_bytes
-    details = [f"working memory: KV cache for {CONTEXT_TOKENS} tokens {format_bytes(kv)}"]
+    how = "measured at this engine's last load" if m.overhead_measured else "estimated until a model loads"
+    details = [f"working memory: KV cache for {CONTEXT_TOKENS} tokens {format_bytes(kv)}, activations "
+               f"{format_bytes(ACTIVATION_MARGIN)}; engine overhead {format_bytes(m.engine_overhead)} ({how})"]
     if m.gpu_name and not m.cuda_usable:
         details.append(f"GPU {m.gpu_name} found, but this PyTorch build has no CUDA support: estimated for the CPU")
     if m.cuda_usable:
@@ -77,12 +79,13 @@ def _run_verdict(est: SizeEstimate, m: MachineInfo) -> FitVerdict:
             f"dense weights + minimum budget ({format_bytes(gpu_fixed - GPU_RESERVE + est.min_budget_bytes)}) "
             f"exceed the free GPU memory ({format_bytes(m.vram_free)}): estimated for the CPU"
         )
-    cpu_fixed = est.dense_bytes + kv + RUNTIME_RAM
+    # Budgets are bytes for experts: the engine's own memory and the working memory come out of RAM first.
+    cpu_fixed = est.dense_bytes + kv + ACTIVATION_MARGIN + m.engine_overhead
     if cpu_fixed + est.all_expert_bytes <= m.ram_available:
         return FitVerdict(
             "fits-ram",
-            f"fits in RAM: {format_bytes(cpu_fixed + est.all_expert_bytes)} with every expert resident, "
-            f"{format_bytes(m.ram_available)} available; use --budget all",
+            f"fits in RAM: {format_bytes(cpu_fixed + est.all_expert_bytes)} with every expert resident and the "
+            f"engine's own {format_bytes(m.engine_overhead)}, {format_bytes(m.ram_available)} available; use --budget all",
             "cpu", "disk", est.all_expert_bytes, "all", details=details,
         )
     if cpu_fixed + est.min_budget_bytes <= m.ram_available:
@@ -99,7 +102,8 @@ def _run_verdict(est: SizeEstimate, m: MachineInfo) -> FitVerdict:
         "too-big",
         f"too big for this machine: needs at least {format_bytes(cpu_fixed + est.min_budget_bytes)} of memory "
         f"(dense {format_bytes(est.dense_bytes)} + minimum budget {format_bytes(est.min_budget_bytes)} + working "
-        f"memory {format_bytes(kv + RUNTIME_RAM)}), {format_bytes(m.ram_available)} RAM available",
+        f"memory {format_bytes(kv + ACTIVATION_MARGIN)} + engine overhead {format_bytes(m.engine_overhead)}), "
+        f"{format_bytes(m.ram_available)} RAM available",
         details=details,
     )
 

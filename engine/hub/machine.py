@@ -8,6 +8,8 @@ from pathlib import Path
 
 import psutil
 
+from engine.system.memory import ENGINE_OVERHEAD_ESTIMATE, engine_overhead_bytes
+
 
 @dataclass(frozen=True)
 class MachineInfo:
@@ -18,11 +20,16 @@ class MachineInfo:
     vram_total: int = 0
     vram_free: int = 0
     cuda_usable: bool = False  # PyTorch can run on that GPU (a CPU-only build cannot)
+    # what the engine process costs by itself in RAM, beside a model's dense weights and experts:
+    # measured by this process's last load, else the documented estimate (engine.system.memory)
+    engine_overhead: int = ENGINE_OVERHEAD_ESTIMATE
+    overhead_measured: bool = False
 
 
 def probe_machine(cache_dir: Path) -> MachineInfo:
     memory = psutil.virtual_memory()
     name, total, free = _probe_gpu()
+    overhead, measured = engine_overhead_bytes()
     return MachineInfo(
         ram_total=memory.total,
         ram_available=memory.available,
@@ -31,6 +38,8 @@ def probe_machine(cache_dir: Path) -> MachineInfo:
         vram_total=total,
         vram_free=free,
         cuda_usable=name is not None and _torch_has_cuda(),
+        engine_overhead=overhead,
+        overhead_measured=measured,
     )
 
 

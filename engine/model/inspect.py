@@ -31,6 +31,21 @@ class ModelInfo:
     store: str
     context_length: int
     expert_format: str = "original"
+    # the engine process by itself (interpreter, torch, transformers, code, tokenizer): measured by a
+    # loaded runtime (engine.system.memory.EngineOverhead) or, for `moescope info`, its own process
+    engine_overhead_bytes: int = 0
+
+
+def host_tensor_bytes(model: torch.nn.Module) -> int:
+    """Bytes of the model's own parameters and buffers in this process's memory (on the CPU), each
+    storage once: its dense weights as they sit now (quantized or not); the experts are on the meta
+    device and their slots belong to the cache."""
+    seen: dict[int, int] = {}
+    for tensor in (*model.parameters(), *model.buffers()):
+        if tensor.device.type == "cpu":
+            storage = tensor.untyped_storage()
+            seen[storage.data_ptr()] = storage.nbytes()
+    return sum(seen.values())
 
 
 def describe(files: CheckpointFiles, layout: MoELayout, config, dtype: torch.dtype, device: str, store: str) -> ModelInfo:

@@ -7,6 +7,7 @@ after the reply. Every failure becomes an `Error` event; the process only dies i
 
 from __future__ import annotations
 
+import gc
 import os
 import threading
 import time
@@ -148,13 +149,19 @@ class Worker:
             load_seconds=runtime.load_seconds, budget_note=runtime.plan.note,
             fast_decode=runtime.fast_decode_on, fast_decode_available=runtime.fast_decode_available,
             expert_format=runtime.format_names[0], dense_format=runtime.format_names[1],
+            overhead_bytes=runtime.overhead.total_bytes, baseline_rss_bytes=runtime.overhead.baseline_bytes,
+            dense_resident_bytes=runtime.overhead.dense_bytes,
         ))
         self._snapshot(force=True)
 
     def _unload(self) -> None:
-        if self.runtime is not None:
-            self.runtime.close()
+        if self.runtime is None:
+            return
+        self.runtime.close()
         self.runtime = self.generator = self.telemetry = None
+        # The model's modules and the cache refer to each other: only the cycle collector frees them, and
+        # without this the next model would load beside the last one's weights.
+        gc.collect()
 
     def _generate(self, command: p.Generate) -> None:
         runtime = self._require_model()

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import ctypes
 import resource
 import sys
+from dataclasses import dataclass
 
 
 def proc_bytes(path: str, key: str) -> int | None:
@@ -29,3 +31,80 @@ def peak_rss_bytes() -> int:
         return peak
     scale = 1 if sys.platform == "darwin" else 1024  # macOS reports bytes, Linux KiB
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * scale
+
+
+def release_free_heap() -> None:
+    """Hand the C heap's free pages back to the OS (glibc's malloc_trim). A load's conversions and
+    temporaries leave freed memory that the process would otherwise keep resident; elsewhere a no-op."""
+    if not sys.platform.startswith("linux"):
+        return
+    try:
+        trim = ctypes.CDLL(None).malloc_trim  # the C library this process already runs on
+    except (OSError, AttributeError):  # a libc without malloc_trim (musl)
+        return
+    trim(0)
+
+
+def rss_bytes() -> int:
+    """This process's resident memory now."""
+    now = proc_bytes("/proc/self/status", "VmRSS")
+    if now is not None:
+        return now
+    import psutil
+
+    return psutil.Process().memory_info().rss
+
+
+MiB = 1024**2
+# What the engine process costs by itself (Python, torch, transformers, the engine's code, a model's
+# modeling code and tokenizer, the native kernels) before it has measured itself: `python -m
+# bench.overhead` (bench/results/overhead-*.md) measured it on the CPU build and this is that
+# figure rounded up. Once a model has loaded, the measured figure replaces it.
+ENGINE_OVERHEAD_ESTIMATE = 448 * MiB
+
+_baseline: int | None = None
+_measured_overhead: int | None = None
+
+
+def baseline_rss_bytes() -> int:
+    """This process's resident memory before any weights: taken the first time it is asked (the
+    runtime asks before it reads a model, after the generation path's imports), then kept, so a
+    second model's load does not count the first one's leftovers."""
+    global _baseline
+    if _baseline is None:
+        _baseline = rss_bytes()
+    return _baseline
+
+
+@dataclass(frozen=True)
+class EngineOverhead:
+    """The engine process's own memory, measured at the end of a load."""
+
+    baseline_bytes: int  # before any weights: the interpreter, torch, transformers, the engine's code
+    loaded_bytes: int  # resident when the load finished
+    dense_bytes: int  # of that, the model's dense weights in this process's memory (0 on a GPU)
+    expert_bytes: int  # of that, experts: a RAM store, slots filled so far (an untouched slot is not resident)
+
+    @property
+    def total_bytes(self) -> int:
+        """Everything but dense weights and experts: what a memory limit loses before the budget."""
+        return max(self.baseline_bytes, self.loaded_bytes - self.dense_bytes - self.expert_bytes)
+
+    @property
+    def model_bytes(self) -> int:
+        """What the model added beyond its weights: its modeling code, tokenizer, kernels, buffers."""
+        return self.total_bytes - self.baseline_bytes
+
+
+def note_overhead(overhead: EngineOverhead) -> None:
+    """Remember the latest measurement, for fit estimates made in this process."""
+    global _measured_overhead
+    _measured_overhead = overhead.total_bytes
+
+
+def engine_overhead_bytes() -> tuple[int, bool]:
+    """(bytes, measured): the engine's own memory as this process measured it at its last load,
+    else the documented estimate."""
+    if _measured_overhead is not None:
+        return _measured_overhead, True
+    return ENGINE_OVERHEAD_ESTIMATE, False

@@ -1,0 +1,82 @@
+"""The engine process's own memory: measured, reported, and kept small."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from engine import protocol as p
+from tests.helpers.checkpoints import write_large_qwen3_moe
+from tests.helpers.engine_events import started_client
+
+GiB = 1024**3
+# Imported only where a conversion needs them (engine.formats.quantize); a generation never does.
+LAZY = ("gguf", "sentencepiece")
+
+
+def test_the_generation_path_does_not_import_what_only_a_conversion_needs():
+    code = ("import sys\nimport engine.process.worker, engine.decode.runtime, engine.decode.generation\n"
+            f"print([m for m in {LAZY!r} if m in sys.modules])")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip() == "[]"
+
+
+@pytest.mark.process
+def test_info_reports_the_engine_overhead():
+    proc = subprocess.run([sys.executable, "-m", "engine.cli.main", "info", "--model", "demo", "--json"],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    info = json.loads(proc.stdout)
+    assert 0 < info["engine_overhead_bytes"] < 2 * GiB
+    text = subprocess.run([sys.executable, "-m", "engine.cli.main", "info", "--model", "demo"],
+                          capture_output=True, text=True, timeout=300).stdout
+    assert "engine overhead" in text and "dense + all experts + engine overhead" in text
+
+
+@pytest.fixture(scope="module")
+def mid_checkpoint(tmp_path_factory):
+    # weights big enough to see: 96 MiB of experts, ~44 MiB of dense weights. Building the skeleton draws
+    # from torch's global generator: forked, so the tests after this one see the state they always saw.
+    import torch
+
+    with torch.random.fork_rng():
+        return write_large_qwen3_moe(tmp_path_factory.mktemp("mid") / "qwen3-moe-mid", layers=2, experts=16,
+                                     vocab=8192)
+
+
+@pytest.mark.process
+def test_model_loaded_reports_the_overhead_and_a_second_load_does_not_stack(mid_checkpoint):
+    client, log = started_client()
+    try:
+        loads = []
+        for _ in range(2):
+            start = log.mark()
+            client.send(p.LoadModel(path=str(mid_checkpoint), budget="all"))
+            loads.append(log.wait_for(lambda e: isinstance(e, (p.ModelLoaded, p.Error)), timeout=300, start=start))
+        first, second = loads
+        assert isinstance(first, p.ModelLoaded) and isinstance(second, p.ModelLoaded), loads
+        assert 0 < first.baseline_rss_bytes <= first.overhead_bytes < 2 * GiB
+        assert first.dense_resident_bytes == pytest.approx(first.dense_bytes, rel=0.05)  # bf16 as stored
+        weights = first.dense_resident_bytes + first.all_expert_bytes
+        # the first model's weights are gone before the second loads: the overhead stays where it was
+        assert second.overhead_bytes < first.overhead_bytes + weights / 4
+    finally:
+        client.stop()
+
+
+@pytest.mark.bench
+def test_the_overhead_benchmark_measures_each_point_and_writes_its_table(tmp_path):
+    from bench.overhead import main
+
+    assert main(["--models", "demo", "--out", str(tmp_path)]) == 0
+    (table,) = tmp_path.glob("overhead-*.md")
+    text = table.read_text()
+    for point in ("+ torch", "+ generation path imports", "loaded (budget all)", "overhead while decoding"):
+        assert point in text
+    (result,) = json.loads(next(tmp_path.glob("overhead-*.json")).read_text())["results"]
+    assert 0 < result["baseline_bytes"] <= result["overhead_at_load"] < 2 * GiB
+    assert result["lazy_modules_loaded"] == []
