@@ -68,6 +68,15 @@ inline float half_to_float(const uint8_t* p) {
   return out;
 }
 
+// Q3_K's 16 scales (6 bits, stored + 32) as signed integers.
+inline void q3_k_scales(const uint8_t* sc, int32_t* out) {
+  for (int j = 0; j < 16; ++j) {
+    const int low = j < 8 ? sc[j] & 0xF : sc[j - 8] >> 4;
+    const int high = (sc[8 + j % 4] >> (2 * (j / 4))) & 3;
+    out[j] = (low | (high << 4)) - 32;
+  }
+}
+
 // The per-sub-block scales (and mins) of one block, as float32 products the way the reference
 // forms them (d * sc, dmin * m), for 16 sub-blocks of 16 (or 8 of 32, each given twice).
 struct BlockScales {
@@ -98,11 +107,10 @@ inline void block_scales(int32_t type, const uint8_t* b, BlockScales& s) {
     }
     case kQ3_K: {
       const float d = half_to_float(b + 108);
-      const uint8_t* sc = b + 96;
+      int32_t scales[16];
+      q3_k_scales(b + 96, scales);
       for (int j = 0; j < 16; ++j) {
-        const int low = j < 8 ? sc[j] & 0xF : sc[j - 8] >> 4;
-        const int high = (sc[8 + j % 4] >> (2 * (j / 4))) & 3;
-        s.scale[j] = d * static_cast<float>(static_cast<int8_t>((low | (high << 4)) - 32));
+        s.scale[j] = d * static_cast<float>(scales[j]);
         s.min[j] = 0.f;
       }
       return;

@@ -109,33 +109,7 @@ inline bool has_integer_dot(int32_t type) {
          type == kQ2_K;
 }
 
-// Q3_K's 16 scales (6 bits, stored + 32) as signed integers.
-inline void q3_k_scales(const uint8_t* sc, int32_t* out) {
-  for (int j = 0; j < 16; ++j) {
-    const int low = j < 8 ? sc[j] & 0xF : sc[j - 8] >> 4;
-    const int high = (sc[8 + j % 4] >> (2 * (j / 4))) & 3;
-    out[j] = (low | (high << 4)) - 32;
-  }
-}
-
-// Q4_K's 6-bit scales and mins of the 8 sub-blocks of 32 (the k4_scale_min packing).
-inline void q4_k_scales(const uint8_t* q, int32_t* sc, int32_t* mn) {
-  for (int j = 0; j < 4; ++j) {
-    sc[j] = q[j] & 63;
-    mn[j] = q[j + 4] & 63;
-    sc[j + 4] = (q[j + 8] & 0xF) | ((q[j] >> 6) << 4);
-    mn[j + 4] = (q[j + 8] >> 4) | ((q[j + 4] >> 6) << 4);
-  }
-}
-
 #if defined(__AVX2__)
-inline int32_t hsum_epi32(__m256i v) {
-  __m128i s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
-  s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0x4E));
-  s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0xB1));
-  return _mm_cvtsi128_si32(s);
-}
-
 inline float hsum_ps(__m256 v) {
   __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
   s = _mm_add_ps(s, _mm_movehl_ps(s, s));
@@ -380,116 +354,30 @@ inline float idot_q2_q3_k(const uint8_t* row, int64_t blocks, const FixedInput& 
 }
 
 #else
-// Portable: the same integer arithmetic, one weight at a time (the compiler vectorises what it can).
-inline float idot_q4_k(const uint8_t* row, int64_t blocks, const FixedInput& in) {
-  float sum = 0.f, mins = 0.f;
-  int32_t sc[8], mn[8];
+// Portable: quant.h's levels and scales of each block (group_levels, block_scales) times the same
+// fixed-point input, summed in integers per 16 weights; the scales and mins applied in float.
+inline float idot_portable(int32_t type, const uint8_t* row, int64_t blocks, const FixedInput& in) {
+  const int64_t be = block_elements(type), bb = block_bytes(type);
+  const int groups = static_cast<int>(be / 32);
+  BlockScales s;
+  int32_t q[32];
+  float sum = 0.f;
   for (int64_t blk = 0; blk < blocks; ++blk) {
-    const uint8_t* b = row + blk * 144;
-    q4_k_scales(b + 4, sc, mn);
-    int64_t t_hi = 0, t_lo = 0, min_total = 0;
-    for (int c = 0; c < 4; ++c) {
+    const uint8_t* b = row + blk * bb;
+    block_scales(type, b, s);
+    const int64_t first = blk * be;
+    float block = 0.f;
+    for (int g = 0; g < groups; ++g) {
+      group_levels(type, b, g, q);
       for (int half = 0; half < 2; ++half) {
-        int32_t p_hi = 0, p_lo = 0;
-        for (int l = 0; l < 32; ++l) {
-          const int32_t level = half ? b[16 + 32 * c + l] >> 4 : b[16 + 32 * c + l] & 0xF;
-          const int64_t at = blk * 256 + 64 * c + 32 * half + l;
-          p_hi += level * in.hi_at(at)[0];
-          p_lo += level * in.lo_at(at)[0];
-        }
-        t_hi += static_cast<int64_t>(sc[2 * c + half]) * p_hi;
-        t_lo += static_cast<int64_t>(sc[2 * c + half]) * p_lo;
+        const int64_t at = first + 32 * g + 16 * half;
+        int64_t t = 0;
+        for (int l = 0; l < 16; ++l) t += static_cast<int64_t>(q[16 * half + l]) * in.value(at + l);
+        const int sub = 2 * g + half;
+        block += s.scale[sub] * static_cast<float>(t) - s.min[sub] * static_cast<float>(in.sum16[at / 16]);
       }
     }
-    const int32_t* sums = in.sum16.data() + blk * 16;
-    for (int j = 0; j < 8; ++j) min_total += static_cast<int64_t>(mn[j]) * (sums[2 * j] + sums[2 * j + 1]);
-    const float s = in.scale[blk];
-    sum += (255.f * static_cast<float>(t_hi) + static_cast<float>(t_lo)) * (half_to_float(b) * s);
-    mins += half_to_float(b + 2) * s * static_cast<float>(min_total);
-  }
-  return sum - mins;
-}
-
-inline float idot_q8_0(const uint8_t* row, int64_t blocks, const FixedInput& in) {
-  float sum = 0.f;
-  for (int64_t blk = 0; blk < blocks; ++blk) {
-    const uint8_t* b = row + blk * 34;
-    const int8_t* q = reinterpret_cast<const int8_t*>(b + 2);
-    int32_t t = 0;
-    for (int l = 0; l < 32; ++l) t += q[l] * in.value(32 * blk + l);
-    sum += static_cast<float>(t) * (half_to_float(b) * in.scale[blk / 8]);
-  }
-  return sum;
-}
-
-inline float idot_q6_k(const uint8_t* row, int64_t blocks, const FixedInput& in) {
-  float sum = 0.f;
-  for (int64_t blk = 0; blk < blocks; ++blk) {
-    const uint8_t* b = row + blk * 210;
-    const int8_t* scales = reinterpret_cast<const int8_t*>(b + 192);
-    int64_t total = 0;
-    for (int half = 0; half < 2; ++half) {
-      const uint8_t* ql = b + 64 * half;
-      const uint8_t* qh = b + 128 + 32 * half;
-      for (int l = 0; l < 32; ++l) {
-        const int32_t levels[4] = {(ql[l] & 0xF) | (((qh[l] >> 0) & 3) << 4), (ql[l + 32] & 0xF) | (((qh[l] >> 2) & 3) << 4),
-                                   (ql[l] >> 4) | (((qh[l] >> 4) & 3) << 4), (ql[l + 32] >> 4) | (((qh[l] >> 6) & 3) << 4)};
-        for (int part = 0; part < 4; ++part) {
-          const int64_t at = blk * 256 + 128 * half + 32 * part + l;
-          const int sub = 8 * half + 2 * part + l / 16;
-          total += static_cast<int64_t>(scales[sub]) * (levels[part] - 32) * in.value(at);
-        }
-      }
-    }
-    sum += static_cast<float>(total) * (half_to_float(b + 208) * in.scale[blk]);
-  }
-  return sum;
-}
-
-inline float idot_q4_q5_0(const uint8_t* row, int64_t blocks, const FixedInput& in, bool five) {
-  const int64_t stride = five ? 22 : 18;
-  const int32_t offset = five ? 16 : 8;
-  float sum = 0.f;
-  for (int64_t blk = 0; blk < blocks; ++blk) {
-    const uint8_t* b = row + blk * stride;
-    const uint8_t* qs = b + (five ? 6 : 2);
-    uint32_t qh = 0;
-    if (five) std::memcpy(&qh, b + 2, 4);
-    int32_t t = 0;
-    for (int l = 0; l < 32; ++l) {
-      int32_t level = l < 16 ? qs[l] & 0xF : qs[l - 16] >> 4;
-      if (five) level |= static_cast<int32_t>((qh >> l) & 1u) << 4;
-      t += (level - offset) * in.value(32 * blk + l);
-    }
-    sum += static_cast<float>(t) * (half_to_float(b) * in.scale[blk / 8]);
-  }
-  return sum;
-}
-inline float idot_q2_q3_k(const uint8_t* row, int64_t blocks, const FixedInput& in, bool three) {
-  float sum = 0.f;
-  int32_t scales[16];
-  for (int64_t blk = 0; blk < blocks; ++blk) {
-    const uint8_t* b = row + blk * (three ? 110 : 84);
-    if (three) q3_k_scales(b + 96, scales);
-    int64_t total = 0, mins = 0;
-    for (int g = 0; g < 8; ++g) {
-      const uint8_t* qs = b + (three ? 32 : 16) + 32 * (g / 4);
-      for (int l = 0; l < 32; ++l) {
-        const int sub = 2 * g + l / 16;
-        int32_t level = (qs[l] >> (2 * (g % 4))) & 3;
-        const int64_t x = in.value(blk * 256 + 32 * g + l);
-        if (three) {
-          level -= ((b[l] >> g) & 1) ? 0 : 4;
-          total += scales[sub] * level * x;
-        } else {
-          total += (b[sub] & 0xF) * level * x;
-          mins += (b[sub] >> 4) * x;
-        }
-      }
-    }
-    const float s = in.scale[blk];
-    sum += static_cast<float>(total) * (half_to_float(b + (three ? 108 : 80)) * s);
-    if (!three) sum -= static_cast<float>(mins) * (half_to_float(b + 82) * s);
+    sum += block * in.scale[first / 256];
   }
   return sum;
 }
@@ -499,6 +387,7 @@ inline float idot_q2_q3_k(const uint8_t* row, int64_t blocks, const FixedInput& 
 inline float idot_row(const Matrix& m, int64_t r, const FixedInput& in) {
   const uint8_t* row = m.row(r);
   const int64_t blocks = m.cols / block_elements(m.type);
+#if defined(__AVX2__)
   switch (m.type) {
     case kQ4_K: return idot_q4_k(row, blocks, in);
     case kQ6_K: return idot_q6_k(row, blocks, in);
@@ -508,4 +397,7 @@ inline float idot_row(const Matrix& m, int64_t r, const FixedInput& in) {
     case kQ2_K: return idot_q2_q3_k(row, blocks, in, false);
     default: return idot_q8_0(row, blocks, in);
   }
+#else
+  return idot_portable(m.type, row, blocks, in);
+#endif
 }
