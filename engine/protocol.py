@@ -413,9 +413,9 @@ class EngineStarted:
 
 @dataclass
 class LibraryEntry:
-    repo_id: str  # Hub id, org/name
+    repo_id: str  # Hub id, org/name; for a model another app downloaded, its file or folder (the key and the path)
     description: str = ""
-    source: str = "catalog"  # catalog | cache | search
+    source: str = "catalog"  # catalog | cache | search | lmstudio | ollama
     downloaded: bool = False  # complete in the HF cache
     local_path: str | None = None  # the snapshot folder to load, when downloaded
     size_bytes: int | None = None  # on disk, when (partly) in the cache
@@ -425,6 +425,10 @@ class LibraryEntry:
     gated: bool = False
     partial: bool = False  # some files are in the cache, not all weights
     problem: str | None = None  # why MoEScope cannot run it, when known without the Hub
+    title: str = ""  # the name to show when it is not repo_id (LM Studio's publisher/repo/file, Ollama's model:tag)
+    quant: str = ""  # the weights' format when known: Q4_K_M, MXFP4, bf16 ...
+    fit_kind: str | None = None  # the fit verdict when the listing already knows it (files another app has)
+    fit_headline: str = ""
 
 
 @dataclass

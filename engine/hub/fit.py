@@ -217,6 +217,13 @@ def fit_model(ref: str, *, revision: str = "main", cache_dir: Path | None = None
     cache_dir = cache_dir or hub_cache_dir()
     machine = probe_machine(cache_dir)
     folder = Path(ref).expanduser()
+    if folder.is_file():  # a GGUF file (LM Studio's, Ollama's blob, a download): sized from its header
+        from engine.hub.gguf_info import estimate_gguf, read_header
+
+        header = read_header(folder)
+        est = estimate_gguf(header)
+        files = f"{format_bytes(header.file_bytes)} {header.quant} GGUF in {folder}"
+        return ModelFit(str(folder), est, assess(est, machine), machine, files, local_path=folder)
     if folder.exists():
         est = estimate_folder(folder)
         files = f"{format_bytes(est.download_bytes or 0)} of weights in {folder}"

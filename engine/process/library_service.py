@@ -117,7 +117,8 @@ class LibraryService:
 
 
 def list_library() -> list[p.LibraryEntry]:
-    """Catalog entries (with their cache state), then runnable cached models not in the catalog."""
+    """Catalog entries (with their cache state), then runnable cached models not in the catalog, then the
+    MoE models LM Studio and Ollama downloaded, each with its verdict (their headers are read here)."""
     from engine.hub.catalog import load_catalog
     from engine.hub.local import list_cached_models
 
@@ -132,7 +133,38 @@ def list_library() -> list[p.LibraryEntry]:
     for local in cached.values():
         if local.runnable:
             entries.append(_mark_cached(p.LibraryEntry(local.repo_id, "in the Hugging Face cache", "cache"), local))
-    return entries
+    return entries + other_apps_entries()
+
+
+def other_apps_entries() -> list[p.LibraryEntry]:
+    """LM Studio's and Ollama's MoE models (dense ones left out), opened where they lie."""
+    from engine.hub.lmstudio import list_lmstudio
+    from engine.hub.machine import probe_machine
+    from engine.hub.ollama import list_ollama
+    from engine.hub.paths import hub_cache_dir
+
+    found = [m for m in list_lmstudio() + list_ollama() if m.moe]
+    if not found:
+        return []
+    machine = probe_machine(hub_cache_dir())
+    return [_found_entry(model, machine) for model in found]
+
+
+def _found_entry(model, machine) -> p.LibraryEntry:
+    from engine.hub.fit import assess
+    from engine.hub.found import SOURCES
+
+    entry = p.LibraryEntry(str(model.path), f"downloaded by {SOURCES[model.source]}", model.source,
+                           downloaded=True, local_path=str(model.path) if model.estimate else None,
+                           size_bytes=model.size_bytes, problem=model.problem, title=model.name, quant=model.quant)
+    if model.estimate is not None:
+        entry.model_type = model.estimate.model_type
+        entry.params = model.estimate.total_params
+        verdict = assess(model.estimate, machine)
+        entry.fit_kind, entry.fit_headline = verdict.kind, verdict.headline
+    else:
+        entry.fit_kind, entry.fit_headline = "unsupported", f"cannot run yet: {model.problem}"
+    return entry
 
 
 def search_library(text: str, limit: int = 30) -> list[p.LibraryEntry]:
