@@ -9,6 +9,7 @@ long as the window, so a download goes on (and chatting with it) while the dialo
 from __future__ import annotations
 
 from PySide6.QtCore import Qt, Signal
+from PySide6.QtGui import QColor
 from PySide6.QtWidgets import (
     QAbstractItemView,
     QDialog,
@@ -31,7 +32,8 @@ from app.models.formats import card_quality
 from app.models.library import LibraryModel, default_format, fit_lines
 from engine import protocol as p
 
-COLUMNS = ("Model", "Status", "Size", "Description")
+COLUMNS = ("Model", "Status", "Size", "Source", "Quant", "Fit", "Description")
+DESCRIPTION = len(COLUMNS) - 1
 VERDICT_COLOURS = {"fits-gpu": "#2e7d32", "fits-ram": "#2e7d32", "offload": "#1565c0", "too-big": "#c62828",
                    "unsupported": "#c62828"}
 FIT_LABELS = ("Total size", "Experts", "Dense weights", "Minimum budget", "Recommended budget", "By format", "Download")
@@ -65,9 +67,9 @@ class LibraryDialog(QDialog):
         self.table.setEditTriggers(QAbstractItemView.EditTrigger.NoEditTriggers)
         self.table.verticalHeader().setVisible(False)
         header = self.table.horizontalHeader()
-        for column in range(3):
+        for column in range(DESCRIPTION):
             header.setSectionResizeMode(column, QHeaderView.ResizeMode.ResizeToContents)
-        header.setSectionResizeMode(3, QHeaderView.ResizeMode.Stretch)
+        header.setSectionResizeMode(DESCRIPTION, QHeaderView.ResizeMode.Stretch)
         self.table.itemSelectionChanged.connect(self._selection_changed)
         self.table.itemDoubleClicked.connect(lambda _item: self.use_selected())
 
@@ -238,12 +240,14 @@ class LibraryDialog(QDialog):
         self.table.blockSignals(True)  # a rebuild is no new selection (that would re-estimate)
         self.table.setRowCount(len(rows))
         for row, entry in enumerate(rows):
-            name = QTableWidgetItem(entry.repo_id)
+            name = QTableWidgetItem(self.model.name_text(entry))
             name.setData(Qt.ItemDataRole.UserRole, entry.repo_id)
-            name.setToolTip({"catalog": "from MoEScope's catalog", "cache": "found in the Hugging Face cache",
-                             "search": "a Hub search result"}.get(entry.source, ""))
+            name.setToolTip(entry.local_path or {"catalog": "from MoEScope's catalog",
+                                                 "search": "a Hub search result"}.get(entry.source, ""))
             self.table.setItem(row, 0, name)
-            self.table.setItem(row, 3, QTableWidgetItem(entry.description))
+            self.table.setItem(row, 3, QTableWidgetItem(self.model.source_text(entry)))
+            self.table.setItem(row, 4, QTableWidgetItem(entry.quant))
+            self.table.setItem(row, DESCRIPTION, QTableWidgetItem(entry.description))
             self._fill_row(row, entry)
         self.table.clearSelection()
         if selected is not None:
@@ -257,6 +261,12 @@ class LibraryDialog(QDialog):
             status.setToolTip(entry.problem)
         self.table.setItem(row, 1, status)
         self.table.setItem(row, 2, QTableWidgetItem(self.model.size_text(entry)))
+        fit = QTableWidgetItem(self.model.fit_text(entry))
+        fit.setToolTip(self.model.fit_headline(entry))
+        kind = self.model.fit_kind(entry)
+        if kind in VERDICT_COLOURS:
+            fit.setForeground(QColor(VERDICT_COLOURS[kind]))
+        self.table.setItem(row, 5, fit)
 
     def _row_of(self, repo_id: str) -> int | None:
         for row in range(self.table.rowCount()):
@@ -291,7 +301,7 @@ class LibraryDialog(QDialog):
         entry = self.model.entry(repo) if repo else None
         est = self.model.estimate(repo) if repo else None
         error = self.model.estimate_errors.get(repo.lower()) if repo else None
-        self.title.setText(repo or "Select a model")
+        self.title.setText(self.model.name_text(entry) if entry is not None else repo or "Select a model")
         for label in self.numbers.values():
             label.setText("")
         notes = []
@@ -301,6 +311,9 @@ class LibraryDialog(QDialog):
             for label, value in fit_lines(est):
                 self.numbers[label].setText(value)
             notes = list(est.notes)
+        elif entry is not None and entry.fit_headline:  # the listing's verdict until the estimate comes
+            self.verdict.setText(entry.fit_headline)
+            self.verdict.setStyleSheet(f"color: {VERDICT_COLOURS.get(entry.fit_kind or '', 'palette(text)')};")
         elif error is not None:
             self.verdict.setText(error)
             self.verdict.setStyleSheet(f"color: {VERDICT_COLOURS['too-big']};")

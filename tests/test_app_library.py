@@ -254,3 +254,48 @@ def test_the_fit_per_format_picks_what_use_loads():
                                  "8-bit (Q8_0), approximate: runs offloaded (budget 9.50 GiB); experts 32.00 GiB",
                                  "4-bit (Q4_K), approximate: fits in RAM; experts 17.00 GiB"]
     assert ("By format", "\n".join(format_lines(est))) in fit_lines(est)
+
+
+def test_models_other_apps_have_show_source_quant_and_verdict_and_use_loads_the_file(qtbot, tmp_path):
+    """LM Studio's and Ollama's entries as the engine lists them: each row says where the model is, its
+    quant type and its verdict; Use hands the file's exact path to the load command, nothing copied."""
+    from tests.helpers.remote_window import window_for
+
+    window, _ = window_for(qtbot, tmp_path)
+    window.bridge.start()
+    client = window.bridge.client
+    gguf = str(tmp_path / "lmstudio" / "pub" / "Qwen3-GGUF" / "Qwen3-Q4_K_M.gguf")
+    blob = str(tmp_path / "ollama" / "blobs" / "sha256-ab12")
+    odd = str(tmp_path / "lmstudio" / "pub" / "Odd-GGUF" / "odd.gguf")
+    unmapped = "GGUF architecture 'grok' cannot be mapped to a model MoEScope runs"
+    entries = [
+        p.LibraryEntry(gguf, "downloaded by LM Studio", "lmstudio", True, gguf, 18 * GiB, title="pub/Qwen3-GGUF/Qwen3-Q4_K_M.gguf",
+                       quant="Q4_K_M", fit_kind="offload", fit_headline="runs with experts offloaded to disk"),
+        p.LibraryEntry(blob, "downloaded by Ollama", "ollama", True, blob, 17 * GiB, title="qwen3:30b", quant="Q4_K_M",
+                       fit_kind="fits-ram", fit_headline="fits in RAM"),
+        p.LibraryEntry(odd, "downloaded by LM Studio", "lmstudio", True, odd, GiB, title="pub/Odd-GGUF/odd.gguf",
+                       quant="Q8_0", problem=unmapped, fit_kind="unsupported", fit_headline=f"cannot run yet: {unmapped}"),
+    ]
+    dialog = window.open_library()
+    client.emit(p.LibraryListing(entries))
+    qtbot.waitUntil(lambda: dialog.table.rowCount() == 3, timeout=5000)
+    shown = [[dialog.table.item(r, c).text() for c in range(6)] for r in range(3)]
+    assert shown == [
+        ["pub/Qwen3-GGUF/Qwen3-Q4_K_M.gguf", "downloaded", "18.00 GiB", "LM Studio", "Q4_K_M", "runs offloaded"],
+        ["qwen3:30b", "downloaded", "17.00 GiB", "Ollama", "Q4_K_M", "fits in RAM"],
+        ["pub/Odd-GGUF/odd.gguf", "downloaded, cannot run yet", "1.00 GiB", "LM Studio", "Q8_0", "cannot run yet"],
+    ]
+    assert dialog.table.item(2, 5).toolTip() == f"cannot run yet: {unmapped}"
+
+    assert dialog.select(odd)
+    assert dialog.verdict.text() == f"cannot run yet: {unmapped}" and not dialog.use_button.isEnabled()
+    dialog.search.setText("qwen3:")  # the filter matches the name the app gives it
+    assert dialog.table.rowCount() == 1 and dialog.table.item(0, 0).text() == "qwen3:30b"
+    dialog.search.setText("")
+
+    assert dialog.select(gguf)
+    assert client.of(p.EstimateModel)[-1] == p.EstimateModel(gguf)  # the engine reads the file's header
+    assert dialog.title.text() == "pub/Qwen3-GGUF/Qwen3-Q4_K_M.gguf" and dialog.use_button.isEnabled()
+    qtbot.mouseClick(dialog.use_button, LEFT)
+    [load] = client.of(p.LoadModel)
+    assert load.path == gguf and load.expert_format == "original"

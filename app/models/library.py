@@ -16,6 +16,8 @@ from engine.accounting.sizes import format_bytes
 RUNS = ("fits-gpu", "fits-ram", "offload")
 KIND_WORDS = {"fits-gpu": "fits in GPU memory", "fits-ram": "fits in RAM", "offload": "runs offloaded",
               "too-big": "too big for this machine"}
+FIT_WORDS = {**KIND_WORDS, "too-big": "too big", "unsupported": "cannot run yet"}  # the library's Fit column
+SOURCE_WORDS = {"catalog": "catalog", "cache": "HF cache", "search": "Hub", "lmstudio": "LM Studio", "ollama": "Ollama"}
 
 
 def format_eta(seconds: float | None) -> str:
@@ -88,7 +90,8 @@ class LibraryModel:
     # ----- what to show -----
     def rows(self) -> list[p.LibraryEntry]:
         text = self.filter_text.strip().lower()
-        local = [e for e in self.local if not text or text in e.repo_id.lower() or text in e.description.lower()]
+        local = [e for e in self.local if not text or text in e.repo_id.lower() or text in e.description.lower()
+                 or text in e.title.lower()]
         known = {e.repo_id.lower() for e in self.local}
         return local + [e for e in self.hub if e.repo_id.lower() not in known]
 
@@ -108,6 +111,30 @@ class LibraryModel:
         if entry.downloaded:
             return "downloaded"
         return "partly downloaded" if entry.partial else "not downloaded"
+
+    @staticmethod
+    def name_text(entry: p.LibraryEntry) -> str:
+        return entry.title or entry.repo_id
+
+    @staticmethod
+    def source_text(entry: p.LibraryEntry) -> str:
+        """Where the model is: a catalog entry already downloaded is in the HF cache."""
+        if entry.source == "catalog" and entry.downloaded:
+            return SOURCE_WORDS["cache"]
+        return SOURCE_WORDS.get(entry.source, entry.source)
+
+    def fit_kind(self, entry: p.LibraryEntry) -> str | None:
+        """The verdict's kind: from the estimate once there is one, else from the listing (None: not known)."""
+        est = self.estimate(entry.repo_id)
+        return est.kind if est is not None else entry.fit_kind
+
+    def fit_text(self, entry: p.LibraryEntry) -> str:
+        kind = self.fit_kind(entry)
+        return FIT_WORDS.get(kind, kind) if kind else ""
+
+    def fit_headline(self, entry: p.LibraryEntry) -> str:
+        est = self.estimate(entry.repo_id)
+        return est.headline if est is not None else entry.fit_headline
 
     def size_text(self, entry: p.LibraryEntry) -> str:
         est = self.estimate(entry.repo_id)
