@@ -195,6 +195,7 @@ class DownloadModel:
     then `DownloadFinished` or an `Error` (kind "cancelled" after `CancelDownload`). One at a time."""
 
     repo_id: str
+    quant: str = ""  # a GGUF repo: the quant file (set) to fetch, as FitEstimateReady.quants labels it
 
     @property
     def request_id(self) -> str:
@@ -451,6 +452,19 @@ class FormatFit:
 
 
 @dataclass
+class QuantFit:
+    """One quant file (or split set) of a GGUF repo, with its own verdict (engine.hub.fit.gguf_repo_fit)."""
+
+    label: str  # Q4_K_M, Q8_0 ...
+    files: list[str]  # the part(s) a download fetches
+    size_bytes: int
+    kind: str  # fits-gpu | fits-ram | offload | too-big | unsupported
+    headline: str
+    budget: str | None  # the recommended budget with this file; None: cannot run
+    local_path: str | None = None  # its first file, when downloaded: what LoadModel opens
+
+
+@dataclass
 class FitEstimateReady:
     """engine.hub.fit's verdict for this machine and the numbers behind it (bytes at the compute dtype)."""
 
@@ -476,6 +490,8 @@ class FitEstimateReady:
     notes: list[str] = field(default_factory=list)
     formats: list[FormatFit] = field(default_factory=list)  # the verdict per weight format, most precise first
     format_summary: str = ""  # e.g. "fits in RAM at 4-bit (12.3 GiB); offloaded at 25% in bf16"; "" if moot
+    quants: list[QuantFit] = field(default_factory=list)  # a GGUF repo's quant files, smallest first
+    quant: str = ""  # the one the numbers above describe (the recommended one)
 
 
 @dataclass

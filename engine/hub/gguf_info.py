@@ -9,7 +9,7 @@ own bytes: the estimate says what the experts and dense weights take as the file
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from engine.errors import CheckpointError
@@ -126,6 +126,14 @@ def _quant_label(metadata: dict, tensors: list[tuple[str, str, int, int]]) -> st
     return max(counts, key=counts.get) if counts else ""  # type: ignore[arg-type]
 
 
+def searchable_gguf(architecture: str, repo_id: str) -> bool:
+    """A Hub GGUF repo of a family the loader maps. The Hub's GGUF summary does not say whether a `llama`
+    file has experts, so `llama` counts only when the repo's name says Mixtral."""
+    if architecture == "llama":
+        return "mixtral" in repo_id.lower()
+    return architecture in GGUF_ARCHITECTURES
+
+
 def gguf_problem(header: GGUFHeader) -> str | None:
     """Why the engine cannot run this GGUF, from its header; None when the loader maps it."""
     if header.architecture not in GGUF_ARCHITECTURES:
@@ -204,3 +212,19 @@ def _kv_bytes_per_token(header: GGUFHeader) -> int:
     key = _number(header.arch_value("attention.key_length")) or hidden // heads
     value = _number(header.arch_value("attention.value_length")) or key
     return layers * kv_heads * (key + value) * KV_ITEMSIZE
+
+
+def scaled_estimate(est: SizeEstimate, size: int, label: str, base_label: str) -> SizeEstimate:
+    """Another quant file of the same model, sized from `est` (one file's header) by the ratio of file sizes:
+    the same tensors, in other types. Exact once that file is here and its own header is read."""
+    from engine.accounting.sizes import format_bytes
+    from engine.model.layout import aligned
+
+    ratio = size / max(est.download_bytes or 1, 1)
+    slot = aligned(int(est.bytes_per_expert * ratio))
+    return replace(est, dense_bytes=int(est.dense_bytes * ratio), expert_bytes=int(est.expert_bytes * ratio),
+                   bytes_per_expert=slot, all_expert_bytes=slot * est.num_experts * est.num_moe_layers,
+                   min_budget_bytes=slot * est.top_k * est.num_moe_layers, download_bytes=size,
+                   quantization=f"GGUF {label}",
+                   notes=[f"sized from the {base_label} file's header, scaled to this file's "
+                          f"{format_bytes(size)}; exact once downloaded"])
