@@ -12,6 +12,7 @@ from PySide6.QtCore import Qt, Signal
 from PySide6.QtGui import QColor
 from PySide6.QtWidgets import (
     QAbstractItemView,
+    QComboBox,
     QDialog,
     QFormLayout,
     QHBoxLayout,
@@ -29,7 +30,7 @@ from PySide6.QtWidgets import (
 
 from app.format_picker import FormatPicker
 from app.models.formats import card_quality
-from app.models.library import LibraryModel, default_format, fit_lines
+from app.models.library import LibraryModel, default_format, fit_lines, quant_choice_text
 from engine import protocol as p
 
 COLUMNS = ("Model", "Status", "Size", "Source", "Quant", "Fit", "Description")
@@ -90,6 +91,11 @@ class LibraryDialog(QDialog):
         self.expert_format = FormatPicker("expert")
         self.expert_format.activated.connect(lambda _index: self._refresh_buttons())
         form.addRow("Load experts as", self.expert_format)
+        self.quant_file = QComboBox()  # a GGUF repo's quant files, each with its verdict
+        self.quant_file.setObjectName("quant-file")
+        self.quant_file.activated.connect(lambda _index: self._quant_picked())
+        form.addRow("Quant file", self.quant_file)
+        self.form = form
         self.notes = QLabel("")
         self.notes.setWordWrap(True)
         self.notes.setStyleSheet("color: palette(placeholder-text);")
@@ -165,17 +171,30 @@ class LibraryDialog(QDialog):
 
     def download_selected(self) -> None:
         repo = self.selected_repo()
-        if repo is not None and self.model.can_download(repo):
-            self.model.apply(p.DownloadProgress(repo, 0, 0, 0.0, None, f"starting the download of {repo}…"))
-            self._send(p.DownloadModel(repo))
+        if repo is not None and self.model.can_download(repo, self.picked_quant()):
+            picked = self.model.quant_fit(repo, self.picked_quant())
+            what = f"{repo} ({picked.label})" if picked is not None else repo
+            self.model.apply(p.DownloadProgress(repo, 0, 0, 0.0, None, f"starting the download of {what}…"))
+            self._send(p.DownloadModel(repo, picked.label if picked is not None else ""))
             self._refresh_all()
+
+    def picked_quant(self) -> str:
+        return self.quant_file.currentData() or ""
+
+    def _quant_picked(self) -> None:
+        """Another quant file: its verdict and numbers replace the recommended one's headline."""
+        picked = self.model.quant_fit(self.selected_repo(), self.picked_quant())
+        if picked is not None:
+            self.verdict.setText(f"{picked.label}: {picked.headline}")
+            self.verdict.setStyleSheet(f"color: {VERDICT_COLOURS.get(picked.kind, 'palette(text)')};")
+        self._refresh_buttons()
 
     def cancel_download(self) -> None:
         if self.model.download is not None:
             self._send(p.CancelDownload(self.model.download.repo_id))
 
     def use_selected(self) -> None:
-        target = self.model.use_target(self.selected_repo(), self.expert_format.current())
+        target = self.model.use_target(self.selected_repo(), self.expert_format.current(), self.picked_quant())
         if target is not None:
             self.hide()
             self.use_requested.emit(*target)
@@ -324,6 +343,7 @@ class LibraryDialog(QDialog):
             notes.insert(0, entry.problem)
         if entry is not None and entry.local_path:
             notes.append(f"in {entry.local_path}")
+        self._show_quants(est)
         if repo != self._format_shown_for:  # a new selection or estimate: its own default, its card's figures
             self.expert_format.set_quality(card_quality(entry.local_path) if entry is not None and entry.local_path
                                            else {})
@@ -331,6 +351,22 @@ class LibraryDialog(QDialog):
             self._format_shown_for = repo if est is not None else None
         self.notes.setText("\n".join(notes))
         self._refresh_buttons()
+
+    def _show_quants(self, est: p.FitEstimateReady | None) -> None:
+        """A GGUF repo picks a quant file instead of a format to convert to; other models the other way round."""
+        quants = est.quants if est is not None else []
+        keep = self.picked_quant() or (est.quant if est is not None else "")
+        self.quant_file.clear()
+        for fit in quants:
+            self.quant_file.addItem(quant_choice_text(fit), fit.label)
+            self.quant_file.setItemData(self.quant_file.count() - 1, fit.headline, Qt.ItemDataRole.ToolTipRole)
+        if quants:
+            index = self.quant_file.findData(keep)
+            self.quant_file.setCurrentIndex(index if index >= 0 else self.quant_file.findData(est.quant))
+        self.form.setRowVisible(self.quant_file, bool(quants))
+        self.form.setRowVisible(self.expert_format, not quants)
+        if quants and self.picked_quant() != est.quant:
+            self._quant_picked()
 
     def _refresh_download(self) -> None:
         state = self.model.download
@@ -351,10 +387,11 @@ class LibraryDialog(QDialog):
     def _refresh_buttons(self) -> None:
         repo = self.selected_repo()
         state = self.model.download
-        self.download_button.setEnabled(self.model.can_download(repo))
+        quant = self.picked_quant()
+        self.download_button.setEnabled(self.model.can_download(repo, quant))
         self.cancel_button.setVisible(state is not None)
         self.cancel_button.setEnabled(state is not None and not state.cancelling)
-        self.use_button.setEnabled(self.model.use_target(repo, self.expert_format.current()) is not None)
+        self.use_button.setEnabled(self.model.use_target(repo, self.expert_format.current(), quant) is not None)
 
     def _refresh_status(self) -> None:
         text = self.model.status

@@ -299,3 +299,50 @@ def test_models_other_apps_have_show_source_quant_and_verdict_and_use_loads_the_
     qtbot.mouseClick(dialog.use_button, LEFT)
     [load] = client.of(p.LoadModel)
     assert load.path == gguf and load.expert_format == "original"
+
+
+def test_a_gguf_repo_picks_a_quant_file_each_with_its_verdict(qtbot, tmp_path):
+    """A GGUF repo from the Hub: the quant picker replaces the format picker; Download fetches the file picked,
+    Use opens that file once it is downloaded."""
+    from tests.helpers.remote_window import window_for
+
+    window, _ = window_for(qtbot, tmp_path)
+    window.bridge.start()
+    client = window.bridge.client
+    repo = "unsloth/Qwen3-30B-A3B-GGUF"
+    dialog = window.open_library()
+    client.emit(p.LibraryListing([p.LibraryEntry(repo, "qwen3_moe GGUF on the Hub: pick a quant file", "search",
+                                                 quant="GGUF")], query="qwen3"))
+    qtbot.waitUntil(lambda: dialog.table.rowCount() == 1, timeout=5000)
+    assert dialog.select(repo) and client.of(p.EstimateModel) == [p.EstimateModel(repo)]
+
+    def estimate(q8_local: str | None) -> p.FitEstimateReady:
+        quants = [p.QuantFit("Q4_K_M", ["Qwen3-30B-A3B-Q4_K_M.gguf"], 17 * GiB, "fits-ram", "fits in RAM", "all"),
+                  p.QuantFit("Q8_0", ["Q8_0/a-00001-of-00002.gguf", "Q8_0/a-00002-of-00002.gguf"], 30 * GiB, "offload",
+                             "runs with experts offloaded to disk", "12GiB", q8_local)]
+        return p.FitEstimateReady(repo, "fits-ram", "fits in RAM", "all", 17 * GiB, 17 * GiB, GiB, 16 * GiB, GiB, 128,
+                                  48, 8, 30 * 10**9, 3 * 10**9, "bfloat16", 17 * GiB, False, quants=quants,
+                                  quant="Q4_K_M")
+
+    client.emit(estimate(None))
+    qtbot.waitUntil(lambda: dialog.quant_file.count() == 2, timeout=5000)
+    assert [dialog.quant_file.itemText(i) for i in range(2)] == [
+        "Q4_K_M · 17.00 GiB · fits in RAM", "Q8_0 · 30.00 GiB · runs offloaded"]
+    assert dialog.quant_file.currentData() == "Q4_K_M" and dialog.quant_file.isVisibleTo(dialog)
+    assert not dialog.expert_format.isVisibleTo(dialog)  # a GGUF is opened as it is, not converted
+    assert dialog.download_button.isEnabled() and not dialog.use_button.isEnabled()
+
+    dialog.quant_file.setCurrentIndex(1)
+    dialog.quant_file.activated.emit(1)
+    assert dialog.verdict.text() == "Q8_0: runs with experts offloaded to disk"
+    qtbot.mouseClick(dialog.download_button, LEFT)
+    assert client.of(p.DownloadModel) == [p.DownloadModel(repo, "Q8_0")]
+    local = str(tmp_path / "hf" / "Q8_0" / "a-00001-of-00002.gguf")
+    client.emit(p.DownloadFinished(repo, local))
+    client.emit(estimate(local))
+    qtbot.waitUntil(lambda: dialog.quant_file.itemText(1).endswith("(downloaded)"), timeout=5000)
+    assert dialog.quant_file.currentData() == "Q8_0" and dialog.use_button.isEnabled()
+    assert not dialog.download_button.isEnabled()
+    qtbot.mouseClick(dialog.use_button, LEFT)
+    [load] = client.of(p.LoadModel)
+    assert (load.path, load.budget) == (local, "12GiB")
