@@ -3,6 +3,7 @@ with Range requests, and a download of only the quant file (set) picked, which t
 
 from __future__ import annotations
 
+import json
 import threading
 
 import pytest
@@ -86,3 +87,24 @@ def test_quant_labels_from_file_names():
     assert quant_label("BF16/Qwen3-30B-A3B-BF16-00001-of-00002.gguf") == "BF16"
     assert quant_label("gpt-oss-20b-MXFP4.gguf") == "MXFP4"
     assert quant_label("model-IQ2_XXS.gguf") == "IQ2_XXS"
+
+
+def test_the_command_line_shows_the_quant_files_and_downloads_one(hub, capsys):
+    from engine.cli.main import main as moescope
+
+    assert moescope(["models", "info", REPO]) == 0
+    out = capsys.readouterr().out
+    assert f"{REPO} (GGUF qwen3moe, qwen3_moe, Q8_0 of 2 quant files below)" in out
+    assert "  Q4_K_M " in out and "(--quant Q4_K_M)" in out and "(--quant Q8_0)" in out
+
+    assert moescope(["models", "download", REPO]) == 2
+    assert f"'{REPO}' is a GGUF repo: pick one of its quant files to download (Q4_K_M, Q8_0)" in capsys.readouterr().err
+    assert moescope(["models", "download", REPO, "--quant", "Q4_K_M"]) == 0
+    path = capsys.readouterr().out.strip()
+    assert path.endswith("/Qwen3-MoE-Tiny-Q4_K_M.gguf")
+    assert [r.path.rsplit("/", 1)[-1] for r in hub.gets(".gguf") if not r.range] == ["Qwen3-MoE-Tiny-Q4_K_M.gguf"]
+
+    assert moescope(["models", "list", "--json"]) == 0
+    [row] = [r for r in json.loads(capsys.readouterr().out) if r.get("source") == "cache"]
+    assert (row["repo"], row["path"]) == (f"{REPO}/Qwen3-MoE-Tiny-Q4_K_M.gguf", path)
+    assert row["verdict"].startswith("fits in RAM")

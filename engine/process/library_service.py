@@ -120,8 +120,9 @@ def list_library() -> list[p.LibraryEntry]:
     """Catalog entries (with their cache state), then runnable cached models not in the catalog, then the
     MoE models LM Studio and Ollama downloaded, each with its verdict (their headers are read here)."""
     from engine.hub.catalog import load_catalog
-    from engine.hub.found import describe_gguf
     from engine.hub.local import list_cached_models
+    from engine.hub.machine import probe_machine
+    from engine.hub.paths import hub_cache_dir
 
     cached = {m.repo_id.lower(): m for m in list_cached_models(include_all=True)}
     entries = []
@@ -131,29 +132,26 @@ def list_library() -> list[p.LibraryEntry]:
         if local is not None:
             _mark_cached(entry, local)
         entries.append(entry)
-    ggufs = []
     for local in cached.values():
-        if local.gguf_files:
-            ggufs += [describe_gguf("cache", f"{local.repo_id}/{f.relative_to(local.snapshot)}", f)
-                      for f in local.gguf_files]
-        elif local.runnable:
+        if local.runnable and not local.gguf_files:
             entries.append(_mark_cached(p.LibraryEntry(local.repo_id, "in the Hugging Face cache", "cache"), local))
-    return entries + file_entries(ggufs)
-
-
-def file_entries(cached_ggufs: list) -> list[p.LibraryEntry]:
-    """GGUF files in the HF cache, then LM Studio's and Ollama's MoE models (dense ones left out), each
-    opened where it lies."""
-    from engine.hub.lmstudio import list_lmstudio
-    from engine.hub.machine import probe_machine
-    from engine.hub.ollama import list_ollama
-    from engine.hub.paths import hub_cache_dir
-
-    found = [m for m in cached_ggufs + list_lmstudio() + list_ollama() if m.moe]
+    found = found_models(list(cached.values()))
     if not found:
-        return []
+        return entries
     machine = probe_machine(hub_cache_dir())
-    return [_found_entry(model, machine) for model in found]
+    return entries + [_found_entry(model, machine) for model in found]
+
+
+def found_models(cached: list) -> list:
+    """Model files to open where they lie: GGUF files in the HF cache (one per quant file), then LM Studio's
+    and Ollama's MoE models (dense ones left out)."""
+    from engine.hub.found import describe_gguf
+    from engine.hub.lmstudio import list_lmstudio
+    from engine.hub.ollama import list_ollama
+
+    ggufs = [describe_gguf("cache", f"{local.repo_id}/{f.relative_to(local.snapshot)}", f)
+             for local in cached for f in local.gguf_files]
+    return [m for m in ggufs + list_lmstudio() + list_ollama() if m.moe]
 
 
 def _found_entry(model, machine) -> p.LibraryEntry:
