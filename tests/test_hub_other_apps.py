@@ -145,3 +145,19 @@ def test_an_lmstudio_checkpoint_folder_opens_where_it_lies(home, mixtral_checkpo
     finally:
         runtime.close()
     assert result.token_ids == reference_generate(mixtral_checkpoint, PROMPT, 6)
+
+
+def test_the_header_parser_agrees_with_the_gguf_package(tmp_path):
+    import gguf
+
+    from engine.hub.gguf_header import parse_header
+
+    path = write_moe_gguf(tmp_path / "m.gguf", quant="Q4_K", file_type="MOSTLY_Q4_K_M", vocabulary=3000)
+    parsed = parse_header(path.read_bytes())
+    reader = gguf.GGUFReader(path)
+    assert [(t[0], t[1], t[2], t[3], t[4]) for t in parsed.tensors] == [
+        (t.name, t.tensor_type.name, int(t.n_elements), int(t.n_bytes), int(t.data_offset) + int(t.n_bytes))
+        for t in reader.tensors]
+    assert parsed.data_start == reader.data_offset
+    assert parsed.metadata["qwen3moe.expert_count"] == 8 and parsed.metadata["general.name"] == "Tiny MoE"
+    assert "tokenizer.ggml.tokens" not in parsed.metadata  # stepped over, not kept

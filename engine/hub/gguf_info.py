@@ -1,21 +1,22 @@
 """A GGUF file's size estimate from its header alone: architecture, experts, bytes in its own quant types.
 
-The `gguf` package maps the file and reads the metadata and tensor table; no tensor bytes are read,
-so a 100 GiB file is sized in milliseconds. Expert tensors are llama.cpp's fused
+The header is parsed with `gguf_header` (metadata and tensor table, quant types from the `gguf`
+package); no tensor bytes are read, so a 100 GiB file is sized in a fraction of a second. Expert tensors are llama.cpp's fused
 `blk.N.ffn_{gate,up,down}_exps` (and their biases); everything else is dense. Sizes are the file's
 own bytes: the estimate says what the experts and dense weights take as the file stores them.
 """
 
 from __future__ import annotations
 
+import mmap
 import re
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from engine.errors import CheckpointError
 from engine.hub.estimate import SizeEstimate
+from engine.hub.gguf_header import BadHeader, ParsedHeader, ShortHeader, parse_header
 
-MAGIC = b"GGUF"
 SPLIT_NAME = re.compile(r"^(?P<prefix>.*)-(?P<no>\d{5})-of-(?P<count>\d{5})\.gguf$", re.IGNORECASE)
 BLOCK = re.compile(r"^blk\.(\d+)\.")
 # GGUF architectures the GGUF loader maps onto a transformers MoE family (llama.cpp writes Mixtral as
@@ -50,15 +51,6 @@ class GGUFProblem(CheckpointError):
     """A GGUF file that cannot be read: one line naming the file."""
 
 
-def is_gguf_file(path: Path) -> bool:
-    """A GGUF by its first bytes (Ollama's blobs have no .gguf suffix)."""
-    try:
-        with open(path, "rb") as f:
-            return f.read(4) == MAGIC
-    except OSError:
-        return False
-
-
 def split_parts(path: Path) -> list[Path]:
     """Every file of the split set `path` starts (just `path` when not split); names the missing part."""
     match = SPLIT_NAME.match(path.name)
@@ -76,38 +68,35 @@ def split_parts(path: Path) -> list[Path]:
 def read_header(path: Path) -> GGUFHeader:
     """The header of a GGUF file (every part of a split set); GGUFProblem on a broken file."""
     parts = split_parts(path)
-    metadata: dict[str, object] = {}
-    tensors: list[tuple[str, str, int, int]] = []
-    for number, part in enumerate(parts):
-        _read_part(part, metadata if number == 0 else None, tensors)
+    return header_of(parts, [_read_part(part) for part in parts], [part.stat().st_size for part in parts])
+
+
+def header_of(parts: list[Path], parsed: list[ParsedHeader], sizes: list[int]) -> GGUFHeader:
+    """Put the parsed parts of one model together (the first part holds the metadata) and check that every
+    tensor's bytes lie inside its file."""
+    tensors = []
+    for part, header, size in zip(parts, parsed, sizes, strict=True):
+        for name, kind, elements, nbytes, end in header.tensors:
+            if end > size:
+                raise GGUFProblem(f"{part} is truncated: tensor '{name}' ends past the end of the file; download "
+                                  "it again")
+            tensors.append((name, kind, elements, nbytes))
+    metadata = parsed[0].metadata
     architecture = str(metadata.get("general.architecture") or "")
     if not architecture:
         raise GGUFProblem(f"{parts[0]} has no general.architecture in its metadata; it was not written by llama.cpp")
     return GGUFHeader(parts[0], parts, architecture, str(metadata.get("general.name") or parts[0].stem),
-                      _quant_label(metadata, tensors), sum(p.stat().st_size for p in parts), metadata, tensors)
+                      _quant_label(metadata, tensors), sum(sizes), metadata, tensors)
 
 
-def _read_part(part: Path, metadata: dict | None, tensors: list) -> None:
-    import gguf
-
+def _read_part(part: Path) -> ParsedHeader:
     try:
-        reader = gguf.GGUFReader(part)
-    except Exception as exc:  # the gguf package raises ValueError, IndexError, ... on a cut-off header
-        raise GGUFProblem(f"{part} is truncated or not a GGUF file ({type(exc).__name__}); download it again") from None
-    size = part.stat().st_size
-    if metadata is not None:
-        for key, value in reader.fields.items():
-            if key.startswith("tokenizer.") or key.startswith("GGUF."):
-                continue  # large, and not needed for sizes
-            try:
-                content = value.contents()
-            except (ValueError, IndexError, UnicodeDecodeError):
-                continue
-            metadata[key] = content.item() if hasattr(content, "item") else content
-    for t in reader.tensors:
-        if int(t.data_offset) + int(t.n_bytes) > size:
-            raise GGUFProblem(f"{part} is truncated: tensor '{t.name}' ends past the end of the file; download it again")
-        tensors.append((t.name, t.tensor_type.name, int(t.n_elements), int(t.n_bytes)))
+        with open(part, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as mapped:
+            return parse_header(mapped)
+    except ShortHeader:
+        raise GGUFProblem(f"{part} is truncated inside its header; download it again") from None
+    except (BadHeader, ValueError, OSError) as exc:  # ValueError: mmap of an empty file
+        raise GGUFProblem(f"{part} is not a readable GGUF file ({exc}); download it again") from None
 
 
 def _quant_label(metadata: dict, tensors: list[tuple[str, str, int, int]]) -> str:

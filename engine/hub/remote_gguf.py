@@ -2,19 +2,18 @@
 
 A GGUF repo (e.g. unsloth/Qwen3-30B-A3B-GGUF) holds one file per quant type, or one split set
 (`-00001-of-0000N.gguf`) per quant, often in a sub-folder per quant. Each is one choice. Its size
-estimate comes from its header: the first bytes of every part, fetched with HTTP Range requests into
-a sparse temporary file of the part's full size (the `gguf` package maps it; the tensor bytes it
-never reads stay holes), so a 100 GiB choice is sized from a few MiB of traffic.
+estimate comes from its header: the first bytes of every part, fetched with HTTP Range requests and
+parsed in memory (engine.hub.gguf_header), so a 100 GiB choice is sized from a few MiB of traffic.
 """
 
 from __future__ import annotations
 
 import re
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from engine.hub.gguf_info import SPLIT_NAME, GGUFHeader, read_header
+from engine.hub.gguf_header import BadHeader, ParsedHeader, ShortHeader, parse_header
+from engine.hub.gguf_info import SPLIT_NAME, GGUFHeader, GGUFProblem, header_of
 from engine.hub.remote import RemoteFile
 
 HEADER_BYTES = 8 * 1024**2  # first try: metadata with a 150k-token vocabulary and the tensor table fit
@@ -74,14 +73,13 @@ def quant_label(name: str) -> str:
 
 def fetch_header(repo_id: str, sha: str, choice: GGUFChoice, *, endpoint: str, token: str | bool | None = None) -> GGUFHeader:
     """The header of a choice on the Hub, from the first bytes of each part."""
-    with tempfile.TemporaryDirectory(prefix="moescope-gguf-header-") as tmp:
-        for f in choice.files:
-            _fetch_head(repo_id, sha, f, Path(tmp) / f.name.rsplit("/", 1)[-1], endpoint, token)
-        return read_header(Path(tmp) / choice.first.rsplit("/", 1)[-1])
+    parts = [Path(f.name) for f in choice.files]
+    parsed = [_fetch_parsed(repo_id, sha, f, endpoint, token) for f in choice.files]
+    return header_of(parts, parsed, [f.size or 0 for f in choice.files])
 
 
-def _fetch_head(repo_id: str, sha: str, f: RemoteFile, local: Path, endpoint: str, token) -> None:
-    import gguf
+def _fetch_parsed(repo_id: str, sha: str, f: RemoteFile, endpoint: str, token) -> ParsedHeader:
+    """Range requests for the first bytes until the header is whole (a bigger one when it runs past them)."""
     from huggingface_hub import get_session, hf_hub_url
     from huggingface_hub.utils import build_hf_headers
 
@@ -91,16 +89,11 @@ def _fetch_head(repo_id: str, sha: str, f: RemoteFile, local: Path, endpoint: st
         response = get_session().get(url, headers={**build_hf_headers(token=token), "Range": f"bytes=0-{want - 1}"},
                                      follow_redirects=True)
         response.raise_for_status()
-        local.write_bytes(response.content)
-        with open(local, "r+b") as out:
-            out.truncate(max(f.size or 0, len(response.content)))  # a sparse file of the part's size
-        have = len(response.content)
-        if have >= (f.size or 0) or want >= MAX_HEADER_BYTES:
-            return
         try:
-            data_start = gguf.GGUFReader(local).data_offset
-        except Exception:  # the header runs past what was fetched: fetch more
-            data_start = want + 1
-        if data_start <= have:
-            return
-        want = min(MAX_HEADER_BYTES, max(2 * want, data_start))
+            return parse_header(response.content)
+        except ShortHeader as short:
+            if len(response.content) < want or want >= MAX_HEADER_BYTES:  # the file (or our patience) ends here
+                raise GGUFProblem(f"{f.name} of '{repo_id}' is truncated inside its header") from None
+            want = min(MAX_HEADER_BYTES, max(2 * want, short.need + 1024**2))
+        except BadHeader as exc:
+            raise GGUFProblem(f"{f.name} of '{repo_id}' is not a readable GGUF file ({exc})") from None

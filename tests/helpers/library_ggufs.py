@@ -19,9 +19,10 @@ HIDDEN, FFN, EXPERT_FFN, HEADS, KV_HEADS, HEAD_DIM, VOCAB = 256, 256, 256, 4, 2,
 
 def write_moe_gguf(path: Path, *, arch: str = "qwen3moe", layers: int = 2, experts: int = 8, top_k: int = 2,
                    quant: str = "Q8_0", file_type: str | None = "MOSTLY_Q8_0", name: str = "Tiny MoE",
-                   split_max_tensors: int = 0) -> Path:
+                   split_max_tensors: int = 0, vocabulary: int = 0) -> Path:
     """A GGUF of `layers` MoE blocks with `experts` experts, expert matrices in `quant` ("F32": none).
-    With `split_max_tensors`, a split set as llama.cpp's gguf-split writes it (`-00001-of-0000N.gguf`)."""
+    With `split_max_tensors`, a split set as llama.cpp's gguf-split writes it (`-00001-of-0000N.gguf`); with
+    `vocabulary`, a tokenizer of that many tokens and merges in the metadata."""
     import gguf
 
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -43,6 +44,11 @@ def write_moe_gguf(path: Path, *, arch: str = "qwen3moe", layers: int = 2, exper
         writer.add_expert_feed_forward_length(EXPERT_FFN)
     if file_type is not None:
         writer.add_file_type(gguf.LlamaFileType[file_type])
+    if vocabulary:
+        writer.add_tokenizer_model("gpt2")
+        writer.add_token_list([f"t{i}" for i in range(vocabulary)])
+        writer.add_token_types([1] * vocabulary)
+        writer.add_token_merges([f"t{i} t{i + 1}" for i in range(vocabulary - 1)])
     rng = np.random.default_rng(0)
 
     def add(tensor: str, shape: tuple[int, ...], kind: str = "F32") -> None:
