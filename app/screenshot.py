@@ -117,7 +117,7 @@ class LibraryScreenshotRun(_Run):
     def _event(self, event) -> None:
         if isinstance(event, p.EngineStarted) and self.dialog is None:
             self.dialog = self.window.open_library()
-            self.dialog.resize(1500, 620)
+            self.dialog.resize(1600, 800)
         elif isinstance(event, p.LibraryListing) and event.query is None and self.dialog is not None:
             QTimer.singleShot(0, self._select)  # after the dialog has drawn the rows
         elif (isinstance(event, (p.FitEstimateReady, p.Error)) and self.dialog is not None and not self.finished

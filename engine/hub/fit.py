@@ -10,6 +10,7 @@ from engine.accounting.sizes import format_bytes
 from engine.formats.blocks import FORMATS, parse_format
 from engine.hub.estimate import CONTEXT_TOKENS, SizeEstimate, estimate_from_config
 from engine.hub.machine import MachineInfo
+from engine.hub.supported import SHORT_DTYPES
 
 GiB = 1024**3
 MiB = 1024**2
@@ -110,7 +111,6 @@ def _run_verdict(est: SizeEstimate, m: MachineInfo) -> FitVerdict:
 
 FORMAT_CHOICES = ("original", "q8_0", "q6_k", "q4_k", "q3_k", "q2_k")  # most precise first, as the window offers them
 WHOLE = ("fits-gpu", "fits-ram")
-SHORT_DTYPES = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32"}
 
 
 @dataclass

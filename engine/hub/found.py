@@ -45,7 +45,7 @@ def describe_folder(source: str, name: str, folder: Path) -> FoundModel:
     """A safetensors checkpoint folder (LM Studio keeps MLX-style models so), from its config.json."""
     from engine.errors import MoEScopeError
     from engine.hub.local import estimate_folder
-    from engine.hub.supported import config_problem, is_supported_config
+    from engine.hub.supported import checkpoint_quant, config_problem, is_supported_config
 
     size = sum(_size(p) for p in folder.glob("*.safetensors"))
     try:
@@ -53,7 +53,7 @@ def describe_folder(source: str, name: str, folder: Path) -> FoundModel:
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
         return FoundModel(source, name, folder, size, problem=f"{folder / 'config.json'} is unreadable ({exc})")
     bits = (config.get("quantization") or {}).get("bits") if isinstance(config.get("quantization"), dict) else None
-    quant = f"MLX {bits}-bit" if bits else str(config.get("torch_dtype") or config.get("dtype") or "")
+    quant = f"MLX {bits}-bit" if bits else checkpoint_quant(config)
     if bits:
         return FoundModel(source, name, folder, size, quant, problem="MLX-quantized weights are not supported by "
                           "MoEScope; use a GGUF or safetensors copy of this model")

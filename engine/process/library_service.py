@@ -199,9 +199,12 @@ def search_library(text: str, limit: int = 30) -> list[p.LibraryEntry]:
 
 
 def _mark_cached(entry: p.LibraryEntry, local) -> p.LibraryEntry:
+    from engine.hub.supported import checkpoint_quant
+
     entry.size_bytes = local.size_on_disk
     if local.gguf_files:  # a GGUF repo: its quant files are entries of their own; the repo stays to pick more
         return entry
+    entry.quant = checkpoint_quant(local.config or {})
     entry.model_type = str((local.config or {}).get("model_type") or entry.model_type)
     entry.downloaded = local.complete
     entry.partial = not local.complete
