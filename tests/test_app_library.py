@@ -346,3 +346,26 @@ def test_a_gguf_repo_picks_a_quant_file_each_with_its_verdict(qtbot, tmp_path):
     qtbot.mouseClick(dialog.use_button, LEFT)
     [load] = client.of(p.LoadModel)
     assert (load.path, load.budget) == (local, "12GiB")
+
+
+@pytest.mark.process
+def test_library_screenshot_mode_selects_the_model_and_saves_the_dialog(tmp_path):
+    import os
+    import subprocess
+    import sys
+
+    from PySide6.QtGui import QImage
+
+    from tests.helpers.library_ggufs import write_moe_gguf
+
+    home = tmp_path / "home"
+    name = "pub/Tiny-GGUF/tiny-Q8_0.gguf"
+    write_moe_gguf(home / ".lmstudio" / "models" / name)
+    out = tmp_path / "library.png"
+    env = dict(os.environ, QT_QPA_PLATFORM="offscreen", HOME=str(home), HF_HUB_CACHE=str(tmp_path / "hf"))
+    result = subprocess.run([sys.executable, "-m", "app", "--screenshot", str(out), "--library", name, "--timeout", "240"],
+                            cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-2000:]
+    report = json.loads(result.stdout.strip().splitlines()[-1])
+    assert [name, "downloaded", report["rows"][-1][2], "LM Studio", "Q8_0", "fits in RAM"] == report["rows"][-1][:6]
+    assert report["verdict"].startswith("fits in RAM") and not QImage(str(out)).isNull()

@@ -108,3 +108,16 @@ def test_the_command_line_shows_the_quant_files_and_downloads_one(hub, capsys):
     [row] = [r for r in json.loads(capsys.readouterr().out) if r.get("source") == "cache"]
     assert (row["repo"], row["path"]) == (f"{REPO}/Qwen3-MoE-Tiny-Q4_K_M.gguf", path)
     assert row["verdict"].startswith("fits in RAM")
+
+
+def test_a_header_longer_than_the_first_fetch_is_fetched_in_growing_ranges(hub, tmp_path, monkeypatch):
+    import engine.hub.remote_gguf as remote_gguf
+
+    big = write_moe_gguf(tmp_path / "src" / "Big-Q8_0.gguf", vocabulary=3000)  # ~60 KB of tokenizer metadata
+    hub.add_repo("someone/Big-Vocab-GGUF", {big.name: big.read_bytes()}, gguf={"architecture": "qwen3moe"})
+    monkeypatch.setattr(remote_gguf, "HEADER_BYTES", 4096)
+    est = estimate_model("someone/Big-Vocab-GGUF")
+    assert [q.label for q in est.quants] == ["Q8_0"] and est.num_experts == 8 and est.kind == "fits-ram"
+    ranges = [int(r.range.split("-")[1]) + 1 for r in hub.gets("Big-Q8_0.gguf")]
+    assert ranges[0] == 4096 and ranges == sorted(ranges) and len(ranges) >= 2
+    assert ranges[-1] < big.stat().st_size  # the header, not the whole file

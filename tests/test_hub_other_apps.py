@@ -161,3 +161,19 @@ def test_the_header_parser_agrees_with_the_gguf_package(tmp_path):
     assert parsed.data_start == reader.data_offset
     assert parsed.metadata["qwen3moe.expert_count"] == 8 and parsed.metadata["general.name"] == "Tiny MoE"
     assert "tokenizer.ggml.tokens" not in parsed.metadata  # stepped over, not kept
+
+
+def test_the_command_line_lists_and_sizes_them(home, capsys):
+    from engine.cli.main import main as moescope
+
+    gguf = write_moe_gguf(home / ".lmstudio" / "models" / "pub" / "Q-GGUF" / "q-Q4_K_M.gguf", quant="Q4_K",
+                          file_type="MOSTLY_Q4_K_M")
+    assert moescope(["models", "list", "--json"]) == 0
+    [row] = [r for r in json.loads(capsys.readouterr().out) if r.get("source") == "lmstudio"]
+    assert (row["repo"], row["path"], row["description"]) == ("pub/Q-GGUF/q-Q4_K_M.gguf", str(gguf), "LM Studio, Q4_K_M")
+    assert row["verdict"].startswith("fits in RAM") and row["budget"] == "all"
+
+    assert moescope(["models", "info", str(gguf)]) == 0
+    out = capsys.readouterr().out
+    assert "(GGUF qwen3moe, qwen3_moe)" in out and "8 per layer x 2 MoE layers, top-2" in out
+    assert f"Q4_K_M GGUF in {gguf}" in out and "verdict          fits in RAM" in out

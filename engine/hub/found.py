@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass
+from functools import lru_cache
 from pathlib import Path
 
 from engine.hub.estimate import SizeEstimate
@@ -29,16 +30,25 @@ class FoundModel:
 
 
 def describe_gguf(source: str, name: str, path: Path) -> FoundModel:
-    """A GGUF file (or split set) from its header."""
-    from engine.hub.gguf_info import GGUFProblem, estimate_gguf, read_header
+    """A GGUF file (or split set) from its header; a file listed before and unchanged since is not read again."""
+    from engine.hub.gguf_info import GGUFProblem, split_parts
 
     try:
-        header = read_header(path)
-    except GGUFProblem as exc:
+        parts = tuple((part, part.stat().st_size, part.stat().st_mtime_ns) for part in split_parts(path))
+        header, est = _sized_gguf(parts)
+    except (GGUFProblem, OSError) as exc:
         return FoundModel(source, name, path, _size(path), problem=str(exc))
-    est = estimate_gguf(header)
     return FoundModel(source, name, path, header.file_bytes, header.quant, est, est.problem,
                       moe=header.expert_count > 0)
+
+
+@lru_cache(maxsize=256)
+def _sized_gguf(parts: tuple[tuple[Path, int, int], ...]):
+    """(header, estimate) of a GGUF, keyed on every part's size and time: a changed file is read again."""
+    from engine.hub.gguf_info import estimate_gguf, read_header
+
+    header = read_header(parts[0][0])
+    return header, estimate_gguf(header)
 
 
 def describe_folder(source: str, name: str, folder: Path) -> FoundModel:
