@@ -80,7 +80,11 @@ def run_gui(args: argparse.Namespace) -> int:
         window.resize(1600, 1000)
     window.show()
     window.start_engine(args.model, args.budget)
-    if screenshot:
+    if screenshot and args.library:
+        from app.screenshot import LibraryScreenshotRun
+
+        LibraryScreenshotRun(window, args.library, args.screenshot, args.timeout)
+    elif screenshot:
         from app.screenshot import ScreenshotRun
 
         ScreenshotRun(window, args.prompt, args.screenshot, args.timeout)

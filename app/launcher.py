@@ -23,6 +23,9 @@ def build_gui_parser() -> argparse.ArgumentParser:
     parser.add_argument("--budget", help="expert cache size: 512MiB, 2GiB, 25%% or all (default: the last one)")
     parser.add_argument("--screenshot", metavar="OUT.png", help="send --prompt, wait for the reply, save the window, exit")
     parser.add_argument("--prompt", help="with --screenshot: the message to send")
+    parser.add_argument("--library", metavar="NAME",
+                        help="with --screenshot instead of --prompt: open the model library, select NAME, save the "
+                             "library once its verdict is in")
     parser.add_argument("--timeout", type=float, default=600.0, help="with --screenshot: give up after this many seconds")
     parser.add_argument("--theme", choices=["system", "light", "dark"], help="override the colour theme")
     parser.add_argument("--check-libraries", action="store_true",
@@ -42,8 +45,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 
         return engine_main(argv)
     args = build_gui_parser().parse_args(argv)
-    if args.screenshot and not args.prompt:
-        print("moescope: error: --screenshot needs --prompt", file=sys.stderr)
+    if args.screenshot and not (args.prompt or args.library):
+        print("moescope: error: --screenshot needs --prompt (or --library NAME)", file=sys.stderr)
         return 2
     # Before any Qt object exists: a missing library or display gets one line, not Qt's abort.
     from app.platform_check import EXIT_NO_WINDOW, library_problem, window_problem

@@ -9,8 +9,10 @@ long as the window, so a download goes on (and chatting with it) while the dialo
 from __future__ import annotations
 
 from PySide6.QtCore import Qt, Signal
+from PySide6.QtGui import QColor
 from PySide6.QtWidgets import (
     QAbstractItemView,
+    QComboBox,
     QDialog,
     QFormLayout,
     QHBoxLayout,
@@ -28,10 +30,11 @@ from PySide6.QtWidgets import (
 
 from app.format_picker import FormatPicker
 from app.models.formats import card_quality
-from app.models.library import LibraryModel, default_format, fit_lines
+from app.models.library import LibraryModel, default_format, fit_lines, quant_choice_text
 from engine import protocol as p
 
-COLUMNS = ("Model", "Status", "Size", "Description")
+COLUMNS = ("Model", "Status", "Size", "Source", "Quant", "Fit", "Description")
+DESCRIPTION = len(COLUMNS) - 1
 VERDICT_COLOURS = {"fits-gpu": "#2e7d32", "fits-ram": "#2e7d32", "offload": "#1565c0", "too-big": "#c62828",
                    "unsupported": "#c62828"}
 FIT_LABELS = ("Total size", "Experts", "Dense weights", "Minimum budget", "Recommended budget", "By format", "Download")
@@ -65,9 +68,9 @@ class LibraryDialog(QDialog):
         self.table.setEditTriggers(QAbstractItemView.EditTrigger.NoEditTriggers)
         self.table.verticalHeader().setVisible(False)
         header = self.table.horizontalHeader()
-        for column in range(3):
+        for column in range(DESCRIPTION):
             header.setSectionResizeMode(column, QHeaderView.ResizeMode.ResizeToContents)
-        header.setSectionResizeMode(3, QHeaderView.ResizeMode.Stretch)
+        header.setSectionResizeMode(DESCRIPTION, QHeaderView.ResizeMode.Stretch)
         self.table.itemSelectionChanged.connect(self._selection_changed)
         self.table.itemDoubleClicked.connect(lambda _item: self.use_selected())
 
@@ -88,6 +91,11 @@ class LibraryDialog(QDialog):
         self.expert_format = FormatPicker("expert")
         self.expert_format.activated.connect(lambda _index: self._refresh_buttons())
         form.addRow("Load experts as", self.expert_format)
+        self.quant_file = QComboBox()  # a GGUF repo's quant files, each with its verdict
+        self.quant_file.setObjectName("quant-file")
+        self.quant_file.activated.connect(lambda _index: self._quant_picked())
+        form.addRow("Quant file", self.quant_file)
+        self.form = form
         self.notes = QLabel("")
         self.notes.setWordWrap(True)
         self.notes.setStyleSheet("color: palette(placeholder-text);")
@@ -163,17 +171,30 @@ class LibraryDialog(QDialog):
 
     def download_selected(self) -> None:
         repo = self.selected_repo()
-        if repo is not None and self.model.can_download(repo):
-            self.model.apply(p.DownloadProgress(repo, 0, 0, 0.0, None, f"starting the download of {repo}…"))
-            self._send(p.DownloadModel(repo))
+        if repo is not None and self.model.can_download(repo, self.picked_quant()):
+            picked = self.model.quant_fit(repo, self.picked_quant())
+            what = f"{repo} ({picked.label})" if picked is not None else repo
+            self.model.apply(p.DownloadProgress(repo, 0, 0, 0.0, None, f"starting the download of {what}…"))
+            self._send(p.DownloadModel(repo, picked.label if picked is not None else ""))
             self._refresh_all()
+
+    def picked_quant(self) -> str:
+        return self.quant_file.currentData() or ""
+
+    def _quant_picked(self) -> None:
+        """Another quant file: its verdict and numbers replace the recommended one's headline."""
+        picked = self.model.quant_fit(self.selected_repo(), self.picked_quant())
+        if picked is not None:
+            self.verdict.setText(f"{picked.label}: {picked.headline}")
+            self.verdict.setStyleSheet(f"color: {VERDICT_COLOURS.get(picked.kind, 'palette(text)')};")
+        self._refresh_buttons()
 
     def cancel_download(self) -> None:
         if self.model.download is not None:
             self._send(p.CancelDownload(self.model.download.repo_id))
 
     def use_selected(self) -> None:
-        target = self.model.use_target(self.selected_repo(), self.expert_format.current())
+        target = self.model.use_target(self.selected_repo(), self.expert_format.current(), self.picked_quant())
         if target is not None:
             self.hide()
             self.use_requested.emit(*target)
@@ -238,12 +259,14 @@ class LibraryDialog(QDialog):
         self.table.blockSignals(True)  # a rebuild is no new selection (that would re-estimate)
         self.table.setRowCount(len(rows))
         for row, entry in enumerate(rows):
-            name = QTableWidgetItem(entry.repo_id)
+            name = QTableWidgetItem(self.model.name_text(entry))
             name.setData(Qt.ItemDataRole.UserRole, entry.repo_id)
-            name.setToolTip({"catalog": "from MoEScope's catalog", "cache": "found in the Hugging Face cache",
-                             "search": "a Hub search result"}.get(entry.source, ""))
+            name.setToolTip(entry.local_path or {"catalog": "from MoEScope's catalog",
+                                                 "search": "a Hub search result"}.get(entry.source, ""))
             self.table.setItem(row, 0, name)
-            self.table.setItem(row, 3, QTableWidgetItem(entry.description))
+            self.table.setItem(row, 3, QTableWidgetItem(self.model.source_text(entry)))
+            self.table.setItem(row, 4, QTableWidgetItem(entry.quant))
+            self.table.setItem(row, DESCRIPTION, QTableWidgetItem(entry.description))
             self._fill_row(row, entry)
         self.table.clearSelection()
         if selected is not None:
@@ -257,6 +280,12 @@ class LibraryDialog(QDialog):
             status.setToolTip(entry.problem)
         self.table.setItem(row, 1, status)
         self.table.setItem(row, 2, QTableWidgetItem(self.model.size_text(entry)))
+        fit = QTableWidgetItem(self.model.fit_text(entry))
+        fit.setToolTip(self.model.fit_headline(entry))
+        kind = self.model.fit_kind(entry)
+        if kind in VERDICT_COLOURS:
+            fit.setForeground(QColor(VERDICT_COLOURS[kind]))
+        self.table.setItem(row, 5, fit)
 
     def _row_of(self, repo_id: str) -> int | None:
         for row in range(self.table.rowCount()):
@@ -291,7 +320,7 @@ class LibraryDialog(QDialog):
         entry = self.model.entry(repo) if repo else None
         est = self.model.estimate(repo) if repo else None
         error = self.model.estimate_errors.get(repo.lower()) if repo else None
-        self.title.setText(repo or "Select a model")
+        self.title.setText(self.model.name_text(entry) if entry is not None else repo or "Select a model")
         for label in self.numbers.values():
             label.setText("")
         notes = []
@@ -301,6 +330,9 @@ class LibraryDialog(QDialog):
             for label, value in fit_lines(est):
                 self.numbers[label].setText(value)
             notes = list(est.notes)
+        elif entry is not None and entry.fit_headline:  # the listing's verdict until the estimate comes
+            self.verdict.setText(entry.fit_headline)
+            self.verdict.setStyleSheet(f"color: {VERDICT_COLOURS.get(entry.fit_kind or '', 'palette(text)')};")
         elif error is not None:
             self.verdict.setText(error)
             self.verdict.setStyleSheet(f"color: {VERDICT_COLOURS['too-big']};")
@@ -311,6 +343,7 @@ class LibraryDialog(QDialog):
             notes.insert(0, entry.problem)
         if entry is not None and entry.local_path:
             notes.append(f"in {entry.local_path}")
+        self._show_quants(est)
         if repo != self._format_shown_for:  # a new selection or estimate: its own default, its card's figures
             self.expert_format.set_quality(card_quality(entry.local_path) if entry is not None and entry.local_path
                                            else {})
@@ -318,6 +351,22 @@ class LibraryDialog(QDialog):
             self._format_shown_for = repo if est is not None else None
         self.notes.setText("\n".join(notes))
         self._refresh_buttons()
+
+    def _show_quants(self, est: p.FitEstimateReady | None) -> None:
+        """A GGUF repo picks a quant file instead of a format to convert to; other models the other way round."""
+        quants = est.quants if est is not None else []
+        keep = self.picked_quant() or (est.quant if est is not None else "")
+        self.quant_file.clear()
+        for fit in quants:
+            self.quant_file.addItem(quant_choice_text(fit), fit.label)
+            self.quant_file.setItemData(self.quant_file.count() - 1, fit.headline, Qt.ItemDataRole.ToolTipRole)
+        if quants:
+            index = self.quant_file.findData(keep)
+            self.quant_file.setCurrentIndex(index if index >= 0 else self.quant_file.findData(est.quant))
+        self.form.setRowVisible(self.quant_file, bool(quants))
+        self.form.setRowVisible(self.expert_format, not quants)
+        if quants and self.picked_quant() != est.quant:
+            self._quant_picked()
 
     def _refresh_download(self) -> None:
         state = self.model.download
@@ -338,10 +387,11 @@ class LibraryDialog(QDialog):
     def _refresh_buttons(self) -> None:
         repo = self.selected_repo()
         state = self.model.download
-        self.download_button.setEnabled(self.model.can_download(repo))
+        quant = self.picked_quant()
+        self.download_button.setEnabled(self.model.can_download(repo, quant))
         self.cancel_button.setVisible(state is not None)
         self.cancel_button.setEnabled(state is not None and not state.cancelling)
-        self.use_button.setEnabled(self.model.use_target(repo, self.expert_format.current()) is not None)
+        self.use_button.setEnabled(self.model.use_target(repo, self.expert_format.current(), quant) is not None)
 
     def _refresh_status(self) -> None:
         text = self.model.status

@@ -2,7 +2,10 @@
 update, let the panels draw, save the whole window, and quit (exit code 0, or 1 with the reason).
 
 On success it also prints one JSON line on stdout for scripts and tests: the file, the Qt platform
-the window ran on, the reply, and where the expert heatmap's cells are in the saved image."""
+the window ran on, the reply, and where the expert heatmap's cells are in the saved image.
+
+`moescope --screenshot OUT.png --library NAME`: open the model library instead, select the row named
+NAME once the listing is in, and save the library dialog when that model's verdict has arrived."""
 
 from __future__ import annotations
 
@@ -18,7 +21,22 @@ from app.main_window import FRAME_MS, MainWindow
 from engine import protocol as p
 
 
-class ScreenshotRun(QObject):
+class _Run(QObject):
+    """What both screenshot modes share: a deadline, and quitting with one line on failure."""
+
+    window: MainWindow
+    finished: bool
+    _deadline: QTimer
+
+    def _fail(self, reason: str) -> None:
+        print(f"moescope: error: screenshot failed: {reason}", file=sys.stderr)
+        self._deadline.stop()
+        self.finished = True
+        self.window.close()
+        QApplication.exit(1)
+
+
+class ScreenshotRun(_Run):
     def __init__(self, window: MainWindow, prompt: str, out: str, timeout_s: float) -> None:
         super().__init__(window)
         self.window, self.prompt, self.out = window, prompt, Path(out)
@@ -84,9 +102,47 @@ class ScreenshotRun(QObject):
         in_view = heatmap.plot.mapFromScene(scene).boundingRect()
         return QRect(heatmap.plot.viewport().mapTo(self.window, in_view.topLeft()), in_view.size())
 
-    def _fail(self, reason: str) -> None:
-        print(f"moescope: error: screenshot failed: {reason}", file=sys.stderr)
+
+class LibraryScreenshotRun(_Run):
+    def __init__(self, window: MainWindow, name: str, out: str, timeout_s: float) -> None:
+        super().__init__(window)
+        self.window, self.name, self.out = window, name, Path(out)
+        self.dialog = None
+        self.finished = False
+        window.bridge.event.connect(self._event)
+        self._deadline = QTimer(self, singleShot=True)
+        self._deadline.timeout.connect(lambda: self._fail(f"no verdict for '{name}' within {timeout_s:.0f} s"))
+        self._deadline.start(int(timeout_s * 1000))
+
+    def _event(self, event) -> None:
+        if isinstance(event, p.EngineStarted) and self.dialog is None:
+            self.dialog = self.window.open_library()
+            self.dialog.resize(1600, 800)
+        elif isinstance(event, p.LibraryListing) and event.query is None and self.dialog is not None:
+            QTimer.singleShot(0, self._select)  # after the dialog has drawn the rows
+        elif (isinstance(event, (p.FitEstimateReady, p.Error)) and self.dialog is not None and not self.finished
+              and self.dialog.selected_repo() is not None):
+            self.finished = True
+            QTimer.singleShot(4 * FRAME_MS, self._capture)
+
+    def _select(self) -> None:
+        table = self.dialog.table
+        for row in range(table.rowCount()):
+            if table.item(row, 0).text() == self.name:
+                table.selectRow(row)
+                return
+        self._fail(f"the library lists no '{self.name}'")
+
+    def _capture(self) -> None:
+        QApplication.processEvents()
+        self.out.parent.mkdir(parents=True, exist_ok=True)
+        if not self.dialog.grab().save(str(self.out)):
+            self._fail(f"could not write {self.out}")
+            return
+        rows = [[self.dialog.table.item(r, c).text() for c in range(self.dialog.table.columnCount())]
+                for r in range(self.dialog.table.rowCount())]
+        print(json.dumps({"screenshot": str(self.out), "platform": QGuiApplication.platformName(), "rows": rows,
+                          "verdict": self.dialog.verdict.text()}), flush=True)
         self._deadline.stop()
-        self.finished = True
         self.window.close()
-        QApplication.exit(1)
+        QApplication.exit(0)

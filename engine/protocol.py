@@ -195,6 +195,7 @@ class DownloadModel:
     then `DownloadFinished` or an `Error` (kind "cancelled" after `CancelDownload`). One at a time."""
 
     repo_id: str
+    quant: str = ""  # a GGUF repo: the quant file (set) to fetch, as FitEstimateReady.quants labels it
 
     @property
     def request_id(self) -> str:
@@ -413,9 +414,9 @@ class EngineStarted:
 
 @dataclass
 class LibraryEntry:
-    repo_id: str  # Hub id, org/name
+    repo_id: str  # Hub id, org/name; for a model another app downloaded, its file or folder (the key and the path)
     description: str = ""
-    source: str = "catalog"  # catalog | cache | search
+    source: str = "catalog"  # catalog | cache | search | lmstudio | ollama
     downloaded: bool = False  # complete in the HF cache
     local_path: str | None = None  # the snapshot folder to load, when downloaded
     size_bytes: int | None = None  # on disk, when (partly) in the cache
@@ -425,6 +426,10 @@ class LibraryEntry:
     gated: bool = False
     partial: bool = False  # some files are in the cache, not all weights
     problem: str | None = None  # why MoEScope cannot run it, when known without the Hub
+    title: str = ""  # the name to show when it is not repo_id (LM Studio's publisher/repo/file, Ollama's model:tag)
+    quant: str = ""  # the weights' format when known: Q4_K_M, MXFP4, bf16 ...
+    fit_kind: str | None = None  # the fit verdict when the listing already knows it (files another app has)
+    fit_headline: str = ""
 
 
 @dataclass
@@ -444,6 +449,19 @@ class FormatFit:
     budget_bytes: int | None
     expert_bytes: int  # every expert, as slots in this format
     min_budget_bytes: int
+
+
+@dataclass
+class QuantFit:
+    """One quant file (or split set) of a GGUF repo, with its own verdict (engine.hub.fit.gguf_repo_fit)."""
+
+    label: str  # Q4_K_M, Q8_0 ...
+    files: list[str]  # the part(s) a download fetches
+    size_bytes: int
+    kind: str  # fits-gpu | fits-ram | offload | too-big | unsupported
+    headline: str
+    budget: str | None  # the recommended budget with this file; None: cannot run
+    local_path: str | None = None  # its first file, when downloaded: what LoadModel opens
 
 
 @dataclass
@@ -472,6 +490,8 @@ class FitEstimateReady:
     notes: list[str] = field(default_factory=list)
     formats: list[FormatFit] = field(default_factory=list)  # the verdict per weight format, most precise first
     format_summary: str = ""  # e.g. "fits in RAM at 4-bit (12.3 GiB); offloaded at 25% in bf16"; "" if moot
+    quants: list[QuantFit] = field(default_factory=list)  # a GGUF repo's quant files, smallest first
+    quant: str = ""  # the one the numbers above describe (the recommended one)
 
 
 @dataclass

@@ -6,6 +6,10 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 _user_dirs = tempfile.mkdtemp(prefix="moescope-test-home-")
 for _var in ("XDG_CACHE_HOME", "XDG_DATA_HOME", "XDG_CONFIG_HOME", "XDG_STATE_HOME"):
     os.environ[_var] = os.path.join(_user_dirs, _var.lower())
+# ... and the models other apps downloaded (LM Studio under ~, Ollama's store) away from the real ones
+os.environ["HOME"] = os.path.join(_user_dirs, "home")
+os.makedirs(os.environ["HOME"], exist_ok=True)
+os.environ.pop("OLLAMA_MODELS", None)
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("QT_QPA_PLATFORM", "offscreen")
 os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")

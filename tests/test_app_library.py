@@ -254,3 +254,118 @@ def test_the_fit_per_format_picks_what_use_loads():
                                  "8-bit (Q8_0), approximate: runs offloaded (budget 9.50 GiB); experts 32.00 GiB",
                                  "4-bit (Q4_K), approximate: fits in RAM; experts 17.00 GiB"]
     assert ("By format", "\n".join(format_lines(est))) in fit_lines(est)
+
+
+def test_models_other_apps_have_show_source_quant_and_verdict_and_use_loads_the_file(qtbot, tmp_path):
+    """LM Studio's and Ollama's entries as the engine lists them: each row says where the model is, its
+    quant type and its verdict; Use hands the file's exact path to the load command, nothing copied."""
+    from tests.helpers.remote_window import window_for
+
+    window, _ = window_for(qtbot, tmp_path)
+    window.bridge.start()
+    client = window.bridge.client
+    gguf = str(tmp_path / "lmstudio" / "pub" / "Qwen3-GGUF" / "Qwen3-Q4_K_M.gguf")
+    blob = str(tmp_path / "ollama" / "blobs" / "sha256-ab12")
+    odd = str(tmp_path / "lmstudio" / "pub" / "Odd-GGUF" / "odd.gguf")
+    unmapped = "GGUF architecture 'grok' cannot be mapped to a model MoEScope runs"
+    entries = [
+        p.LibraryEntry(gguf, "downloaded by LM Studio", "lmstudio", True, gguf, 18 * GiB, title="pub/Qwen3-GGUF/Qwen3-Q4_K_M.gguf",
+                       quant="Q4_K_M", fit_kind="offload", fit_headline="runs with experts offloaded to disk"),
+        p.LibraryEntry(blob, "downloaded by Ollama", "ollama", True, blob, 17 * GiB, title="qwen3:30b", quant="Q4_K_M",
+                       fit_kind="fits-ram", fit_headline="fits in RAM"),
+        p.LibraryEntry(odd, "downloaded by LM Studio", "lmstudio", True, odd, GiB, title="pub/Odd-GGUF/odd.gguf",
+                       quant="Q8_0", problem=unmapped, fit_kind="unsupported", fit_headline=f"cannot run yet: {unmapped}"),
+    ]
+    dialog = window.open_library()
+    client.emit(p.LibraryListing(entries))
+    qtbot.waitUntil(lambda: dialog.table.rowCount() == 3, timeout=5000)
+    shown = [[dialog.table.item(r, c).text() for c in range(6)] for r in range(3)]
+    assert shown == [
+        ["pub/Qwen3-GGUF/Qwen3-Q4_K_M.gguf", "downloaded", "18.00 GiB", "LM Studio", "Q4_K_M", "runs offloaded"],
+        ["qwen3:30b", "downloaded", "17.00 GiB", "Ollama", "Q4_K_M", "fits in RAM"],
+        ["pub/Odd-GGUF/odd.gguf", "downloaded, cannot run yet", "1.00 GiB", "LM Studio", "Q8_0", "cannot run yet"],
+    ]
+    assert dialog.table.item(2, 5).toolTip() == f"cannot run yet: {unmapped}"
+
+    assert dialog.select(odd)
+    assert dialog.verdict.text() == f"cannot run yet: {unmapped}" and not dialog.use_button.isEnabled()
+    dialog.search.setText("qwen3:")  # the filter matches the name the app gives it
+    assert dialog.table.rowCount() == 1 and dialog.table.item(0, 0).text() == "qwen3:30b"
+    dialog.search.setText("")
+
+    assert dialog.select(gguf)
+    assert client.of(p.EstimateModel)[-1] == p.EstimateModel(gguf)  # the engine reads the file's header
+    assert dialog.title.text() == "pub/Qwen3-GGUF/Qwen3-Q4_K_M.gguf" and dialog.use_button.isEnabled()
+    qtbot.mouseClick(dialog.use_button, LEFT)
+    [load] = client.of(p.LoadModel)
+    assert load.path == gguf and load.expert_format == "original"
+
+
+def test_a_gguf_repo_picks_a_quant_file_each_with_its_verdict(qtbot, tmp_path):
+    """A GGUF repo from the Hub: the quant picker replaces the format picker; Download fetches the file picked,
+    Use opens that file once it is downloaded."""
+    from tests.helpers.remote_window import window_for
+
+    window, _ = window_for(qtbot, tmp_path)
+    window.bridge.start()
+    client = window.bridge.client
+    repo = "unsloth/Qwen3-30B-A3B-GGUF"
+    dialog = window.open_library()
+    client.emit(p.LibraryListing([p.LibraryEntry(repo, "qwen3_moe GGUF on the Hub: pick a quant file", "search",
+                                                 quant="GGUF")], query="qwen3"))
+    qtbot.waitUntil(lambda: dialog.table.rowCount() == 1, timeout=5000)
+    assert dialog.select(repo) and client.of(p.EstimateModel) == [p.EstimateModel(repo)]
+
+    def estimate(q8_local: str | None) -> p.FitEstimateReady:
+        quants = [p.QuantFit("Q4_K_M", ["Qwen3-30B-A3B-Q4_K_M.gguf"], 17 * GiB, "fits-ram", "fits in RAM", "all"),
+                  p.QuantFit("Q8_0", ["Q8_0/a-00001-of-00002.gguf", "Q8_0/a-00002-of-00002.gguf"], 30 * GiB, "offload",
+                             "runs with experts offloaded to disk", "12GiB", q8_local)]
+        return p.FitEstimateReady(repo, "fits-ram", "fits in RAM", "all", 17 * GiB, 17 * GiB, GiB, 16 * GiB, GiB, 128,
+                                  48, 8, 30 * 10**9, 3 * 10**9, "bfloat16", 17 * GiB, False, quants=quants,
+                                  quant="Q4_K_M")
+
+    client.emit(estimate(None))
+    qtbot.waitUntil(lambda: dialog.quant_file.count() == 2, timeout=5000)
+    assert [dialog.quant_file.itemText(i) for i in range(2)] == [
+        "Q4_K_M · 17.00 GiB · fits in RAM", "Q8_0 · 30.00 GiB · runs offloaded"]
+    assert dialog.quant_file.currentData() == "Q4_K_M" and dialog.quant_file.isVisibleTo(dialog)
+    assert not dialog.expert_format.isVisibleTo(dialog)  # a GGUF is opened as it is, not converted
+    assert dialog.download_button.isEnabled() and not dialog.use_button.isEnabled()
+
+    dialog.quant_file.setCurrentIndex(1)
+    dialog.quant_file.activated.emit(1)
+    assert dialog.verdict.text() == "Q8_0: runs with experts offloaded to disk"
+    qtbot.mouseClick(dialog.download_button, LEFT)
+    assert client.of(p.DownloadModel) == [p.DownloadModel(repo, "Q8_0")]
+    local = str(tmp_path / "hf" / "Q8_0" / "a-00001-of-00002.gguf")
+    client.emit(p.DownloadFinished(repo, local))
+    client.emit(estimate(local))
+    qtbot.waitUntil(lambda: dialog.quant_file.itemText(1).endswith("(downloaded)"), timeout=5000)
+    assert dialog.quant_file.currentData() == "Q8_0" and dialog.use_button.isEnabled()
+    assert not dialog.download_button.isEnabled()
+    qtbot.mouseClick(dialog.use_button, LEFT)
+    [load] = client.of(p.LoadModel)
+    assert (load.path, load.budget) == (local, "12GiB")
+
+
+@pytest.mark.process
+def test_library_screenshot_mode_selects_the_model_and_saves_the_dialog(tmp_path):
+    import os
+    import subprocess
+    import sys
+
+    from PySide6.QtGui import QImage
+
+    from tests.helpers.library_ggufs import write_moe_gguf
+
+    home = tmp_path / "home"
+    name = "pub/Tiny-GGUF/tiny-Q8_0.gguf"
+    write_moe_gguf(home / ".lmstudio" / "models" / name)
+    out = tmp_path / "library.png"
+    env = dict(os.environ, QT_QPA_PLATFORM="offscreen", HOME=str(home), HF_HUB_CACHE=str(tmp_path / "hf"))
+    result = subprocess.run([sys.executable, "-m", "app", "--screenshot", str(out), "--library", name, "--timeout", "240"],
+                            cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-2000:]
+    report = json.loads(result.stdout.strip().splitlines()[-1])
+    assert [name, "downloaded", report["rows"][-1][2], "LM Studio", "Q8_0", "fits in RAM"] == report["rows"][-1][:6]
+    assert report["verdict"].startswith("fits in RAM") and not QImage(str(out)).isNull()

@@ -8,6 +8,7 @@ worker. Waits end on events (or on the fake Hub's hold point), never on a timer.
 from __future__ import annotations
 
 import json
+import os
 import threading
 from dataclasses import dataclass
 from pathlib import Path
@@ -20,6 +21,7 @@ from engine.process.library_service import LibraryService
 from tests.helpers.checkpoints import save_tiny_checkpoint
 from tests.helpers.engine_events import EventLog, started_client
 from tests.helpers.hub.library_hub import HoldingHub, fill_hub, hub_environment, padding_weights, place_in_cache
+from tests.helpers.library_ggufs import write_moe_gguf, write_ollama_model
 
 pytestmark = pytest.mark.process
 
@@ -58,8 +60,14 @@ def library(tmp_path_factory, mixtral_checkpoint):
         ids = fill_hub(hub, mixtral_checkpoint)
         snapshot = place_in_cache(cache, "someone/cached-mixtral", mixtral_checkpoint)
         place_in_cache(cache, "someone/no-weights", mixtral_checkpoint, skip=("model.safetensors",))
+        ollama = tmp_path_factory.mktemp("ollama-store")
+        write_ollama_model(ollama, write_moe_gguf(tmp_path_factory.mktemp("gguf") / "q.gguf"), "qwen3", "tiny")
         with hub_environment(hub.url, cache):
-            client, log = started_client()  # the spawned worker copies the environment now
+            os.environ["OLLAMA_MODELS"] = str(ollama)
+            try:
+                client, log = started_client()  # the spawned worker copies the environment now
+            finally:
+                del os.environ["OLLAMA_MODELS"]
         try:
             log.wait_for(lambda e: isinstance(e, p.EngineStarted), START_S)
             yield Library(client, log, hub, cache, ids, snapshot)
@@ -76,7 +84,9 @@ def test_listing_is_the_catalog_then_the_runnable_cached_models(library):
     ids = [e.repo_id for e in listing.entries]
     assert ids[: len(CATALOG)] == CATALOG
     assert all(e.source == "catalog" and not e.downloaded and e.local_path is None for e in listing.entries[: len(CATALOG)])
-    [cached] = listing.entries[len(CATALOG):]  # someone/no-weights has no weights: the engine cannot run it
+    [cached, ollama] = listing.entries[len(CATALOG):]  # someone/no-weights has no weights: the engine cannot run it
+    assert (ollama.title, ollama.source, ollama.quant, ollama.fit_kind) == ("qwen3:tiny", "ollama", "Q8_0", "fits-ram")
+    assert "ollama-store" in ollama.local_path and "/blobs/sha256-" in ollama.local_path  # opened where it lies
     assert (cached.repo_id, cached.source, cached.downloaded, cached.model_type) == (
         "someone/cached-mixtral", "cache", True, "mixtral")
     assert cached.local_path == str(library.cached_snapshot)
@@ -197,7 +207,7 @@ def test_failed_downloads_are_one_line_errors_and_the_worker_stays_up(library):
 def test_a_crashing_download_thread_becomes_an_error_and_frees_the_slot(monkeypatch):
     import engine.process.library_service as service
 
-    def explode(repo_id, cancel, send):
+    def explode(repo_id, quant, cancel, send):
         raise RuntimeError("boom")
 
     monkeypatch.setattr(service, "_download", explode)

@@ -16,6 +16,8 @@ from engine.accounting.sizes import format_bytes
 RUNS = ("fits-gpu", "fits-ram", "offload")
 KIND_WORDS = {"fits-gpu": "fits in GPU memory", "fits-ram": "fits in RAM", "offload": "runs offloaded",
               "too-big": "too big for this machine"}
+FIT_WORDS = {**KIND_WORDS, "too-big": "too big", "unsupported": "cannot run yet"}  # the library's Fit column
+SOURCE_WORDS = {"catalog": "catalog", "cache": "HF cache", "search": "Hub", "lmstudio": "LM Studio", "ollama": "Ollama"}
 
 
 def format_eta(seconds: float | None) -> str:
@@ -88,7 +90,8 @@ class LibraryModel:
     # ----- what to show -----
     def rows(self) -> list[p.LibraryEntry]:
         text = self.filter_text.strip().lower()
-        local = [e for e in self.local if not text or text in e.repo_id.lower() or text in e.description.lower()]
+        local = [e for e in self.local if not text or text in e.repo_id.lower() or text in e.description.lower()
+                 or text in e.title.lower()]
         known = {e.repo_id.lower() for e in self.local}
         return local + [e for e in self.hub if e.repo_id.lower() not in known]
 
@@ -109,6 +112,30 @@ class LibraryModel:
             return "downloaded"
         return "partly downloaded" if entry.partial else "not downloaded"
 
+    @staticmethod
+    def name_text(entry: p.LibraryEntry) -> str:
+        return entry.title or entry.repo_id
+
+    @staticmethod
+    def source_text(entry: p.LibraryEntry) -> str:
+        """Where the model is: a catalog entry already downloaded is in the HF cache."""
+        if entry.source == "catalog" and entry.downloaded:
+            return SOURCE_WORDS["cache"]
+        return SOURCE_WORDS.get(entry.source, entry.source)
+
+    def fit_kind(self, entry: p.LibraryEntry) -> str | None:
+        """The verdict's kind: from the estimate once there is one, else from the listing (None: not known)."""
+        est = self.estimate(entry.repo_id)
+        return est.kind if est is not None else entry.fit_kind
+
+    def fit_text(self, entry: p.LibraryEntry) -> str:
+        kind = self.fit_kind(entry)
+        return FIT_WORDS.get(kind, kind) if kind else ""
+
+    def fit_headline(self, entry: p.LibraryEntry) -> str:
+        est = self.estimate(entry.repo_id)
+        return est.headline if est is not None else entry.fit_headline
+
     def size_text(self, entry: p.LibraryEntry) -> str:
         est = self.estimate(entry.repo_id)
         if est is not None:
@@ -121,19 +148,34 @@ class LibraryModel:
         key = repo_id.lower()
         return key not in self.estimates and key not in self.estimating and key not in self.estimate_errors
 
-    def can_download(self, repo_id: str | None) -> bool:
+    def quant_fit(self, repo_id: str | None, quant: str = "") -> p.QuantFit | None:
+        """A GGUF repo's quant file: the one named, else the recommended one; None for other models."""
+        est = self.estimate(repo_id) if repo_id else None
+        if est is None or not est.quants:
+            return None
+        label = (quant or est.quant).lower()
+        return next((q for q in est.quants if q.label.lower() == label), est.quants[0])
+
+    def can_download(self, repo_id: str | None, quant: str = "") -> bool:
         entry = self.entry(repo_id) if repo_id else None
-        if entry is None or self.download is not None or entry.downloaded:
+        if entry is None or self.download is not None:
+            return False
+        if (picked := self.quant_fit(entry.repo_id, quant)) is not None:  # a GGUF repo: per quant file
+            return picked.local_path is None
+        if entry.downloaded:
             return False
         est = self.estimate(entry.repo_id)
         failed = entry.repo_id.lower() in self.estimate_errors  # e.g. no such repo: a download would fail the same way
         return not entry.problem and not failed and (est is None or est.kind != "unsupported")
 
-    def use_target(self, repo_id: str | None, expert_format: str = ORIGINAL) -> tuple[str, str, str] | None:
-        """(checkpoint folder, budget, expert format) for LoadModel, when the model is downloaded and runs
-        here in that format. The budget is the estimate's recommendation for the format; "" leaves it to
-        the app's remembered budget."""
+    def use_target(self, repo_id: str | None, expert_format: str = ORIGINAL,
+                   quant: str = "") -> tuple[str, str, str] | None:
+        """(checkpoint folder or GGUF file, budget, expert format) for LoadModel, when the model is downloaded
+        and runs here in that format (a GGUF repo: the quant file picked). The budget is the estimate's
+        recommendation for the format; "" leaves it to the app's remembered budget."""
         entry = self.entry(repo_id) if repo_id else None
+        if (picked := self.quant_fit(repo_id, quant)) is not None:
+            return (picked.local_path, picked.budget, ORIGINAL) if picked.local_path and picked.budget else None
         if entry is None or not entry.downloaded or not entry.local_path or entry.problem:
             return None
         est = self.estimate(entry.repo_id)
@@ -224,6 +266,12 @@ def default_format(est: p.FitEstimateReady | None) -> str:
     if est is None or est.kind in RUNS or not est.formats:
         return ORIGINAL
     return next((f.format for f in est.formats if f.kind in RUNS), ORIGINAL)
+
+
+def quant_choice_text(fit: p.QuantFit) -> str:
+    """One quant file in the picker: "Q4_K_M · 17.28 GiB · runs offloaded (downloaded)"."""
+    here = " (downloaded)" if fit.local_path else ""
+    return f"{fit.label} · {format_bytes(fit.size_bytes)} · {FIT_WORDS.get(fit.kind, fit.kind)}{here}"
 
 
 def format_lines(est: p.FitEstimateReady) -> list[str]:

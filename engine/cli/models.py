@@ -30,6 +30,7 @@ def add_models_parser(sub) -> None:
     download.add_argument("repo", help="a Hub id, e.g. Qwen/Qwen3-30B-A3B")
     download.add_argument("--revision", default="main")
     download.add_argument("--force", action="store_true", help="download even if MoEScope cannot run it yet")
+    download.add_argument("--quant", help="a GGUF repo: the quant file to fetch, e.g. Q4_K_M (see `models info`)")
     remove = verbs.add_parser("remove", help="delete a downloaded model from the Hugging Face cache")
     remove.add_argument("repo")
     remove.add_argument("--yes", action="store_true", help="really delete (without it, only say what would go)")
@@ -46,11 +47,15 @@ def run_models(args: argparse.Namespace) -> int:
 def _list(args: argparse.Namespace) -> int:
     from huggingface_hub import constants
 
+    from engine.accounting.sizes import format_bytes
     from engine.hub.catalog import load_catalog
     from engine.hub.errors import NetworkError, OfflineError, RepoNotFoundError
+    from engine.hub.fit import assess
+    from engine.hub.found import SOURCES
     from engine.hub.local import list_cached_models
     from engine.hub.machine import probe_machine
     from engine.hub.paths import hub_cache_dir
+    from engine.process.library_service import found_models
 
     cache_dir = hub_cache_dir()
     machine = probe_machine(cache_dir)
@@ -85,13 +90,25 @@ def _list(args: argparse.Namespace) -> int:
         if not args.json:
             _print_row(row)
     for key, local in cached.items():
-        if key in catalog_ids or not (local.runnable or args.all):
+        if key in catalog_ids or local.gguf_files or not (local.runnable or args.all):
             continue
         row = {"repo": local.repo_id, "description": "", "in_catalog": False}
         try:
             row.update(_local_row(local, machine))
         except MoEScopeError as exc:
             row.update(status="downloaded", verdict=str(exc))
+        rows.append(row)
+        if not args.json:
+            _print_row(row)
+    for model in found_models(list(cached.values())):  # GGUFs in the cache, LM Studio's, Ollama's: opened in place
+        row = {"repo": model.name, "description": f"{SOURCES[model.source]}, {model.quant or 'unknown format'}",
+               "in_catalog": False, "source": model.source, "path": str(model.path),
+               "status": f"downloaded, {format_bytes(model.size_bytes)}"}
+        if model.estimate is None:
+            row["verdict"] = f"cannot run yet: {model.problem}"
+        else:
+            verdict = assess(model.estimate, machine)
+            row.update(verdict=verdict.headline, budget=verdict.budget_arg)
         rows.append(row)
         if not args.json:
             _print_row(row)
@@ -160,7 +177,9 @@ def _search(args: argparse.Namespace) -> int:
         return 0
     for h in hits:
         params = f"{h.params / 1e9:.1f}B params" if h.params else "size unknown"
-        flags = "".join([", gated" if h.gated else "", f", {h.quantization} (not runnable yet)" if h.quantization else ""])
+        quant = ", GGUF: pick a quant file (models info)" if h.gguf else (
+            f", {h.quantization} (not runnable yet)" if h.quantization else "")
+        flags = "".join([", gated" if h.gated else "", quant])
         print(f"{h.repo_id:55s} {h.model_type:14s} {params:>16s}  {h.downloads:>9d} downloads{flags}")
     print("sizes and fit for this machine: moescope models info ORG/NAME", file=sys.stderr)
     return 0
@@ -181,7 +200,8 @@ def _info(args: argparse.Namespace) -> int:
         print(json.dumps({"model": fit.source, "estimate": asdict(est), "verdict": asdict(fit.verdict),
                           "machine": asdict(fit.machine), "gated": fit.gated, "missing_bytes": fit.missing_bytes}))
         return 0
-    print(f"model            {fit.source} ({est.architecture}, {est.model_type})")
+    quant = f", {fit.quant} of {len(fit.quants)} quant files below" if fit.quants else ""
+    print(f"model            {fit.source} ({est.architecture}, {est.model_type}{quant})")
     print(f"parameters       {_count(est.total_params)} total, {_count(est.active_params)} active per token")
     if est.num_moe_layers:
         print(f"experts          {est.num_experts} per layer x {est.num_moe_layers} MoE layers, top-{est.top_k}; "
@@ -199,6 +219,9 @@ def _info(args: argparse.Namespace) -> int:
         for verdict in formats[1:]:  # the original is the verdict above
             print(f"  {verdict.words:<6s} experts {format_bytes(verdict.estimate.all_expert_bytes):>10s}: "
                   f"{verdict.verdict.headline} (--expert-format {verdict.format})")
+    for quant in fit.quants:  # a GGUF repo: the verdict above is the recommended file's
+        here = "downloaded" if quant.local_path else f"--quant {quant.label}"
+        print(f"  {quant.label:<10s} {format_bytes(quant.size):>10s}: {quant.verdict.headline} ({here})")
     for line in fit.notes:
         print(f"note             {line}")
     return 0
@@ -229,10 +252,16 @@ def _download(args: argparse.Namespace) -> int:
     from engine.hub.fit import remote_fit
     from engine.hub.machine import probe_machine
     from engine.hub.paths import hub_cache_dir
+    from engine.hub.remote_gguf import pick_choice
 
     cache_dir = hub_cache_dir()
     fit = remote_fit(args.repo, args.revision, probe_machine(cache_dir), cache_dir)
     remote, est, verdict = fit.remote, fit.estimate, fit.verdict
+    if fit.quants:  # a GGUF repo: only the quant file (set) asked for
+        choice = pick_choice(remote, args.quant or "")
+        remote.files = choice.files
+        picked = next(q for q in fit.quants if q.label == choice.label)
+        est, verdict = picked.estimate, picked.verdict
     print(f"{args.repo}: {verdict.headline}", file=sys.stderr)
     if est.problem and not args.force:
         raise HubError(f"MoEScope cannot run '{args.repo}' ({est.problem}); pass --force to download it anyway")

@@ -103,8 +103,9 @@ def download_model(
     cache_dir = cache_dir or hub_cache_dir()
     endpoint = endpoint or hub_endpoint()
     remote = remote or fetch_remote(repo_id, revision=revision, endpoint=endpoint, token=token, cache_dir=cache_dir)
-    if not any(f.name.endswith(".safetensors") for f in remote.files):
-        raise HubError(f"'{repo_id}' has no safetensors weights; MoEScope only downloads safetensors checkpoints")
+    if not any(f.name.endswith((".safetensors", ".gguf")) for f in remote.files):
+        what = "pick one of its quant files" if remote.gguf_files else "MoEScope downloads safetensors checkpoints"
+        raise HubError(f"'{repo_id}' has no safetensors weights to fetch; {what}")
     plan = plan_download(remote, cache_dir)
     free = disk_free(cache_dir) if free_disk_bytes is None else free_disk_bytes
     if plan.missing_bytes > free:
@@ -136,7 +137,8 @@ def download_model(
     _write_ref(repo_folder(cache_dir, repo_id), revision, remote.sha)
     _verify(repo_id, plan.snapshot, [f.name for f in plan.missing])
     tracker.emit(finished=True)
-    return plan.snapshot
+    ggufs = [f.name for f in remote.files if f.name.endswith(".gguf")]
+    return plan.snapshot / sorted(ggufs)[0] if ggufs else plan.snapshot  # a GGUF opens as its (first) file
 
 
 def format_eta(seconds: float) -> str:
@@ -276,13 +278,18 @@ def _write_ref(folder: Path, revision: str, sha: str) -> None:
 
 
 def _verify(repo_id: str, snapshot: Path, names: list[str]) -> None:
-    """Read every new safetensors header: a truncated or corrupt shard is named now, not at load time."""
+    """Read every new safetensors header and the GGUF's (every part): a truncated or corrupt file is named
+    now, not at load time."""
+    from engine.hub.gguf_info import read_header
     from engine.model.checkpoint import read_safetensors_header
 
-    for name in names:
-        if name.endswith(".safetensors"):
-            try:
+    ggufs = sorted(name for name in names if name.endswith(".gguf"))
+    try:
+        for name in names:
+            if name.endswith(".safetensors"):
                 read_safetensors_header(snapshot / name)
-            except CheckpointError as exc:
-                raise HubError(f"{exc} (the broken copy stays in the cache until you run "
-                               f"`moescope models remove {repo_id} --yes`)") from None
+        if ggufs:
+            read_header(snapshot / ggufs[0])
+    except CheckpointError as exc:
+        raise HubError(f"{exc} (the broken copy stays in the cache until you run "
+                       f"`moescope models remove {repo_id} --yes`)") from None

@@ -10,6 +10,7 @@ from engine.accounting.sizes import format_bytes
 from engine.formats.blocks import FORMATS, parse_format
 from engine.hub.estimate import CONTEXT_TOKENS, SizeEstimate, estimate_from_config
 from engine.hub.machine import MachineInfo
+from engine.hub.supported import SHORT_DTYPES
 
 GiB = 1024**3
 MiB = 1024**2
@@ -110,7 +111,6 @@ def _run_verdict(est: SizeEstimate, m: MachineInfo) -> FitVerdict:
 
 FORMAT_CHOICES = ("original", "q8_0", "q6_k", "q4_k", "q3_k", "q2_k")  # most precise first, as the window offers them
 WHOLE = ("fits-gpu", "fits-ram")
-SHORT_DTYPES = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32"}
 
 
 @dataclass
@@ -182,6 +182,18 @@ def budget_arg(nbytes: int, est: SizeEstimate) -> str:
 
 
 @dataclass
+class QuantFit:
+    """One quant file (or split set) of a GGUF repo with its own verdict."""
+
+    label: str  # Q4_K_M ...
+    files: list[str]
+    size: int
+    estimate: SizeEstimate
+    verdict: FitVerdict
+    local_path: Path | None  # its first file in the HF cache, when every part is there
+
+
+@dataclass
 class ModelFit:
     """Everything the CLI's `models info` and the window's library show about one model on this machine."""
 
@@ -194,6 +206,8 @@ class ModelFit:
     local_path: Path | None = None  # a complete checkpoint folder, ready to load
     gated: bool = False
     remote: object | None = None  # engine.hub.remote's look-up, when the Hub was asked
+    quants: list[QuantFit] = field(default_factory=list)  # a GGUF repo's choices, smallest first
+    quant: str = ""  # the choice `estimate` and `verdict` describe (the recommended one)
 
     @property
     def formats(self) -> list[FormatVerdict]:
@@ -217,12 +231,19 @@ def fit_model(ref: str, *, revision: str = "main", cache_dir: Path | None = None
     cache_dir = cache_dir or hub_cache_dir()
     machine = probe_machine(cache_dir)
     folder = Path(ref).expanduser()
+    if folder.is_file():  # a GGUF file (LM Studio's, Ollama's blob, a download): sized from its header
+        from engine.hub.gguf_info import estimate_gguf, read_header
+
+        header = read_header(folder)
+        est = estimate_gguf(header)
+        files = f"{format_bytes(header.file_bytes)} {header.quant} GGUF in {folder}"
+        return ModelFit(str(folder), est, assess(est, machine), machine, files, local_path=folder)
     if folder.exists():
         est = estimate_folder(folder)
         files = f"{format_bytes(est.download_bytes or 0)} of weights in {folder}"
         return ModelFit(str(folder), est, assess(est, machine), machine, files, local_path=folder)
     cached = find_cached(ref, cache_dir)
-    if cached is not None and cached.complete:
+    if cached is not None and cached.complete and not cached.gguf_files:  # a GGUF repo: the Hub lists its choices
         est = estimate_folder(cached.snapshot)
         files = f"downloaded: {format_bytes(cached.size_on_disk)} in the cache at {cached.snapshot}"
         return ModelFit(ref, est, assess(est, machine), machine, files, local_path=cached.snapshot)
@@ -244,12 +265,70 @@ def remote_fit(repo_id: str, revision: str, machine: MachineInfo, cache_dir: Pat
     from engine.hub.remote import fetch_remote
 
     remote = fetch_remote(repo_id, revision=revision, cache_dir=cache_dir)
+    if remote.gguf_files:
+        return gguf_repo_fit(remote, machine, cache_dir)
     est = estimate_from_config(remote.config, weight_file_bytes=remote.weight_bytes)
     est.notes.extend(remote.notes)
     plan = plan_download(remote, cache_dir)
     verdict = assess(est, machine, missing_bytes=plan.missing_bytes)
     return ModelFit(repo_id, est, verdict, machine, _files_line(plan), plan.missing_bytes, gated=remote.gated,
                     remote=remote)
+
+
+def gguf_repo_fit(remote, machine: MachineInfo, cache_dir: Path) -> ModelFit:
+    """A GGUF repo: a verdict per quant file. One header is read (a downloaded choice's, else the smallest
+    single file's first bytes from the Hub); the others are sized from it by file size."""
+    from dataclasses import replace
+
+    from engine.hub.download import plan_download
+    from engine.hub.errors import HubError, translate
+    from engine.hub.gguf_info import estimate_gguf, read_header, scaled_estimate
+    from engine.hub.paths import hub_endpoint
+    from engine.hub.remote_gguf import fetch_header, gguf_choices
+
+    choices = gguf_choices(remote.gguf_files)
+    if not choices:
+        raise HubError(f"'{remote.repo_id}' holds no GGUF model files (only vision projectors); pick another repo")
+    plans = [plan_download(replace(remote, files=c.files), cache_dir) for c in choices]
+    local = {c.label: plan.snapshot / c.first for c, plan in zip(choices, plans, strict=True) if not plan.missing}
+    base = next((c for c in choices if c.label in local), None) or next((c for c in choices if len(c.files) == 1),
+                                                                        choices[0])
+    if base.label in local:
+        header = read_header(local[base.label])
+    else:
+        endpoint = hub_endpoint()
+        try:
+            header = fetch_header(remote.repo_id, remote.sha, base, endpoint=endpoint)
+        except Exception as exc:
+            raise translate(exc, remote.repo_id, endpoint=endpoint, what="look-up") from None
+    base_est = estimate_gguf(header)
+    base_est.download_bytes = base.size
+    quants = []
+    for choice, plan in zip(choices, plans, strict=True):
+        if choice.label in local and choice is not base:
+            est = estimate_gguf(read_header(local[choice.label]))
+        elif choice is base:
+            est = base_est
+        else:
+            est = scaled_estimate(base_est, choice.size, choice.label, base.label)
+        verdict = assess(est, machine, missing_bytes=plan.missing_bytes)
+        quants.append(QuantFit(choice.label, [f.name for f in choice.files], choice.size, est, verdict,
+                               local.get(choice.label)))
+    pick = recommended_quant(quants)
+    files = (f"{pick.label}: downloaded in the cache at {pick.local_path}" if pick.local_path else
+             f"{len(quants)} quant files; {pick.label}: download {format_bytes(pick.size)}")
+    return ModelFit(remote.repo_id, pick.estimate, pick.verdict, machine, files,
+                    0 if pick.local_path else pick.size, local_path=pick.local_path, gated=remote.gated,
+                    remote=remote, quants=quants, quant=pick.label)
+
+
+def recommended_quant(quants: list[QuantFit]) -> QuantFit:
+    """The most precise (largest) choice that fits whole, else the largest that runs, else the smallest."""
+    for kinds in (WHOLE, ("offload",)):
+        runs = [q for q in quants if q.verdict.kind in kinds]
+        if runs:
+            return max(runs, key=lambda q: q.size)
+    return quants[0]
 
 
 def _files_line(plan) -> str:

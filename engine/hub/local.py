@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from engine.errors import CheckpointError
@@ -25,6 +25,7 @@ class CachedModel:
     config: dict | None
     complete: bool  # every weight file the index names is there
     problem: str | None  # why the engine cannot run it, None when it can
+    gguf_files: list[Path] = field(default_factory=list)  # a GGUF repo's model files here (split sets by part 1)
 
     @property
     def runnable(self) -> bool:
@@ -73,6 +74,12 @@ def resolve_model(ref: str, cache_dir: Path | None = None) -> Path:
         return path
     if REPO_ID.match(ref):
         cached = find_cached(ref, cache_dir)
+        if cached is not None and len(cached.gguf_files) == 1:
+            return cached.gguf_files[0]
+        if cached is not None and cached.gguf_files:
+            names = ", ".join(str(f.relative_to(cached.snapshot)) for f in cached.gguf_files)
+            raise CheckpointError(f"'{ref}' holds several GGUF files; pass the path of the one to open ({names} "
+                                  f"in {cached.snapshot})")
         if cached is not None and cached.complete:
             return cached.snapshot
         raise CheckpointError(f"'{ref}' is not downloaded yet; get it with `moescope models download {ref}`")
@@ -116,12 +123,22 @@ def _describe(repo_id: str, snapshot: Path, commit: str, refs: list[str], size: 
         except (json.JSONDecodeError, UnicodeDecodeError, OSError):
             config = None
     complete = _weights_complete(snapshot)
+    if config is None and (ggufs := cached_ggufs(snapshot)):  # one entry per quant file (engine.hub.found)
+        return CachedModel(repo_id, snapshot, commit, refs, size, None, True, None, ggufs)
     problem = "no readable config.json" if config is None else config_problem(config)
     if problem is None and not any(snapshot.glob("*.safetensors")):
         problem = "no safetensors weights downloaded"
     elif problem is None and not complete:
         problem = "download incomplete: run `moescope models download` again"
     return CachedModel(repo_id, snapshot, commit, refs, size, config, complete, problem)
+
+
+def cached_ggufs(snapshot: Path) -> list[Path]:
+    """The GGUF model files of a snapshot, in sub-folders too (repos keep a folder per quant)."""
+    from engine.hub.lmstudio import model_files
+
+    folders = sorted({p.parent for p in snapshot.rglob("*.gguf")})
+    return [f for folder in folders for f in model_files(folder) if f.exists()]  # exists(): skips broken links
 
 
 def _weights_complete(snapshot: Path) -> bool:

@@ -41,6 +41,7 @@ class RemoteModel:
     files: list[RemoteFile]  # the files a download fetches
     config: dict
     notes: list[str] = field(default_factory=list)
+    gguf_files: list[RemoteFile] = field(default_factory=list)  # a GGUF repo's .gguf files (engine.hub.remote_gguf)
 
     @property
     def weight_bytes(self) -> int | None:
@@ -60,6 +61,7 @@ class SearchHit:
     downloads: int
     gated: bool
     quantization: str | None
+    gguf: bool = False  # a GGUF repo: one file (or split set) per quant type to pick from
 
 
 def check_repo_id(repo_id: str) -> None:
@@ -80,8 +82,11 @@ def fetch_remote(
     try:
         info = HfApi(endpoint=endpoint, token=token).model_info(repo_id, revision=revision, files_metadata=True)
         siblings = {s.rfilename: s for s in info.siblings or []}
+        ggufs = [_remote_file(s) for name, s in siblings.items() if name.lower().endswith(".gguf")]
+        if "config.json" not in siblings and ggufs:  # a GGUF repo: the user picks a quant file
+            return RemoteModel(repo_id, str(info.sha), bool(info.gated), [], {}, gguf_files=ggufs)
         if "config.json" not in siblings:
-            raise HubError(f"'{repo_id}' has no config.json; it is not a transformers model MoEScope can run")
+            raise HubError(f"'{repo_id}' has no config.json and no GGUF files; it is not a model MoEScope can run")
 
         def fetch_json(name: str) -> dict:
             path = hf_hub_download(repo_id, name, revision=info.sha, cache_dir=cache_dir, endpoint=endpoint, token=token)
@@ -91,15 +96,16 @@ def fetch_remote(
         index = fetch_json(INDEX_FILE) if INDEX_FILE in siblings else None
     except Exception as exc:
         raise translate(exc, repo_id, endpoint=endpoint, what="look-up") from None
-    files = [
-        RemoteFile(s.rfilename, s.lfs.size if s.lfs else s.size, s.lfs.sha256 if s.lfs else s.blob_id)
-        for s in siblings.values()
-        if s.rfilename in select_files(list(siblings), index)
-    ]
+    files = [_remote_file(s) for s in siblings.values() if s.rfilename in select_files(list(siblings), index)]
     model = RemoteModel(repo_id, str(info.sha), bool(info.gated), files, config)
     if not any(f.name.endswith(".safetensors") for f in files):
         model.notes.append("the repo has no safetensors weights at its top level; MoEScope cannot download it")
     return model
+
+
+def _remote_file(sibling) -> RemoteFile:
+    lfs = sibling.lfs
+    return RemoteFile(sibling.rfilename, lfs.size if lfs else sibling.size, lfs.sha256 if lfs else sibling.blob_id)
 
 
 def select_files(names: list[str], index: dict | None) -> list[str]:
@@ -118,8 +124,11 @@ def select_files(names: list[str], index: dict | None) -> list[str]:
 def search_models(
     text: str, *, limit: int = 20, endpoint: str | None = None, token: str | bool | None = None, scan: int = 200,
 ) -> list[SearchHit]:
-    """Hub text search, most downloaded first, keeping model types the engine runs offloaded."""
+    """Hub text search, most downloaded first, keeping model types the engine runs offloaded (checkpoints
+    and GGUF repos)."""
     from huggingface_hub import HfApi
+
+    from engine.hub.gguf_info import GGUF_ARCHITECTURES, searchable_gguf
 
     endpoint = endpoint or hub_endpoint()
     supported = supported_model_types()
@@ -127,13 +136,18 @@ def search_models(
     try:
         api = HfApi(endpoint=endpoint, token=token)
         for info in api.list_models(search=text, sort="downloads", limit=scan,
-                                    expand=["config", "safetensors", "downloads", "gated"]):
+                                    expand=["config", "safetensors", "downloads", "gguf", "gated"]):
             config = info.config or {}
-            if config.get("model_type") not in supported:
+            arch = str((info.gguf or {}).get("architecture") or "")
+            if config.get("model_type") in supported:
+                params = info.safetensors.total if info.safetensors else None
+                hits.append(SearchHit(info.id, config["model_type"], params, info.downloads or 0, bool(info.gated),
+                                      quantization_of(config)))
+            elif arch and searchable_gguf(arch, info.id):
+                hits.append(SearchHit(info.id, GGUF_ARCHITECTURES[arch], (info.gguf or {}).get("total"),
+                                      info.downloads or 0, bool(info.gated), "GGUF", gguf=True))
+            else:
                 continue
-            params = info.safetensors.total if info.safetensors else None
-            hits.append(SearchHit(info.id, config["model_type"], params, info.downloads or 0, bool(info.gated),
-                                  quantization_of(config)))
             if len(hits) >= limit:
                 break
     except Exception as exc:

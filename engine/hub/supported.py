@@ -11,6 +11,7 @@ from functools import cache
 from pathlib import Path
 
 DECORATOR = "@use_experts_implementation"
+SHORT_DTYPES = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32"}
 
 
 @cache
@@ -44,6 +45,14 @@ def quantization_of(config: dict) -> str | None:
     if isinstance(quant, dict):
         return str(quant.get("quant_method") or quant.get("format") or "quantized")
     return "quantized"
+
+
+def checkpoint_quant(config: dict) -> str:
+    """The weights' format from a config.json, in a word: its quantization (MXFP4, FP8) or its dtype (bf16)."""
+    if quant := quantization_of(config):
+        return quant.upper()
+    dtype = str(config.get("torch_dtype") or config.get("dtype") or "")
+    return SHORT_DTYPES.get(dtype, dtype)
 
 
 def config_problem(config: dict) -> str | None:

@@ -50,7 +50,7 @@ class LibraryService:
         elif isinstance(command, p.EstimateModel):
             self.send(estimate_model(command.repo_id))
         elif isinstance(command, p.DownloadModel):
-            self.start_download(command.repo_id)
+            self.start_download(command.repo_id, command.quant)
         elif isinstance(command, p.CancelDownload):
             self.cancel_download(command.repo_id)
         else:
@@ -62,7 +62,7 @@ class LibraryService:
         with self._lock:
             return self._download.repo_id if self._download is not None else None
 
-    def start_download(self, repo_id: str) -> None:
+    def start_download(self, repo_id: str, quant: str = "") -> None:
         from engine.hub.remote import check_repo_id
 
         check_repo_id(repo_id)
@@ -71,7 +71,7 @@ class LibraryService:
                 raise DownloadBusy(f"'{self._download.repo_id}' is still downloading; wait for it to finish or "
                                    f"cancel it before downloading '{repo_id}'")
             cancel = threading.Event()
-            thread = threading.Thread(target=self._run_download, args=(repo_id, cancel), name="moescope-download",
+            thread = threading.Thread(target=self._run_download, args=(repo_id, quant, cancel), name="moescope-download",
                                       daemon=True)  # never keeps a closing engine alive
             self._download = _Download(repo_id, cancel, thread)
         thread.start()
@@ -92,10 +92,10 @@ class LibraryService:
             current.cancel.set()
             current.thread.join(JOIN_S)
 
-    def _run_download(self, repo_id: str, cancel: threading.Event) -> None:
+    def _run_download(self, repo_id: str, quant: str, cancel: threading.Event) -> None:
         request_id = p.library_request_id("download", repo_id)
         try:
-            path = _download(repo_id, cancel, self._send)
+            path = _download(repo_id, quant, cancel, self._send)
             event: object = p.DownloadFinished(repo_id, str(path))
         except MoEScopeError as exc:
             event = p.Error(exc.kind, str(exc), True, request_id)
@@ -117,9 +117,12 @@ class LibraryService:
 
 
 def list_library() -> list[p.LibraryEntry]:
-    """Catalog entries (with their cache state), then runnable cached models not in the catalog."""
+    """Catalog entries (with their cache state), then runnable cached models not in the catalog, then the
+    MoE models LM Studio and Ollama downloaded, each with its verdict (their headers are read here)."""
     from engine.hub.catalog import load_catalog
     from engine.hub.local import list_cached_models
+    from engine.hub.machine import probe_machine
+    from engine.hub.paths import hub_cache_dir
 
     cached = {m.repo_id.lower(): m for m in list_cached_models(include_all=True)}
     entries = []
@@ -130,9 +133,43 @@ def list_library() -> list[p.LibraryEntry]:
             _mark_cached(entry, local)
         entries.append(entry)
     for local in cached.values():
-        if local.runnable:
+        if local.runnable and not local.gguf_files:
             entries.append(_mark_cached(p.LibraryEntry(local.repo_id, "in the Hugging Face cache", "cache"), local))
-    return entries
+    found = found_models(list(cached.values()))
+    if not found:
+        return entries
+    machine = probe_machine(hub_cache_dir())
+    return entries + [_found_entry(model, machine) for model in found]
+
+
+def found_models(cached: list) -> list:
+    """Model files to open where they lie: GGUF files in the HF cache (one per quant file), then LM Studio's
+    and Ollama's MoE models (dense ones left out)."""
+    from engine.hub.found import describe_gguf
+    from engine.hub.lmstudio import list_lmstudio
+    from engine.hub.ollama import list_ollama
+
+    ggufs = [describe_gguf("cache", f"{local.repo_id}/{f.relative_to(local.snapshot)}", f)
+             for local in cached for f in local.gguf_files]
+    return [m for m in ggufs + list_lmstudio() + list_ollama() if m.moe]
+
+
+def _found_entry(model, machine) -> p.LibraryEntry:
+    from engine.hub.fit import assess
+    from engine.hub.found import SOURCES
+
+    where = "in the Hugging Face cache" if model.source == "cache" else f"downloaded by {SOURCES[model.source]}"
+    entry = p.LibraryEntry(str(model.path), where, model.source,
+                           downloaded=True, local_path=str(model.path) if model.estimate else None,
+                           size_bytes=model.size_bytes, problem=model.problem, title=model.name, quant=model.quant)
+    if model.estimate is not None:
+        entry.model_type = model.estimate.model_type
+        entry.params = model.estimate.total_params
+        verdict = assess(model.estimate, machine)
+        entry.fit_kind, entry.fit_headline = verdict.kind, verdict.headline
+    else:
+        entry.fit_kind, entry.fit_headline = "unsupported", f"cannot run yet: {model.problem}"
+    return entry
 
 
 def search_library(text: str, limit: int = 30) -> list[p.LibraryEntry]:
@@ -148,10 +185,13 @@ def search_library(text: str, limit: int = 30) -> list[p.LibraryEntry]:
     if REPO_ID.match(text) and text.lower() not in {h.repo_id.lower() for h in hits}:
         entries.append(p.LibraryEntry(text, "a Hub id: select it to look it up", "search"))
     for hit in hits:
-        problem = f"{hit.quantization} quantized weights are not supported by MoEScope yet" if hit.quantization else None
-        entries.append(p.LibraryEntry(hit.repo_id, f"{hit.model_type} on the Hub", "search", params=hit.params,
-                                      model_type=hit.model_type, downloads=hit.downloads, gated=hit.gated,
-                                      problem=problem))
+        problem = None
+        if hit.quantization and not hit.gguf:
+            problem = f"{hit.quantization} quantized weights are not supported by MoEScope yet"
+        what = f"{hit.model_type} GGUF on the Hub: pick a quant file" if hit.gguf else f"{hit.model_type} on the Hub"
+        entries.append(p.LibraryEntry(hit.repo_id, what, "search", params=hit.params, model_type=hit.model_type,
+                                      downloads=hit.downloads, gated=hit.gated, problem=problem,
+                                      quant="GGUF" if hit.gguf else ""))
     for entry in entries:
         if (local := cached.get(entry.repo_id.lower())) is not None:
             _mark_cached(entry, local)
@@ -159,7 +199,12 @@ def search_library(text: str, limit: int = 30) -> list[p.LibraryEntry]:
 
 
 def _mark_cached(entry: p.LibraryEntry, local) -> p.LibraryEntry:
+    from engine.hub.supported import checkpoint_quant
+
     entry.size_bytes = local.size_on_disk
+    if local.gguf_files:  # a GGUF repo: its quant files are entries of their own; the repo stays to pick more
+        return entry
+    entry.quant = checkpoint_quant(local.config or {})
     entry.model_type = str((local.config or {}).get("model_type") or entry.model_type)
     entry.downloaded = local.complete
     entry.partial = not local.complete
@@ -187,23 +232,30 @@ def estimate_model(repo_id: str) -> p.FitEstimateReady:
         formats=[p.FormatFit(f.format, f.verdict.kind, f.verdict.headline, f.verdict.budget_arg, f.verdict.budget_bytes,
                              f.estimate.all_expert_bytes, f.estimate.min_budget_bytes) for f in formats],
         format_summary=format_summary(formats),
+        quants=[p.QuantFit(q.label, q.files, q.size, q.verdict.kind, q.verdict.headline, q.verdict.budget_arg,
+                           str(q.local_path) if q.local_path else None) for q in fit.quants],
+        quant=fit.quant,
     )
 
 
-def _download(repo_id: str, cancel: threading.Event, send: Callable[[object], None]):
-    """Look the repo up, refuse what the engine cannot run, fetch it; returns the snapshot folder."""
+def _download(repo_id: str, quant: str, cancel: threading.Event, send: Callable[[object], None]):
+    """Look the repo up, refuse what the engine cannot run, fetch it (a GGUF repo: the one quant file
+    set picked); returns the snapshot folder, or the GGUF file to open."""
     from huggingface_hub import constants
 
     from engine.hub.download import download_model
     from engine.hub.errors import HubError
     from engine.hub.remote import fetch_remote
+    from engine.hub.remote_gguf import pick_choice
     from engine.hub.supported import config_problem
 
     constants.DOWNLOAD_CHUNK_SIZE = min(constants.DOWNLOAD_CHUNK_SIZE, CHUNK_BYTES)
     send(p.DownloadProgress(repo_id, 0, 0, 0.0, None, f"looking up {repo_id}…"))
     remote = fetch_remote(repo_id)
+    if remote.gguf_files:
+        remote.files = pick_choice(remote, quant).files
     # config_problem only (no meta-model estimate here: that patches torch globally, unsafe beside a load)
-    if problem := config_problem(remote.config):
+    elif problem := config_problem(remote.config):
         raise HubError(f"MoEScope cannot run '{repo_id}' ({problem}), so it is not downloaded")
 
     def on_progress(progress) -> None:

@@ -3,7 +3,7 @@
 Bound to 127.0.0.1 on a random port; it stops when the test ends (context manager) or, at the
 latest, after `lifetime_s`. It answers as the real Hub does (see huggingface_hub/file_download.py):
 
-- GET /api/models?search=...                      search results (id, config, downloads, gated, safetensors)
+- GET /api/models?search=...                      search results (id, config, downloads, gated, safetensors, gguf)
 - GET /api/models/{repo}[/revision/{rev}]         repo info: sha, gated, siblings (sizes, blob ids, LFS sha256)
 - HEAD|GET /{repo}/resolve/{rev}/{file}          X-Repo-Commit, ETag / X-Linked-Etag, Content-Length /
                                                   X-Linked-Size, Accept-Ranges; Range -> 206 + Content-Range
@@ -24,7 +24,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from urllib.parse import parse_qs, unquote, urlsplit
 
-LFS_SUFFIXES = (".safetensors", ".bin", ".pt")
+LFS_SUFFIXES = (".safetensors", ".bin", ".pt", ".gguf")
 
 
 @dataclass
@@ -53,6 +53,7 @@ class FakeRepo:
     sha: str = field(default_factory=lambda: uuid.uuid4().hex + uuid.uuid4().hex[:8])
     gated: bool = False
     downloads: int = 0
+    gguf: dict | None = None  # the Hub's GGUF summary of a GGUF repo: {"architecture": ..., "total": ...}
 
     @property
     def config(self) -> dict:
@@ -164,7 +165,8 @@ class _Handler(BaseHTTPRequestHandler):
         self._json([
             {"id": r.repo_id, "config": {k: r.config.get(k) for k in ("model_type", "architectures", "quantization_config") if k in r.config},
              "downloads": r.downloads, "gated": "manual" if r.gated else False,
-             "safetensors": {"parameters": {"F32": self._params(r)}, "total": self._params(r)}}
+             "safetensors": {"parameters": {"F32": self._params(r)}, "total": self._params(r)},
+             **({"gguf": r.gguf} if r.gguf else {})}
             for r in hits[:limit]
         ])
 
