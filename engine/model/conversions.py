@@ -59,11 +59,11 @@ class DenseConversion:
         try:
             converted = converter.convert(self.target, model=model, config=model.config)
         except (ValueError, RuntimeError, TypeError, IndexError, KeyError, AttributeError) as exc:
-            first = ordered[0][1].name
-            more = f" (and {len(ordered) - 1} more)" if len(ordered) > 1 else ""
+            names = ", ".join(f"'{record.name}'" for _, record in ordered[:3])
+            more = f" and {len(ordered) - 3} more" if len(ordered) > 3 else ""
             raise CheckpointError(
-                f"cannot convert '{first}'{more} into '{self.target}' with transformers' {describe(self.converter)}: "
-                f"{exc}; this transformers version may not match the checkpoint"
+                f"cannot convert {names}{more} into '{self.target}' with transformers' {describe(self.converter)} "
+                f"({str(exc).rstrip('.')}); check that the checkpoint is complete and matches its config.json"
             ) from None
         return {key: value[0] if isinstance(value, list) else value for key, value in converted.items()}
 
