@@ -1,6 +1,7 @@
 """Checkpoints whose published layout needs transformers' weight conversions load exactly (issue 24):
 dense weights built by a converter (Bailing-hybrid and Kimi-Linear conv kernels, Qwen4-exp's sharded
-n-gram embedding) and fused experts with interleaved gate/up rows (Inkling-2)."""
+n-gram embedding, Sarvam-MoE's fused q/k/v split in three) and fused experts with interleaved
+gate/up rows (Inkling-2)."""
 
 from __future__ import annotations
 
@@ -24,6 +25,7 @@ DENSE = {  # family -> the model weight a converter builds
     "bailing_hybrid": "model.layers.0.self_attn.conv1d.weight",
     "kimi_linear": "model.layers.0.self_attn.conv1d.weight",
     "qwen4_exp_text": "model.layers.0.ple.ple_embedding.ngram_embedding.weight",
+    "sarvam_moe": "model.layers.0.self_attn.q_proj.weight",  # and k_proj, v_proj: one source, three weights
 }
 
 

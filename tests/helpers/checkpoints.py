@@ -66,6 +66,11 @@ CONVERTED_FAMILIES: dict[str, dict] = {
         indexer_n_heads=2, indexer_kv_heads=1, indexer_head_dim=8, indexer_budget=64, indexer_compress_ratio=4,
         ple_layer_ids=[1], ngram_vocab_size_base=1000, split_ngram_parts=4, heads_per_ngram=2,  # ids are 1-based
     ),
+    "sarvam_moe": dict(  # one fused q/k/v matrix on disk, split by size into q_proj, k_proj, v_proj (GQA)
+        model_type="sarvam_moe", hidden_size=32, intermediate_size=64, moe_intermediate_size=16, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=8, num_experts=8, num_experts_per_tok=2,
+        first_k_dense_replace=0, n_group=2, topk_group=1,
+    ),
     "inkling2_text": dict(  # fused experts with gate/up rows interleaved (`w13_weight`), a padded head
         model_type="inkling2_text", hidden_size=32, intermediate_size=64, moe_intermediate_size=16,
         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=8, n_routed_experts=8,
