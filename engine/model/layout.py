@@ -13,17 +13,12 @@ from pathlib import Path
 
 import torch
 from transformers.conversion_mapping import get_model_conversion_mapping
-from transformers.core_model_loading import (
-    Concatenate,
-    MergeModulelist,
-    WeightConverter,
-    WeightRenaming,
-    rename_source_key,
-)
+from transformers.core_model_loading import WeightConverter, WeightRenaming, rename_source_key
 
 from engine.errors import CheckpointError, NotMoEError
 from engine.formats.blocks import BlockFormat, format_for, formats_that_fit
 from engine.model.checkpoint import CheckpointFiles, TensorRecord
+from engine.model.conversions import DenseConversion, expert_source
 from engine.model.dtypes import torch_dtype
 
 SLOT_ALIGN = 64  # bytes; keeps every expert matrix aligned for vector loads and DMA
@@ -69,6 +64,7 @@ class ExpertPiece:
     src_dtype: torch.dtype
     param: str
     dst_offset: int  # bytes from the start of that parameter, in the checkpoint dtype
+    interleave_dim: int | None = None  # the parameter's rows sit interleaved in pairs along this dim on disk
 
 
 @dataclass
@@ -83,6 +79,7 @@ class MoELayout:
     slot_bytes: int  # one expert, in compute dtype, aligned
     pieces: list[list[list[ExpertPiece]]]  # [moe layer][expert] -> pieces
     dense: dict[str, TensorRecord] = field(default_factory=dict)  # model key -> checkpoint tensor
+    conversions: dict[str, DenseConversion] = field(default_factory=dict)  # dense weights transformers converts
     expert_bytes_on_disk: int = 0
     compute_dtype: torch.dtype = torch.float32
     expert_format: BlockFormat | None = None  # the block format the experts are stored in; None: compute dtype
@@ -106,7 +103,7 @@ class MoELayout:
 
     @property
     def dense_bytes(self) -> int:
-        return sum(t.nbytes for t in self.dense.values())
+        return sum(t.nbytes for t in self.dense.values()) + sum(c.nbytes for c in self.conversions.values())
 
 
 def is_experts_module(module: torch.nn.Module) -> bool:
@@ -153,44 +150,48 @@ def build_layout(model: torch.nn.Module, files: CheckpointFiles, compute_dtype: 
     transforms = get_model_conversion_mapping(model)
     renamings = [t for t in transforms if isinstance(t, WeightRenaming)]
     converters = [t for t in transforms if isinstance(t, WeightConverter)]
+    converter_of = {pattern: conv for conv in converters for pattern in conv.source_patterns}
     meta_state = model.state_dict()
     pieces: list[list[list[ExpertPiece]]] = [[[] for _ in range(num_experts)] for _ in module_paths]
     dense: dict[str, TensorRecord] = {}
+    conversions: dict[str, DenseConversion] = {}
     expert_disk = 0
 
     for key, record in files.tensors.items():
         model_key, src_pattern = rename_source_key(
             key, renamings, converters, model.base_model_prefix, meta_state
         )
+        converter = converter_of[src_pattern] if src_pattern is not None else None
         owner, _, pname = model_key.rpartition(".")
         if owner in module_index and pname in param_by_name:
             expert_disk += record.nbytes
             layer = module_index[owner]
             target = param_by_name[pname]
+            source = expert_source(converter, src_pattern, key)
             src_dtype = torch_dtype(record.dtype)
-            if src_pattern is None:  # fused [E, ...] tensor on disk (GPT-OSS style): one slice per expert
-                if record.shape != (num_experts, *target.shape):
-                    raise CheckpointError(f"tensor '{key}' has shape {record.shape}, expected {(num_experts, *target.shape)}")
+            shape = record.shape[1:] if source.fused else record.shape
+            fits = bool(shape) and (shape[0] * source.parts, *shape[1:]) == target.shape
+            if not fits or (source.fused and record.shape[0] != num_experts):
+                want = f"[{num_experts}, ...] " if source.fused else ""
+                raise CheckpointError(f"tensor '{key}' has shape {record.shape}, which does not fit {want}"
+                                      f"expert parameter '{pname}' {target.shape}")
+            if source.fused:  # one [E, ...] tensor on disk: one slice per expert
                 per_expert = record.nbytes // num_experts
                 for e in range(num_experts):
-                    pieces[layer][e].append(
-                        ExpertPiece(record.file, record.offset + e * per_expert, per_expert, src_dtype, pname, 0)
-                    )
-            else:  # one tensor per expert, maybe one of several concatenated parts (gate, up)
-                part, n_parts = _converter_part(converters, src_pattern, key)
+                    pieces[layer][e].append(ExpertPiece(
+                        record.file, record.offset + e * per_expert, per_expert, src_dtype, pname,
+                        source.part * per_expert, source.interleave_dim))
+            else:  # one tensor per expert
                 expert = _expert_index(key)
-                numel = 1
-                for dim in record.shape:
-                    numel *= dim
-                if numel * n_parts * compute_dtype.itemsize != target.nbytes or expert >= num_experts:
-                    raise CheckpointError(f"tensor '{key}' does not fit expert parameter '{pname}' {target.shape}")
-                pieces[layer][expert].append(
-                    ExpertPiece(record.file, record.offset, record.nbytes, src_dtype, pname, part * record.nbytes)
-                )
-        elif src_pattern is not None:
-            raise CheckpointError(
-                f"'{key}' needs a weight conversion MoEScope does not support for dense weights yet"
-            )
+                if expert >= num_experts:
+                    raise CheckpointError(f"tensor '{key}' is expert {expert}, and the model has {num_experts}")
+                pieces[layer][expert].append(ExpertPiece(
+                    record.file, record.offset, record.nbytes, src_dtype, pname, source.part * record.nbytes,
+                    source.interleave_dim))
+        elif converter is not None:
+            if model_key in meta_state:  # else an extra the model does not use, as in from_pretrained
+                conversions.setdefault(model_key, DenseConversion(model_key, converter)).sources.append(
+                    (src_pattern, record))
         else:
             dense[model_key] = record
 
@@ -217,6 +218,7 @@ def build_layout(model: torch.nn.Module, files: CheckpointFiles, compute_dtype: 
         slot_bytes=aligned(offset),
         pieces=pieces,
         dense=dense,
+        conversions=conversions,
         expert_bytes_on_disk=expert_disk,
         compute_dtype=compute_dtype,
     )
@@ -251,20 +253,6 @@ def quantized_params(params: list[ExpertParam], fmt: BlockFormat,
         laid.append(p)
         offset += aligned(p.nbytes)
     return laid, aligned(offset), notes
-
-
-def _converter_part(converters: list[WeightConverter], src_pattern: str, key: str) -> tuple[int, int]:
-    """Which part of a concatenated expert weight this source pattern is, e.g. gate=0, up=1 of 2."""
-    for conv in converters:
-        sources = list(conv.source_patterns)
-        if src_pattern in sources:
-            ops = list(conv.operations)
-            plain_merge = len(ops) >= 1 and isinstance(ops[0], MergeModulelist) and ops[0].dim == 0
-            concat_ok = len(ops) == 1 or (len(ops) == 2 and isinstance(ops[1], Concatenate) and ops[1].dim == 1)
-            if not (plain_merge and concat_ok):
-                raise CheckpointError(f"expert weight '{key}' uses a layout conversion MoEScope does not support yet")
-            return sources.index(src_pattern), len(sources)
-    raise CheckpointError(f"no conversion rule found for expert weight '{key}'")
 
 
 def _expert_index(key: str) -> int:

@@ -8,8 +8,8 @@ dropped from the model: their bytes stay in the store and come in through the ex
 from __future__ import annotations
 
 import warnings
-from collections import defaultdict
 from collections.abc import Callable
+from contextlib import ExitStack
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -18,7 +18,7 @@ from safetensors import safe_open
 
 from engine.errors import CheckpointError, DeviceError
 from engine.model import experts_registry as experts_impl
-from engine.model.checkpoint import CheckpointFiles, open_checkpoint
+from engine.model.checkpoint import CheckpointFiles, TensorRecord, open_checkpoint
 from engine.model.dtypes import resolve_dtype
 from engine.model.layout import MoELayout, build_layout
 from engine.system import huge_pages
@@ -94,34 +94,61 @@ def build_model(
 
 
 def _load_dense(model: torch.nn.Module, layout: MoELayout, device: torch.device, progress: ProgressFn | None) -> None:
-    by_file: dict[Path, list[str]] = defaultdict(list)
-    for key, record in layout.dense.items():
-        by_file[record.file].append(key)
     total = max(1, layout.dense_bytes)
     done = 0
     state = dict(model.named_parameters(remove_duplicate=False)) | dict(model.named_buffers())
-    for file, keys in sorted(by_file.items()):
-        try:
-            with safe_open(file, framework="pt", device="cpu") as handle:
-                for key in keys:
-                    if key not in state:
-                        continue  # checkpoint extras the model does not use (e.g. unused MTP layers)
-                    target = state[key]
-                    tensor = handle.get_tensor(layout.dense[key].name).to(device=device, dtype=target.dtype)
-                    tensor = huge_pages.rehome(tensor)  # decode streams these every token
-                    if tensor.shape != target.shape:
-                        raise CheckpointError(f"'{key}' in {file.name} has shape {tuple(tensor.shape)}, the model expects {tuple(target.shape)}")
-                    _set_tensor(model, key, tensor)
-                    done += layout.dense[key].nbytes
-                    if progress:
-                        progress(done / total, f"dense weights from {file.name}")
-        except (OSError, RuntimeError) as exc:
-            raise CheckpointError(f"cannot read {file}: {exc}") from None
+
+    def place(key: str, tensor: torch.Tensor, source: str) -> None:
+        if key not in state:
+            return  # checkpoint extras the model does not use (e.g. unused MTP layers)
+        target = state[key]
+        if tensor.shape != target.shape:
+            raise CheckpointError(f"'{key}' in {source} has shape {tuple(tensor.shape)}, the model expects {tuple(target.shape)}")
+        tensor = huge_pages.rehome(tensor.to(device=device, dtype=target.dtype))  # decode streams these every token
+        _set_tensor(model, key, tensor)
+
+    with _TensorReader() as read:
+        for key, record in sorted(layout.dense.items(), key=lambda item: (item[1].file, item[1].offset)):
+            if key in state:
+                place(key, read(record), record.file.name)
+            done += record.nbytes
+            if progress:
+                progress(done / total, f"dense weights from {record.file.name}")
+        for conversion in layout.conversions.values():
+            for key, tensor in conversion.run(model, read).items():
+                place(key, tensor, conversion.sources[0][1].file.name)
+            done += conversion.nbytes
+            if progress:
+                progress(done / total, f"dense weights converted into {conversion.target}")
     if getattr(model, "lm_head", None) is not None and model.lm_head.weight.is_meta:
         model.tie_weights()
     missing = [name for name, p in model.named_parameters() if p.is_meta]
     if missing:
         raise CheckpointError(f"checkpoint is missing {len(missing)} weights, e.g. '{missing[0]}'; the download may be incomplete")
+
+
+class _TensorReader:
+    """Reads checkpoint tensors by record, each safetensors file opened once."""
+
+    def __init__(self) -> None:
+        self._stack = ExitStack()
+        self._handles: dict[Path, object] = {}
+
+    def __enter__(self) -> Callable[[TensorRecord], torch.Tensor]:
+        return self.read
+
+    def __exit__(self, *exc) -> None:
+        self._stack.close()
+
+    def read(self, record: TensorRecord) -> torch.Tensor:
+        try:
+            handle = self._handles.get(record.file)
+            if handle is None:
+                handle = self._stack.enter_context(safe_open(record.file, framework="pt", device="cpu"))
+                self._handles[record.file] = handle
+            return handle.get_tensor(record.name)
+        except (OSError, RuntimeError) as exc:
+            raise CheckpointError(f"cannot read {record.file}: {exc}") from None
 
 
 def _set_tensor(model: torch.nn.Module, key: str, tensor: torch.Tensor) -> None:

@@ -20,6 +20,7 @@ from pathlib import Path
 
 import torch
 
+from engine.model.conversions import undo_interleave
 from engine.model.layout import MoELayout
 
 ProgressFn = Callable[[float, str], None]
@@ -76,26 +77,23 @@ class DiskStore(ExpertStore):
 
     def fill_param(self, layer: int, expert: int, param_name: str, slot: torch.Tensor) -> int:
         pieces = [p for p in self.layout.pieces[layer][expert] if p.param == param_name]
-        if not self._convert:
+        interleave_dim = pieces[0].interleave_dim if pieces else None
+        if not self._convert and interleave_dim is None:
             raw = slot.numpy()
             for piece in pieces:
                 start = self._params[piece.param].offset + piece.dst_offset
                 _pread_exact(self._fd(piece.file), raw[start : start + piece.nbytes], piece.file_offset)
             return sum(p.nbytes for p in pieces)
-        # The checkpoint's dtype differs from the compute dtype: read, then convert into the slot.
-        staging: dict[str, torch.Tensor] = {}
+        # The checkpoint's dtype or row order differs from the slot's: read, then convert into the slot.
+        param = self._params[param_name]
+        staging = torch.empty(param.nbytes // param.dtype.itemsize, dtype=pieces[0].src_dtype)
+        raw = staging.view(torch.uint8).numpy()
         for piece in pieces:
-            param = self._params[piece.param]
-            buf = staging.get(piece.param)
-            if buf is None:
-                buf = torch.empty(param.nbytes // param.dtype.itemsize, dtype=piece.src_dtype)
-                staging[piece.param] = buf
-            raw = buf.view(torch.uint8).numpy()
             _pread_exact(self._fd(piece.file), raw[piece.dst_offset : piece.dst_offset + piece.nbytes], piece.file_offset)
-        for name, buf in staging.items():
-            param = self._params[name]
-            dst = slot[param.offset : param.offset + param.nbytes].view(param.dtype)
-            dst.copy_(buf)
+        value = staging.view(param.slot_shape)
+        if interleave_dim is not None:
+            value = undo_interleave(value, interleave_dim)
+        slot[param.offset : param.offset + param.nbytes].view(param.dtype).view(param.slot_shape).copy_(value)
         return sum(p.nbytes for p in pieces)
 
     def close(self) -> None:

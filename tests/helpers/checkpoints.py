@@ -43,6 +43,42 @@ FAMILIES: dict[str, dict] = {
     ),
 }
 
+# Families whose published layout needs one of transformers' weight conversions at load (saved with
+# `save_pretrained`, which writes that layout back). Each needs a few fields the shrunk sizes break:
+CONVERTED_FAMILIES: dict[str, dict] = {
+    "bailing_hybrid": dict(  # q/k/v conv kernels on disk, one `conv1d.weight` in the model
+        model_type="bailing_hybrid", hidden_size=32, intermediate_size=64, moe_intermediate_size=16,
+        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4, num_experts=8, num_experts_per_tok=2,
+        layer_types=["linear_attention", "full_attention"],  # the default (1 in 6) leaves no attention layer
+        first_k_dense_replace=0, n_group=2, topk_group=1,  # default 8 groups of 1 expert cannot pick 2 per group
+    ),
+    "kimi_linear": dict(  # q/k/v conv kernels on disk, one `conv1d.weight` in the model
+        model_type="kimi_linear", hidden_size=32, intermediate_size=64, moe_intermediate_size=16,
+        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4, num_experts=8, num_experts_per_tok=2,
+        layer_types=["linear_attention", "full_attention"],
+        linear_attn_config={"head_dim": 8, "num_heads": 4, "short_conv_kernel_size": 4},  # default 32 x 128 wide
+    ),
+    "qwen4_exp_text": dict(  # the n-gram embedding on disk in `split_ngram_parts` shards
+        model_type="qwen4_exp_text", hidden_size=32, moe_intermediate_size=16, shared_expert_intermediate_size=16,
+        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=8, num_experts=8,
+        num_experts_per_tok=2, linear_key_head_dim=8, linear_value_head_dim=8, linear_num_key_heads=2,
+        linear_num_value_heads=4, hc_count=2, hc_lowrank=8, full_attention_interval=2,
+        indexer_n_heads=2, indexer_kv_heads=1, indexer_head_dim=8, indexer_budget=64, indexer_compress_ratio=4,
+        ple_layer_ids=[1], ngram_vocab_size_base=1000, split_ngram_parts=4, heads_per_ngram=2,  # ids are 1-based
+    ),
+    "sarvam_moe": dict(  # one fused q/k/v matrix on disk, split by size into q_proj, k_proj, v_proj (GQA)
+        model_type="sarvam_moe", hidden_size=32, intermediate_size=64, moe_intermediate_size=16, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=8, num_experts=8, num_experts_per_tok=2,
+        first_k_dense_replace=0, n_group=2, topk_group=1,
+    ),
+    "inkling2_text": dict(  # fused experts with gate/up rows interleaved (`w13_weight`), a padded head
+        model_type="inkling2_text", hidden_size=32, intermediate_size=64, moe_intermediate_size=16,
+        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=8, n_routed_experts=8,
+        num_experts_per_tok=2, swa_num_attention_heads=4, swa_num_key_value_heads=2, swa_head_dim=8, d_rel=4,
+        rel_extent=64, unpadded_vocab_size=VOCAB,  # the default is the real model's 200058 rows
+    ),
+}
+
 CHAT_TEMPLATE = (
     "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}<|end|>{% endfor %}"
     "{% if add_generation_prompt %}<|assistant|>{% endif %}"
@@ -67,7 +103,7 @@ def make_tokenizer() -> PreTrainedTokenizerFast:
 
 
 def make_config(family: str, **overrides):
-    kw = dict(FAMILIES[family])
+    kw = dict(FAMILIES[family] if family in FAMILIES else CONVERTED_FAMILIES[family])
     kw.update(vocab_size=VOCAB, max_position_embeddings=256, eos_token_id=2, bos_token_id=1, pad_token_id=0)
     kw.update(overrides)
     return AutoConfig.for_model(kw.pop("model_type"), **kw)

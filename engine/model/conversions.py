@@ -1,0 +1,113 @@
+"""transformers' weight conversions, run on MoEScope's own loading path.
+
+`from_pretrained` turns some checkpoint tensors into model weights with `WeightConverter`
+operations (`transformers.core_model_loading`): q/k/v convolution kernels concatenated into one,
+n-gram embedding shards joined, per-expert matrices stacked, gate/up rows de-interleaved. MoEScope
+runs the same operations, in one place for every family:
+- dense weights: the checkpoint tensors a converter gathers for one model weight are grouped at
+  layout time (`DenseConversion`) and handed to transformers' own converter at load time;
+- expert weights: read one expert at a time, so only converters that keep each expert's bytes
+  separable are accepted (`expert_source`): stacking per-expert tensors, concatenating gate and
+  up along the expert's rows, and de-interleaving rows, which the store undoes after each read.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from copy import deepcopy
+from dataclasses import dataclass, field
+
+import torch
+from transformers.core_model_loading import (
+    Concatenate,
+    Interleave,
+    MergeModulelist,
+    WeightConverter,
+    dot_natural_key,
+)
+
+from engine.errors import CheckpointError
+from engine.model.checkpoint import TensorRecord
+
+ReadFn = Callable[[TensorRecord], torch.Tensor]
+
+
+def describe(converter: WeightConverter) -> str:
+    """The converter's operations as transformers names them, e.g. 'Interleave(dim=1), Chunk(dim=1)'."""
+    return ", ".join(repr(op) for op in converter.operations)
+
+
+@dataclass
+class DenseConversion:
+    """Dense model weights that one of transformers' converters makes from checkpoint tensors."""
+
+    target: str  # the first model key it produces (transformers groups a converter's inputs under it)
+    converter: WeightConverter  # the family's rule, never run itself: each load runs a copy
+    sources: list[tuple[str, TensorRecord]] = field(default_factory=list)  # (source pattern, tensor)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(record.nbytes for _, record in self.sources)
+
+    def run(self, model: torch.nn.Module, read: ReadFn) -> dict[str, torch.Tensor]:
+        """The model weights, by full key, computed by transformers' converter from the source tensors
+        (read in the order `from_pretrained` reads them, which sets the order of concatenated parts)."""
+        converter = deepcopy(self.converter)
+        ordered = sorted(self.sources, key=lambda source: dot_natural_key(source[1].name))
+        for pattern, record in ordered:
+            converter.add_tensor(self.target, record.name, pattern, lambda record=record: read(record))
+        try:
+            converted = converter.convert(self.target, model=model, config=model.config)
+        except (ValueError, RuntimeError, TypeError, IndexError, KeyError, AttributeError) as exc:
+            names = ", ".join(f"'{record.name}'" for _, record in ordered[:3])
+            more = f" and {len(ordered) - 3} more" if len(ordered) > 3 else ""
+            raise CheckpointError(
+                f"cannot convert {names}{more} into '{self.target}' with transformers' {describe(self.converter)} "
+                f"({str(exc).rstrip('.')}); check that the checkpoint is complete and matches its config.json"
+            ) from None
+        return {key: value[0] if isinstance(value, list) else value for key, value in converted.items()}
+
+
+@dataclass(frozen=True)
+class ExpertSource:
+    """How one checkpoint tensor holds a part of an expert parameter."""
+
+    fused: bool  # one [experts, ...] tensor for all experts, else one tensor per expert
+    part: int = 0  # which of `parts` equal row blocks of the parameter it fills (gate=0, up=1)
+    parts: int = 1
+    interleave_dim: int | None = None  # the parameter's rows are interleaved in pairs along this dim on disk
+
+
+def expert_source(converter: WeightConverter | None, pattern: str | None, key: str) -> ExpertSource:
+    """Read an expert converter's operations as a slicing rule, or say which one cannot be sliced."""
+    if converter is None:
+        return ExpertSource(fused=True)  # the checkpoint already holds the model's [experts, ...] tensor
+    ops = list(converter.operations)
+    fused = not (ops and isinstance(ops[0], MergeModulelist) and ops[0].dim == 0)
+    if not fused:
+        ops = ops[1:]
+    sources = list(converter.source_patterns)
+    part, parts, interleave_dim = 0, 1, None
+    for i, op in enumerate(ops):
+        if isinstance(op, Concatenate) and op.dim == 1 and interleave_dim is None:
+            part, parts = sources.index(pattern), len(sources)
+        elif isinstance(op, Interleave) and op.dim >= 1 and not op.inverse and i == len(ops) - 1:
+            interleave_dim = op.dim - 1  # in one expert's tensor, which has no experts dimension
+        else:
+            raise CheckpointError(
+                f"expert weight '{key}' needs transformers' {describe(converter)}, and MoEScope cannot read one "
+                f"expert at a time through {op!r}; it slices experts stacked with MergeModulelist(dim=0), joined "
+                "with Concatenate(dim=1) or interleaved with Interleave(dim>=1)"
+            )
+    if len(sources) != parts:
+        raise CheckpointError(
+            f"expert weight '{key}' is one of {len(sources)} tensors that transformers' {describe(converter)} "
+            "combines, and MoEScope can only join such tensors with Concatenate(dim=1)"
+        )
+    return ExpertSource(fused, part, parts, interleave_dim)
+
+
+def undo_interleave(tensor: torch.Tensor, dim: int) -> torch.Tensor:
+    """One expert's parameter as the model reads it, from rows interleaved in pairs along `dim`
+    (gate 0, up 0, gate 1, ...): transformers' own `Interleave` operation."""
+    return Interleave(dim=dim).convert({"w": tensor}, source_patterns=["w"], target_patterns=["w"])["w"]
