@@ -18,9 +18,10 @@ from safetensors import safe_open
 
 from engine.errors import CheckpointError, DeviceError
 from engine.model import experts_registry as experts_impl
-from engine.model.checkpoint import CheckpointFiles, open_checkpoint
+from engine.model.checkpoint import CheckpointFiles, TensorRecord, open_checkpoint
 from engine.model.dtypes import resolve_dtype
 from engine.model.layout import MoELayout, build_layout
+from engine.model.prequantized import dequantize_tensor
 from engine.system import huge_pages
 
 ProgressFn = Callable[[float, str], None]
@@ -107,7 +108,11 @@ def _load_dense(model: torch.nn.Module, layout: MoELayout, device: torch.device,
                     if key not in state:
                         continue  # checkpoint extras the model does not use (e.g. unused MTP layers)
                     target = state[key]
-                    tensor = handle.get_tensor(layout.dense[key].name).to(device=device, dtype=target.dtype)
+                    tensor = handle.get_tensor(layout.dense[key].name)
+                    if key in layout.dense_scales:  # a quantized checkpoint's dense weight: dequantized here
+                        tensor = dequantize_tensor(layout.checkpoint_quant, tensor, _read(layout.dense_scales[key]),
+                                                   target.dtype)
+                    tensor = tensor.to(device=device, dtype=target.dtype)
                     tensor = huge_pages.rehome(tensor)  # decode streams these every token
                     if tensor.shape != target.shape:
                         raise CheckpointError(f"'{key}' in {file.name} has shape {tuple(tensor.shape)}, the model expects {tuple(target.shape)}")
@@ -122,6 +127,11 @@ def _load_dense(model: torch.nn.Module, layout: MoELayout, device: torch.device,
     missing = [name for name, p in model.named_parameters() if p.is_meta]
     if missing:
         raise CheckpointError(f"checkpoint is missing {len(missing)} weights, e.g. '{missing[0]}'; the download may be incomplete")
+
+
+def _read(record: TensorRecord) -> torch.Tensor:
+    with safe_open(record.file, framework="pt", device="cpu") as handle:
+        return handle.get_tensor(record.name)
 
 
 def _set_tensor(model: torch.nn.Module, key: str, tensor: torch.Tensor) -> None:
