@@ -111,3 +111,18 @@ def test_another_quantization_method_is_refused_naming_it(checkpoints, tmp_path,
     assert moescope(["info", "--model", str(path)]) == 2
     err = capsys.readouterr().err.strip()
     assert err.count("\n") == 0 and "'awq' quantized checkpoints are not supported" in err and "MXFP4" in err
+
+
+@pytest.mark.parametrize("model", ["gpt_oss-mxfp4", "qwen3_moe-fp8"])
+def test_info_and_the_fit_estimate_count_the_checkpoints_blocks(checkpoints, model, capsys):
+    from engine.hub.local import estimate_folder
+
+    path = checkpoints[model]
+    assert moescope(["info", "--model", str(path), "--json"]) == 0
+    info = json.loads(capsys.readouterr().out)
+    assert info["expert_format"] == model.split("-")[1]
+    estimate = estimate_folder(path)  # `moescope models info` and the library's fit verdict
+    assert estimate.runnable and estimate.quantization == model.split("-")[1]
+    _, runtime = generate(path, budget="all", store="disk")
+    assert estimate.bytes_per_expert == runtime.layout.slot_bytes
+    assert estimate.all_expert_bytes == runtime.layout.all_expert_bytes == info["all_expert_bytes"]
