@@ -133,3 +133,41 @@ def test_a_matrix_that_does_not_match_its_type_is_refused(flavour):
     packed, _ = quantized("q4_k")
     with pytest.raises(RuntimeError, match="columns do not match"):
         flavour.gemv(native.weight(flavour, packed, FORMATS["q4_k"], 256), torch.zeros(1, 256, dtype=torch.bfloat16))
+
+
+def test_gpt_oss_experts_in_one_call(flavour):
+    # gpt-oss's experts (biases, interleaved gate/up, clamped SwiGLU) on MXFP4 slots, one call,
+    # against transformers' recipe on the same weights dequantized to bf16 (the engine's exact path)
+    from transformers import GptOssConfig
+    from transformers.models.gpt_oss.modeling_gpt_oss import GptOssExperts
+
+    from engine.decode.paths.native_layers import NativeExperts, clamped_swiglu_native
+    from engine.offload.expert_compute import SlotReader, torch_one_token
+
+    hidden, inter, fmt = 256, 128, checkpoint_format("mxfp4")
+    config = GptOssConfig(hidden_size=hidden, intermediate_size=inter, num_local_experts=4, num_experts_per_tok=4)
+    module = GptOssExperts(config).to(torch.bfloat16)
+    generator = torch.Generator().manual_seed(3)
+    chosen = []
+    for e in range(4):
+        chosen.append({"gate_up_proj": quantized("mxfp4", 2 * inter, hidden, seed=30 + e)[0],
+                       "gate_up_proj_bias": (torch.randn(2 * inter, generator=generator) * 0.1).to(torch.bfloat16),
+                       "down_proj": quantized("mxfp4", hidden, inter, seed=40 + e)[0],
+                       "down_proj_bias": (torch.randn(hidden, generator=generator) * 0.1).to(torch.bfloat16)})
+    from engine.model.layout import ExpertParam
+
+    params = [ExpertParam("gate_up_proj", (hidden, 2 * inter), torch.uint8, 0, 0, fmt, True),
+              ExpertParam("down_proj", (inter, hidden), torch.uint8, 0, 0, fmt, True)]
+    reader = SlotReader(params, torch.bfloat16)
+    assert clamped_swiglu_native(module, reader)  # the native kernel runs them, not torch's
+    x = (torch.randn(1, hidden, generator=generator) * 2).to(torch.bfloat16)
+    route = torch.softmax(torch.randn(4, generator=generator), dim=0).to(torch.bfloat16)
+    reference = torch_one_token(module, x, chosen, route, torch.bfloat16, reader)
+    flavour.set_integer_dots(False)  # the float loops: the reference's weights, summed in another order
+    try:
+        ours = NativeExperts(flavour)(module, x, chosen, route, torch.bfloat16, reader)
+    finally:
+        flavour.set_integer_dots(True)
+    close(ours, reference, "gpt-oss experts")
+    ours_int = NativeExperts(flavour)(module, x, chosen, route, torch.bfloat16, reader)
+    assert (ours_int.float() - reference.float()).abs().max() <= 0.05 * reference.float().abs().max()
