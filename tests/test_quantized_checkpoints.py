@@ -126,3 +126,14 @@ def test_info_and_the_fit_estimate_count_the_checkpoints_blocks(checkpoints, mod
     _, runtime = generate(path, budget="all", store="disk")
     assert estimate.bytes_per_expert == runtime.layout.slot_bytes
     assert estimate.all_expert_bytes == runtime.layout.all_expert_bytes == info["all_expert_bytes"]
+
+
+def test_mxfp4_experts_can_be_converted_to_fewer_bits(checkpoints):
+    # the quantized store converts from the checkpoint's MXFP4 values, as from any original weights
+    from tests.helpers.checkpoints import dequantized_reference
+
+    path = checkpoints["gpt_oss-mxfp4"]
+    expected = dequantized_reference(path, PROMPT, NEW_TOKENS, "q8_0")
+    tokens, runtime = generate(path, budget="30%", store="disk", expert_format="q8_0")
+    assert runtime.layout.expert_format.name == "q8_0" and runtime.format_names[0] == "q8_0"
+    assert tokens == expected

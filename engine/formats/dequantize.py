@@ -132,13 +132,13 @@ MXFP4_VALUES = (0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12)
 def e8m0_half(exponents: torch.Tensor) -> torch.Tensor:
     """2^(e - 128) as float32 (gguf's e8m0_to_fp32_half: exponents 0 and 1 are subnormal)."""
     e = exponents.to(torch.int32)
-    bits = torch.where(e < 2, torch.tensor(0x00200000, dtype=torch.int32) << e, (e - 1) << 23)
+    bits = torch.where(e < 2, torch.full_like(e, 0x00200000) << e, (e - 1) << 23)
     return bits.view(torch.float32)
 
 
 def _mxfp4(blocks: torch.Tensor) -> torch.Tensor:
     d = e8m0_half(blocks[:, 0:1])
-    table = torch.tensor(MXFP4_VALUES, dtype=torch.float32)
+    table = torch.tensor(MXFP4_VALUES, dtype=torch.float32, device=blocks.device)
     return table[_nibbles(blocks[:, 1:17]).long()] * d
 
 
