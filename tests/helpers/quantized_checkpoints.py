@@ -77,3 +77,40 @@ def save_fp8(family: str, path: Path, seed: int = 0, drop_scale: str | None = No
     save_file(out, str(file), metadata={"format": "pt"})
     set_config_field(path, quantization_config=FP8_CONFIG)
     return path
+
+
+def write_large_mxfp4_gpt_oss(path: Path, *, layers: int = 8, experts: int = 64, hidden: int = 1024,
+                              intermediate: int = 1024) -> Path:
+    """A gpt-oss-shaped checkpoint too big to matter in a test's memory, written directly: random
+    MXFP4 codes with exponents near 2^-7 for the experts, small bf16 values for the rest (no model is
+    materialised). For memory measurements; its replies mean nothing."""
+    from accelerate import init_empty_weights
+    from transformers import AutoModelForCausalLM
+
+    from tests.helpers.checkpoints import make_config
+
+    config = make_config("gpt_oss", hidden_size=hidden, intermediate_size=intermediate, num_hidden_layers=layers,
+                         num_local_experts=experts, num_experts_per_tok=4, num_attention_heads=16, num_key_value_heads=4,
+                         head_dim=64, vocab_size=8192, dtype="bfloat16")
+    with init_empty_weights():
+        model = AutoModelForCausalLM.from_config(config)
+    generator = torch.Generator().manual_seed(0)
+    path.mkdir(parents=True, exist_ok=True)
+    state = model.state_dict()
+    for layer in range(-1, layers):  # one file per decoder layer, and one for the rest
+        tensors: dict[str, torch.Tensor] = {}
+        names = [n for n in state if (f".layers.{layer}." in n if layer >= 0 else ".layers." not in n)]
+        for name in names:
+            p = state[name]
+            if name.endswith(("experts.gate_up_proj", "experts.down_proj")):
+                e, inputs, outputs = p.shape  # gpt-oss keeps [E, in, out]; the blocks run along in
+                tensors[f"{name}_blocks"] = torch.randint(0, 256, (e, outputs, inputs // 32, 16), dtype=torch.uint8,
+                                                          generator=generator)
+                tensors[f"{name}_scales"] = torch.randint(118, 122, (e, outputs, inputs // 32), dtype=torch.uint8,
+                                                          generator=generator)
+            else:
+                tensors[name] = (torch.randn(p.shape, generator=generator) * 0.02).to(torch.bfloat16)
+        save_file(tensors, str(path / f"model-{layer + 1:05d}.safetensors"), metadata={"format": "pt"})
+    config.save_pretrained(path)
+    set_config_field(path, quantization_config={"quant_method": "mxfp4"})
+    return path
