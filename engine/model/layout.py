@@ -274,6 +274,10 @@ def _add_relayed(pieces: list[list[ExpertPiece]], quant: CheckpointQuantization,
                  converters: list[WeightConverter]) -> None:
     """One quantized checkpoint tensor (and its scale) as pieces of a layer's experts, laid into
     `quant.fmt`'s blocks when read: the fused [E, ...] tensor of all experts, or one expert's part."""
+    data_dtype, scale_dtype = ("U8", "U8") if quant.method == "mxfp4" else ("F8_E4M3", "F32")
+    if (record.dtype, scale.dtype) != (data_dtype, scale_dtype):
+        raise CheckpointError(f"'{key}' ({record.dtype}) and its scale '{scale.name}' ({scale.dtype}) are not the "
+                              f"{data_dtype} data and {scale_dtype} scales MoEScope reads in {quant.method} checkpoints")
     shape = quant.matrix_shape(record)
     rows, columns = target.rows_columns
     if src_pattern is None:
