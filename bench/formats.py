@@ -5,13 +5,17 @@
 nothing quantized) or `<experts>-d<dense>` for mixed quantization, e.g. `q4_k-dq8_0` (4-bit
 experts, 8-bit dense weights). llama.cpp's Q4_K_M keeps a few dense tensors at Q6_K, so `q4_k`
 (all dense Q4_K) reads slightly fewer bytes a token than it, and `q4_k-dq6_k` slightly more.
+`mxfp4` is llama.cpp's MXFP4_MOE (gpt-oss's format): MXFP4 experts, dense weights Q8_0 (its
+default type for the other tensors), so its dense format is q8_0 unless named.
 """
 
 from __future__ import annotations
 
 from pathlib import Path
 
-LLAMA_TYPE = {"bf16": "BF16", "q8_0": "Q8_0", "q4_k": "Q4_K_M", "q4_k-dq6_k": "Q4_K_M", "q4_k-dq8_0": "Q4_K_M"}
+LLAMA_TYPE = {"bf16": "BF16", "q8_0": "Q8_0", "q4_k": "Q4_K_M", "q4_k-dq6_k": "Q4_K_M", "q4_k-dq8_0": "Q4_K_M",
+              "mxfp4": "MXFP4_MOE"}
+DENSE_OF = {"mxfp4": "q8_0"}  # experts-only llama.cpp types: the dense type they keep
 
 
 class FormatNotAvailable(ValueError):
@@ -28,7 +32,7 @@ def _split(fmt: str) -> tuple[str | None, str | None]:
     experts, _, dense = fmt.partition("-d")
     if experts == "bf16":
         return None, None
-    return experts, dense or experts
+    return experts, dense or DENSE_OF.get(experts, experts)
 
 
 def load_settings(fmt: str) -> dict:

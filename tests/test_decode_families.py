@@ -56,6 +56,8 @@ def test_every_listed_class_is_in_this_transformers():
     for family in families.FAMILIES:
         for names in (family.norms, family.attention, [name for name, _ in family.routers], family.whole_token or ()):
             assert len(families._classes(family, names)) == len(names), f"{family.module}: {names}"
+    # the clamped-SwiGLU experts kernel's classes (tests/test_quant_kernels.py computes them against it)
+    assert len(families.clamped_swiglu_classes()) == len(families.CLAMPED_SWIGLU_EXPERTS)
 
 
 @pytest.mark.parametrize("cls", listed("norm"), ids=lambda cls: cls.__name__)

@@ -14,7 +14,8 @@ from engine.formats.dequantize import dequantize
 from engine.formats.quantize import quantize
 
 # relative RMS error of a normal matrix, at most: what llama.cpp's reference quantizers reach too
-ERROR = {"q8_0": 0.007, "q6_k": 0.022, "q5_0": 0.05, "q4_k": 0.08, "q4_0": 0.11, "q3_k": 0.17, "q2_k": 0.32}
+ERROR = {"q8_0": 0.007, "q6_k": 0.022, "q5_0": 0.05, "q4_k": 0.08, "q4_0": 0.11, "q3_k": 0.17, "q2_k": 0.32,
+         "mxfp4": 0.2}
 
 
 def matrix(rows: int = 48, columns: int = 768, seed: int = 0) -> np.ndarray:
@@ -62,8 +63,9 @@ def test_format_names_sizes_and_fits():
     with pytest.raises(ValueError, match="unknown weight format 'q5'; choose one of: original, 8bit"):
         parse_format("q5")
     assert FORMATS["q4_k"].bits == 4.5 and FORMATS["q8_0"].bits == 8.5 and FORMATS["q2_k"].bits == 2.625
+    assert FORMATS["mxfp4"].bits == 4.25
     assert FORMATS["q4_k"].packed_bytes((3, 512, 1024)) == 3 * 512 * 4 * 144
-    assert formats_that_fit(1408) == ["q8_0", "q5_0", "q4_0"]  # 1408 = 44 x 32: no whole 256-element super-blocks
+    assert formats_that_fit(1408) == ["q8_0", "q5_0", "q4_0", "mxfp4"]  # 1408 = 44 x 32: no whole 256-element super-blocks
     assert format_for(FORMATS["q4_k"], 1408).name == "q5_0" and format_for(FORMATS["q2_k"], 1408).name == "q4_0"
     assert format_for(FORMATS["q4_k"], 2048).name == "q4_k" and format_for(FORMATS["q4_k"], 100) is None
     assert set(formats_that_fit(2048)) == set(FORMATS)

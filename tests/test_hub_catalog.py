@@ -80,6 +80,6 @@ def test_search_keeps_moe_families_the_engine_runs(online, monkeypatch, capsys):
         assert moescope(["models", "search", "tiny"]) == 0
         out = capsys.readouterr().out
         assert "org/tiny-mixtral-chat" in out and "org/tiny-llama-chat" not in out
-        assert "gated, mxfp4 (not runnable yet)" in out
+        assert "gated, mxfp4" in out and "not runnable" not in out  # MXFP4 checkpoints run
         assert moescope(["models", "search", "nothing-like-this"]) == 0
         assert "no MoE models MoEScope can run match 'nothing-like-this'" in capsys.readouterr().out

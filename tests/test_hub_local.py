@@ -64,14 +64,14 @@ def test_what_the_engine_cannot_run_is_listed_only_on_request(cache, mixtral_che
     quantized = tmp_path / "quantized"
     shutil.copytree(mixtral_checkpoint, quantized)
     config = json.loads((quantized / "config.json").read_text())
-    (quantized / "config.json").write_text(json.dumps({**config, "quantization_config": {"quant_method": "fp8"}}))
-    place_in_cache(cache, "someone/fp8-mixtral", quantized)
+    (quantized / "config.json").write_text(json.dumps({**config, "quantization_config": {"quant_method": "awq"}}))
+    place_in_cache(cache, "someone/awq-mixtral", quantized)
 
     assert list_cached_models() == []
     problems = {m.repo_id: m.problem for m in list_cached_models(include_all=True)}
     assert problems == {
         "someone/dense-llama": "model type 'llama' is not a mixture-of-experts family MoEScope runs",
-        "someone/fp8-mixtral": "fp8 quantized weights are not supported by MoEScope yet",
+        "someone/awq-mixtral": "awq quantized weights are not supported by MoEScope (it runs mxfp4 and block-wise fp8)",
         "someone/half-downloaded": "download incomplete: run `moescope models download` again",
     }
     with pytest.raises(CheckpointError, match="'someone/half-downloaded' is not downloaded yet; get it with "

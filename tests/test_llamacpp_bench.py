@@ -56,6 +56,9 @@ def test_formats_name_their_llama_type_and_their_load_settings():
     assert formats.load_settings("q4_k") == {"dtype": "bfloat16", "expert_format": "q4_k", "dense_format": "q4_k"}
     assert formats.load_settings("q4_k-dq8_0") == {"dtype": "bfloat16", "expert_format": "q4_k",
                                                    "dense_format": "q8_0"}  # mixed quantization
+    # gpt-oss's format against llama.cpp's MXFP4_MOE: MXFP4 experts, Q8_0 dense weights on both sides
+    assert formats.LLAMA_TYPE["mxfp4"] == "MXFP4_MOE"
+    assert formats.load_settings("mxfp4") == {"dtype": "bfloat16", "expert_format": "mxfp4", "dense_format": "q8_0"}
     with pytest.raises(formats.FormatNotAvailable, match="unknown format 'fp4'"):
         formats.load_settings("fp4")
 

@@ -12,22 +12,35 @@ import torch
 import torch.nn.functional as F
 
 from engine.decode.native import kernels as native
-from engine.formats.blocks import FORMATS
+from engine.formats.blocks import FORMATS, checkpoint_format
 from engine.formats.dequantize import dequantize
 from engine.formats.quantize import quantize
+from engine.formats.relay import fp8_from_tiles
 from tests.helpers.numerics import close
 
 pytestmark = pytest.mark.kernels
 
 
+# every block format, and FP8 checkpoints' own row blocks
+KERNEL_FORMATS = [*sorted(FORMATS), "fp8"]
+
+
 def quantized(fmt_name: str, rows: int = 40, columns: int = 512, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     """(packed uint8 [rows, row bytes], the reference's bf16 values [rows, columns])."""
-    fmt = FORMATS[fmt_name]
+    fmt = checkpoint_format(fmt_name)
     rng = np.random.default_rng(seed)
     x = (rng.standard_normal((rows, columns)) * 0.05).astype(np.float32)
     x[1] = 0.0
     x[2, :32] = 1.5  # a block far from the others
-    packed = torch.from_numpy(quantize(x, fmt))
+    if fmt_name == "fp8":  # as FP8 checkpoints are made: e4m3 per 128x128 tile of one float32 scale
+        weight = torch.from_numpy(x)
+        tiles = weight.abs().reshape(-(-rows // 128), -1, columns // 128, 128).amax(dim=(1, 3)).clamp(min=1e-12) / 448
+        full = tiles.repeat_interleave(128, 0)[:rows].repeat_interleave(128, 1)
+        e4m3 = (weight / full).to(torch.float8_e4m3fn)
+        packed = torch.empty(rows, fmt.row_bytes(columns), dtype=torch.uint8)
+        fp8_from_tiles(e4m3.view(torch.uint8), tiles, packed)
+    else:
+        packed = torch.from_numpy(quantize(x, fmt))
     return packed, dequantize(packed, fmt, columns, torch.bfloat16)
 
 
@@ -44,15 +57,15 @@ def flavour(request):
     return native.compile_flavour(request.param)
 
 
-@pytest.mark.parametrize("name", sorted(FORMATS))
+@pytest.mark.parametrize("name", KERNEL_FORMATS)
 def test_native_dequantization_is_the_reference_bit_for_bit(flavour, name):
     packed, reference = quantized(name)
     out = torch.empty_like(reference)
-    flavour.dequantize(native.weight(flavour, packed, FORMATS[name], reference.shape[1]), out)
+    flavour.dequantize(native.weight(flavour, packed, checkpoint_format(name), reference.shape[1]), out)
     assert torch.equal(out.view(torch.int16), reference.view(torch.int16))
 
 
-@pytest.mark.parametrize("name", sorted(FORMATS))
+@pytest.mark.parametrize("name", KERNEL_FORMATS)
 @pytest.mark.parametrize("integer", [True, False], ids=["integer-dots", "float-loops"])
 def test_quantized_gemv_is_the_dequantized_bf16_product(flavour, name, integer):
     # integer dots (quant_int.h, the default where a type has one) and the reference-exact float loops
@@ -61,7 +74,7 @@ def test_quantized_gemv_is_the_dequantized_bf16_product(flavour, name, integer):
     x[0, :7] = torch.tensor([3.0, -3.0, 1e-3, -1e-3, 0.0, 2.5, -2.99])  # extremes of the fixed-point planes
     flavour.set_integer_dots(integer)
     try:
-        ours = flavour.gemv(native.weight(flavour, packed, FORMATS[name], 1024), x)
+        ours = flavour.gemv(native.weight(flavour, packed, checkpoint_format(name), 1024), x)
     finally:
         flavour.set_integer_dots(True)
     assert ours.shape == (1, 300) and ours.dtype == torch.bfloat16
@@ -70,7 +83,7 @@ def test_quantized_gemv_is_the_dequantized_bf16_product(flavour, name, integer):
     assert (ours.double() - exact).abs().max() <= 0.01 * exact.abs().max()
 
 
-@pytest.mark.parametrize("name", ["q8_0", "q4_k", "q6_k", "q3_k", "q2_k", "q5_0"])
+@pytest.mark.parametrize("name", ["q8_0", "q4_k", "q6_k", "q3_k", "q2_k", "q5_0", "mxfp4", "fp8"])
 @pytest.mark.parametrize("seed", [0, 4])
 def test_quantized_experts_in_one_call(flavour, name, seed):
     # One token through 8 quantized experts of [2I, H] / [H, I], weighted and summed, set against
@@ -83,7 +96,7 @@ def test_quantized_experts_in_one_call(flavour, name, seed):
     from engine.formats.dequantize import dequantize
     from engine.offload.expert_compute import expert_mlp, weighted_sum
 
-    hidden, inter, fmt = 512, 256, FORMATS[name]
+    hidden, inter, fmt = 512, 256, checkpoint_format(name)
     config = Qwen3MoeConfig(hidden_size=hidden, moe_intermediate_size=inter, num_experts=8, num_experts_per_tok=8)
     config._experts_implementation = "eager"
     module = Qwen3MoeExperts(config)
@@ -120,3 +133,41 @@ def test_a_matrix_that_does_not_match_its_type_is_refused(flavour):
     packed, _ = quantized("q4_k")
     with pytest.raises(RuntimeError, match="columns do not match"):
         flavour.gemv(native.weight(flavour, packed, FORMATS["q4_k"], 256), torch.zeros(1, 256, dtype=torch.bfloat16))
+
+
+def test_gpt_oss_experts_in_one_call(flavour):
+    # gpt-oss's experts (biases, interleaved gate/up, clamped SwiGLU) on MXFP4 slots, one call,
+    # against transformers' recipe on the same weights dequantized to bf16 (the engine's exact path)
+    from transformers import GptOssConfig
+    from transformers.models.gpt_oss.modeling_gpt_oss import GptOssExperts
+
+    from engine.decode.paths.native_layers import NativeExperts, clamped_swiglu_native
+    from engine.offload.expert_compute import SlotReader, torch_one_token
+
+    hidden, inter, fmt = 256, 128, checkpoint_format("mxfp4")
+    config = GptOssConfig(hidden_size=hidden, intermediate_size=inter, num_local_experts=4, num_experts_per_tok=4)
+    module = GptOssExperts(config).to(torch.bfloat16)
+    generator = torch.Generator().manual_seed(3)
+    chosen = []
+    for e in range(4):
+        chosen.append({"gate_up_proj": quantized("mxfp4", 2 * inter, hidden, seed=30 + e)[0],
+                       "gate_up_proj_bias": (torch.randn(2 * inter, generator=generator) * 0.1).to(torch.bfloat16),
+                       "down_proj": quantized("mxfp4", hidden, inter, seed=40 + e)[0],
+                       "down_proj_bias": (torch.randn(hidden, generator=generator) * 0.1).to(torch.bfloat16)})
+    from engine.model.layout import ExpertParam
+
+    params = [ExpertParam("gate_up_proj", (hidden, 2 * inter), torch.uint8, 0, 0, fmt, True),
+              ExpertParam("down_proj", (inter, hidden), torch.uint8, 0, 0, fmt, True)]
+    reader = SlotReader(params, torch.bfloat16)
+    assert clamped_swiglu_native(module, reader)  # the native kernel runs them, not torch's
+    x = (torch.randn(1, hidden, generator=generator) * 2).to(torch.bfloat16)
+    route = torch.softmax(torch.randn(4, generator=generator), dim=0).to(torch.bfloat16)
+    reference = torch_one_token(module, x, chosen, route, torch.bfloat16, reader)
+    flavour.set_integer_dots(False)  # the float loops: the reference's weights, summed in another order
+    try:
+        ours = NativeExperts(flavour)(module, x, chosen, route, torch.bfloat16, reader)
+    finally:
+        flavour.set_integer_dots(True)
+    close(ours, reference, "gpt-oss experts")
+    ours_int = NativeExperts(flavour)(module, x, chosen, route, torch.bfloat16, reader)
+    assert (ours_int.float() - reference.float()).abs().max() <= 0.05 * reference.float().abs().max()

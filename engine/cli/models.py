@@ -165,6 +165,14 @@ def _print_row(row: dict) -> None:
 # ----------------------------------------------------------------------------- search
 
 
+def quantization_flag(quantization: str | None) -> str:
+    from engine.hub.supported import RUNNABLE_QUANTIZATIONS
+
+    if not quantization:
+        return ""
+    return f", {quantization}" + ("" if quantization in RUNNABLE_QUANTIZATIONS else " (not runnable)")
+
+
 def _search(args: argparse.Namespace) -> int:
     from engine.hub.remote import search_models
 
@@ -177,8 +185,7 @@ def _search(args: argparse.Namespace) -> int:
         return 0
     for h in hits:
         params = f"{h.params / 1e9:.1f}B params" if h.params else "size unknown"
-        quant = ", GGUF: pick a quant file (models info)" if h.gguf else (
-            f", {h.quantization} (not runnable yet)" if h.quantization else "")
+        quant = ", GGUF: pick a quant file (models info)" if h.gguf else quantization_flag(h.quantization)
         flags = "".join([", gated" if h.gated else "", quant])
         print(f"{h.repo_id:55s} {h.model_type:14s} {params:>16s}  {h.downloads:>9d} downloads{flags}")
     print("sizes and fit for this machine: moescope models info ORG/NAME", file=sys.stderr)

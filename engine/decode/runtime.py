@@ -66,7 +66,7 @@ class MoERuntime:
         self.expert_format = _parse_format(options.expert_format, "expert")
         self.dense_format = _parse_format(options.dense_format, "dense")
         self.format_notes: list[str] = []
-        if self.expert_format is not None:
+        if self.expert_format is not None and self.expert_format is not self.layout.expert_format:
             self.layout, self.format_notes = quantize_layout(self.layout, self.expert_format, self.fingerprint,
                                                              progress=progress)
         if self.dense_format is not None:
@@ -265,7 +265,8 @@ class MoERuntime:
     @property
     def format_names(self) -> tuple[str, str]:
         """(experts, dense) as loaded: "original" or a block format's name (q4_k, ...)."""
-        return format_name(self.expert_format), format_name(self.dense_format)
+        # a quantized checkpoint's experts are in its own format (mxfp4, fp8) unless converted
+        return format_name(self.expert_format or self.layout.expert_format), format_name(self.dense_format)
 
     @property
     def routing_restricted(self) -> bool:

@@ -41,13 +41,24 @@ class BlockFormat:
         return columns % self.block == 0
 
 
-# GGMLQuantizationType values (gguf.constants): Q4_0 = 2, Q5_0 = 6, Q8_0 = 8, Q2_K = 10, Q3_K = 11, Q4_K = 12, Q6_K = 14.
+# GGMLQuantizationType values (gguf.constants): Q4_0 = 2, Q5_0 = 6, Q8_0 = 8, Q2_K = 10, Q3_K = 11, Q4_K = 12, Q6_K = 14,
+# MXFP4 = 39.
+# MXFP4 (OCP microscaling, gpt-oss's experts): GGUF's block_mxfp4, one e8m0 exponent byte then 16
+# bytes of e2m1 codes, elements 0-15 in the low nibbles and 16-31 in the high ones. gpt-oss
+# checkpoints hold the same codes and exponents in two tensors (and pair the nibbles differently);
+# engine.formats.relay lays them into these blocks.
+MXFP4 = BlockFormat("mxfp4", 39, 32, 17, "4-bit (MXFP4)")
+# Block-wise FP8 (DeepSeek-V3, Qwen3 FP8 checkpoints: e4m3 weights, one float32 scale per tile of
+# 128x128): MoEScope's own row blocks, the tile's float32 scale then 128 e4m3 bytes, so each row is
+# whole blocks like the GGUF layouts. No GGML type has it; 200 is this engine's id for it.
+FP8 = BlockFormat("fp8", 200, 128, 132, "8-bit (FP8 e4m3, block scales)")
 FORMATS: dict[str, BlockFormat] = {f.name: f for f in (
     BlockFormat("q8_0", 8, 32, 34, "8-bit (Q8_0)"),
     BlockFormat("q6_k", 14, QK_K, 210, "6-bit (Q6_K)"),
     BlockFormat("q5_0", 6, 32, 22, "5-bit (Q5_0)"),
     BlockFormat("q4_k", 12, QK_K, 144, "4-bit (Q4_K)"),
     BlockFormat("q4_0", 2, 32, 18, "4-bit (Q4_0)"),
+    MXFP4,
     BlockFormat("q3_k", 11, QK_K, 110, "3-bit (Q3_K)"),
     BlockFormat("q2_k", 10, QK_K, 84, "2-bit (Q2_K)"),
 )}
@@ -68,6 +79,11 @@ def parse_format(name: str | None) -> BlockFormat | None:
         choices = ", ".join(["original", *ALIASES, *FORMATS])
         raise ValueError(f"unknown weight format '{name}'; choose one of: {choices}")
     return FORMATS[key]
+
+
+def checkpoint_format(name: str) -> BlockFormat:
+    """A block format by name, including the checkpoint-only ones (FP8), for manifests and kernels."""
+    return FP8 if name == FP8.name else FORMATS[name]
 
 
 def format_name(fmt: BlockFormat | None) -> str:

@@ -125,5 +125,28 @@ def _q6_k(blocks: torch.Tensor) -> torch.Tensor:
     return (step * q).reshape(n, QK_K)
 
 
+# e2m1 codes as GGUF's MXFP4 tables them: twice the OCP values, so the scale is 2^(e - 128).
+MXFP4_VALUES = (0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12)
+
+
+def e8m0_half(exponents: torch.Tensor) -> torch.Tensor:
+    """2^(e - 128) as float32 (gguf's e8m0_to_fp32_half: exponents 0 and 1 are subnormal)."""
+    e = exponents.to(torch.int32)
+    bits = torch.where(e < 2, torch.full_like(e, 0x00200000) << e, (e - 1) << 23)
+    return bits.view(torch.float32)
+
+
+def _mxfp4(blocks: torch.Tensor) -> torch.Tensor:
+    d = e8m0_half(blocks[:, 0:1])
+    table = torch.tensor(MXFP4_VALUES, dtype=torch.float32, device=blocks.device)
+    return table[_nibbles(blocks[:, 1:17]).long()] * d
+
+
+def _fp8(blocks: torch.Tensor) -> torch.Tensor:
+    # transformers' Fp8Dequantize: the e4m3 value in float32 times the tile's float32 scale
+    d = blocks[:, 0:4].contiguous().view(torch.float32)
+    return blocks[:, 4:].contiguous().view(torch.float8_e4m3fn).float() * d
+
+
 _DECODERS = {"q8_0": _q8_0, "q4_0": _q4_0, "q5_0": _q5_0, "q4_k": _q4_k, "q2_k": _q2_k, "q3_k": _q3_k,
-             "q6_k": _q6_k}
+             "q6_k": _q6_k, "mxfp4": _mxfp4, "fp8": _fp8}

@@ -1,6 +1,6 @@
 """Quantizing a float matrix into a block format, row by row (numpy only).
 
-The 32-element formats (Q8_0, Q5_0, Q4_0) are the `gguf` package's own quantizers. The K-quant
+The 32-element formats (Q8_0, Q5_0, Q4_0, MXFP4) are the `gguf` package's own quantizers. The K-quant
 searches follow llama.cpp's reference quantizers (`quantize_row_q*_K_ref` in
 ggml-quants.c: for each sub-block, a grid of candidate scales around max-min, each refit by
 weighted least squares, the best kept; then the sub-block scales are themselves quantized to 6 or
@@ -16,7 +16,7 @@ import numpy as np
 
 from engine.formats.blocks import QK_K, BlockFormat
 
-GGUF_QUANTIZERS = ("q8_0", "q4_0", "q5_0")  # the 32-element formats the gguf package writes itself
+GGUF_QUANTIZERS = ("q8_0", "q4_0", "q5_0", "mxfp4")  # the 32-element formats the gguf package writes itself
 
 ROWS_PER_CHUNK = 1 << 15  # blocks quantized at once: bounds the scratch memory of the searches
 

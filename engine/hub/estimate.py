@@ -12,14 +12,16 @@ import warnings
 from dataclasses import dataclass, field, replace
 
 from engine.errors import CheckpointError
-from engine.formats.blocks import BlockFormat, format_for, format_name
+from engine.formats.blocks import FP8, MXFP4, BlockFormat, format_for, format_name
 from engine.hub.supported import config_problem, quantization_of
 from engine.model.dtypes import dtype_name
 
 CONTEXT_TOKENS = 4096  # the context the working-memory estimate assumes
 
-# Stored bits per weight of quantized expert matrices (MXFP4: 4-bit values + one 8-bit scale per 32).
-QUANT_BITS = {"mxfp4": 4.25}
+# Stored bits per weight of quantized expert matrices in the checkpoint files (MXFP4: 4-bit values +
+# one 8-bit scale per 32; FP8: 8 bits, one float32 scale per 128x128 tile).
+QUANT_BITS = {"mxfp4": 4.25, "fp8": 8.0}
+QUANTIZED_EXPERTS = {"mxfp4": MXFP4, "fp8": FP8}  # the blocks the engine keeps such experts in
 
 
 @dataclass
@@ -123,7 +125,7 @@ def estimate_from_config(config: dict, *, weight_file_bytes: int | None = None) 
     notes: list[str] = []
     problem = problem or config_problem(config)
     if quant:
-        notes.append(f"sizes are for the {quant} weights unpacked to {dtype_name(dtype)}; the download is smaller")
+        notes.append(f"experts stay {quant}; dense weights are counted in {dtype_name(dtype)}")
     dense = total - expert_params
     download = weight_file_bytes
     if download is None:
@@ -137,7 +139,7 @@ def estimate_from_config(config: dict, *, weight_file_bytes: int | None = None) 
         embedding = model.get_input_embeddings().weight.numel()
     except (AttributeError, NotImplementedError):
         embedding = 0
-    return SizeEstimate(
+    estimate = SizeEstimate(
         model_type=model_type,
         architecture=(config.get("architectures") or [type(model).__name__])[0],
         num_layers=int(getattr(cfg.get_text_config(), "num_hidden_layers", 0) or 0),
@@ -164,6 +166,14 @@ def estimate_from_config(config: dict, *, weight_file_bytes: int | None = None) 
         expert_param_shapes=[tuple(p.shape[1:]) for p in experts[0].parameters(recurse=False)] if experts else [],
         experts_transposed=bool(experts and getattr(experts[0], "is_transposed", False)),
     )
+    kept = QUANTIZED_EXPERTS.get(quant or "")
+    if kept is not None and estimate.runnable:  # the engine keeps these experts in the checkpoint's blocks
+        in_format = estimate.in_format(kept)
+        if in_format is None:
+            estimate.problem = f"the {quant} expert matrices are not whole {kept.block}-element blocks"
+        else:
+            estimate = replace(in_format, expert_format="original")  # the checkpoint's own format
+    return estimate
 
 
 def _meta_model(config: dict):
@@ -205,6 +215,8 @@ def _persistent_buffers(model) -> int:
 def _computed_file_bytes(total: int, expert_matrices: int, itemsize: int, quant: str | None) -> int | None:
     if quant is None:
         return total * itemsize
+    if quant == "fp8":  # every linear weight in FP8 (scales and norms are a rounding error)
+        return total
     if quant in QUANT_BITS:  # expert matrices quantized, everything else (incl. expert biases) in bf16
         return int(expert_matrices * QUANT_BITS[quant] / 8) + (total - expert_matrices) * 2
     return None

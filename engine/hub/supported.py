@@ -55,13 +55,30 @@ def checkpoint_quant(config: dict) -> str:
     return SHORT_DTYPES.get(dtype, dtype)
 
 
+# Quantized checkpoints the engine reads with their experts kept quantized (engine.model.prequantized).
+RUNNABLE_QUANTIZATIONS = ("mxfp4", "fp8")
+
+
+def quantization_problem(config: dict) -> str | None:
+    """Why the engine cannot read this checkpoint's quantized weights; None for plain or readable ones."""
+    quant = quantization_of(config)
+    if quant is None:
+        return None
+    if quant not in RUNNABLE_QUANTIZATIONS:
+        return f"{quant} quantized weights are not supported by MoEScope (it runs mxfp4 and block-wise fp8)"
+    block = (config.get("quantization_config") or {}).get("weight_block_size")
+    if quant == "fp8" and (not block or len(block) != 2 or int(block[1]) != 128):
+        return f"fp8 weights with weight_block_size {block} are not supported (MoEScope reads 128-column tiles)"
+    return None
+
+
 def config_problem(config: dict) -> str | None:
     """Why the engine cannot run a checkpoint with this config, from the config alone; None if it can."""
     model_type = config.get("model_type")
     if model_type not in supported_model_types():
         return f"model type '{model_type}' is not a mixture-of-experts family MoEScope runs"
-    if quant := quantization_of(config):
-        return f"{quant} quantized weights are not supported by MoEScope yet"
+    if problem := quantization_problem(config):
+        return problem
     # auto_map alone is no problem here: supported types are built into transformers, whose own code
     # is used (engine.model.checkpoint refuses auto_map only for architectures transformers does not ship).
     return None

@@ -18,8 +18,9 @@ from transformers.core_model_loading import WeightConverter, WeightRenaming, ren
 from engine.errors import CheckpointError, NotMoEError
 from engine.formats.blocks import BlockFormat, format_for, formats_that_fit
 from engine.model.checkpoint import CheckpointFiles, TensorRecord
-from engine.model.conversions import DenseConversion, expert_source
+from engine.model.conversions import DenseConversion, ExpertSource, expert_source
 from engine.model.dtypes import torch_dtype
+from engine.model.prequantized import CheckpointQuantization, checkpoint_quantization
 
 SLOT_ALIGN = 64  # bytes; keeps every expert matrix aligned for vector loads and DMA
 
@@ -63,8 +64,21 @@ class ExpertPiece:
     nbytes: int
     src_dtype: torch.dtype
     param: str
-    dst_offset: int  # bytes from the start of that parameter, in the checkpoint dtype
+    dst_offset: int  # bytes from the start of that parameter, in the checkpoint dtype (in the slot when relayed)
     interleave_dim: int | None = None  # the parameter's rows sit interleaved in pairs along this dim on disk
+    # A quantized checkpoint's own blocks (engine.model.prequantized): these bytes and `scales` are
+    # laid into the slot's block format as they are read (engine.formats.relay, by `relay` kind).
+    relay: str = ""
+    scales: ExpertPiece | None = None
+    shape: tuple[int, ...] = ()  # [rows, columns] of the relayed matrix
+    scale_shape: tuple[int, ...] = ()
+
+    @property
+    def elements(self) -> int:
+        """How many of the parameter's values these bytes hold."""
+        if self.relay:
+            return self.shape[0] * self.shape[1]
+        return self.nbytes // self.src_dtype.itemsize
 
 
 @dataclass
@@ -80,6 +94,8 @@ class MoELayout:
     pieces: list[list[list[ExpertPiece]]]  # [moe layer][expert] -> pieces
     dense: dict[str, TensorRecord] = field(default_factory=dict)  # model key -> checkpoint tensor
     conversions: dict[str, DenseConversion] = field(default_factory=dict)  # dense weights transformers converts
+    dense_scales: dict[str, TensorRecord] = field(default_factory=dict)  # model key -> its scale (quantized checkpoints)
+    checkpoint_quant: CheckpointQuantization | None = None
     expert_bytes_on_disk: int = 0
     compute_dtype: torch.dtype = torch.float32
     expert_format: BlockFormat | None = None  # the block format the experts are stored in; None: compute dtype
@@ -157,13 +173,34 @@ def build_layout(model: torch.nn.Module, files: CheckpointFiles, compute_dtype: 
     conversions: dict[str, DenseConversion] = {}
     expert_disk = 0
 
+    quant = checkpoint_quantization(files.config)
+    dense_scales: dict[str, TensorRecord] = {}
+    relayed: set[str] = set()
     for key, record in files.tensors.items():
+        scale = None
+        lookup = key
+        if quant is not None:
+            if quant.is_scale(key):
+                continue  # read with the tensor it scales
+            scale_name = quant.scale_of(key, record)
+            if scale_name is not None:
+                scale = files.tensors.get(scale_name)
+                if scale is None:
+                    raise CheckpointError(
+                        f"quantized tensor '{key}' has no scale '{scale_name}' in '{files.root.name}'; the download "
+                        f"may be incomplete, or this is not a {quant.method} checkpoint as config.json says")
+                lookup = quant.weight_key(key)
         model_key, src_pattern = rename_source_key(
-            key, renamings, converters, model.base_model_prefix, meta_state
+            lookup, renamings, converters, model.base_model_prefix, meta_state
         )
         converter = converter_of[src_pattern] if src_pattern is not None else None
         owner, _, pname = model_key.rpartition(".")
-        if owner in module_index and pname in param_by_name:
+        if owner in module_index and pname in param_by_name and scale is not None:
+            expert_disk += record.nbytes + scale.nbytes
+            relayed.add(pname)
+            _add_relayed(pieces[module_index[owner]], quant, key, record, scale, param_by_name[pname], num_experts,
+                         expert_source(converter, src_pattern, key))
+        elif owner in module_index and pname in param_by_name:
             expert_disk += record.nbytes
             layer = module_index[owner]
             target = param_by_name[pname]
@@ -194,42 +231,88 @@ def build_layout(model: torch.nn.Module, files: CheckpointFiles, compute_dtype: 
                     (src_pattern, record))
         else:
             dense[model_key] = record
+            if scale is not None:
+                dense_scales[model_key] = scale
 
     for layer, per_layer in enumerate(pieces):
         for e, expert_pieces in enumerate(per_layer):
             covered = {}
             for piece in expert_pieces:
-                covered[piece.param] = covered.get(piece.param, 0) + piece.nbytes
+                covered[piece.param] = covered.get(piece.param, 0) + piece.elements
             for p in params:
-                want = p.nbytes // compute_dtype.itemsize
-                have = covered.get(p.name, 0)
-                src_size = expert_pieces[0].src_dtype.itemsize if expert_pieces else 1
-                if have // src_size != want:
+                if covered.get(p.name, 0) != p.nbytes // compute_dtype.itemsize:
                     raise CheckpointError(
                         f"checkpoint is missing weights of expert {e} in '{module_paths[layer]}' ({p.name}); "
                         "the download may be incomplete"
                     )
+    slot_bytes, expert_format = aligned(offset), None
+    if relayed:  # the checkpoint's quantized experts stay in its format
+        matrices = {p.name for p in params if len(p.shape) == 2}
+        if relayed != matrices:
+            raise CheckpointError(f"expert weights {sorted(matrices - relayed)} are not {quant.method} quantized "
+                                  f"while {sorted(relayed)} are; mixed expert formats are not supported yet")
+        params, slot_bytes, _ = quantized_params(params, quant.fmt, "quantized expert weight", fallback=False)
+        expert_format = quant.fmt
     return MoELayout(
         module_paths=module_paths,
         decoder_layers=[_decoder_layer_index(name) for name in module_paths],
         num_experts=num_experts,
         top_k=find_top_k(model.config),
         params=params,
-        slot_bytes=aligned(offset),
+        slot_bytes=slot_bytes,
         pieces=pieces,
         dense=dense,
         conversions=conversions,
+        dense_scales=dense_scales,
+        checkpoint_quant=quant,
         expert_bytes_on_disk=expert_disk,
         compute_dtype=compute_dtype,
+        expert_format=expert_format,
     )
+
+
+def _add_relayed(pieces: list[list[ExpertPiece]], quant: CheckpointQuantization, key: str, record: TensorRecord,
+                 scale: TensorRecord, target: ExpertParam, num_experts: int, source: ExpertSource) -> None:
+    """One quantized checkpoint tensor (and its scale) as pieces of a layer's experts, laid into
+    `quant.fmt`'s blocks when read: the fused [E, ...] tensor of all experts, or one expert's part."""
+    data_dtype, scale_dtype = ("U8", "U8") if quant.method == "mxfp4" else ("F8_E4M3", "F32")
+    if (record.dtype, scale.dtype) != (data_dtype, scale_dtype):
+        raise CheckpointError(f"'{key}' ({record.dtype}) and its scale '{scale.name}' ({scale.dtype}) are not the "
+                              f"{data_dtype} data and {scale_dtype} scales MoEScope reads in {quant.method} checkpoints")
+    shape = quant.matrix_shape(record)
+    rows, columns = target.rows_columns
+    if source.interleave_dim is not None:
+        raise CheckpointError(f"quantized expert weight '{key}' has rows interleaved on disk; MoEScope reads "
+                              f"{quant.method} experts only with their rows in the model's order")
+    if source.fused:
+        experts, part, n_parts = num_experts, 0, 1
+        if shape != (num_experts, rows, columns):
+            raise CheckpointError(f"tensor '{key}' holds a {shape} weight, expected {(num_experts, rows, columns)}")
+        indices = range(num_experts)
+    else:
+        part, n_parts = source.part, source.parts
+        experts, indices = 1, [_expert_index(key)]
+        if len(shape) != 2 or shape[0] * n_parts != rows or shape[1] != columns or indices[0] >= num_experts:
+            raise CheckpointError(f"tensor '{key}' does not fit expert parameter '{target.name}' {target.shape}")
+    if not quant.fmt.fits(columns):
+        raise CheckpointError(f"quantized expert weight '{key}' has {columns} input features, not whole "
+                              f"{quant.fmt.block}-element blocks of {quant.fmt.name}; not supported")
+    part_rows = rows // n_parts
+    data_bytes, scale_bytes = record.nbytes // experts, scale.nbytes // experts
+    for i, expert in enumerate(indices):
+        scales = ExpertPiece(scale.file, scale.offset + i * scale_bytes, scale_bytes, torch.uint8, target.name, 0)
+        pieces[expert].append(ExpertPiece(
+            record.file, record.offset + i * data_bytes, data_bytes, torch.uint8, target.name,
+            part * quant.fmt.packed_bytes((part_rows, columns)), relay=quant.method, scales=scales,
+            shape=(part_rows, columns), scale_shape=scale.shape[-2:]))
 
 
 def aligned(nbytes: int) -> int:
     return -(-nbytes // SLOT_ALIGN) * SLOT_ALIGN
 
 
-def quantized_params(params: list[ExpertParam], fmt: BlockFormat,
-                     where: str = "expert weight") -> tuple[list[ExpertParam], int, list[str]]:
+def quantized_params(params: list[ExpertParam], fmt: BlockFormat, where: str = "expert weight",
+                     fallback: bool = True) -> tuple[list[ExpertParam], int, list[str]]:
     """The expert matrices re-laid in `fmt` (biases and other vectors stay in the compute dtype),
     the slot size, and notes for matrices that take llama.cpp's fallback format because their input
     features are not whole blocks of `fmt`. A matrix no format fits is refused, naming it."""
@@ -237,7 +320,7 @@ def quantized_params(params: list[ExpertParam], fmt: BlockFormat,
     for p in params:
         if len(p.shape) == 2:
             rows, columns = p.rows_columns
-            chosen = format_for(fmt, columns)
+            chosen = format_for(fmt, columns) if fallback else (fmt if fmt.fits(columns) else None)
             if chosen is None:
                 fits = ", ".join(formats_that_fit(columns)) or "none of the block formats"
                 raise CheckpointError(

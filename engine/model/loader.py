@@ -21,6 +21,7 @@ from engine.model import experts_registry as experts_impl
 from engine.model.checkpoint import CheckpointFiles, TensorRecord, open_checkpoint
 from engine.model.dtypes import resolve_dtype
 from engine.model.layout import MoELayout, build_layout
+from engine.model.prequantized import dequantize_tensor
 from engine.system import huge_pages
 
 ProgressFn = Callable[[float, str], None]
@@ -110,7 +111,11 @@ def _load_dense(model: torch.nn.Module, layout: MoELayout, device: torch.device,
     with _TensorReader() as read:
         for key, record in sorted(layout.dense.items(), key=lambda item: (item[1].file, item[1].offset)):
             if key in state:
-                place(key, read(record), record.file.name)
+                tensor = read(record)
+                if key in layout.dense_scales:  # a quantized checkpoint's dense weight: dequantized here
+                    tensor = dequantize_tensor(layout.checkpoint_quant, tensor, read(layout.dense_scales[key]),
+                                               state[key].dtype)
+                place(key, tensor, record.file.name)
             done += record.nbytes
             if progress:
                 progress(done / total, f"dense weights from {record.file.name}")

@@ -25,6 +25,7 @@ from safetensors.torch import save_file
 
 from engine.errors import MoEScopeError
 from engine.formats.blocks import BlockFormat
+from engine.formats.dequantize import dequantize
 from engine.formats.quantize import quantize
 from engine.model.checkpoint import read_safetensors_header
 from engine.model.dtypes import dtype_name, torch_dtype
@@ -105,11 +106,15 @@ def _convert(layout: MoELayout, params: list[ExpertParam], fmt: BlockFormat, fol
                 source.fill(layer, expert, slot)
                 for p in params:
                     o = original[p.name]
-                    value = slot[o.offset : o.offset + o.nbytes].view(o.dtype).view(o.shape)
-                    if p.fmt is None:
-                        tensors[_name(expert, p.name)] = value.clone()
-                        continue
-                    matrix = value.t() if p.transposed else value  # quantized along its input features
+                    raw = slot[o.offset : o.offset + o.nbytes]
+                    if o.fmt is not None:  # a quantized checkpoint's blocks (MXFP4, FP8): their values first
+                        matrix = dequantize(raw, o.fmt, o.rows_columns[1])
+                    else:
+                        value = raw.view(o.dtype).view(o.shape)
+                        if p.fmt is None:
+                            tensors[_name(expert, p.name)] = value.clone()
+                            continue
+                        matrix = value.t() if p.transposed else value  # quantized along its input features
                     packed = quantize(matrix.float().numpy(), p.fmt)
                     tensors[_name(expert, p.name)] = torch.from_numpy(np.ascontiguousarray(packed).reshape(-1))
             save_file(tensors, str(_layer_file(partial, layer)))

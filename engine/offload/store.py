@@ -20,8 +20,9 @@ from pathlib import Path
 
 import torch
 
+from engine.formats import relay
 from engine.model.conversions import undo_interleave
-from engine.model.layout import MoELayout
+from engine.model.layout import ExpertPiece, MoELayout
 
 ProgressFn = Callable[[float, str], None]
 
@@ -62,7 +63,7 @@ class DiskStore(ExpertStore):
         self._lock = threading.Lock()
         self._params = {p.name: p for p in layout.params}
         # Every expert shares one layout, so the first one tells whether bytes need converting.
-        self._convert = any(p.src_dtype != self._params[p.param].dtype for p in layout.pieces[0][0])
+        self._convert = any(p.src_dtype != self._params[p.param].dtype for p in layout.pieces[0][0] if not p.relay)
 
     def _fd(self, path: Path) -> int:
         with self._lock:
@@ -77,6 +78,8 @@ class DiskStore(ExpertStore):
 
     def fill_param(self, layer: int, expert: int, param_name: str, slot: torch.Tensor) -> int:
         pieces = [p for p in self.layout.pieces[layer][expert] if p.param == param_name]
+        if pieces and pieces[0].relay:
+            return sum(self._fill_relayed(piece, slot) for piece in pieces)
         interleave_dim = pieces[0].interleave_dim if pieces else None
         if not self._convert and interleave_dim is None:
             raw = slot.numpy()
@@ -95,6 +98,22 @@ class DiskStore(ExpertStore):
             value = undo_interleave(value, interleave_dim)
         slot[param.offset : param.offset + param.nbytes].view(param.dtype).view(param.slot_shape).copy_(value)
         return sum(p.nbytes for p in pieces)
+
+    def _fill_relayed(self, piece: ExpertPiece, slot: torch.Tensor) -> int:
+        """A quantized checkpoint's data and scales, read and laid into the slot's blocks."""
+        data = torch.empty(piece.nbytes, dtype=torch.uint8)
+        scales = torch.empty(piece.scales.nbytes, dtype=torch.uint8)
+        _pread_exact(self._fd(piece.file), data.numpy(), piece.file_offset)
+        _pread_exact(self._fd(piece.scales.file), scales.numpy(), piece.scales.file_offset)
+        param = self._params[piece.param]
+        fmt = param.fmt
+        start = param.offset + piece.dst_offset
+        out = slot[start : start + fmt.packed_bytes(piece.shape)]
+        if piece.relay == "mxfp4":
+            relay.mxfp4_from_openai(data.view(-1, 16), scales, out)
+        else:
+            relay.fp8_from_tiles(data.view(piece.shape), scales.view(torch.float32).view(piece.scale_shape), out)
+        return piece.nbytes + piece.scales.nbytes
 
     def close(self) -> None:
         with self._lock:

@@ -103,7 +103,8 @@ def make_tokenizer() -> PreTrainedTokenizerFast:
 
 
 def make_config(family: str, **overrides):
-    kw = dict(FAMILIES[family] if family in FAMILIES else CONVERTED_FAMILIES[family])
+    # other families: the overrides give the config
+    kw = dict(FAMILIES.get(family) or CONVERTED_FAMILIES.get(family) or {"model_type": family})
     kw.update(vocab_size=VOCAB, max_position_embeddings=256, eos_token_id=2, bos_token_id=1, pad_token_id=0)
     kw.update(overrides)
     return AutoConfig.for_model(kw.pop("model_type"), **kw)

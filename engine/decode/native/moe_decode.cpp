@@ -350,6 +350,56 @@ torch::Tensor moe_decode(const torch::Tensor& x, const std::vector<Weight>& gate
   return y;
 }
 
+// gpt-oss's expert (GptOssExperts._apply_gate): gate/up rows interleaved (gate at even rows), both
+// with a bias; the gate clamped above at `limit`, up to [-limit, limit]; (up + 1) * gate *
+// sigmoid(alpha * gate); then down with a bias. Every step rounded to bf16 where transformers' bf16
+// ops round. Experts one after another, each matrix's rows split across threads.
+torch::Tensor moe_decode_clamped_swiglu(const torch::Tensor& x, const std::vector<Weight>& gate_up,
+                                        const std::vector<Weight>& down, const std::vector<torch::Tensor>& gate_up_bias,
+                                        const std::vector<torch::Tensor>& down_bias, const torch::Tensor& weights,
+                                        double alpha, double limit) {
+  const int64_t k = static_cast<int64_t>(gate_up.size());
+  TORCH_CHECK(k > 0 && static_cast<int64_t>(down.size()) == k && static_cast<int64_t>(gate_up_bias.size()) == k &&
+                  static_cast<int64_t>(down_bias.size()) == k && weights.numel() == k,
+              "one gate_up, down, their biases and a routing weight per expert");
+  TORCH_CHECK(x.scalar_type() == torch::kBFloat16, "x: a bf16 row");
+  const int64_t hidden = x.numel();
+  const torch::Tensor xc = x.contiguous();
+  const torch::Tensor route = weights.to(torch::kFloat32).contiguous();
+  const float a = static_cast<float>(alpha), lim = static_cast<float>(limit);
+  std::vector<float> outputs(k * hidden);
+  for (int64_t e = 0; e < k; ++e) {
+    const ExpertWeights w = expert_weights(gate_up[e], down[e], hidden);
+    const int64_t inter = w.down.cols;
+    check_vector(gate_up_bias[e], 2 * inter, "gate_up_bias");
+    check_vector(down_bias[e], hidden, "down_bias");
+    const bf16* bias_in = bf16_data(gate_up_bias[e]);
+    const bf16* bias_out = bf16_data(down_bias[e]);
+    std::vector<float> projected(2 * inter);
+    std::vector<bf16> activation(inter);
+    at::parallel_for(0, 2 * inter, kGrain, [&](int64_t begin, int64_t end) {
+      gemv_range(w.gate_up, bf16_data(xc), begin, end, projected.data());
+    });
+    for (int64_t i = 0; i < inter; ++i) {
+      float g = round_bf16(round_bf16(projected[2 * i]) + to_float(bias_in[2 * i]));
+      float u = round_bf16(round_bf16(projected[2 * i + 1]) + to_float(bias_in[2 * i + 1]));
+      g = std::min(g, lim);
+      u = std::max(-lim, std::min(u, lim));
+      const float sig = round_bf16(1.f / (1.f + std::exp(-round_bf16(g * a))));
+      const float glu = round_bf16(g * sig);
+      activation[i] = to_bf16(round_bf16(u + 1.f) * glu);
+    }
+    float* out = outputs.data() + e * hidden;
+    at::parallel_for(0, hidden, kGrain, [&](int64_t begin, int64_t end) {
+      gemv_range(w.down, activation.data(), begin, end, out);
+    });
+    for (int64_t j = 0; j < hidden; ++j) out[j] = round_bf16(round_bf16(out[j]) + to_float(bias_out[j]));
+  }
+  torch::Tensor y = torch::empty_like(xc);
+  weighted_sum_rows(outputs.data(), route.data_ptr<float>(), k, hidden, 0, hidden, bf16_data(y));
+  return y;
+}
+
 // Llama's RMSNorm of one row of n: float32 statistics, the normalized row rounded to bf16, then
 // times the bf16 weight (rounded again).
 inline void rms_norm_row(const bf16* in, const bf16* weight, int64_t n, float eps, bf16* out) {
@@ -985,6 +1035,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("qkv_rope", &qkv_rope, "one token's q, k, v: projections, optional q/k norms, rotary embedding");
   m.def("attend", &attend, "one query's attention over cached keys and values");
   m.def("moe_decode", &moe_decode, "one token through k SiLU-gated experts, weighted and summed");
+  m.def("moe_decode_clamped_swiglu", &moe_decode_clamped_swiglu,
+        "one token through k gpt-oss experts (biases, interleaved clamped SwiGLU), weighted and summed");
   pybind11::class_<DecodeStep>(m, "DecodeStep", "a whole decode step of a Llama-style MoE decoder")
       .def(pybind11::init<torch::Tensor, torch::Tensor, double, const Weight&, int64_t, bool, bool>())
       .def("add_layer", &DecodeStep::add_layer)

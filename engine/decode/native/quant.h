@@ -10,11 +10,17 @@
 // summed in float32 exactly as for a bf16 matrix, so a quantized matrix gives what its dequantized
 // bf16 matrix gives, up to the order of the sums.
 
-// GGML type ids (gguf.GGMLQuantizationType); 0 here means plain bf16.
-enum WeightType : int32_t { kBF16 = 0, kQ4_0 = 2, kQ5_0 = 6, kQ8_0 = 8, kQ2_K = 10, kQ3_K = 11, kQ4_K = 12, kQ6_K = 14 };
+// GGML type ids (gguf.GGMLQuantizationType); 0 here means plain bf16, and kFP8 is MoEScope's own
+// row blocks of block-wise FP8 checkpoints (engine/formats/blocks.py: a float32 scale, 128 e4m3).
+enum WeightType : int32_t {
+  kBF16 = 0, kQ4_0 = 2, kQ5_0 = 6, kQ8_0 = 8, kQ2_K = 10, kQ3_K = 11, kQ4_K = 12, kQ6_K = 14, kMXFP4 = 39, kFP8 = 200
+};
 
 // Elements and bytes per block of each type.
-inline int64_t block_elements(int32_t type) { return type == kQ4_0 || type == kQ5_0 || type == kQ8_0 ? 32 : 256; }
+inline int64_t block_elements(int32_t type) {
+  if (type == kFP8) return 128;
+  return type == kQ4_0 || type == kQ5_0 || type == kQ8_0 || type == kMXFP4 ? 32 : 256;
+}
 
 inline int64_t block_bytes(int32_t type) {
   switch (type) {
@@ -25,6 +31,8 @@ inline int64_t block_bytes(int32_t type) {
     case kQ3_K: return 110;
     case kQ4_K: return 144;
     case kQ6_K: return 210;
+    case kMXFP4: return 17;
+    case kFP8: return 132;
     default: return 0;
   }
 }
@@ -66,6 +74,25 @@ inline float half_to_float(const uint8_t* p) {
   float out;
   std::memcpy(&out, &bits, 4);
   return out;
+}
+
+// MXFP4's e2m1 codes, doubled as GGUF tables them (the block scale is then 2^(e - 128)).
+constexpr int8_t kMxfp4Values[16] = {0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12};
+
+// 2^(e - 128) for an e8m0 exponent byte (gguf's e8m0_to_fp32_half: e = 0 and 1 are subnormal).
+inline float e8m0_half(uint8_t e) {
+  const uint32_t bits = e < 2 ? 0x00200000u << e : static_cast<uint32_t>(e - 1) << 23;
+  float out;
+  std::memcpy(&out, &bits, 4);
+  return out;
+}
+
+// An e4m3 byte's value times 2^9: an integer (the smallest subnormal is 2^-9), so FP8 weights
+// take the same integer-level path as the GGUF types, with the block scale divided by 2^9.
+inline int32_t e4m3_level(uint8_t byte) {
+  const int32_t exponent = (byte >> 3) & 0xF, mantissa = byte & 7;
+  const int32_t magnitude = exponent == 0 ? mantissa : (8 + mantissa) << (exponent - 1);
+  return byte & 0x80 ? -magnitude : magnitude;
 }
 
 // Q3_K's 16 scales (6 bits, stored + 32) as signed integers.
@@ -123,6 +150,21 @@ inline void block_scales(int32_t type, const uint8_t* b, BlockScales& s) {
       }
       return;
     }
+    case kMXFP4:
+    case kFP8: {  // one scale, no min: 2^(e - 128), or the tile's float32 scale over 2^9 (exact)
+      float d;
+      if (type == kMXFP4) {
+        d = e8m0_half(b[0]);
+      } else {
+        std::memcpy(&d, b, 4);
+        d *= 1.f / 512.f;
+      }
+      for (int j = 0; j < 16; ++j) {
+        s.scale[j] = d;
+        s.min[j] = 0.f;
+      }
+      return;
+    }
     default: {  // the 32-element types: one scale, no min
       const float d = half_to_float(b);
       for (int j = 0; j < 16; ++j) {
@@ -160,6 +202,15 @@ inline void group_levels(int32_t type, const uint8_t* b, int g, int32_t* q) {
       for (int l = 0; l < 32; ++l) q[l] = (qs[l] >> shift) & 0xF;
       return;
     }
+    case kMXFP4:
+      for (int l = 0; l < 16; ++l) {
+        q[l] = kMxfp4Values[b[1 + l] & 0xF];
+        q[l + 16] = kMxfp4Values[b[1 + l] >> 4];
+      }
+      return;
+    case kFP8:
+      for (int l = 0; l < 32; ++l) q[l] = e4m3_level(b[4 + 32 * g + l]);
+      return;
     case kQ6_K: {
       const int half = g / 4, j = g % 4;
       const uint8_t* ql = b + 64 * half + 32 * (j & 1);

@@ -106,7 +106,7 @@ struct FixedInput {
 // Types with an integer kernel here; the others keep quant.h's float loops.
 inline bool has_integer_dot(int32_t type) {
   return type == kQ4_K || type == kQ8_0 || type == kQ6_K || type == kQ4_0 || type == kQ5_0 || type == kQ3_K ||
-         type == kQ2_K;
+         type == kQ2_K || type == kMXFP4;
 }
 
 #if defined(__AVX2__)
@@ -229,6 +229,34 @@ inline float idot_q8_0(const uint8_t* row, int64_t blocks, const FixedInput& in)
     const __m256i pl = _mm256_madd_epi16(_mm256_maddubs_epi16(levels, xl), ones);
     const __m256 total = _mm256_cvtepi32_ps(_mm256_add_epi32(_mm256_sub_epi32(_mm256_slli_epi32(ph, 8), ph), pl));
     const __m256 d = _mm256_set1_ps(half_to_float(b) * in.scale[blk / 8]);
+    if (blk & 1)
+      acc1 = _mm256_add_ps(acc1, _mm256_mul_ps(total, d));
+    else
+      acc0 = _mm256_add_ps(acc0, _mm256_mul_ps(total, d));
+  }
+  return hsum_ps(_mm256_add_ps(acc0, acc1));
+}
+
+// MXFP4: Q8_0's kernel with the int8 levels looked up from the 4-bit codes (a pshufb table, as
+// llama.cpp does), and the scale 2^(e - 128) instead of an fp16.
+inline float idot_mxfp4(const uint8_t* row, int64_t blocks, const FixedInput& in) {
+  __m256 acc0 = _mm256_setzero_ps(), acc1 = acc0;
+  const __m256i ones = _mm256_set1_epi16(1);
+  const __m256i table = _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(kMxfp4Values)));
+  const __m128i low4 = _mm_set1_epi8(0x0F);
+  for (int64_t blk = 0; blk < blocks; ++blk) {
+    const uint8_t* b = row + blk * 17;
+    _mm_prefetch(reinterpret_cast<const char*>(b + 1024), _MM_HINT_NTA);
+    const __m128i qs = _mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 1));
+    const __m256i codes = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(qs, 4), low4), _mm_and_si128(qs, low4));
+    const __m256i q = _mm256_shuffle_epi8(table, codes);  // elements 0-15 from the low nibbles, 16-31 the high
+    const __m256i levels = _mm256_sign_epi8(q, q);
+    const __m256i xh = _mm256_sign_epi8(load32(in.hi_at(32 * blk)), q);
+    const __m256i xl = _mm256_sign_epi8(load32(in.lo_at(32 * blk)), q);
+    const __m256i ph = _mm256_madd_epi16(_mm256_maddubs_epi16(levels, xh), ones);
+    const __m256i pl = _mm256_madd_epi16(_mm256_maddubs_epi16(levels, xl), ones);
+    const __m256 total = _mm256_cvtepi32_ps(_mm256_add_epi32(_mm256_sub_epi32(_mm256_slli_epi32(ph, 8), ph), pl));
+    const __m256 d = _mm256_set1_ps(e8m0_half(b[0]) * in.scale[blk / 8]);
     if (blk & 1)
       acc1 = _mm256_add_ps(acc1, _mm256_mul_ps(total, d));
     else
@@ -395,6 +423,7 @@ inline float idot_row(const Matrix& m, int64_t r, const FixedInput& in) {
     case kQ5_0: return idot_q4_q5_0(row, blocks, in, true);
     case kQ3_K: return idot_q2_q3_k(row, blocks, in, true);
     case kQ2_K: return idot_q2_q3_k(row, blocks, in, false);
+    case kMXFP4: return idot_mxfp4(row, blocks, in);
     default: return idot_q8_0(row, blocks, in);
   }
 #else

@@ -89,6 +89,12 @@ FAMILIES = (
 )
 
 
+# Experts classes whose recipe the native clamped-SwiGLU kernel computes (moe_decode_clamped_swiglu):
+# gpt-oss's interleaved gate/up with biases, gate clamped above, up clamped, (up + 1) * gate *
+# sigmoid(alpha * gate), down with a bias.
+CLAMPED_SWIGLU_EXPERTS = (("gpt_oss", "GptOssExperts"),)
+
+
 def _module(name: str):
     try:
         return importlib.import_module(f"transformers.models.{name}.modeling_{name}")
@@ -99,6 +105,12 @@ def _module(name: str):
 def _classes(family: Family, names) -> list[type]:
     module = _module(family.module)
     return [cls for name in names if module is not None and (cls := getattr(module, name, None)) is not None]
+
+
+@cache
+def clamped_swiglu_classes() -> frozenset[type]:
+    return frozenset(cls for module, name in CLAMPED_SWIGLU_EXPERTS
+                     if (mod := _module(module)) is not None and (cls := getattr(mod, name, None)) is not None)
 
 
 @cache

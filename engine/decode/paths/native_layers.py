@@ -27,7 +27,13 @@ import torch.nn.functional as F
 
 from engine.decode.native import kernels as native
 from engine.decode.paths.base import DecodePath, Step
-from engine.decode.paths.families import is_llama_attention, is_llama_rms_norm, router_recipe
+from engine.decode.paths.families import (
+    clamped_swiglu_classes,
+    is_llama_attention,
+    is_llama_rms_norm,
+    own_class,
+    router_recipe,
+)
 from engine.decode.paths.transformers_path import model_forward
 from engine.model.cache_argument import cache_from_call
 from engine.model.dense_formats import QuantizedLinear
@@ -198,6 +204,13 @@ def _fusable_recipe(module: torch.nn.Module) -> bool:
                 and isinstance(module.act_fn, SiLUActivation | torch.nn.SiLU))
 
 
+def clamped_swiglu_native(module: torch.nn.Module, reader: SlotReader) -> bool:
+    """gpt-oss's experts (families.CLAMPED_SWIGLU_EXPERTS) with quantized matrices: their slots hold
+    [out, in] blocks the kernels read by rows (a bf16 slot of them is [in, out], left to torch)."""
+    return (own_class(module) in clamped_swiglu_classes() and "gate_up_proj" in reader.quantized
+            and "down_proj" in reader.quantized and not getattr(module, "has_post_expert_norm", False))
+
+
 class NativeExperts:
     """The one-token experts kernel of a native step: a layer's resident picks in one native call."""
 
@@ -206,6 +219,11 @@ class NativeExperts:
 
     def __call__(self, module: torch.nn.Module, hidden: torch.Tensor, chosen: list[dict[str, torch.Tensor]],
                  weights: torch.Tensor, out_dtype: torch.dtype, reader: SlotReader) -> torch.Tensor:
+        if not reader.packed and hidden.dtype == torch.bfloat16 and clamped_swiglu_native(module, reader):
+            gate_up, down = expert_weights(self.kernels, reader, chosen)
+            return self.kernels.moe_decode_clamped_swiglu(
+                hidden, gate_up, down, [w["gate_up_proj_bias"] for w in chosen], [w["down_proj_bias"] for w in chosen],
+                weights, float(module.alpha), float(module.limit))
         if reader.packed or hidden.dtype != torch.bfloat16 or not experts_fusable(module):
             return torch_one_token(module, hidden, chosen, weights, out_dtype, reader)
         gate_up, down = expert_weights(self.kernels, reader, chosen)
