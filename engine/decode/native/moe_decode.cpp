@@ -191,8 +191,9 @@ void gemv_into(const Matrix& w, const bf16* x, float* acc, bf16* out) {
   for (int64_t i = 0; i < w.rows; ++i) out[i] = to_bf16(acc[i]);
 }
 
-// y = W x for one row x (any leading shape of size 1), as F.linear without bias.
-torch::Tensor gemv(const Weight& weight, const torch::Tensor& x) {
+// y = W x (+ bias) for one row x (any leading shape of size 1), as F.linear: the bias is added to
+// the float32 sums before the one rounding to bf16, as torch's addmm does.
+torch::Tensor gemv(const Weight& weight, const torch::Tensor& x, const c10::optional<torch::Tensor>& bias) {
   const Matrix w = matrix_of(weight, "weight");
   TORCH_CHECK(x.numel() == w.cols && x.scalar_type() == torch::kBFloat16, "x: one bf16 row of the weight's width needed");
   const torch::Tensor xc = x.contiguous();
@@ -200,7 +201,14 @@ torch::Tensor gemv(const Weight& weight, const torch::Tensor& x) {
   auto sizes = x.sizes().vec();
   sizes.back() = w.rows;
   torch::Tensor y = torch::empty(sizes, x.options());
-  gemv_into(w, bf16_data(xc), acc.data(), bf16_data(y));
+  at::parallel_for(0, w.rows, kGrain, [&](int64_t begin, int64_t end) { gemv_range(w, bf16_data(xc), begin, end, acc.data()); });
+  if (bias.has_value()) {
+    check_vector(*bias, w.rows, "bias");
+    const bf16* b = bf16_data(*bias);
+    for (int64_t i = 0; i < w.rows; ++i) acc[i] += to_float(b[i]);
+  }
+  bf16* out = bf16_data(y);
+  for (int64_t i = 0; i < w.rows; ++i) out[i] = to_bf16(acc[i]);
   return y;
 }
 
@@ -213,17 +221,83 @@ void dequantize(const Weight& weight, torch::Tensor out) {
   at::parallel_for(0, w.rows, 16, [&](int64_t begin, int64_t end) { dequantize_rows(w, begin, end, o); });
 }
 
-// One expert's matrices: gate_up [2I, H] (gate rows first) and down [H, I].
-struct ExpertWeights {
-  Matrix gate_up, down;
+// How an expert's gate/up projection becomes its activation, as the experts module computes it
+// (engine/decode/paths/expert_recipe.py recognises which): gate and up as two halves (gate first)
+// or interleaved (gate at even rows, GPT-OSS), and SiLU(gate) * up or GPT-OSS's clamped SwiGLU,
+// (clamp(up, +-limit) + 1) * g * sigmoid(alpha * g) with g = min(gate, limit).
+struct GateRecipe {
+  bool interleaved = false;
+  bool clamped_swiglu = false;
+  double alpha = 1.0, limit = 0.0;
 };
 
-ExpertWeights expert_weights(const Weight& gate_up, const Weight& down, int64_t hidden) {
+// One expert's matrices: gate_up [2I, H] and down [H, I], or, `transposed`, [H, 2I] and [I, H]
+// (read as x @ W, GPT-OSS); optional biases [2I] and [H].
+struct ExpertWeights {
+  Matrix gate_up, down;
+  const bf16* gate_up_bias = nullptr;
+  const bf16* down_bias = nullptr;
+  bool transposed = false;
+  int64_t inter = 0;
+};
+
+ExpertWeights expert_weights(const Weight& gate_up, const Weight& down, int64_t hidden, bool transposed = false,
+                             const torch::Tensor* gate_up_bias = nullptr, const torch::Tensor* down_bias = nullptr) {
   const Matrix g = matrix_of(gate_up, "gate_up"), d = matrix_of(down, "down");
-  const int64_t inter = d.cols;
-  TORCH_CHECK(g.rows == 2 * inter && g.cols == hidden, "gate_up: [2 * intermediate, hidden]");
-  TORCH_CHECK(d.rows == hidden, "down: [hidden, intermediate]");
-  return {g, d};
+  ExpertWeights out{g, d};
+  out.transposed = transposed;
+  if (transposed) {
+    TORCH_CHECK(g.type == kBF16 && d.type == kBF16, "transposed experts: bf16 matrices only");
+    out.inter = d.rows;
+    TORCH_CHECK(g.cols == 2 * out.inter && g.rows == hidden, "gate_up: [hidden, 2 * intermediate] (transposed)");
+    TORCH_CHECK(d.cols == hidden, "down: [intermediate, hidden] (transposed)");
+  } else {
+    out.inter = d.cols;
+    TORCH_CHECK(g.rows == 2 * out.inter && g.cols == hidden, "gate_up: [2 * intermediate, hidden]");
+    TORCH_CHECK(d.rows == hidden, "down: [hidden, intermediate]");
+  }
+  if (gate_up_bias != nullptr) {
+    check_vector(*gate_up_bias, 2 * out.inter, "gate_up bias");
+    out.gate_up_bias = bf16_data(*gate_up_bias);
+  }
+  if (down_bias != nullptr) {
+    check_vector(*down_bias, hidden, "down bias");
+    out.down_bias = bf16_data(*down_bias);
+  }
+  return out;
+}
+
+// out[begin, end) = columns [begin, end) of x W for a [rows = len(x), cols] bf16 matrix read as
+// x @ W: row by row, each scaled by its x and added into the float32 sums (the rows stream in order).
+inline void gemv_t_range(const Matrix& m, const bf16* x, int64_t begin, int64_t end, float* out) {
+  const bf16* base = reinterpret_cast<const bf16*>(m.data);
+  const int64_t stride = m.row_bytes / 2;
+  std::fill(out + begin, out + end, 0.f);
+  for (int64_t i = 0; i < m.rows; ++i) {
+    const float xi = to_float(x[i]);
+    const bf16* row = base + i * stride;
+    int64_t j = begin;
+#if defined(MOESCOPE_AVX512BF16) || defined(MOESCOPE_AVX512F)
+    const __m512 scale = _mm512_set1_ps(xi);
+    for (; j + 16 <= end; j += 16)
+      _mm512_storeu_ps(out + j, _mm512_fmadd_ps(scale, widen_bf16(row + j), _mm512_loadu_ps(out + j)));
+#endif
+    for (; j < end; ++j) out[j] += xi * to_float(row[j]);
+  }
+}
+
+// Rows [begin, end) of an expert's gate/up projection (which = 0) or down projection (1) of x.
+inline void expert_rows(const ExpertWeights& w, int which, const bf16* x, int64_t begin, int64_t end, float* out) {
+  const Matrix& m = which == 0 ? w.gate_up : w.down;
+  if (w.transposed)
+    gemv_t_range(m, x, begin, end, out);
+  else
+    gemv_range(m, x, begin, end, out);
+}
+
+// A projection's output row as transformers has it: rounded to bf16, plus the bias (rounded again).
+inline float biased(float acc, const bf16* bias, int64_t i) {
+  return bias == nullptr ? round_bf16(acc) : round_bf16(round_bf16(acc) + to_float(bias[i]));
 }
 
 inline void cpu_relax() {
@@ -256,14 +330,43 @@ struct SpinBarrier {
   }
 };
 
-// An expert's activation for intermediate rows [begin, end): SiLU(gate) * up from its gate/up
-// projection (float32 sums, gate rows first), rounded where transformers rounds.
-inline void silu_gate_rows(const float* gate_up, int64_t inter, int64_t begin, int64_t end, bf16* out) {
+// An expert's activation for intermediate rows [begin, end) from its gate/up projection (float32
+// sums), each op rounded to bf16 where transformers rounds.
+inline void gate_rows(const GateRecipe& r, const float* gate_up, const bf16* bias, int64_t inter, int64_t begin,
+                      int64_t end, bf16* out) {
   for (int64_t i = begin; i < end; ++i) {
-    const float g = round_bf16(gate_up[i]), u = round_bf16(gate_up[inter + i]);
-    const float silu = round_bf16(g / (1.f + std::exp(-g)));
-    out[i] = to_bf16(silu * u);
+    const int64_t gi = r.interleaved ? 2 * i : i, ui = r.interleaved ? 2 * i + 1 : inter + i;
+    float g = biased(gate_up[gi], bias, gi), u = biased(gate_up[ui], bias, ui);
+    if (!r.clamped_swiglu) {
+      const float silu = round_bf16(g / (1.f + std::exp(-g)));
+      out[i] = to_bf16(silu * u);
+      continue;
+    }
+    const float limit = static_cast<float>(r.limit);
+    g = std::min(g, limit);
+    u = std::max(-limit, std::min(u, limit));
+    const float scaled = round_bf16(g * static_cast<float>(r.alpha));
+    const float glu = round_bf16(g * round_bf16(1.f / (1.f + std::exp(-scaled))));
+    out[i] = to_bf16(round_bf16(u + 1.f) * glu);
   }
+}
+
+// The rows [begin, end) of an expert's gate/up projection that intermediate rows [begin, end) need.
+inline void gate_up_part(const GateRecipe& r, const ExpertWeights& w, const bf16* x, int64_t inter, int64_t begin,
+                         int64_t end, float* projected) {
+  if (r.interleaved) {
+    expert_rows(w, 0, x, 2 * begin, 2 * end, projected);
+  } else {
+    expert_rows(w, 0, x, begin, end, projected);
+    expert_rows(w, 0, x, inter + begin, inter + end, projected);
+  }
+}
+
+// The down projection's rows [begin, end) plus its bias, kept in float32 (already bf16 values).
+inline void down_part(const ExpertWeights& w, const bf16* activation, int64_t begin, int64_t end, float* out) {
+  expert_rows(w, 1, activation, begin, end, out);
+  if (w.down_bias != nullptr)
+    for (int64_t j = begin; j < end; ++j) out[j] = biased(out[j], w.down_bias, j);
 }
 
 // This thread's [begin, end) of n items, split evenly over a team.
@@ -278,45 +381,48 @@ inline std::pair<int64_t, int64_t> thread_share(int64_t n, int tid, int team) {
 // than splitting every matrix by rows), and an expert's down projection needs only its own
 // activation, so there is no barrier between the passes. Otherwise every expert's gate/up rows are
 // split, then (after the barrier) its down rows. Scratch: projected [k, 2I], activation [k, I].
-void experts_part(const bf16* x, int64_t hidden, int64_t inter, const ExpertWeights* const* picked, int64_t k,
-                  float* projected, bf16* activation, float* outputs, SpinBarrier& barrier, int tid, int team) {
+void experts_part(const GateRecipe& r, const bf16* x, int64_t hidden, int64_t inter,
+                  const ExpertWeights* const* picked, int64_t k, float* projected, bf16* activation, float* outputs,
+                  SpinBarrier& barrier, int tid, int team) {
   if (k % team == 0) {
     const auto [first, last] = thread_share(k, tid, team);
     for (int64_t e = first; e < last; ++e) {
-      gemv_range(picked[e]->gate_up, x, 0, 2 * inter, projected + e * 2 * inter);
-      silu_gate_rows(projected + e * 2 * inter, inter, 0, inter, activation + e * inter);
+      gate_up_part(r, *picked[e], x, inter, 0, inter, projected + e * 2 * inter);
+      gate_rows(r, projected + e * 2 * inter, picked[e]->gate_up_bias, inter, 0, inter, activation + e * inter);
     }
-    for (int64_t e = first; e < last; ++e)
-      gemv_range(picked[e]->down, activation + e * inter, 0, hidden, outputs + e * hidden);
+    for (int64_t e = first; e < last; ++e) down_part(*picked[e], activation + e * inter, 0, hidden, outputs + e * hidden);
     return;
   }
   const auto [begin, end] = thread_share(inter, tid, team);
   for (int64_t e = 0; e < k; ++e) {
     float* gate = projected + e * 2 * inter;
-    gemv_range(picked[e]->gate_up, x, begin, end, gate);
-    gemv_range(picked[e]->gate_up, x, inter + begin, inter + end, gate);
-    silu_gate_rows(gate, inter, begin, end, activation + e * inter);
+    gate_up_part(r, *picked[e], x, inter, begin, end, gate);
+    gate_rows(r, gate, picked[e]->gate_up_bias, inter, begin, end, activation + e * inter);
   }
   barrier.wait();
   const auto [h_begin, h_end] = thread_share(hidden, tid, team);
-  for (int64_t e = 0; e < k; ++e)
-    gemv_range(picked[e]->down, activation + e * inter, h_begin, h_end, outputs + e * hidden);
+  for (int64_t e = 0; e < k; ++e) down_part(*picked[e], activation + e * inter, h_begin, h_end, outputs + e * hidden);
 }
 
 // out[begin, end) = the experts' outputs rounded, weighted by `route` and summed in pick order.
+// `round_products`: the routing weights are bf16, so transformers multiplies in bf16 (each product
+// rounded) before its float32 sum; float32 weights give float32 products.
 inline void weighted_sum_rows(const float* outputs, const float* route, int64_t k, int64_t hidden, int64_t begin,
-                              int64_t end, bf16* out) {
+                              int64_t end, bool round_products, bf16* out) {
   for (int64_t j = begin; j < end; ++j) {
     float total = 0.f;
-    for (int64_t e = 0; e < k; ++e) total += round_bf16(outputs[e * hidden + j]) * route[e];
+    for (int64_t e = 0; e < k; ++e) {
+      const float product = round_bf16(outputs[e * hidden + j]) * route[e];
+      total += round_products ? round_bf16(product) : product;
+    }
     out[j] = to_bf16(total);
   }
 }
 
-// One token through `picked` SiLU-gated experts weighted by `route` (float32) and summed in pick
+// One token through `picked` gated experts weighted by `route` (float32) and summed in pick
 // order into `out` (bf16): what a decode step's MoE block computes.
-void moe_experts(const bf16* x, int64_t hidden, int64_t inter, const std::vector<ExpertWeights>& picked,
-                 const float* route, bf16* out) {
+void moe_experts(const GateRecipe& r, const bf16* x, int64_t hidden, int64_t inter,
+                 const std::vector<ExpertWeights>& picked, const float* route, bool round_products, bf16* out) {
   const int64_t k = static_cast<int64_t>(picked.size());
   std::vector<float> projected(k * 2 * inter), outputs(k * hidden);
   std::vector<bf16> activation(k * inter);
@@ -326,27 +432,35 @@ void moe_experts(const bf16* x, int64_t hidden, int64_t inter, const std::vector
 #pragma omp parallel num_threads(std::max(1, at::get_num_threads()))
   {
     barrier.join(omp_get_num_threads());  // the team may be smaller than asked for
-    experts_part(x, hidden, inter, experts.data(), k, projected.data(), activation.data(), outputs.data(), barrier,
+    experts_part(r, x, hidden, inter, experts.data(), k, projected.data(), activation.data(), outputs.data(), barrier,
                  omp_get_thread_num(), omp_get_num_threads());
   }
-  weighted_sum_rows(outputs.data(), route, k, hidden, 0, hidden, out);
+  weighted_sum_rows(outputs.data(), route, k, hidden, 0, hidden, round_products, out);
 }
 
+// gate_up_bias/down_bias: one per expert or none; `transposed`: the matrices are [in, out].
 torch::Tensor moe_decode(const torch::Tensor& x, const std::vector<Weight>& gate_up, const std::vector<Weight>& down,
-                         const torch::Tensor& weights) {
+                         const torch::Tensor& weights, const std::vector<torch::Tensor>& gate_up_bias,
+                         const std::vector<torch::Tensor>& down_bias, bool transposed, const GateRecipe& recipe) {
   const int64_t experts = static_cast<int64_t>(gate_up.size());
   TORCH_CHECK(experts > 0 && static_cast<int64_t>(down.size()) == experts, "one gate_up and one down per expert");
   TORCH_CHECK(weights.numel() == experts, "one routing weight per expert");
+  TORCH_CHECK(gate_up_bias.empty() || static_cast<int64_t>(gate_up_bias.size()) == experts, "one gate_up bias per expert");
+  TORCH_CHECK(down_bias.empty() || static_cast<int64_t>(down_bias.size()) == experts, "one down bias per expert");
   TORCH_CHECK(x.scalar_type() == torch::kBFloat16, "x: a bf16 row");
   const int64_t hidden = x.numel();
   std::vector<ExpertWeights> picked;
-  for (int64_t e = 0; e < experts; ++e) picked.push_back(expert_weights(gate_up[e], down[e], hidden));
-  const int64_t inter = picked[0].down.cols;
-  for (const ExpertWeights& w : picked) TORCH_CHECK(w.down.cols == inter, "down: every expert of one intermediate size");
+  for (int64_t e = 0; e < experts; ++e)
+    picked.push_back(expert_weights(gate_up[e], down[e], hidden, transposed,
+                                    gate_up_bias.empty() ? nullptr : &gate_up_bias[e],
+                                    down_bias.empty() ? nullptr : &down_bias[e]));
+  const int64_t inter = picked[0].inter;
+  for (const ExpertWeights& w : picked) TORCH_CHECK(w.inter == inter, "down: every expert of one intermediate size");
   const torch::Tensor xc = x.contiguous();
   const torch::Tensor wf = weights.to(torch::kFloat32).contiguous();
   torch::Tensor y = torch::empty_like(xc);
-  moe_experts(bf16_data(xc), hidden, inter, picked, wf.data_ptr<float>(), bf16_data(y));
+  moe_experts(recipe, bf16_data(xc), hidden, inter, picked, wf.data_ptr<float>(),
+              weights.scalar_type() == torch::kBFloat16, bf16_data(y));
   return y;
 }
 
@@ -719,12 +833,12 @@ class DecodeStep {
     l.expert_tensors.clear();
     for (size_t e = 0; e < gate_up.size(); ++e) {
       l.experts.push_back(expert_weights(gate_up[e], down[e], hidden_));
-      TORCH_CHECK(l.experts.back().down.cols == l.experts[0].down.cols,
+      TORCH_CHECK(l.experts.back().inter == l.experts[0].inter,
                   "set_experts: every expert of one intermediate size");
       l.expert_tensors.push_back(gate_up[e].tensor);  // keeps the slot memory alive while referenced
       l.expert_tensors.push_back(down[e].tensor);
     }
-    l.inter = l.experts[0].down.cols;
+    l.inter = l.experts[0].inter;
   }
 
   // One token at `position` (the number of cached positions before it). keys/values: each layer's
@@ -933,11 +1047,12 @@ class DecodeStep {
       }
       barrier.wait();
       clock.lap(kRouter);
-      experts_part(normed.data(), hidden_, l.inter, chosen_.data(), top_k_, projected_.data(), activation_.data(),
+      experts_part(GateRecipe(), normed.data(), hidden_, l.inter, chosen_.data(), top_k_, projected_.data(), activation_.data(),
                    expert_out_.data(), barrier, tid, team);
       barrier.wait();
       const auto [j_first, j_last] = share(hidden_);  // the weighted sum by slices of the row
-      weighted_sum_rows(expert_out_.data(), route_.data(), top_k_, hidden_, j_first, j_last, delta_.data());
+      weighted_sum_rows(expert_out_.data(), route_.data(), top_k_, hidden_, j_first, j_last, cast_back_,
+                        delta_.data());
       barrier.wait();
       add_rows(x.data(), delta_.data(), hidden_, x.data());
       clock.lap(kExperts);
@@ -977,14 +1092,24 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
            pybind11::arg("cols") = 0)
       .def_readonly("type", &Weight::type)
       .def_readonly("cols", &Weight::cols);
-  m.def("gemv", &gemv, "a weight matrix times one bf16 row, float32 sums");
+  m.def("gemv", &gemv, "a weight matrix times one bf16 row (plus a bias), float32 sums", pybind11::arg("weight"),
+        pybind11::arg("x"), pybind11::arg("bias") = pybind11::none());
   m.def("set_integer_dots", [](bool on) { integer_dots_enabled() = on; },
         "block types with an integer kernel use it (default) or the reference-exact float loops");
   m.def("dequantize", &dequantize, "a weight matrix as bf16, the reference dequantizer's values");
   m.def("rms_norm", &rms_norm, "RMSNorm of a few bf16 rows");
   m.def("qkv_rope", &qkv_rope, "one token's q, k, v: projections, optional q/k norms, rotary embedding");
   m.def("attend", &attend, "one query's attention over cached keys and values");
-  m.def("moe_decode", &moe_decode, "one token through k SiLU-gated experts, weighted and summed");
+  pybind11::class_<GateRecipe>(m, "GateRecipe", "how an expert's gate/up projection becomes its activation")
+      .def(pybind11::init<bool, bool, double, double>(), pybind11::arg("interleaved") = false,
+           pybind11::arg("clamped_swiglu") = false, pybind11::arg("alpha") = 1.0, pybind11::arg("limit") = 0.0)
+      .def_readonly("interleaved", &GateRecipe::interleaved)
+      .def_readonly("clamped_swiglu", &GateRecipe::clamped_swiglu);
+  m.def("moe_decode", &moe_decode, "one token through k gated experts, weighted and summed", pybind11::arg("x"),
+        pybind11::arg("gate_up"), pybind11::arg("down"), pybind11::arg("weights"),
+        pybind11::arg("gate_up_bias") = std::vector<torch::Tensor>(),
+        pybind11::arg("down_bias") = std::vector<torch::Tensor>(), pybind11::arg("transposed") = false,
+        pybind11::arg("recipe") = GateRecipe());
   pybind11::class_<DecodeStep>(m, "DecodeStep", "a whole decode step of a Llama-style MoE decoder")
       .def(pybind11::init<torch::Tensor, torch::Tensor, double, const Weight&, int64_t, bool, bool>())
       .def("add_layer", &DecodeStep::add_layer)

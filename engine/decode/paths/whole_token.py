@@ -25,6 +25,7 @@ from engine.accounting.routing import RoutingStep
 from engine.decode.kv_cache import BlockLayer
 from engine.decode.native import kernels as native
 from engine.decode.paths.base import DecodePath, Step
+from engine.decode.paths.expert_recipe import experts_recipe
 from engine.decode.paths.families import (
     is_linear,
     is_llama_attention,
@@ -32,7 +33,7 @@ from engine.decode.paths.families import (
     router_recipe,
     whole_token_part,
 )
-from engine.decode.paths.native_layers import expert_weights, experts_fusable, linear_weight, native_problem
+from engine.decode.paths.native_layers import expert_weights, linear_weight, native_problem
 from engine.model.dense_formats import QuantizedLinear
 
 
@@ -83,8 +84,11 @@ def _layer_problem(layer: torch.nn.Module) -> str:
         return "its attention is not Llama-style in bf16"
     if router_recipe(block.gate) is None or not _matrix(block.gate.weight):
         return "its router is not a known top-k router"
-    if not experts_fusable(block.experts):
-        return "its experts are not SiLU-gated gate_up/down experts"
+    recipe = experts_recipe(block.experts)
+    if isinstance(recipe, str):
+        return recipe
+    if not recipe.plain:
+        return "its experts have biases, interleaved or transposed matrices (the per-layer kernel computes them)"
     return ""
 
 
