@@ -507,6 +507,7 @@ struct AttentionWeights {
   std::vector<torch::Tensor> keep;  // the projections' tensors, alive while referenced
   int64_t head_dim;
   float eps;
+  torch::Tensor bias[3];  // q/k/v projections' biases (Qwen2-MoE); undefined where the model has none
 };
 
 AttentionWeights attention_weights(const Weight& q_proj, const Weight& k_proj, const Weight& v_proj,
@@ -534,6 +535,10 @@ void project_head(const AttentionWeights& a, int m, int64_t h, const bf16* x, co
   const int64_t d = a.head_dim;
   const Matrix& w = m == 0 ? a.wq : m == 1 ? a.wk : a.wv;
   gemv_rows(w, x, h * d, (h + 1) * d, rows);
+  if (a.bias[m].defined()) {  // added before the one rounding, as F.linear does
+    const bf16* b = bf16_data(a.bias[m]) + h * d;
+    for (int64_t i = 0; i < d; ++i) rows[i] += to_float(b[i]);
+  }
   for (int64_t i = 0; i < d; ++i) out[i] = to_bf16(rows[i]);
   if (m == 2) return;  // values are neither normed nor rotated
   const torch::Tensor& norm = m == 0 ? a.q_norm : a.k_norm;
@@ -841,6 +846,38 @@ class DecodeStep {
     l.inter = l.experts[0].inter;
   }
 
+  // The q/k/v projections' biases of `layer` (each [rows of its projection]).
+  void set_attention_biases(int64_t layer, const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v) {
+    TORCH_CHECK(layer >= 0 && layer < static_cast<int64_t>(layers_.size()), "set_attention_biases: no such layer");
+    AttentionWeights& a = layers_[layer].attention;
+    const torch::Tensor* in[3] = {&q, &k, &v};
+    const int64_t rows[3] = {a.wq.rows, a.wk.rows, a.wv.rows};
+    for (int m = 0; m < 3; ++m) check_vector(a.bias[m] = in[m]->contiguous(), rows[m], "q/k/v bias");
+  }
+
+  // A shared expert beside `layer`'s routed experts, optionally gated by sigmoid(gate . x).
+  void set_shared_expert(int64_t layer, const Weight& gate_proj, const Weight& up_proj, const Weight& down_proj,
+                         const c10::optional<torch::Tensor>& gate) {
+    TORCH_CHECK(layer >= 0 && layer < static_cast<int64_t>(layers_.size()), "set_shared_expert: no such layer");
+    Layer& l = layers_[layer];
+    l.shared_gate_proj = matrix_of(gate_proj, "shared gate_proj");
+    l.shared_up_proj = matrix_of(up_proj, "shared up_proj");
+    l.shared_down_proj = matrix_of(down_proj, "shared down_proj");
+    const int64_t inter = l.shared_gate_proj.rows;
+    TORCH_CHECK(l.shared_gate_proj.cols == hidden_ && l.shared_up_proj.cols == hidden_ &&
+                    l.shared_up_proj.rows == inter && l.shared_down_proj.rows == hidden_ &&
+                    l.shared_down_proj.cols == inter,
+                "shared expert: gate/up [I, hidden] and down [hidden, I]");
+    l.shared_tensors = {gate_proj.tensor, up_proj.tensor, down_proj.tensor};
+    l.shared_gated = gate.has_value();
+    if (l.shared_gated) {
+      check_vector(*gate, hidden_, "shared_expert_gate");
+      l.shared_tensors.push_back(gate->contiguous());
+      l.shared_gate = matrix_of(plain(l.shared_tensors.back().view({1, hidden_})), "shared_expert_gate");
+    }
+    l.shared = true;
+  }
+
   // One token at `position` (the number of cached positions before it). keys/values: each layer's
   // cache buffer [1, kv_heads, capacity > position, d]; this token's key and value are written at
   // `position`. cos/sin: the rotary rows for `position`. picks: int64 [layers, top_k], filled
@@ -876,6 +913,10 @@ class DecodeStep {
     query_.resize(widest);
     attended_.resize(widest);
     delta_.resize(hidden_);
+    int64_t widest_shared = 0;
+    for (const Layer& l : layers_) widest_shared = std::max<int64_t>(widest_shared, l.shared ? l.shared_gate_proj.rows : 0);
+    shared_acc_.resize(2 * widest_shared + hidden_);
+    shared_act_.resize(widest_shared);
     projected_.resize(top_k_ * 2 * widest_inter);
     activation_.resize(top_k_ * widest_inter);
     expert_out_.resize(top_k_ * hidden_);
@@ -938,6 +979,12 @@ class DecodeStep {
     std::vector<ExpertWeights> experts;
     std::vector<torch::Tensor> expert_tensors;
     int64_t inter = 0;
+    // A shared expert beside the routed ones (Qwen2-MoE): SiLU-gated gate/up [Is, H], down
+    // [H, Is], its output scaled by sigmoid(shared_gate . x) where the model has that gate.
+    bool shared = false;
+    Matrix shared_gate_proj, shared_up_proj, shared_down_proj, shared_gate;
+    bool shared_gated = false;
+    std::vector<torch::Tensor> shared_tensors;
   };
 
   // The router's top-k experts (into `picked`, best first) and their weights, as transformers'
@@ -1045,6 +1092,7 @@ class DecodeStep {
         route(l, normed.data(), in.picked + i * top_k_, route_.data());
         for (int64_t e = 0; e < top_k_; ++e) chosen_[e] = &l.experts[in.picked[i * top_k_ + e]];
       }
+      if (l.shared) shared_activation(l, normed.data(), share(l.shared_gate_proj.rows), tid);
       barrier.wait();
       clock.lap(kRouter);
       experts_part(GateRecipe(), normed.data(), hidden_, l.inter, chosen_.data(), top_k_, projected_.data(), activation_.data(),
@@ -1053,6 +1101,7 @@ class DecodeStep {
       const auto [j_first, j_last] = share(hidden_);  // the weighted sum by slices of the row
       weighted_sum_rows(expert_out_.data(), route_.data(), top_k_, hidden_, j_first, j_last, cast_back_,
                         delta_.data());
+      if (l.shared) add_shared_rows(l, j_first, j_last);
       barrier.wait();
       add_rows(x.data(), delta_.data(), hidden_, x.data());
       clock.lap(kExperts);
@@ -1062,6 +1111,37 @@ class DecodeStep {
     rows_of(lm_head_, normed.data(), share(lm_head_.rows), in.logits);
     barrier.wait();
     clock.lap(kLmHead);
+  }
+
+  // This thread's rows of a shared expert's activation, SiLU(gate x) * up x, rounded as transformers
+  // rounds; thread 0 also its gate's sigmoid(gate . x) (bf16).
+  void shared_activation(const Layer& l, const bf16* x, std::pair<int64_t, int64_t> rows, int tid) {
+    const int64_t inter = l.shared_gate_proj.rows;
+    float* gate = shared_acc_.data();
+    float* up = gate + inter;
+    gemv_range(l.shared_gate_proj, x, rows.first, rows.second, gate);
+    gemv_range(l.shared_up_proj, x, rows.first, rows.second, up);
+    for (int64_t i = rows.first; i < rows.second; ++i) {
+      const float g = round_bf16(gate[i]);
+      shared_act_[i] = to_bf16(round_bf16(g / (1.f + std::exp(-g))) * round_bf16(up[i]));
+    }
+    if (tid == 0 && l.shared_gated) {
+      float logit = 0.f;
+      gemv_range(l.shared_gate, x, 0, 1, &logit);
+      shared_scale_ = round_bf16(1.f / (1.f + std::exp(-round_bf16(logit))));
+    }
+  }
+
+  // delta[j) += the shared expert's down projection (times its gate) for this thread's rows,
+  // each step rounded to bf16 as transformers' ops are.
+  void add_shared_rows(const Layer& l, int64_t begin, int64_t end) {
+    float* out = shared_acc_.data() + 2 * l.shared_gate_proj.rows;
+    gemv_range(l.shared_down_proj, shared_act_.data(), begin, end, out);
+    for (int64_t j = begin; j < end; ++j) {
+      float v = round_bf16(out[j]);
+      if (l.shared_gated) v = round_bf16(v * shared_scale_);
+      delta_[j] = to_bf16(to_float(delta_[j]) + v);
+    }
   }
 
   // out[rows) = W[rows) x, rounded to bf16 (this thread's rows of a projection).
@@ -1077,7 +1157,9 @@ class DecodeStep {
   bool normalize_, cast_back_;
   std::vector<Layer> layers_;
   // buffers the threads share within a step (each writes its own part)
-  std::vector<float> scratch_, projected_, expert_out_, route_;
+  std::vector<float> scratch_, projected_, expert_out_, route_, shared_acc_;
+  std::vector<bf16> shared_act_;  // a shared expert's activation
+  float shared_scale_ = 1.f;  // its gate's sigmoid this layer
   torch::Tensor router_in_, router_probs_;  // the router's float32 logits and probabilities
   std::vector<bf16> query_, attended_, delta_, activation_;
   std::vector<const ExpertWeights*> chosen_;  // this layer's picked experts, in pick order
@@ -1114,6 +1196,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def(pybind11::init<torch::Tensor, torch::Tensor, double, const Weight&, int64_t, bool, bool>())
       .def("add_layer", &DecodeStep::add_layer)
       .def("set_experts", &DecodeStep::set_experts)
+      .def("set_attention_biases", &DecodeStep::set_attention_biases)
+      .def("set_shared_expert", &DecodeStep::set_shared_expert)
       .def("run", &DecodeStep::run)
       .def("phase_seconds", &DecodeStep::phase_seconds);
 }

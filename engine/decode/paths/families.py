@@ -37,8 +37,12 @@ class Family:
     norms: tuple[str, ...] = ()  # Llama-style RMSNorm classes
     attention: tuple[str, ...] = ()  # Llama-style attention classes
     routers: tuple[tuple[str, tuple[bool, bool]], ...] = ()  # top-k router classes and their recipe
-    # the whole-token step: (causal LM, decoder, decoder layer, sparse MoE block) classes
+    # the whole-token step: (causal LM, decoder, decoder layer, sparse MoE block) classes; a block
+    # with a `shared_expert` adds it, scaled by sigmoid(`shared_expert_gate`) where it has one
     whole_token: tuple[str, str, str, str] | None = None
+    # Llama-style attention whose q/k/v projections carry biases: the whole-token step adds them
+    # (the per-layer attention kernel takes none)
+    biased_attention: tuple[str, ...] = ()
 
 
 FAMILIES = (
@@ -46,7 +50,9 @@ FAMILIES = (
            ("Qwen3MoeForCausalLM", "Qwen3MoeModel", "Qwen3MoeDecoderLayer", "Qwen3MoeSparseMoeBlock")),
     Family("mixtral", ("MixtralRMSNorm",), ("MixtralAttention",), (("MixtralTopKRouter", MIXTRAL_ROUTER),),
            ("MixtralForCausalLM", "MixtralModel", "MixtralDecoderLayer", "MixtralSparseMoeBlock")),
-    Family("qwen2_moe", ("Qwen2MoeRMSNorm",), (), (("Qwen2MoeTopKRouter", QWEN3_ROUTER),)),  # q/k/v have biases
+    Family("qwen2_moe", ("Qwen2MoeRMSNorm",), (), (("Qwen2MoeTopKRouter", QWEN3_ROUTER),),
+           ("Qwen2MoeForCausalLM", "Qwen2MoeModel", "Qwen2MoeDecoderLayer", "Qwen2MoeSparseMoeBlock"),
+           biased_attention=("Qwen2MoeAttention",)),
     Family("olmoe", ("OlmoeRMSNorm",), (), (("OlmoeTopKRouter", QWEN3_ROUTER),)),
     Family("qwen3_next", (), (), (("Qwen3NextTopKRouter", QWEN3_ROUTER),)),
     Family("qwen4_exp", (), (), (("Qwen4ExpTextTopKRouter", QWEN3_ROUTER),)),
@@ -112,6 +118,11 @@ def attention_classes() -> frozenset[type]:
 
 
 @cache
+def biased_attention_classes() -> frozenset[type]:
+    return frozenset(cls for f in FAMILIES for cls in _classes(f, f.biased_attention))
+
+
+@cache
 def router_recipes() -> dict[type, tuple[bool, bool]]:
     return {cls: recipe for f in FAMILIES for (name, recipe) in f.routers for cls in _classes(f, (name,))}
 
@@ -141,13 +152,17 @@ def is_llama_rms_norm(module: torch.nn.Module) -> bool:
             and hasattr(module, "variance_epsilon"))
 
 
-def is_llama_attention(module: torch.nn.Module) -> bool:
+def is_llama_attention(module: torch.nn.Module, biases: bool = False) -> bool:
     """Llama-style attention with bias-free projections and q/k norms (if any) over one head with
-    one epsilon (Qwen2-MoE's projections have biases: it keeps its own code)."""
-    if own_class(module) not in attention_classes():
+    one epsilon; with `biases`, also the listed classes whose q/k/v carry biases (Qwen2-MoE's),
+    which only the whole-token step computes."""
+    listed = attention_classes() | (biased_attention_classes() if biases else frozenset())
+    if own_class(module) not in listed:
         return False
     projections = [getattr(module, name, None) for name in ("q_proj", "k_proj", "v_proj", "o_proj")]
-    if not all(is_linear(proj) and proj.bias is None for proj in projections):
+    if not all(is_linear(proj) for proj in projections) or module.o_proj.bias is not None:
+        return False
+    if not biases and any(proj.bias is not None for proj in projections):
         return False
     head_dim = getattr(module, "head_dim", 0)
     norms = [norm for name in ("q_norm", "k_norm") if (norm := getattr(module, name, None)) is not None]
