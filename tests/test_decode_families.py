@@ -29,14 +29,14 @@ pytestmark = pytest.mark.usefixtures("kernels")
 
 WHOLE = "fast: whole token in one native call"
 LAYERS = "fast: native kernels, layer by layer"
-NOT_THESE = "the whole-token step runs Qwen3-MoE, Qwen2-MoE and Mixtral decoders only"
+NOT_THESE = "the whole-token step runs Qwen3-MoE, Qwen2-MoE, OLMoE and Mixtral decoders only"
 
 # family -> (the path a decode token takes at budget all, which module kinds run natively)
 PINNED = {
     "demo": (WHOLE, {"norm", "attention", "router"}),  # the demo model is a Qwen3-MoE
     "mixtral": (WHOLE, {"norm", "attention", "router"}),
     "qwen2_moe": (WHOLE, {"norm", "router"}),  # per layer, its biased q/k/v keep their own code
-    "olmoe": (LAYERS, {"norm", "router"}),  # q/k norms over the whole projection
+    "olmoe": (WHOLE, {"norm", "router"}),  # per layer, its full-width q/k norms keep their own code
     "deepseek_v3": (LAYERS, {"norm"}),  # MLA attention, grouped routing
     "glm4_moe": (LAYERS, {"norm"}),  # partial rotary, biased q/k/v, grouped sigmoid routing
     "gpt_oss": (LAYERS, set()),  # sinks, biased interleaved experts, its own norm

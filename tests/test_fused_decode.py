@@ -1,5 +1,5 @@
 """--fast-decode's whole-token path (engine.decode.paths.whole_token): with every expert resident, a
-Qwen3-MoE, Qwen2-MoE or Mixtral decode token runs in one native call. It must give the very logits of the
+Qwen3-MoE, Qwen2-MoE, OLMoE or Mixtral decode token runs in one native call. It must give the very logits of the
 native per-layer path (same kernels, same order), leave the same trail in the counters the panels
 draw from, and step aside, saying why, whenever something needs a layer's routing as it happens."""
 
@@ -189,13 +189,14 @@ def test_lookahead_policies_keep_the_per_layer_path(tiny_checkpoints):
         runtime.close()
 
 
-def test_qwen2_moe_biases_and_gated_shared_expert(tiny_checkpoints):
-    # Qwen2-MoE: biased q/k/v and a sigmoid-gated shared expert beside the routed ones. Its
-    # per-layer path keeps transformers' attention (another summation order), so the two paths
-    # agree to bf16 rounding rather than bit for bit.
+@pytest.mark.parametrize("family", ["qwen2_moe", "olmoe"])
+def test_attention_and_shared_experts_only_the_step_computes(tiny_checkpoints, family):
+    # Qwen2-MoE: biased q/k/v and a sigmoid-gated shared expert beside the routed ones; OLMoE: q/k
+    # norms over the whole projection. Their per-layer path keeps transformers' attention (another
+    # summation order), so the two paths agree to bf16 rounding rather than bit for bit.
     from tests.helpers.numerics import close
 
-    runtime = fast_runtime(str(tiny_checkpoints["qwen2_moe"]))
+    runtime = fast_runtime(str(tiny_checkpoints[family]))
     try:
         assert recognise(runtime.model) == ""
         whole, per_module = prefilled(runtime, PROMPT), prefilled(runtime, PROMPT)
@@ -207,13 +208,13 @@ def test_qwen2_moe_biases_and_gated_shared_expert(tiny_checkpoints):
                 ours = runtime.whole_token.run(step)
                 reference = runtime.native_layers.run(
                     Step(torch.tensor([[token]]), per_module, per_module.get_seq_length()))
-                close(ours, reference, "qwen2_moe logits")
+                close(ours, reference, f"{family} logits")
                 token = int(reference[0, -1].argmax())
     finally:
         runtime.close()
 
 
-@pytest.mark.parametrize("family", ["olmoe", "deepseek_v3", "glm4_moe", "gpt_oss"])
+@pytest.mark.parametrize("family", ["deepseek_v3", "glm4_moe", "gpt_oss"])
 def test_other_families_are_not_taken_for_it(tiny_checkpoints, family):
     runtime = fast_runtime(str(tiny_checkpoints[family]))
     try:

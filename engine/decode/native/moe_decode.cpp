@@ -487,6 +487,14 @@ torch::Tensor rms_norm(const torch::Tensor& x, const torch::Tensor& weight, doub
   return y;
 }
 
+// 1 / sqrt(mean(x^2) + eps) over `count` rows of d, `stride` apart, in order (as rms_norm_row sums).
+inline float rms_scale(const bf16* rows, int64_t stride, int64_t count, int64_t d, float eps) {
+  float squares = 0.f;
+  for (int64_t r = 0; r < count; ++r)
+    for (int64_t i = 0; i < d; ++i) squares += to_float(rows[r * stride + i]) * to_float(rows[r * stride + i]);
+  return 1.f / std::sqrt(squares / static_cast<float>(count * d) + eps);
+}
+
 // Rotary embedding of one head, as transformers' apply_rotary_pos_emb in bf16:
 // x * cos + rotate_half(x) * sin, each product and the sum rounded to bf16.
 inline void rope_head(bf16* x, const bf16* cos, const bf16* sin, int64_t d) {
@@ -508,6 +516,7 @@ struct AttentionWeights {
   int64_t head_dim;
   float eps;
   torch::Tensor bias[3];  // q/k/v projections' biases (Qwen2-MoE); undefined where the model has none
+  bool full_norm = false;  // q/k norms over the whole projection (OLMoE), before the rotary embedding
 };
 
 AttentionWeights attention_weights(const Weight& q_proj, const Weight& k_proj, const Weight& v_proj,
@@ -522,8 +531,13 @@ AttentionWeights attention_weights(const Weight& q_proj, const Weight& k_proj, c
               "qkv_rope: projections of whole heads, as many value heads as key heads, whole groups of query heads");
   AttentionWeights out{wq, wk, wv, torch::Tensor(), torch::Tensor(),
                        {q_proj.tensor, k_proj.tensor, v_proj.tensor}, head_dim, static_cast<float>(eps)};
-  if (q_norm.has_value()) check_vector(out.q_norm = q_norm->contiguous(), head_dim, "q_norm");
-  if (k_norm.has_value()) check_vector(out.k_norm = k_norm->contiguous(), head_dim, "k_norm");
+  // q/k norms over one head, or (OLMoE) over the whole projection: then both are
+  out.full_norm = q_norm.has_value() && q_norm->numel() != head_dim;
+  if (q_norm.has_value())
+    check_vector(out.q_norm = q_norm->contiguous(), out.full_norm ? wq.rows : head_dim, "q_norm");
+  if (k_norm.has_value())
+    check_vector(out.k_norm = k_norm->contiguous(), out.full_norm ? wk.rows : head_dim, "k_norm");
+  TORCH_CHECK(!out.full_norm || k_norm.has_value(), "q/k norms over the whole projection: both are needed");
   return out;
 }
 
@@ -540,7 +554,7 @@ void project_head(const AttentionWeights& a, int m, int64_t h, const bf16* x, co
     for (int64_t i = 0; i < d; ++i) rows[i] += to_float(b[i]);
   }
   for (int64_t i = 0; i < d; ++i) out[i] = to_bf16(rows[i]);
-  if (m == 2) return;  // values are neither normed nor rotated
+  if (m == 2 || a.full_norm) return;  // values are neither normed nor rotated; full-width norms come later
   const torch::Tensor& norm = m == 0 ? a.q_norm : a.k_norm;
   if (norm.defined()) {
     rms_norm_row(out, bf16_data(norm), d, a.eps, normed);
@@ -576,6 +590,7 @@ std::vector<torch::Tensor> qkv_rope(const torch::Tensor& x, const Weight& wq, co
                                     const torch::Tensor& sin, int64_t head_dim) {
   TORCH_CHECK(x.scalar_type() == torch::kBFloat16, "qkv_rope: one bf16 row of the projections' width");
   const AttentionWeights a = attention_weights(wq, wk, wv, q_norm, k_norm, eps, head_dim, x.numel());
+  TORCH_CHECK(!a.full_norm, "qkv_rope: q/k norms over one head only");
   TORCH_CHECK(cos.numel() == head_dim && sin.numel() == head_dim && cos.scalar_type() == torch::kBFloat16 &&
                   sin.scalar_type() == torch::kBFloat16,
               "qkv_rope: one bf16 cos and sin row of the head size");
@@ -1047,7 +1062,7 @@ class DecodeStep {
       bf16* value_rows = const_cast<bf16*>(values.data) + in.position * values.position_stride;
       rms_norm_row(x.data(), bf16_data(l.input_norm), hidden_, l.input_eps, normed.data());
       clock.lap(kNorms);
-      if (kv_heads % team == 0) {
+      if (kv_heads % team == 0 && !a.full_norm) {
         // Each thread its own kv heads and the query heads sharing them: projections (one stream
         // of rows per kv head), the KV write, then attention; nothing comes from another thread.
         const auto [first, last] = share(kv_heads);
@@ -1075,6 +1090,22 @@ class DecodeStep {
           project_head(a, m, h, normed.data(), in.cos, in.sin, scratch_.data() + head * d, head_scratch.data(), out);
         }
         barrier.wait();
+        if (a.full_norm) {  // OLMoE: RMSNorm over all of q and all of k, then the rotary embedding
+          const float q_scale = rms_scale(query_.data(), d, heads, d, a.eps);
+          const float k_scale = rms_scale(key_rows, keys.head_stride, kv_heads, d, a.eps);
+          barrier.wait();  // every thread has read the rows before any is rewritten
+          const auto [n_first, n_last] = share(heads + kv_heads);
+          for (int64_t head = n_first; head < n_last; ++head) {
+            const bool q = head < heads;
+            const int64_t h = q ? head : head - heads;
+            bf16* row = q ? query_.data() + h * d : key_rows + h * keys.head_stride;
+            const bf16* weight = bf16_data(q ? a.q_norm : a.k_norm) + h * d;
+            const float scale = q ? q_scale : k_scale;
+            for (int64_t i = 0; i < d; ++i) row[i] = to_bf16(to_float(weight[i]) * round_bf16(to_float(row[i]) * scale));
+            rope_head(row, in.cos, in.sin, d);
+          }
+          barrier.wait();
+        }
         const auto [q_first, q_last] = share(heads);
         for (int64_t h = q_first; h < q_last; ++h)
           attend_head(query_.data() + h * d, d, h / group, keys, values, len, l.scale, scores.data(), sums.data(),

@@ -40,9 +40,9 @@ class Family:
     # the whole-token step: (causal LM, decoder, decoder layer, sparse MoE block) classes; a block
     # with a `shared_expert` adds it, scaled by sigmoid(`shared_expert_gate`) where it has one
     whole_token: tuple[str, str, str, str] | None = None
-    # Llama-style attention whose q/k/v projections carry biases: the whole-token step adds them
-    # (the per-layer attention kernel takes none)
-    biased_attention: tuple[str, ...] = ()
+    # Llama-style attention that only the whole-token step computes: q/k/v projections with biases
+    # (Qwen2-MoE), or q/k norms over the whole projection before the rotary embedding (OLMoE)
+    whole_token_attention: tuple[str, ...] = ()
 
 
 FAMILIES = (
@@ -52,8 +52,10 @@ FAMILIES = (
            ("MixtralForCausalLM", "MixtralModel", "MixtralDecoderLayer", "MixtralSparseMoeBlock")),
     Family("qwen2_moe", ("Qwen2MoeRMSNorm",), (), (("Qwen2MoeTopKRouter", QWEN3_ROUTER),),
            ("Qwen2MoeForCausalLM", "Qwen2MoeModel", "Qwen2MoeDecoderLayer", "Qwen2MoeSparseMoeBlock"),
-           biased_attention=("Qwen2MoeAttention",)),
-    Family("olmoe", ("OlmoeRMSNorm",), (), (("OlmoeTopKRouter", QWEN3_ROUTER),)),
+           whole_token_attention=("Qwen2MoeAttention",)),
+    Family("olmoe", ("OlmoeRMSNorm",), (), (("OlmoeTopKRouter", QWEN3_ROUTER),),
+           ("OlmoeForCausalLM", "OlmoeModel", "OlmoeDecoderLayer", "OlmoeSparseMoeBlock"),
+           whole_token_attention=("OlmoeAttention",)),
     Family("qwen3_next", (), (), (("Qwen3NextTopKRouter", QWEN3_ROUTER),)),
     Family("qwen4_exp", (), (), (("Qwen4ExpTextTopKRouter", QWEN3_ROUTER),)),
     Family("flex_olmo", (), (), (("FlexOlmoTopKRouter", QWEN3_ROUTER),)),
@@ -118,8 +120,8 @@ def attention_classes() -> frozenset[type]:
 
 
 @cache
-def biased_attention_classes() -> frozenset[type]:
-    return frozenset(cls for f in FAMILIES for cls in _classes(f, f.biased_attention))
+def whole_token_attention_classes() -> frozenset[type]:
+    return frozenset(cls for f in FAMILIES for cls in _classes(f, f.whole_token_attention))
 
 
 @cache
@@ -152,22 +154,28 @@ def is_llama_rms_norm(module: torch.nn.Module) -> bool:
             and hasattr(module, "variance_epsilon"))
 
 
-def is_llama_attention(module: torch.nn.Module, biases: bool = False) -> bool:
+def is_llama_attention(module: torch.nn.Module, whole_token: bool = False) -> bool:
     """Llama-style attention with bias-free projections and q/k norms (if any) over one head with
-    one epsilon; with `biases`, also the listed classes whose q/k/v carry biases (Qwen2-MoE's),
-    which only the whole-token step computes."""
-    listed = attention_classes() | (biased_attention_classes() if biases else frozenset())
+    one epsilon; with `whole_token`, also the listed classes only the whole-token step computes,
+    whose q/k/v carry biases (Qwen2-MoE) or whose q/k norms span the whole projection (OLMoE)."""
+    listed = attention_classes() | (whole_token_attention_classes() if whole_token else frozenset())
     if own_class(module) not in listed:
         return False
     projections = [getattr(module, name, None) for name in ("q_proj", "k_proj", "v_proj", "o_proj")]
     if not all(is_linear(proj) for proj in projections) or module.o_proj.bias is not None:
         return False
-    if not biases and any(proj.bias is not None for proj in projections):
+    if not whole_token and any(proj.bias is not None for proj in projections):
         return False
+    if getattr(getattr(module, "config", None), "clip_qkv", None) is not None:
+        return False  # OLMoE's optional clamp of q/k/v
     head_dim = getattr(module, "head_dim", 0)
     norms = [norm for name in ("q_norm", "k_norm") if (norm := getattr(module, name, None)) is not None]
-    return (all(is_llama_rms_norm(norm) and norm.weight.numel() == head_dim for norm in norms)
-            and len({norm.variance_epsilon for norm in norms}) <= 1)  # the kernel takes one epsilon
+    if not all(is_llama_rms_norm(norm) for norm in norms) or len({norm.variance_epsilon for norm in norms}) > 1:
+        return False  # the kernel takes one epsilon
+    per_head = all(norm.weight.numel() == head_dim for norm in norms)
+    full = (whole_token and len(norms) == 2 and module.q_norm.weight.numel() == module.q_proj.out_features
+            and module.k_norm.weight.numel() == module.k_proj.out_features)
+    return per_head or full
 
 
 def is_linear(module: torch.nn.Module | None) -> bool:

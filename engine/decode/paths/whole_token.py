@@ -5,7 +5,7 @@ to the memory bandwidth, but a Qwen3-MoE-shaped token still spent about a third 
 Python and small torch ops between those kernels (decoder-layer calls, residual adds, the rotary table, the
 mask, module lookups, the router's softmax and top-k as separate ops). For the decoders whose
 every piece the native kernels compute (engine.decode.paths.families: Qwen3-MoE, Qwen2-MoE
-with its biased q/k/v and gated shared expert, and Mixtral as transformers writes them, bf16 on
+with its biased q/k/v and gated shared expert, OLMoE with its full-width q/k norms, and Mixtral as transformers writes them, bf16 on
 the CPU), `FusedDecoder.step` runs the embedding, every layer
 and the lm_head in one call (`DecodeStep` in engine/decode/native/moe_decode.cpp), with the same
 kernels in the same order; the expert cache then records the token from the picks it returns,
@@ -56,7 +56,7 @@ def recognise(model: torch.nn.Module) -> str:
     """Why the whole-token step cannot run this model ("" when it can), from its modules' classes."""
     inner = getattr(model, "model", None)
     if not whole_token_part(model, "causal_lm") or not whole_token_part(inner, "model"):
-        return "the whole-token step runs Qwen3-MoE, Qwen2-MoE and Mixtral decoders only"
+        return "the whole-token step runs Qwen3-MoE, Qwen2-MoE, OLMoE and Mixtral decoders only"
     embed, head = getattr(inner, "embed_tokens", None), getattr(model, "lm_head", None)
     if type(embed) is not torch.nn.Embedding or not is_linear(head) or head.bias is not None:
         return "the embedding or lm_head is not plain"
@@ -76,14 +76,14 @@ def recognise(model: torch.nn.Module) -> str:
 
 def _layer_problem(layer: torch.nn.Module) -> str:
     if not whole_token_part(layer, "layer"):
-        return "not a Qwen3-MoE, Qwen2-MoE or Mixtral decoder layer"
+        return "not a Qwen3-MoE, Qwen2-MoE, OLMoE or Mixtral decoder layer"
     block = getattr(layer, "mlp", None)
     if not whole_token_part(block, "block"):
         return "a dense MLP or another MoE block"
     if not all(is_llama_rms_norm(norm) for norm in (layer.input_layernorm, layer.post_attention_layernorm)):
         return "its norms are not Llama's RMSNorm"
     attention = layer.self_attn
-    if not is_llama_attention(attention, biases=True) or not all(
+    if not is_llama_attention(attention, whole_token=True) or not all(
             _linear_ok(getattr(attention, name), bias=name != "o_proj") for name in ("q_proj", "k_proj", "v_proj", "o_proj")):
         return "its attention is not Llama-style in bf16"
     biases = [getattr(attention, name).bias for name in ("q_proj", "k_proj", "v_proj")]
