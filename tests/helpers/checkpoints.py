@@ -107,6 +107,7 @@ WIDE = {
                       intermediate_size=256),
     "olmoe": dict(hidden_size=256, intermediate_size=256),
     "deepseek_v3": dict(hidden_size=256, moe_intermediate_size=256, intermediate_size=256),
+    "glm4_moe": dict(hidden_size=256, moe_intermediate_size=256, intermediate_size=256),
     "gpt_oss": dict(hidden_size=256, intermediate_size=256, head_dim=64),
 }
 
