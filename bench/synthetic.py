@@ -36,6 +36,25 @@ GEOMETRIES: dict[str, dict] = {
         num_attention_heads=32, num_key_value_heads=8, num_local_experts=8, num_experts_per_tok=2,
         vocab_size=32000, max_position_embeddings=4096, tie_word_embeddings=False,
     ),
+    # gpt-oss-20b's proportions (hidden 2880, 32 experts of intermediate 2880 top-4, 64 query heads of
+    # 64, 8 kv heads, attention sinks, sliding window on alternate layers, biased experts) with two
+    # layers (one sliding, one full) and a 32K vocabulary to stay near 3.7 GB in bf16.
+    "gptoss-32e": dict(
+        model_type="gpt_oss", hidden_size=2880, intermediate_size=2880, num_hidden_layers=2,
+        num_attention_heads=64, num_key_value_heads=8, head_dim=64, num_local_experts=32, num_experts_per_tok=4,
+        sliding_window=128, layer_types=["sliding_attention", "full_attention"], vocab_size=32000,
+        max_position_embeddings=4096, tie_word_embeddings=False,
+    ),
+    # DeepSeek-V3's proportions scaled down: MLA attention (q/kv LoRA ranks, 64 rotary + 128 plain
+    # key dims), a dense first layer, 64 routed experts top-6 in 8 groups (top 4 groups), 2 shared
+    # experts, sigmoid routing with its correction bias; about 2.7 GB in bf16.
+    "deepseekv3-64e": dict(
+        model_type="deepseek_v3", hidden_size=2048, intermediate_size=5632, moe_intermediate_size=768,
+        num_hidden_layers=5, first_k_dense_replace=1, num_attention_heads=16, num_key_value_heads=16,
+        q_lora_rank=768, kv_lora_rank=512, qk_rope_head_dim=64, qk_nope_head_dim=128, v_head_dim=128,
+        n_routed_experts=64, num_experts_per_tok=6, n_shared_experts=2, n_group=8, topk_group=4,
+        routed_scaling_factor=2.5, vocab_size=32000, max_position_embeddings=4096, tie_word_embeddings=False,
+    ),
 }
 
 

@@ -133,3 +133,27 @@ def test_quantized_gemv_bench_sets_integer_dots_beside_the_float_loops(tmp_path,
         assert row["integer_weights_per_s"] > 0 and row["float_weights_per_s"] > 0
         assert row["errors"]["integer"] < 0.02 and row["errors"]["float"] < 0.02  # within bf16 output rounding
     assert "| q4_k | 4.50 |" in next(tmp_path.glob("quant-gemv-*.md")).read_text()
+
+
+@pytest.mark.parametrize("family", ["gpt_oss", "deepseek_v3"])
+def test_the_bandwidth_limit_counts_every_byte_a_token_reads(tiny_checkpoints, family):
+    # decode_pair's limit: every weight but the embedding table, biases, routers' correction
+    # biases, shared experts and MLA's projections included, plus top-k routed experts per MoE
+    # layer with their biases.
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from bench.decode_limit import active_bytes_per_token
+
+    path = tiny_checkpoints[family]
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    config = model.config
+    routed = getattr(config, "num_local_experts", None) or config.n_routed_experts
+    tensors = [*model.named_parameters(), *model.named_buffers()]
+    dense = sum(t.numel() * t.element_size() for name, t in tensors
+                if ".experts." not in name and "embed_tokens" not in name and "rotary_emb" not in name)
+    experts = sum(t.numel() * t.element_size() for name, t in model.named_parameters() if ".experts." in name)
+    active, _, one_expert = active_bytes_per_token(path)
+    moe_layers = sum(1 for name, _ in model.named_parameters() if name.endswith("experts.down_proj"))
+    assert one_expert == experts // routed // moe_layers
+    assert active == dense + config.num_experts_per_tok * one_expert * moe_layers

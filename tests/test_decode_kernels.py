@@ -39,7 +39,7 @@ def test_moe_decode_matches_the_expert_path(kernels, picks):
     from transformers import Qwen3MoeConfig
     from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeExperts
 
-    from engine.decode.paths import native_layers
+    from engine.decode.paths.expert_recipe import experts_recipe
     from engine.offload.expert_compute import expert_mlp, weighted_sum
 
     config = Qwen3MoeConfig(hidden_size=256, moe_intermediate_size=96, num_experts=64, num_experts_per_tok=8)
@@ -48,7 +48,7 @@ def test_moe_decode_matches_the_expert_path(kernels, picks):
     with torch.no_grad():
         module.gate_up_proj.normal_(0, 0.05)
         module.down_proj.normal_(0, 0.05)
-    assert native_layers.experts_fusable(module)
+    assert experts_recipe(module).plain
     slots = [{"gate_up_proj": module.gate_up_proj[e], "down_proj": module.down_proj[e]} for e in picks]
     hidden = torch.randn(1, 256).to(torch.bfloat16)
     weights = torch.softmax(torch.randn(len(picks)), dim=0)
@@ -190,12 +190,33 @@ def test_bad_shapes_are_refused_with_a_message(kernels):
         kernels.attend(query, keys, keys, 1.0)  # 3 query heads cannot share 2 kv heads
 
 
-def test_experts_with_biases_or_other_gates_are_not_fused():
-    # GPT-OSS-style experts (biases, interleaved clamped gate) keep the torch path.
+def test_gpt_oss_experts_run_on_the_kernel(kernels):
+    # GPT-OSS's experts: [in, out] matrices, biases, interleaved gate/up rows, the clamped SwiGLU
+    # (with inputs beyond the clamp), and bf16 routing weights: the kernel computes what
+    # transformers' own expert code computes.
     from transformers import GptOssConfig
     from transformers.models.gpt_oss.modeling_gpt_oss import GptOssExperts
 
-    from engine.decode.paths import native_layers
+    from engine.decode.paths.expert_recipe import experts_recipe
+    from engine.offload.expert_compute import expert_mlp, weighted_sum
 
-    config = GptOssConfig(hidden_size=64, intermediate_size=32, num_local_experts=4)
-    assert not native_layers.experts_fusable(GptOssExperts(config))
+    config = GptOssConfig(hidden_size=256, intermediate_size=96, num_local_experts=4)
+    config._experts_implementation = "eager"
+    module = GptOssExperts(config).to(torch.bfloat16)
+    torch.manual_seed(4)
+    with torch.no_grad():
+        for p in module.parameters():
+            p.normal_(0, 0.3)
+    recipe = experts_recipe(module)
+    assert recipe.transposed and recipe.bias and recipe.interleaved and recipe.clamped_swiglu
+    slots = [{name: getattr(module, name)[e] for name in ("gate_up_proj", "gate_up_proj_bias", "down_proj",
+                                                           "down_proj_bias")} for e in (2, 0, 3)]
+    hidden = (torch.randn(1, 256) * 2).to(torch.bfloat16)
+    weights = torch.softmax(torch.randn(3), dim=0).to(torch.bfloat16)
+    reference = weighted_sum([expert_mlp(module, hidden, w) for w in slots], weights, torch.bfloat16, torch.bfloat16)
+    gate = kernels.GateRecipe(True, True, recipe.alpha, recipe.limit)
+    fused = kernels.moe_decode(hidden, [kernels.Weight(w["gate_up_proj"], 0, 192) for w in slots],
+                               [kernels.Weight(w["down_proj"], 0, 256) for w in slots], weights,
+                               [w["gate_up_proj_bias"] for w in slots], [w["down_proj_bias"] for w in slots], True, gate)
+    assert fused.shape == reference.shape and fused.dtype == torch.bfloat16
+    close(fused, reference, "moe_decode (GPT-OSS)")

@@ -1,5 +1,5 @@
 """--fast-decode's whole-token path (engine.decode.paths.whole_token): with every expert resident, a
-Qwen3-MoE or Mixtral decode token runs in one native call. It must give the very logits of the
+Qwen3-MoE, Qwen2-MoE, OLMoE or Mixtral decode token runs in one native call. It must give the very logits of the
 native per-layer path (same kernels, same order), leave the same trail in the counters the panels
 draw from, and step aside, saying why, whenever something needs a layer's routing as it happens."""
 
@@ -189,7 +189,32 @@ def test_lookahead_policies_keep_the_per_layer_path(tiny_checkpoints):
         runtime.close()
 
 
-@pytest.mark.parametrize("family", ["qwen2_moe", "olmoe", "deepseek_v3", "gpt_oss"])
+@pytest.mark.parametrize("family", ["qwen2_moe", "olmoe"])
+def test_attention_and_shared_experts_only_the_step_computes(tiny_checkpoints, family):
+    # Qwen2-MoE: biased q/k/v and a sigmoid-gated shared expert beside the routed ones; OLMoE: q/k
+    # norms over the whole projection. Their per-layer path keeps transformers' attention (another
+    # summation order), so the two paths agree to bf16 rounding rather than bit for bit.
+    from tests.helpers.numerics import close
+
+    runtime = fast_runtime(str(tiny_checkpoints[family]))
+    try:
+        assert recognise(runtime.model) == ""
+        whole, per_module = prefilled(runtime, PROMPT), prefilled(runtime, PROMPT)
+        token = PROMPT[-1]
+        with torch.inference_mode():
+            for _ in range(6):
+                step = Step(torch.tensor([[token]]), whole, whole.get_seq_length())
+                assert runtime.whole_token.unavailable(step) is None
+                ours = runtime.whole_token.run(step)
+                reference = runtime.native_layers.run(
+                    Step(torch.tensor([[token]]), per_module, per_module.get_seq_length()))
+                close(ours, reference, f"{family} logits")
+                token = int(reference[0, -1].argmax())
+    finally:
+        runtime.close()
+
+
+@pytest.mark.parametrize("family", ["deepseek_v3", "glm4_moe", "gpt_oss"])
 def test_other_families_are_not_taken_for_it(tiny_checkpoints, family):
     runtime = fast_runtime(str(tiny_checkpoints[family]))
     try:

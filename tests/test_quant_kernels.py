@@ -141,7 +141,8 @@ def test_gpt_oss_experts_in_one_call(flavour):
     from transformers import GptOssConfig
     from transformers.models.gpt_oss.modeling_gpt_oss import GptOssExperts
 
-    from engine.decode.paths.native_layers import NativeExperts, clamped_swiglu_native
+    from engine.decode.paths.expert_recipe import ExpertsRecipe, experts_recipe
+    from engine.decode.paths.native_layers import NativeExperts
     from engine.offload.expert_compute import SlotReader, torch_one_token
 
     hidden, inter, fmt = 256, 128, checkpoint_format("mxfp4")
@@ -159,7 +160,8 @@ def test_gpt_oss_experts_in_one_call(flavour):
     params = [ExpertParam("gate_up_proj", (hidden, 2 * inter), torch.uint8, 0, 0, fmt, True),
               ExpertParam("down_proj", (inter, hidden), torch.uint8, 0, 0, fmt, True)]
     reader = SlotReader(params, torch.bfloat16)
-    assert clamped_swiglu_native(module, reader)  # the native kernel runs them, not torch's
+    recipe = experts_recipe(module)  # the native kernel runs them, not torch's
+    assert isinstance(recipe, ExpertsRecipe) and recipe.clamped_swiglu
     x = (torch.randn(1, hidden, generator=generator) * 2).to(torch.bfloat16)
     route = torch.softmax(torch.randn(4, generator=generator), dim=0).to(torch.bfloat16)
     reference = torch_one_token(module, x, chosen, route, torch.bfloat16, reader)

@@ -37,6 +37,12 @@ FAMILIES: dict[str, dict] = {
         n_routed_experts=8, n_shared_experts=1, num_experts_per_tok=2, n_group=2, topk_group=1,
         q_lora_rank=16, kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=8,
     ),
+    "glm4_moe": dict(  # partial rotary, biased q/k/v, dense first layer, shared expert, grouped sigmoid routing
+        model_type="glm4_moe", hidden_size=32, intermediate_size=64, moe_intermediate_size=16,
+        num_hidden_layers=3, first_k_dense_replace=1, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+        n_routed_experts=8, n_shared_experts=1, num_experts_per_tok=2, n_group=2, topk_group=1,
+        partial_rotary_factor=0.5, attention_bias=True,
+    ),
     "gpt_oss": dict(  # fused, transposed, interleaved gate/up, biased experts
         model_type="gpt_oss", hidden_size=32, intermediate_size=24, num_hidden_layers=2, num_attention_heads=4,
         num_key_value_heads=2, num_local_experts=8, num_experts_per_tok=2, head_dim=8,
@@ -138,6 +144,7 @@ WIDE = {
                       intermediate_size=256),
     "olmoe": dict(hidden_size=256, intermediate_size=256),
     "deepseek_v3": dict(hidden_size=256, moe_intermediate_size=256, intermediate_size=256),
+    "glm4_moe": dict(hidden_size=256, moe_intermediate_size=256, intermediate_size=256),
     "gpt_oss": dict(hidden_size=256, intermediate_size=256, head_dim=64),
 }
 

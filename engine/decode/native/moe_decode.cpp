@@ -191,8 +191,9 @@ void gemv_into(const Matrix& w, const bf16* x, float* acc, bf16* out) {
   for (int64_t i = 0; i < w.rows; ++i) out[i] = to_bf16(acc[i]);
 }
 
-// y = W x for one row x (any leading shape of size 1), as F.linear without bias.
-torch::Tensor gemv(const Weight& weight, const torch::Tensor& x) {
+// y = W x (+ bias) for one row x (any leading shape of size 1), as F.linear: the bias is added to
+// the float32 sums before the one rounding to bf16, as torch's addmm does.
+torch::Tensor gemv(const Weight& weight, const torch::Tensor& x, const c10::optional<torch::Tensor>& bias) {
   const Matrix w = matrix_of(weight, "weight");
   TORCH_CHECK(x.numel() == w.cols && x.scalar_type() == torch::kBFloat16, "x: one bf16 row of the weight's width needed");
   const torch::Tensor xc = x.contiguous();
@@ -200,7 +201,14 @@ torch::Tensor gemv(const Weight& weight, const torch::Tensor& x) {
   auto sizes = x.sizes().vec();
   sizes.back() = w.rows;
   torch::Tensor y = torch::empty(sizes, x.options());
-  gemv_into(w, bf16_data(xc), acc.data(), bf16_data(y));
+  at::parallel_for(0, w.rows, kGrain, [&](int64_t begin, int64_t end) { gemv_range(w, bf16_data(xc), begin, end, acc.data()); });
+  if (bias.has_value()) {
+    check_vector(*bias, w.rows, "bias");
+    const bf16* b = bf16_data(*bias);
+    for (int64_t i = 0; i < w.rows; ++i) acc[i] += to_float(b[i]);
+  }
+  bf16* out = bf16_data(y);
+  for (int64_t i = 0; i < w.rows; ++i) out[i] = to_bf16(acc[i]);
   return y;
 }
 
@@ -213,17 +221,83 @@ void dequantize(const Weight& weight, torch::Tensor out) {
   at::parallel_for(0, w.rows, 16, [&](int64_t begin, int64_t end) { dequantize_rows(w, begin, end, o); });
 }
 
-// One expert's matrices: gate_up [2I, H] (gate rows first) and down [H, I].
-struct ExpertWeights {
-  Matrix gate_up, down;
+// How an expert's gate/up projection becomes its activation, as the experts module computes it
+// (engine/decode/paths/expert_recipe.py recognises which): gate and up as two halves (gate first)
+// or interleaved (gate at even rows, GPT-OSS), and SiLU(gate) * up or GPT-OSS's clamped SwiGLU,
+// (clamp(up, +-limit) + 1) * g * sigmoid(alpha * g) with g = min(gate, limit).
+struct GateRecipe {
+  bool interleaved = false;
+  bool clamped_swiglu = false;
+  double alpha = 1.0, limit = 0.0;
 };
 
-ExpertWeights expert_weights(const Weight& gate_up, const Weight& down, int64_t hidden) {
+// One expert's matrices: gate_up [2I, H] and down [H, I], or, `transposed`, [H, 2I] and [I, H]
+// (read as x @ W, GPT-OSS); optional biases [2I] and [H].
+struct ExpertWeights {
+  Matrix gate_up, down;
+  const bf16* gate_up_bias = nullptr;
+  const bf16* down_bias = nullptr;
+  bool transposed = false;
+  int64_t inter = 0;
+};
+
+ExpertWeights expert_weights(const Weight& gate_up, const Weight& down, int64_t hidden, bool transposed = false,
+                             const torch::Tensor* gate_up_bias = nullptr, const torch::Tensor* down_bias = nullptr) {
   const Matrix g = matrix_of(gate_up, "gate_up"), d = matrix_of(down, "down");
-  const int64_t inter = d.cols;
-  TORCH_CHECK(g.rows == 2 * inter && g.cols == hidden, "gate_up: [2 * intermediate, hidden]");
-  TORCH_CHECK(d.rows == hidden, "down: [hidden, intermediate]");
-  return {g, d};
+  ExpertWeights out{g, d};
+  out.transposed = transposed;
+  if (transposed) {
+    TORCH_CHECK(g.type == kBF16 && d.type == kBF16, "transposed experts: bf16 matrices only");
+    out.inter = d.rows;
+    TORCH_CHECK(g.cols == 2 * out.inter && g.rows == hidden, "gate_up: [hidden, 2 * intermediate] (transposed)");
+    TORCH_CHECK(d.cols == hidden, "down: [intermediate, hidden] (transposed)");
+  } else {
+    out.inter = d.cols;
+    TORCH_CHECK(g.rows == 2 * out.inter && g.cols == hidden, "gate_up: [2 * intermediate, hidden]");
+    TORCH_CHECK(d.rows == hidden, "down: [hidden, intermediate]");
+  }
+  if (gate_up_bias != nullptr) {
+    check_vector(*gate_up_bias, 2 * out.inter, "gate_up bias");
+    out.gate_up_bias = bf16_data(*gate_up_bias);
+  }
+  if (down_bias != nullptr) {
+    check_vector(*down_bias, hidden, "down bias");
+    out.down_bias = bf16_data(*down_bias);
+  }
+  return out;
+}
+
+// out[begin, end) = columns [begin, end) of x W for a [rows = len(x), cols] bf16 matrix read as
+// x @ W: row by row, each scaled by its x and added into the float32 sums (the rows stream in order).
+inline void gemv_t_range(const Matrix& m, const bf16* x, int64_t begin, int64_t end, float* out) {
+  const bf16* base = reinterpret_cast<const bf16*>(m.data);
+  const int64_t stride = m.row_bytes / 2;
+  std::fill(out + begin, out + end, 0.f);
+  for (int64_t i = 0; i < m.rows; ++i) {
+    const float xi = to_float(x[i]);
+    const bf16* row = base + i * stride;
+    int64_t j = begin;
+#if defined(MOESCOPE_AVX512BF16) || defined(MOESCOPE_AVX512F)
+    const __m512 scale = _mm512_set1_ps(xi);
+    for (; j + 16 <= end; j += 16)
+      _mm512_storeu_ps(out + j, _mm512_fmadd_ps(scale, widen_bf16(row + j), _mm512_loadu_ps(out + j)));
+#endif
+    for (; j < end; ++j) out[j] += xi * to_float(row[j]);
+  }
+}
+
+// Rows [begin, end) of an expert's gate/up projection (which = 0) or down projection (1) of x.
+inline void expert_rows(const ExpertWeights& w, int which, const bf16* x, int64_t begin, int64_t end, float* out) {
+  const Matrix& m = which == 0 ? w.gate_up : w.down;
+  if (w.transposed)
+    gemv_t_range(m, x, begin, end, out);
+  else
+    gemv_range(m, x, begin, end, out);
+}
+
+// A projection's output row as transformers has it: rounded to bf16, plus the bias (rounded again).
+inline float biased(float acc, const bf16* bias, int64_t i) {
+  return bias == nullptr ? round_bf16(acc) : round_bf16(round_bf16(acc) + to_float(bias[i]));
 }
 
 inline void cpu_relax() {
@@ -256,14 +330,43 @@ struct SpinBarrier {
   }
 };
 
-// An expert's activation for intermediate rows [begin, end): SiLU(gate) * up from its gate/up
-// projection (float32 sums, gate rows first), rounded where transformers rounds.
-inline void silu_gate_rows(const float* gate_up, int64_t inter, int64_t begin, int64_t end, bf16* out) {
+// An expert's activation for intermediate rows [begin, end) from its gate/up projection (float32
+// sums), each op rounded to bf16 where transformers rounds.
+inline void gate_rows(const GateRecipe& r, const float* gate_up, const bf16* bias, int64_t inter, int64_t begin,
+                      int64_t end, bf16* out) {
   for (int64_t i = begin; i < end; ++i) {
-    const float g = round_bf16(gate_up[i]), u = round_bf16(gate_up[inter + i]);
-    const float silu = round_bf16(g / (1.f + std::exp(-g)));
-    out[i] = to_bf16(silu * u);
+    const int64_t gi = r.interleaved ? 2 * i : i, ui = r.interleaved ? 2 * i + 1 : inter + i;
+    float g = biased(gate_up[gi], bias, gi), u = biased(gate_up[ui], bias, ui);
+    if (!r.clamped_swiglu) {
+      const float silu = round_bf16(g / (1.f + std::exp(-g)));
+      out[i] = to_bf16(silu * u);
+      continue;
+    }
+    const float limit = static_cast<float>(r.limit);
+    g = std::min(g, limit);
+    u = std::max(-limit, std::min(u, limit));
+    const float scaled = round_bf16(g * static_cast<float>(r.alpha));
+    const float glu = round_bf16(g * round_bf16(1.f / (1.f + std::exp(-scaled))));
+    out[i] = to_bf16(round_bf16(u + 1.f) * glu);
   }
+}
+
+// The rows [begin, end) of an expert's gate/up projection that intermediate rows [begin, end) need.
+inline void gate_up_part(const GateRecipe& r, const ExpertWeights& w, const bf16* x, int64_t inter, int64_t begin,
+                         int64_t end, float* projected) {
+  if (r.interleaved) {
+    expert_rows(w, 0, x, 2 * begin, 2 * end, projected);
+  } else {
+    expert_rows(w, 0, x, begin, end, projected);
+    expert_rows(w, 0, x, inter + begin, inter + end, projected);
+  }
+}
+
+// The down projection's rows [begin, end) plus its bias, kept in float32 (already bf16 values).
+inline void down_part(const ExpertWeights& w, const bf16* activation, int64_t begin, int64_t end, float* out) {
+  expert_rows(w, 1, activation, begin, end, out);
+  if (w.down_bias != nullptr)
+    for (int64_t j = begin; j < end; ++j) out[j] = biased(out[j], w.down_bias, j);
 }
 
 // This thread's [begin, end) of n items, split evenly over a team.
@@ -278,45 +381,48 @@ inline std::pair<int64_t, int64_t> thread_share(int64_t n, int tid, int team) {
 // than splitting every matrix by rows), and an expert's down projection needs only its own
 // activation, so there is no barrier between the passes. Otherwise every expert's gate/up rows are
 // split, then (after the barrier) its down rows. Scratch: projected [k, 2I], activation [k, I].
-void experts_part(const bf16* x, int64_t hidden, int64_t inter, const ExpertWeights* const* picked, int64_t k,
-                  float* projected, bf16* activation, float* outputs, SpinBarrier& barrier, int tid, int team) {
+void experts_part(const GateRecipe& r, const bf16* x, int64_t hidden, int64_t inter,
+                  const ExpertWeights* const* picked, int64_t k, float* projected, bf16* activation, float* outputs,
+                  SpinBarrier& barrier, int tid, int team) {
   if (k % team == 0) {
     const auto [first, last] = thread_share(k, tid, team);
     for (int64_t e = first; e < last; ++e) {
-      gemv_range(picked[e]->gate_up, x, 0, 2 * inter, projected + e * 2 * inter);
-      silu_gate_rows(projected + e * 2 * inter, inter, 0, inter, activation + e * inter);
+      gate_up_part(r, *picked[e], x, inter, 0, inter, projected + e * 2 * inter);
+      gate_rows(r, projected + e * 2 * inter, picked[e]->gate_up_bias, inter, 0, inter, activation + e * inter);
     }
-    for (int64_t e = first; e < last; ++e)
-      gemv_range(picked[e]->down, activation + e * inter, 0, hidden, outputs + e * hidden);
+    for (int64_t e = first; e < last; ++e) down_part(*picked[e], activation + e * inter, 0, hidden, outputs + e * hidden);
     return;
   }
   const auto [begin, end] = thread_share(inter, tid, team);
   for (int64_t e = 0; e < k; ++e) {
     float* gate = projected + e * 2 * inter;
-    gemv_range(picked[e]->gate_up, x, begin, end, gate);
-    gemv_range(picked[e]->gate_up, x, inter + begin, inter + end, gate);
-    silu_gate_rows(gate, inter, begin, end, activation + e * inter);
+    gate_up_part(r, *picked[e], x, inter, begin, end, gate);
+    gate_rows(r, gate, picked[e]->gate_up_bias, inter, begin, end, activation + e * inter);
   }
   barrier.wait();
   const auto [h_begin, h_end] = thread_share(hidden, tid, team);
-  for (int64_t e = 0; e < k; ++e)
-    gemv_range(picked[e]->down, activation + e * inter, h_begin, h_end, outputs + e * hidden);
+  for (int64_t e = 0; e < k; ++e) down_part(*picked[e], activation + e * inter, h_begin, h_end, outputs + e * hidden);
 }
 
 // out[begin, end) = the experts' outputs rounded, weighted by `route` and summed in pick order.
+// `round_products`: the routing weights are bf16, so transformers multiplies in bf16 (each product
+// rounded) before its float32 sum; float32 weights give float32 products.
 inline void weighted_sum_rows(const float* outputs, const float* route, int64_t k, int64_t hidden, int64_t begin,
-                              int64_t end, bf16* out) {
+                              int64_t end, bool round_products, bf16* out) {
   for (int64_t j = begin; j < end; ++j) {
     float total = 0.f;
-    for (int64_t e = 0; e < k; ++e) total += round_bf16(outputs[e * hidden + j]) * route[e];
+    for (int64_t e = 0; e < k; ++e) {
+      const float product = round_bf16(outputs[e * hidden + j]) * route[e];
+      total += round_products ? round_bf16(product) : product;
+    }
     out[j] = to_bf16(total);
   }
 }
 
-// One token through `picked` SiLU-gated experts weighted by `route` (float32) and summed in pick
+// One token through `picked` gated experts weighted by `route` (float32) and summed in pick
 // order into `out` (bf16): what a decode step's MoE block computes.
-void moe_experts(const bf16* x, int64_t hidden, int64_t inter, const std::vector<ExpertWeights>& picked,
-                 const float* route, bf16* out) {
+void moe_experts(const GateRecipe& r, const bf16* x, int64_t hidden, int64_t inter,
+                 const std::vector<ExpertWeights>& picked, const float* route, bool round_products, bf16* out) {
   const int64_t k = static_cast<int64_t>(picked.size());
   std::vector<float> projected(k * 2 * inter), outputs(k * hidden);
   std::vector<bf16> activation(k * inter);
@@ -326,77 +432,35 @@ void moe_experts(const bf16* x, int64_t hidden, int64_t inter, const std::vector
 #pragma omp parallel num_threads(std::max(1, at::get_num_threads()))
   {
     barrier.join(omp_get_num_threads());  // the team may be smaller than asked for
-    experts_part(x, hidden, inter, experts.data(), k, projected.data(), activation.data(), outputs.data(), barrier,
+    experts_part(r, x, hidden, inter, experts.data(), k, projected.data(), activation.data(), outputs.data(), barrier,
                  omp_get_thread_num(), omp_get_num_threads());
   }
-  weighted_sum_rows(outputs.data(), route, k, hidden, 0, hidden, out);
+  weighted_sum_rows(outputs.data(), route, k, hidden, 0, hidden, round_products, out);
 }
 
+// gate_up_bias/down_bias: one per expert or none; `transposed`: the matrices are [in, out].
 torch::Tensor moe_decode(const torch::Tensor& x, const std::vector<Weight>& gate_up, const std::vector<Weight>& down,
-                         const torch::Tensor& weights) {
+                         const torch::Tensor& weights, const std::vector<torch::Tensor>& gate_up_bias,
+                         const std::vector<torch::Tensor>& down_bias, bool transposed, const GateRecipe& recipe) {
   const int64_t experts = static_cast<int64_t>(gate_up.size());
   TORCH_CHECK(experts > 0 && static_cast<int64_t>(down.size()) == experts, "one gate_up and one down per expert");
   TORCH_CHECK(weights.numel() == experts, "one routing weight per expert");
+  TORCH_CHECK(gate_up_bias.empty() || static_cast<int64_t>(gate_up_bias.size()) == experts, "one gate_up bias per expert");
+  TORCH_CHECK(down_bias.empty() || static_cast<int64_t>(down_bias.size()) == experts, "one down bias per expert");
   TORCH_CHECK(x.scalar_type() == torch::kBFloat16, "x: a bf16 row");
   const int64_t hidden = x.numel();
   std::vector<ExpertWeights> picked;
-  for (int64_t e = 0; e < experts; ++e) picked.push_back(expert_weights(gate_up[e], down[e], hidden));
-  const int64_t inter = picked[0].down.cols;
-  for (const ExpertWeights& w : picked) TORCH_CHECK(w.down.cols == inter, "down: every expert of one intermediate size");
+  for (int64_t e = 0; e < experts; ++e)
+    picked.push_back(expert_weights(gate_up[e], down[e], hidden, transposed,
+                                    gate_up_bias.empty() ? nullptr : &gate_up_bias[e],
+                                    down_bias.empty() ? nullptr : &down_bias[e]));
+  const int64_t inter = picked[0].inter;
+  for (const ExpertWeights& w : picked) TORCH_CHECK(w.inter == inter, "down: every expert of one intermediate size");
   const torch::Tensor xc = x.contiguous();
   const torch::Tensor wf = weights.to(torch::kFloat32).contiguous();
   torch::Tensor y = torch::empty_like(xc);
-  moe_experts(bf16_data(xc), hidden, inter, picked, wf.data_ptr<float>(), bf16_data(y));
-  return y;
-}
-
-// gpt-oss's expert (GptOssExperts._apply_gate): gate/up rows interleaved (gate at even rows), both
-// with a bias; the gate clamped above at `limit`, up to [-limit, limit]; (up + 1) * gate *
-// sigmoid(alpha * gate); then down with a bias. Every step rounded to bf16 where transformers' bf16
-// ops round. Experts one after another, each matrix's rows split across threads.
-torch::Tensor moe_decode_clamped_swiglu(const torch::Tensor& x, const std::vector<Weight>& gate_up,
-                                        const std::vector<Weight>& down, const std::vector<torch::Tensor>& gate_up_bias,
-                                        const std::vector<torch::Tensor>& down_bias, const torch::Tensor& weights,
-                                        double alpha, double limit) {
-  const int64_t k = static_cast<int64_t>(gate_up.size());
-  TORCH_CHECK(k > 0 && static_cast<int64_t>(down.size()) == k && static_cast<int64_t>(gate_up_bias.size()) == k &&
-                  static_cast<int64_t>(down_bias.size()) == k && weights.numel() == k,
-              "one gate_up, down, their biases and a routing weight per expert");
-  TORCH_CHECK(x.scalar_type() == torch::kBFloat16, "x: a bf16 row");
-  const int64_t hidden = x.numel();
-  const torch::Tensor xc = x.contiguous();
-  const torch::Tensor route = weights.to(torch::kFloat32).contiguous();
-  const float a = static_cast<float>(alpha), lim = static_cast<float>(limit);
-  std::vector<float> outputs(k * hidden);
-  for (int64_t e = 0; e < k; ++e) {
-    const ExpertWeights w = expert_weights(gate_up[e], down[e], hidden);
-    const int64_t inter = w.down.cols;
-    check_vector(gate_up_bias[e], 2 * inter, "gate_up_bias");
-    check_vector(down_bias[e], hidden, "down_bias");
-    const bf16* bias_in = bf16_data(gate_up_bias[e]);
-    const bf16* bias_out = bf16_data(down_bias[e]);
-    std::vector<float> projected(2 * inter);
-    std::vector<bf16> activation(inter);
-    at::parallel_for(0, 2 * inter, kGrain, [&](int64_t begin, int64_t end) {
-      gemv_range(w.gate_up, bf16_data(xc), begin, end, projected.data());
-    });
-    for (int64_t i = 0; i < inter; ++i) {
-      float g = round_bf16(round_bf16(projected[2 * i]) + to_float(bias_in[2 * i]));
-      float u = round_bf16(round_bf16(projected[2 * i + 1]) + to_float(bias_in[2 * i + 1]));
-      g = std::min(g, lim);
-      u = std::max(-lim, std::min(u, lim));
-      const float sig = round_bf16(1.f / (1.f + std::exp(-round_bf16(g * a))));
-      const float glu = round_bf16(g * sig);
-      activation[i] = to_bf16(round_bf16(u + 1.f) * glu);
-    }
-    float* out = outputs.data() + e * hidden;
-    at::parallel_for(0, hidden, kGrain, [&](int64_t begin, int64_t end) {
-      gemv_range(w.down, activation.data(), begin, end, out);
-    });
-    for (int64_t j = 0; j < hidden; ++j) out[j] = round_bf16(round_bf16(out[j]) + to_float(bias_out[j]));
-  }
-  torch::Tensor y = torch::empty_like(xc);
-  weighted_sum_rows(outputs.data(), route.data_ptr<float>(), k, hidden, 0, hidden, bf16_data(y));
+  moe_experts(recipe, bf16_data(xc), hidden, inter, picked, wf.data_ptr<float>(),
+              weights.scalar_type() == torch::kBFloat16, bf16_data(y));
   return y;
 }
 
@@ -423,6 +487,14 @@ torch::Tensor rms_norm(const torch::Tensor& x, const torch::Tensor& weight, doub
   return y;
 }
 
+// 1 / sqrt(mean(x^2) + eps) over `count` rows of d, `stride` apart, in order (as rms_norm_row sums).
+inline float rms_scale(const bf16* rows, int64_t stride, int64_t count, int64_t d, float eps) {
+  float squares = 0.f;
+  for (int64_t r = 0; r < count; ++r)
+    for (int64_t i = 0; i < d; ++i) squares += to_float(rows[r * stride + i]) * to_float(rows[r * stride + i]);
+  return 1.f / std::sqrt(squares / static_cast<float>(count * d) + eps);
+}
+
 // Rotary embedding of one head, as transformers' apply_rotary_pos_emb in bf16:
 // x * cos + rotate_half(x) * sin, each product and the sum rounded to bf16.
 inline void rope_head(bf16* x, const bf16* cos, const bf16* sin, int64_t d) {
@@ -443,6 +515,8 @@ struct AttentionWeights {
   std::vector<torch::Tensor> keep;  // the projections' tensors, alive while referenced
   int64_t head_dim;
   float eps;
+  torch::Tensor bias[3];  // q/k/v projections' biases (Qwen2-MoE); undefined where the model has none
+  bool full_norm = false;  // q/k norms over the whole projection (OLMoE), before the rotary embedding
 };
 
 AttentionWeights attention_weights(const Weight& q_proj, const Weight& k_proj, const Weight& v_proj,
@@ -457,8 +531,13 @@ AttentionWeights attention_weights(const Weight& q_proj, const Weight& k_proj, c
               "qkv_rope: projections of whole heads, as many value heads as key heads, whole groups of query heads");
   AttentionWeights out{wq, wk, wv, torch::Tensor(), torch::Tensor(),
                        {q_proj.tensor, k_proj.tensor, v_proj.tensor}, head_dim, static_cast<float>(eps)};
-  if (q_norm.has_value()) check_vector(out.q_norm = q_norm->contiguous(), head_dim, "q_norm");
-  if (k_norm.has_value()) check_vector(out.k_norm = k_norm->contiguous(), head_dim, "k_norm");
+  // q/k norms over one head, or (OLMoE) over the whole projection: then both are
+  out.full_norm = q_norm.has_value() && q_norm->numel() != head_dim;
+  if (q_norm.has_value())
+    check_vector(out.q_norm = q_norm->contiguous(), out.full_norm ? wq.rows : head_dim, "q_norm");
+  if (k_norm.has_value())
+    check_vector(out.k_norm = k_norm->contiguous(), out.full_norm ? wk.rows : head_dim, "k_norm");
+  TORCH_CHECK(!out.full_norm || k_norm.has_value(), "q/k norms over the whole projection: both are needed");
   return out;
 }
 
@@ -470,8 +549,12 @@ void project_head(const AttentionWeights& a, int m, int64_t h, const bf16* x, co
   const int64_t d = a.head_dim;
   const Matrix& w = m == 0 ? a.wq : m == 1 ? a.wk : a.wv;
   gemv_rows(w, x, h * d, (h + 1) * d, rows);
+  if (a.bias[m].defined()) {  // added before the one rounding, as F.linear does
+    const bf16* b = bf16_data(a.bias[m]) + h * d;
+    for (int64_t i = 0; i < d; ++i) rows[i] += to_float(b[i]);
+  }
   for (int64_t i = 0; i < d; ++i) out[i] = to_bf16(rows[i]);
-  if (m == 2) return;  // values are neither normed nor rotated
+  if (m == 2 || a.full_norm) return;  // values are neither normed nor rotated; full-width norms come later
   const torch::Tensor& norm = m == 0 ? a.q_norm : a.k_norm;
   if (norm.defined()) {
     rms_norm_row(out, bf16_data(norm), d, a.eps, normed);
@@ -507,6 +590,7 @@ std::vector<torch::Tensor> qkv_rope(const torch::Tensor& x, const Weight& wq, co
                                     const torch::Tensor& sin, int64_t head_dim) {
   TORCH_CHECK(x.scalar_type() == torch::kBFloat16, "qkv_rope: one bf16 row of the projections' width");
   const AttentionWeights a = attention_weights(wq, wk, wv, q_norm, k_norm, eps, head_dim, x.numel());
+  TORCH_CHECK(!a.full_norm, "qkv_rope: q/k norms over one head only");
   TORCH_CHECK(cos.numel() == head_dim && sin.numel() == head_dim && cos.scalar_type() == torch::kBFloat16 &&
                   sin.scalar_type() == torch::kBFloat16,
               "qkv_rope: one bf16 cos and sin row of the head size");
@@ -769,12 +853,44 @@ class DecodeStep {
     l.expert_tensors.clear();
     for (size_t e = 0; e < gate_up.size(); ++e) {
       l.experts.push_back(expert_weights(gate_up[e], down[e], hidden_));
-      TORCH_CHECK(l.experts.back().down.cols == l.experts[0].down.cols,
+      TORCH_CHECK(l.experts.back().inter == l.experts[0].inter,
                   "set_experts: every expert of one intermediate size");
       l.expert_tensors.push_back(gate_up[e].tensor);  // keeps the slot memory alive while referenced
       l.expert_tensors.push_back(down[e].tensor);
     }
-    l.inter = l.experts[0].down.cols;
+    l.inter = l.experts[0].inter;
+  }
+
+  // The q/k/v projections' biases of `layer` (each [rows of its projection]).
+  void set_attention_biases(int64_t layer, const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v) {
+    TORCH_CHECK(layer >= 0 && layer < static_cast<int64_t>(layers_.size()), "set_attention_biases: no such layer");
+    AttentionWeights& a = layers_[layer].attention;
+    const torch::Tensor* in[3] = {&q, &k, &v};
+    const int64_t rows[3] = {a.wq.rows, a.wk.rows, a.wv.rows};
+    for (int m = 0; m < 3; ++m) check_vector(a.bias[m] = in[m]->contiguous(), rows[m], "q/k/v bias");
+  }
+
+  // A shared expert beside `layer`'s routed experts, optionally gated by sigmoid(gate . x).
+  void set_shared_expert(int64_t layer, const Weight& gate_proj, const Weight& up_proj, const Weight& down_proj,
+                         const c10::optional<torch::Tensor>& gate) {
+    TORCH_CHECK(layer >= 0 && layer < static_cast<int64_t>(layers_.size()), "set_shared_expert: no such layer");
+    Layer& l = layers_[layer];
+    l.shared_gate_proj = matrix_of(gate_proj, "shared gate_proj");
+    l.shared_up_proj = matrix_of(up_proj, "shared up_proj");
+    l.shared_down_proj = matrix_of(down_proj, "shared down_proj");
+    const int64_t inter = l.shared_gate_proj.rows;
+    TORCH_CHECK(l.shared_gate_proj.cols == hidden_ && l.shared_up_proj.cols == hidden_ &&
+                    l.shared_up_proj.rows == inter && l.shared_down_proj.rows == hidden_ &&
+                    l.shared_down_proj.cols == inter,
+                "shared expert: gate/up [I, hidden] and down [hidden, I]");
+    l.shared_tensors = {gate_proj.tensor, up_proj.tensor, down_proj.tensor};
+    l.shared_gated = gate.has_value();
+    if (l.shared_gated) {
+      check_vector(*gate, hidden_, "shared_expert_gate");
+      l.shared_tensors.push_back(gate->contiguous());
+      l.shared_gate = matrix_of(plain(l.shared_tensors.back().view({1, hidden_})), "shared_expert_gate");
+    }
+    l.shared = true;
   }
 
   // One token at `position` (the number of cached positions before it). keys/values: each layer's
@@ -812,6 +928,10 @@ class DecodeStep {
     query_.resize(widest);
     attended_.resize(widest);
     delta_.resize(hidden_);
+    int64_t widest_shared = 0;
+    for (const Layer& l : layers_) widest_shared = std::max<int64_t>(widest_shared, l.shared ? l.shared_gate_proj.rows : 0);
+    shared_acc_.resize(2 * widest_shared + hidden_);
+    shared_act_.resize(widest_shared);
     projected_.resize(top_k_ * 2 * widest_inter);
     activation_.resize(top_k_ * widest_inter);
     expert_out_.resize(top_k_ * hidden_);
@@ -874,6 +994,12 @@ class DecodeStep {
     std::vector<ExpertWeights> experts;
     std::vector<torch::Tensor> expert_tensors;
     int64_t inter = 0;
+    // A shared expert beside the routed ones (Qwen2-MoE): SiLU-gated gate/up [Is, H], down
+    // [H, Is], its output scaled by sigmoid(shared_gate . x) where the model has that gate.
+    bool shared = false;
+    Matrix shared_gate_proj, shared_up_proj, shared_down_proj, shared_gate;
+    bool shared_gated = false;
+    std::vector<torch::Tensor> shared_tensors;
   };
 
   // The router's top-k experts (into `picked`, best first) and their weights, as transformers'
@@ -936,7 +1062,7 @@ class DecodeStep {
       bf16* value_rows = const_cast<bf16*>(values.data) + in.position * values.position_stride;
       rms_norm_row(x.data(), bf16_data(l.input_norm), hidden_, l.input_eps, normed.data());
       clock.lap(kNorms);
-      if (kv_heads % team == 0) {
+      if (kv_heads % team == 0 && !a.full_norm) {
         // Each thread its own kv heads and the query heads sharing them: projections (one stream
         // of rows per kv head), the KV write, then attention; nothing comes from another thread.
         const auto [first, last] = share(kv_heads);
@@ -964,6 +1090,22 @@ class DecodeStep {
           project_head(a, m, h, normed.data(), in.cos, in.sin, scratch_.data() + head * d, head_scratch.data(), out);
         }
         barrier.wait();
+        if (a.full_norm) {  // OLMoE: RMSNorm over all of q and all of k, then the rotary embedding
+          const float q_scale = rms_scale(query_.data(), d, heads, d, a.eps);
+          const float k_scale = rms_scale(key_rows, keys.head_stride, kv_heads, d, a.eps);
+          barrier.wait();  // every thread has read the rows before any is rewritten
+          const auto [n_first, n_last] = share(heads + kv_heads);
+          for (int64_t head = n_first; head < n_last; ++head) {
+            const bool q = head < heads;
+            const int64_t h = q ? head : head - heads;
+            bf16* row = q ? query_.data() + h * d : key_rows + h * keys.head_stride;
+            const bf16* weight = bf16_data(q ? a.q_norm : a.k_norm) + h * d;
+            const float scale = q ? q_scale : k_scale;
+            for (int64_t i = 0; i < d; ++i) row[i] = to_bf16(to_float(weight[i]) * round_bf16(to_float(row[i]) * scale));
+            rope_head(row, in.cos, in.sin, d);
+          }
+          barrier.wait();
+        }
         const auto [q_first, q_last] = share(heads);
         for (int64_t h = q_first; h < q_last; ++h)
           attend_head(query_.data() + h * d, d, h / group, keys, values, len, l.scale, scores.data(), sums.data(),
@@ -981,13 +1123,16 @@ class DecodeStep {
         route(l, normed.data(), in.picked + i * top_k_, route_.data());
         for (int64_t e = 0; e < top_k_; ++e) chosen_[e] = &l.experts[in.picked[i * top_k_ + e]];
       }
+      if (l.shared) shared_activation(l, normed.data(), share(l.shared_gate_proj.rows), tid);
       barrier.wait();
       clock.lap(kRouter);
-      experts_part(normed.data(), hidden_, l.inter, chosen_.data(), top_k_, projected_.data(), activation_.data(),
+      experts_part(GateRecipe(), normed.data(), hidden_, l.inter, chosen_.data(), top_k_, projected_.data(), activation_.data(),
                    expert_out_.data(), barrier, tid, team);
       barrier.wait();
       const auto [j_first, j_last] = share(hidden_);  // the weighted sum by slices of the row
-      weighted_sum_rows(expert_out_.data(), route_.data(), top_k_, hidden_, j_first, j_last, delta_.data());
+      weighted_sum_rows(expert_out_.data(), route_.data(), top_k_, hidden_, j_first, j_last, cast_back_,
+                        delta_.data());
+      if (l.shared) add_shared_rows(l, j_first, j_last);
       barrier.wait();
       add_rows(x.data(), delta_.data(), hidden_, x.data());
       clock.lap(kExperts);
@@ -997,6 +1142,37 @@ class DecodeStep {
     rows_of(lm_head_, normed.data(), share(lm_head_.rows), in.logits);
     barrier.wait();
     clock.lap(kLmHead);
+  }
+
+  // This thread's rows of a shared expert's activation, SiLU(gate x) * up x, rounded as transformers
+  // rounds; thread 0 also its gate's sigmoid(gate . x) (bf16).
+  void shared_activation(const Layer& l, const bf16* x, std::pair<int64_t, int64_t> rows, int tid) {
+    const int64_t inter = l.shared_gate_proj.rows;
+    float* gate = shared_acc_.data();
+    float* up = gate + inter;
+    gemv_range(l.shared_gate_proj, x, rows.first, rows.second, gate);
+    gemv_range(l.shared_up_proj, x, rows.first, rows.second, up);
+    for (int64_t i = rows.first; i < rows.second; ++i) {
+      const float g = round_bf16(gate[i]);
+      shared_act_[i] = to_bf16(round_bf16(g / (1.f + std::exp(-g))) * round_bf16(up[i]));
+    }
+    if (tid == 0 && l.shared_gated) {
+      float logit = 0.f;
+      gemv_range(l.shared_gate, x, 0, 1, &logit);
+      shared_scale_ = round_bf16(1.f / (1.f + std::exp(-round_bf16(logit))));
+    }
+  }
+
+  // delta[j) += the shared expert's down projection (times its gate) for this thread's rows,
+  // each step rounded to bf16 as transformers' ops are.
+  void add_shared_rows(const Layer& l, int64_t begin, int64_t end) {
+    float* out = shared_acc_.data() + 2 * l.shared_gate_proj.rows;
+    gemv_range(l.shared_down_proj, shared_act_.data(), begin, end, out);
+    for (int64_t j = begin; j < end; ++j) {
+      float v = round_bf16(out[j]);
+      if (l.shared_gated) v = round_bf16(v * shared_scale_);
+      delta_[j] = to_bf16(to_float(delta_[j]) + v);
+    }
   }
 
   // out[rows) = W[rows) x, rounded to bf16 (this thread's rows of a projection).
@@ -1012,7 +1188,9 @@ class DecodeStep {
   bool normalize_, cast_back_;
   std::vector<Layer> layers_;
   // buffers the threads share within a step (each writes its own part)
-  std::vector<float> scratch_, projected_, expert_out_, route_;
+  std::vector<float> scratch_, projected_, expert_out_, route_, shared_acc_;
+  std::vector<bf16> shared_act_;  // a shared expert's activation
+  float shared_scale_ = 1.f;  // its gate's sigmoid this layer
   torch::Tensor router_in_, router_probs_;  // the router's float32 logits and probabilities
   std::vector<bf16> query_, attended_, delta_, activation_;
   std::vector<const ExpertWeights*> chosen_;  // this layer's picked experts, in pick order
@@ -1027,20 +1205,30 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
            pybind11::arg("cols") = 0)
       .def_readonly("type", &Weight::type)
       .def_readonly("cols", &Weight::cols);
-  m.def("gemv", &gemv, "a weight matrix times one bf16 row, float32 sums");
+  m.def("gemv", &gemv, "a weight matrix times one bf16 row (plus a bias), float32 sums", pybind11::arg("weight"),
+        pybind11::arg("x"), pybind11::arg("bias") = pybind11::none());
   m.def("set_integer_dots", [](bool on) { integer_dots_enabled() = on; },
         "block types with an integer kernel use it (default) or the reference-exact float loops");
   m.def("dequantize", &dequantize, "a weight matrix as bf16, the reference dequantizer's values");
   m.def("rms_norm", &rms_norm, "RMSNorm of a few bf16 rows");
   m.def("qkv_rope", &qkv_rope, "one token's q, k, v: projections, optional q/k norms, rotary embedding");
   m.def("attend", &attend, "one query's attention over cached keys and values");
-  m.def("moe_decode", &moe_decode, "one token through k SiLU-gated experts, weighted and summed");
-  m.def("moe_decode_clamped_swiglu", &moe_decode_clamped_swiglu,
-        "one token through k gpt-oss experts (biases, interleaved clamped SwiGLU), weighted and summed");
+  pybind11::class_<GateRecipe>(m, "GateRecipe", "how an expert's gate/up projection becomes its activation")
+      .def(pybind11::init<bool, bool, double, double>(), pybind11::arg("interleaved") = false,
+           pybind11::arg("clamped_swiglu") = false, pybind11::arg("alpha") = 1.0, pybind11::arg("limit") = 0.0)
+      .def_readonly("interleaved", &GateRecipe::interleaved)
+      .def_readonly("clamped_swiglu", &GateRecipe::clamped_swiglu);
+  m.def("moe_decode", &moe_decode, "one token through k gated experts, weighted and summed", pybind11::arg("x"),
+        pybind11::arg("gate_up"), pybind11::arg("down"), pybind11::arg("weights"),
+        pybind11::arg("gate_up_bias") = std::vector<torch::Tensor>(),
+        pybind11::arg("down_bias") = std::vector<torch::Tensor>(), pybind11::arg("transposed") = false,
+        pybind11::arg("recipe") = GateRecipe());
   pybind11::class_<DecodeStep>(m, "DecodeStep", "a whole decode step of a Llama-style MoE decoder")
       .def(pybind11::init<torch::Tensor, torch::Tensor, double, const Weight&, int64_t, bool, bool>())
       .def("add_layer", &DecodeStep::add_layer)
       .def("set_experts", &DecodeStep::set_experts)
+      .def("set_attention_biases", &DecodeStep::set_attention_biases)
+      .def("set_shared_expert", &DecodeStep::set_shared_expert)
       .def("run", &DecodeStep::run)
       .def("phase_seconds", &DecodeStep::phase_seconds);
 }

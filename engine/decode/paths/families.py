@@ -37,8 +37,12 @@ class Family:
     norms: tuple[str, ...] = ()  # Llama-style RMSNorm classes
     attention: tuple[str, ...] = ()  # Llama-style attention classes
     routers: tuple[tuple[str, tuple[bool, bool]], ...] = ()  # top-k router classes and their recipe
-    # the whole-token step: (causal LM, decoder, decoder layer, sparse MoE block) classes
+    # the whole-token step: (causal LM, decoder, decoder layer, sparse MoE block) classes; a block
+    # with a `shared_expert` adds it, scaled by sigmoid(`shared_expert_gate`) where it has one
     whole_token: tuple[str, str, str, str] | None = None
+    # Llama-style attention that only the whole-token step computes: q/k/v projections with biases
+    # (Qwen2-MoE), or q/k norms over the whole projection before the rotary embedding (OLMoE)
+    whole_token_attention: tuple[str, ...] = ()
 
 
 FAMILIES = (
@@ -46,8 +50,12 @@ FAMILIES = (
            ("Qwen3MoeForCausalLM", "Qwen3MoeModel", "Qwen3MoeDecoderLayer", "Qwen3MoeSparseMoeBlock")),
     Family("mixtral", ("MixtralRMSNorm",), ("MixtralAttention",), (("MixtralTopKRouter", MIXTRAL_ROUTER),),
            ("MixtralForCausalLM", "MixtralModel", "MixtralDecoderLayer", "MixtralSparseMoeBlock")),
-    Family("qwen2_moe", ("Qwen2MoeRMSNorm",), (), (("Qwen2MoeTopKRouter", QWEN3_ROUTER),)),  # q/k/v have biases
-    Family("olmoe", ("OlmoeRMSNorm",), (), (("OlmoeTopKRouter", QWEN3_ROUTER),)),
+    Family("qwen2_moe", ("Qwen2MoeRMSNorm",), (), (("Qwen2MoeTopKRouter", QWEN3_ROUTER),),
+           ("Qwen2MoeForCausalLM", "Qwen2MoeModel", "Qwen2MoeDecoderLayer", "Qwen2MoeSparseMoeBlock"),
+           whole_token_attention=("Qwen2MoeAttention",)),
+    Family("olmoe", ("OlmoeRMSNorm",), (), (("OlmoeTopKRouter", QWEN3_ROUTER),),
+           ("OlmoeForCausalLM", "OlmoeModel", "OlmoeDecoderLayer", "OlmoeSparseMoeBlock"),
+           whole_token_attention=("OlmoeAttention",)),
     Family("qwen3_next", (), (), (("Qwen3NextTopKRouter", QWEN3_ROUTER),)),
     Family("qwen4_exp", (), (), (("Qwen4ExpTextTopKRouter", QWEN3_ROUTER),)),
     Family("flex_olmo", (), (), (("FlexOlmoTopKRouter", QWEN3_ROUTER),)),
@@ -89,12 +97,6 @@ FAMILIES = (
 )
 
 
-# Experts classes whose recipe the native clamped-SwiGLU kernel computes (moe_decode_clamped_swiglu):
-# gpt-oss's interleaved gate/up with biases, gate clamped above, up clamped, (up + 1) * gate *
-# sigmoid(alpha * gate), down with a bias.
-CLAMPED_SWIGLU_EXPERTS = (("gpt_oss", "GptOssExperts"),)
-
-
 def _module(name: str):
     try:
         return importlib.import_module(f"transformers.models.{name}.modeling_{name}")
@@ -108,12 +110,6 @@ def _classes(family: Family, names) -> list[type]:
 
 
 @cache
-def clamped_swiglu_classes() -> frozenset[type]:
-    return frozenset(cls for module, name in CLAMPED_SWIGLU_EXPERTS
-                     if (mod := _module(module)) is not None and (cls := getattr(mod, name, None)) is not None)
-
-
-@cache
 def norm_classes() -> frozenset[type]:
     return frozenset(cls for f in FAMILIES for cls in _classes(f, f.norms))
 
@@ -121,6 +117,11 @@ def norm_classes() -> frozenset[type]:
 @cache
 def attention_classes() -> frozenset[type]:
     return frozenset(cls for f in FAMILIES for cls in _classes(f, f.attention))
+
+
+@cache
+def whole_token_attention_classes() -> frozenset[type]:
+    return frozenset(cls for f in FAMILIES for cls in _classes(f, f.whole_token_attention))
 
 
 @cache
@@ -153,18 +154,28 @@ def is_llama_rms_norm(module: torch.nn.Module) -> bool:
             and hasattr(module, "variance_epsilon"))
 
 
-def is_llama_attention(module: torch.nn.Module) -> bool:
+def is_llama_attention(module: torch.nn.Module, whole_token: bool = False) -> bool:
     """Llama-style attention with bias-free projections and q/k norms (if any) over one head with
-    one epsilon (Qwen2-MoE's projections have biases: it keeps its own code)."""
-    if own_class(module) not in attention_classes():
+    one epsilon; with `whole_token`, also the listed classes only the whole-token step computes,
+    whose q/k/v carry biases (Qwen2-MoE) or whose q/k norms span the whole projection (OLMoE)."""
+    listed = attention_classes() | (whole_token_attention_classes() if whole_token else frozenset())
+    if own_class(module) not in listed:
         return False
     projections = [getattr(module, name, None) for name in ("q_proj", "k_proj", "v_proj", "o_proj")]
-    if not all(is_linear(proj) and proj.bias is None for proj in projections):
+    if not all(is_linear(proj) for proj in projections) or module.o_proj.bias is not None:
         return False
+    if not whole_token and any(proj.bias is not None for proj in projections):
+        return False
+    if getattr(getattr(module, "config", None), "clip_qkv", None) is not None:
+        return False  # OLMoE's optional clamp of q/k/v
     head_dim = getattr(module, "head_dim", 0)
     norms = [norm for name in ("q_norm", "k_norm") if (norm := getattr(module, name, None)) is not None]
-    return (all(is_llama_rms_norm(norm) and norm.weight.numel() == head_dim for norm in norms)
-            and len({norm.variance_epsilon for norm in norms}) <= 1)  # the kernel takes one epsilon
+    if not all(is_llama_rms_norm(norm) for norm in norms) or len({norm.variance_epsilon for norm in norms}) > 1:
+        return False  # the kernel takes one epsilon
+    per_head = all(norm.weight.numel() == head_dim for norm in norms)
+    full = (whole_token and len(norms) == 2 and module.q_norm.weight.numel() == module.q_proj.out_features
+            and module.k_norm.weight.numel() == module.k_proj.out_features)
+    return per_head or full
 
 
 def is_linear(module: torch.nn.Module | None) -> bool:

@@ -3,9 +3,10 @@ with the modules the native kernels compute switched onto them. The same arithme
 transformers, summed in a different order: faster, not bit-identical.
 
 For one new token (prefill keeps transformers' kernels), while the path runs:
-- a layer's resident experts run in one native call (gate/up, SiLU gate, down, weighted sum):
-  the expert cache is handed that kernel (`ExpertCache.experts_kernel`);
-- plain bf16 `nn.Linear`s of one row use the native GEMV, Llama-style RMSNorms one call instead
+- a layer's resident experts run in one native call (gate/up, gate, down, biases, weighted sum)
+  when their recipe is one the kernel computes (engine.decode.paths.expert_recipe: every family
+  whose experts are gated MLPs): the expert cache is handed that kernel (`ExpertCache.experts_kernel`);
+- plain bf16 `nn.Linear`s of one row (biased or not) use the native GEMV, Llama-style RMSNorms one call instead
   of eight small ops, Llama-style attention three (q/k/v with q/k norms and rotary, attention over
   the KV cache, o_proj) instead of ~60, and listed top-k routers the GEMV for their linear;
 - other attention of one query runs as two float32 matmuls and a softmax instead of SDPA's
@@ -27,13 +28,8 @@ import torch.nn.functional as F
 
 from engine.decode.native import kernels as native
 from engine.decode.paths.base import DecodePath, Step
-from engine.decode.paths.families import (
-    clamped_swiglu_classes,
-    is_llama_attention,
-    is_llama_rms_norm,
-    own_class,
-    router_recipe,
-)
+from engine.decode.paths.expert_recipe import ExpertsRecipe, experts_recipe
+from engine.decode.paths.families import is_llama_attention, is_llama_rms_norm, router_recipe
 from engine.decode.paths.transformers_path import model_forward
 from engine.model.cache_argument import cache_from_call
 from engine.model.dense_formats import QuantizedLinear
@@ -74,10 +70,9 @@ class FastLinear(torch.nn.Linear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         kernels = _native_kernels(self, x, self.weight)
-        if kernels is None or x.numel() != self.in_features:
+        if kernels is None or x.numel() != self.in_features or not _bf16_bias(self.bias):
             return F.linear(x, self.weight, self.bias)
-        y = kernels.gemv(linear_weight(kernels, self), x)
-        return y if self.bias is None else y + self.bias
+        return kernels.gemv(linear_weight(kernels, self), x, self.bias)
 
 
 class FastQuantizedLinear(QuantizedLinear):
@@ -88,10 +83,15 @@ class FastQuantizedLinear(QuantizedLinear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         switch = self.__dict__.get(SWITCH_ATTR)
         kernels = native.ready() if switch is not None and switch.on else None
-        if kernels is None or x.dtype != torch.bfloat16 or x.device.type != "cpu" or x.numel() != self.in_features:
+        if (kernels is None or x.dtype != torch.bfloat16 or x.device.type != "cpu" or x.numel() != self.in_features
+                or not _bf16_bias(self.bias)):
             return super().forward(x)
-        y = kernels.gemv(linear_weight(kernels, self), x)
-        return y if self.bias is None else y + self.bias
+        return kernels.gemv(linear_weight(kernels, self), x, self.bias)
+
+
+def _bf16_bias(bias: torch.Tensor | None) -> bool:
+    """No bias, or one the GEMV adds before its rounding (as F.linear does): bf16, contiguous."""
+    return bias is None or (bias.dtype == torch.bfloat16 and bias.is_contiguous())
 
 
 def linear_weight(kernels: ModuleType, module: torch.nn.Module):
@@ -183,51 +183,33 @@ def patch_module(module: torch.nn.Module, switch: NativeSwitch) -> bool:
     return True
 
 
-def experts_fusable(module: torch.nn.Module) -> bool:
-    """The native MoE kernel computes exactly this experts module's recipe: concatenated gate/up
-    ([2I, H], gate first), SiLU gate, down [H, I], no biases or extra norms (Qwen-MoE, Mixtral,
-    OLMoE, DeepSeek-style experts), read from the decorator's flags. Decided once per module: it
-    is asked every layer of every token."""
-    fusable = module.__dict__.get("_moescope_fusable")
-    if fusable is None:
-        fusable = module._moescope_fusable = _fusable_recipe(module)
-    return fusable
-
-
-def _fusable_recipe(module: torch.nn.Module) -> bool:
-    from transformers.activations import SiLUActivation
-    from transformers.integrations import moe
-
-    return bool(getattr(module, "has_gate", False) and not module.has_bias and not module.is_transposed
-                and not getattr(module, "has_post_expert_norm", False)
-                and getattr(type(module), "_apply_gate", None) is moe._default_apply_gate
-                and isinstance(module.act_fn, SiLUActivation | torch.nn.SiLU))
-
-
-def clamped_swiglu_native(module: torch.nn.Module, reader: SlotReader) -> bool:
-    """gpt-oss's experts (families.CLAMPED_SWIGLU_EXPERTS) with quantized matrices: their slots hold
-    [out, in] blocks the kernels read by rows (a bf16 slot of them is [in, out], left to torch)."""
-    return (own_class(module) in clamped_swiglu_classes() and "gate_up_proj" in reader.quantized
-            and "down_proj" in reader.quantized and not getattr(module, "has_post_expert_norm", False))
-
-
 class NativeExperts:
-    """The one-token experts kernel of a native step: a layer's resident picks in one native call."""
+    """The one-token experts kernel of a native step: a layer's resident picks in one native call,
+    for every experts module whose recipe the kernel computes (engine.decode.paths.expert_recipe:
+    gated, with or without biases, halves or interleaved, [out, in] or transposed)."""
 
     def __init__(self, kernels: ModuleType) -> None:
         self.kernels = kernels
+        self._gates: dict[ExpertsRecipe, object] = {}
 
     def __call__(self, module: torch.nn.Module, hidden: torch.Tensor, chosen: list[dict[str, torch.Tensor]],
                  weights: torch.Tensor, out_dtype: torch.dtype, reader: SlotReader) -> torch.Tensor:
-        if not reader.packed and hidden.dtype == torch.bfloat16 and clamped_swiglu_native(module, reader):
-            gate_up, down = expert_weights(self.kernels, reader, chosen)
-            return self.kernels.moe_decode_clamped_swiglu(
-                hidden, gate_up, down, [w["gate_up_proj_bias"] for w in chosen], [w["down_proj_bias"] for w in chosen],
-                weights, float(module.alpha), float(module.limit))
-        if reader.packed or hidden.dtype != torch.bfloat16 or not experts_fusable(module):
+        recipe = experts_recipe(module)
+        # quantized slots hold [out, in] blocks whatever the module's layout (engine.model.layout)
+        mixed = isinstance(recipe, ExpertsRecipe) and recipe.transposed and 0 < len(reader.quantized) < 2
+        if isinstance(recipe, str) or mixed or reader.packed or hidden.dtype != torch.bfloat16:
             return torch_one_token(module, hidden, chosen, weights, out_dtype, reader)
         gate_up, down = expert_weights(self.kernels, reader, chosen)
-        return self.kernels.moe_decode(hidden, gate_up, down, weights)
+        if recipe.plain:
+            return self.kernels.moe_decode(hidden, gate_up, down, weights)
+        gate = self._gates.get(recipe)
+        if gate is None:
+            gate = self._gates[recipe] = self.kernels.GateRecipe(recipe.interleaved, recipe.clamped_swiglu,
+                                                                 recipe.alpha, recipe.limit)
+        biases = ([w["gate_up_proj_bias"] for w in chosen], [w["down_proj_bias"] for w in chosen]) if recipe.bias \
+            else ([], [])
+        return self.kernels.moe_decode(hidden, gate_up, down, weights, *biases,
+                                       recipe.transposed and not reader.quantized, gate)
 
 
 def expert_weights(kernels: ModuleType, reader: SlotReader, chosen: list[dict[str, torch.Tensor]]) -> tuple[list, list]:

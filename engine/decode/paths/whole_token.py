@@ -4,8 +4,9 @@ The native per-layer path (engine.decode.paths.native_layers) runs each layer's 
 to the memory bandwidth, but a Qwen3-MoE-shaped token still spent about a third of its time in
 Python and small torch ops between those kernels (decoder-layer calls, residual adds, the rotary table, the
 mask, module lookups, the router's softmax and top-k as separate ops). For the decoders whose
-every piece the native kernels compute (engine.decode.paths.families: Qwen3-MoE and Mixtral as
-transformers writes them, bf16 on the CPU), `FusedDecoder.step` runs the embedding, every layer
+every piece the native kernels compute (engine.decode.paths.families: Qwen3-MoE, Qwen2-MoE
+with its biased q/k/v and gated shared expert, OLMoE with its full-width q/k norms, and Mixtral as transformers writes them, bf16 on
+the CPU), `FusedDecoder.step` runs the embedding, every layer
 and the lm_head in one call (`DecodeStep` in engine/decode/native/moe_decode.cpp), with the same
 kernels in the same order; the expert cache then records the token from the picks it returns,
 through the same `record` the per-layer path uses.
@@ -25,6 +26,7 @@ from engine.accounting.routing import RoutingStep
 from engine.decode.kv_cache import BlockLayer
 from engine.decode.native import kernels as native
 from engine.decode.paths.base import DecodePath, Step
+from engine.decode.paths.expert_recipe import experts_recipe
 from engine.decode.paths.families import (
     is_linear,
     is_llama_attention,
@@ -32,7 +34,7 @@ from engine.decode.paths.families import (
     router_recipe,
     whole_token_part,
 )
-from engine.decode.paths.native_layers import expert_weights, experts_fusable, linear_weight, native_problem
+from engine.decode.paths.native_layers import expert_weights, linear_weight, native_problem
 from engine.model.dense_formats import QuantizedLinear
 
 
@@ -40,18 +42,21 @@ def _matrix(t: torch.Tensor) -> bool:
     return t.dtype == torch.bfloat16 and t.device.type == "cpu" and t.dim() == 2 and t.stride(1) == 1
 
 
-def _linear_ok(module: torch.nn.Module) -> bool:
-    """A bias-free linear layer the step reads: a bf16 CPU matrix, or blocks computed in bf16."""
+def _linear_ok(module: torch.nn.Module, bias: bool = False) -> bool:
+    """A linear layer the step reads: a bf16 CPU matrix, or blocks computed in bf16; bias-free
+    unless `bias` (then a bf16 one)."""
+    if getattr(module, "bias", None) is not None and not (bias and module.bias.dtype == torch.bfloat16):
+        return False
     if isinstance(module, QuantizedLinear):
-        return module.bias is None and module.dtype == torch.bfloat16 and module.packed.device.type == "cpu"
-    return isinstance(module, torch.nn.Linear) and module.bias is None and _matrix(module.weight)
+        return module.dtype == torch.bfloat16 and module.packed.device.type == "cpu"
+    return isinstance(module, torch.nn.Linear) and _matrix(module.weight)
 
 
 def recognise(model: torch.nn.Module) -> str:
     """Why the whole-token step cannot run this model ("" when it can), from its modules' classes."""
     inner = getattr(model, "model", None)
     if not whole_token_part(model, "causal_lm") or not whole_token_part(inner, "model"):
-        return "the whole-token step runs Qwen3-MoE and Mixtral decoders only"
+        return "the whole-token step runs Qwen3-MoE, Qwen2-MoE, OLMoE and Mixtral decoders only"
     embed, head = getattr(inner, "embed_tokens", None), getattr(model, "lm_head", None)
     if type(embed) is not torch.nn.Embedding or not is_linear(head) or head.bias is not None:
         return "the embedding or lm_head is not plain"
@@ -71,20 +76,44 @@ def recognise(model: torch.nn.Module) -> str:
 
 def _layer_problem(layer: torch.nn.Module) -> str:
     if not whole_token_part(layer, "layer"):
-        return "not a Qwen3-MoE or Mixtral decoder layer"
+        return "not a Qwen3-MoE, Qwen2-MoE, OLMoE or Mixtral decoder layer"
     block = getattr(layer, "mlp", None)
     if not whole_token_part(block, "block"):
         return "a dense MLP or another MoE block"
     if not all(is_llama_rms_norm(norm) for norm in (layer.input_layernorm, layer.post_attention_layernorm)):
         return "its norms are not Llama's RMSNorm"
     attention = layer.self_attn
-    if not is_llama_attention(attention) or not all(
-            _linear_ok(getattr(attention, name)) for name in ("q_proj", "k_proj", "v_proj", "o_proj")):
+    if not is_llama_attention(attention, whole_token=True) or not all(
+            _linear_ok(getattr(attention, name), bias=name != "o_proj") for name in ("q_proj", "k_proj", "v_proj", "o_proj")):
         return "its attention is not Llama-style in bf16"
+    biases = [getattr(attention, name).bias for name in ("q_proj", "k_proj", "v_proj")]
+    if any(b is None for b in biases) and any(b is not None for b in biases):
+        return "some of its q/k/v projections have biases, some not"
+    if (problem := _shared_expert_problem(block)):
+        return problem
     if router_recipe(block.gate) is None or not _matrix(block.gate.weight):
         return "its router is not a known top-k router"
-    if not experts_fusable(block.experts):
-        return "its experts are not SiLU-gated gate_up/down experts"
+    recipe = experts_recipe(block.experts)
+    if isinstance(recipe, str):
+        return recipe
+    if not recipe.plain:
+        return "its experts have biases, interleaved or transposed matrices (the per-layer kernel computes them)"
+    return ""
+
+
+def _shared_expert_problem(block: torch.nn.Module) -> str:
+    """Why the step cannot add this block's shared expert ("" when it can or there is none)."""
+    shared, gate = getattr(block, "shared_expert", None), getattr(block, "shared_expert_gate", None)
+    if shared is None:
+        return "" if gate is None else "a shared-expert gate without a shared expert"
+    from transformers.activations import SiLUActivation
+
+    projections = [getattr(shared, name, None) for name in ("gate_proj", "up_proj", "down_proj")]
+    if not all(p is not None and _linear_ok(p) for p in projections) or not isinstance(
+            getattr(shared, "act_fn", None), SiLUActivation | torch.nn.SiLU):
+        return "its shared expert is not a SiLU-gated MLP of bias-free bf16 linears"
+    if gate is not None and not (_linear_ok(gate) and gate.out_features == 1):
+        return "its shared expert's gate is not one bias-free bf16 row"
     return ""
 
 
@@ -113,6 +142,14 @@ class FusedDecoder:
                 attention.head_dim, attention.scaling, matrix(attention.o_proj),
                 layer.post_attention_layernorm.weight, layer.post_attention_layernorm.variance_epsilon,
                 block.gate.weight, *self._experts(index))
+            if attention.q_proj.bias is not None:
+                self._native.set_attention_biases(index, attention.q_proj.bias, attention.k_proj.bias,
+                                                  attention.v_proj.bias)
+            if (shared := getattr(block, "shared_expert", None)) is not None:
+                gate_row = getattr(block, "shared_expert_gate", None)
+                self._native.set_shared_expert(index, matrix(shared.gate_proj), matrix(shared.up_proj),
+                                               matrix(shared.down_proj),
+                                               None if gate_row is None else gate_row.weight.reshape(-1))
         self._placed = (cache.slot_views, cache.directory.changes)
         self._picks = torch.empty((self.layers, gate.top_k), dtype=torch.long)
         # the rotary call reads the embedding row's dtype only
@@ -158,6 +195,7 @@ class WholeTokenPath(DecodePath):
         self.runtime = runtime
         self._problem: str | None = None  # why this model has no whole-token step ("" = it has one)
         self._decoder: FusedDecoder | None = None
+        self._window: float | None = None  # the narrowest sliding window of the model's attention
 
     def unavailable(self, step: Step) -> str | None:
         runtime = self.runtime
@@ -174,8 +212,10 @@ class WholeTokenPath(DecodePath):
             return problem
         if any(type(layer) is not BlockLayer for layer in step.kv.layers):
             return "the KV cache has layers of another kind"
-        window = getattr(runtime.model.config, "sliding_window", None)
-        if window is not None and step.position + 1 > window:
+        window = self._window
+        if window is None:
+            window = self._window = _narrowest_window(runtime.model)
+        if step.position + 1 > window:
             return "the reply reached the attention's sliding window"
         return None
 
@@ -188,6 +228,14 @@ class WholeTokenPath(DecodePath):
         if self._decoder is None:
             self._decoder = FusedDecoder(self.runtime.model, self.runtime.cache, native.wait())
         return self._decoder
+
+
+def _narrowest_window(model: torch.nn.Module) -> float:
+    """The narrowest sliding window of the decoder's attention layers (inf when none slides): the
+    window each attention module was given, not the config's field (Qwen2-MoE keeps one there with
+    `use_sliding_window` off)."""
+    windows = [getattr(layer.self_attn, "sliding_window", None) for layer in model.model.layers]
+    return min((w for w in windows if w), default=float("inf"))
 
 
 class RotaryRows:
