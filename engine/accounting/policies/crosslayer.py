@@ -61,6 +61,7 @@ class CrossLayerPolicy(MarkovPolicy):
         self._known = np.zeros(num_layers, dtype=bool)  # layers routed in this decode token
         self._guess: dict[int, np.ndarray] = {}  # target layer -> guessed chances, until it is routed
         self.guesses = PredictionScore()
+        self._offloaded = False  # does any layer hold fewer slots than experts?
 
     # ----- learning -----
     def _forget_token(self) -> None:
@@ -76,33 +77,44 @@ class CrossLayerPolicy(MarkovPolicy):
         super().on_token_end()
         self._forget_token()
 
+    def set_capacity(self, slots_per_layer: Sequence[int]) -> None:
+        super().set_capacity(slots_per_layer)
+        # With every expert resident nothing is prefetched: learn nothing either, until the budget drops.
+        self._offloaded = any(0 < n < self.num_experts for n in self.capacity)
+        self._forget_token()
+
     def on_access(self, step: RoutingStep) -> None:
         super().on_access(step)
+        if not self._offloaded:
+            return
         layers, ids = step.layers, step.experts
-        for layer in layers.tolist():
-            self._guess.pop(layer, None)
-        self._known[int(layers[-1]) + 1:] = False  # layers come in order: any later one is last token's
+        last = int(layers[-1])
+        if self._guess:
+            for layer in layers.tolist():
+                self._guess.pop(layer, None)
+        self._known[last + 1:] = False  # layers come in order: any later one is the last token's
         if step.tokens != 1:  # a prompt's union of experts says little of which ones go together
             self._known[layers] = False
             return
-        for layer, experts, _ in step.rows():
-            self.guesses.observe(layer, experts)
+        if self.guesses.pending:
+            for layer, experts, _ in step.rows():
+                self.guesses.observe(layer, experts)
         width, none, side = ids.shape[1], self.num_experts, self.num_experts + 1
-        self._token[layers] = none
         self._token[layers, :width] = ids
+        self._token[layers, width:] = none
         self._token_width[layers] = width
         self._known[layers] = True
-        rows = layers[layers > 0]
-        rows = rows[self._known[rows - 1]]
-        if len(rows):  # the layer below, routed in this token, -> these
-            below = self._token[rows - 1, : max(1, int(self._token_width[rows - 1].max()))]
-            start = (rows - 1)[:, None] * side + below
-            now = self._token[rows, :width]
-            self._pairs_flat[(start * side)[:, :, None] + now[:, None, :]] += 1  # distinct (a, b): no repeats
-            self._seen.reshape(-1)[start] += 1
-            self._pairs[rows - 1, none] = self._seen[rows - 1, none] = 0  # the padding id learns nothing
-            self._ran[(rows - 1)[:, None], now] += 1
-            self._tokens[rows - 1] += 1
+        paired = (layers > 0) & self._known[layers - 1]  # the layer below was routed in this token
+        if not paired.any():
+            return
+        under, ids = layers[paired] - 1, ids[paired]
+        below = self._token[under, : max(1, int(self._token_width[under].max()))]
+        start = under[:, None] * side + below
+        self._pairs_flat[(start * side)[:, :, None] + ids[:, None, :]] += 1  # distinct (a, b): no repeats
+        self._seen.reshape(-1)[start] += 1
+        self._pairs[under, none] = self._seen[under, none] = 0  # the padding id learns nothing
+        self._ran[under[:, None], ids] += 1
+        self._tokens[under] += 1
 
     # ----- guessing and prefetching -----
     def guess(self, layer: int) -> np.ndarray:
