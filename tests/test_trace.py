@@ -239,6 +239,11 @@ def test_real_olmoe_trace_markov_beats_lru_and_nothing_beats_belady():
         lru, markov = (compare(trace, p, parse_budget(budget), allocation="uniform") for p in ("lru", "markov"))
         assert markov.policy.loads < lru.policy.loads and markov.policy.hit_rate > lru.policy.hit_rate
         assert markov.policy.loads >= markov.belady.loads and markov.policy.tokens == 224
+        # crosslayer knows a layer's experts before its router runs: within 10 % of Belady's hit rate,
+        # at no more loads than LRU (its prefetches are hits that cost a load each)
+        crosslayer = compare(trace, "crosslayer", parse_budget(budget), allocation="uniform")
+        assert crosslayer.policy.hit_rate >= 0.9 * crosslayer.belady.hit_rate
+        assert crosslayer.belady.loads <= crosslayer.policy.loads <= lru.policy.loads
 
 
 @pytest.mark.parametrize("name", ["demo-heldout-mixed", "demo-heldout-by-skill"])
