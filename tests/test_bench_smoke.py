@@ -133,3 +133,20 @@ def test_quantized_gemv_bench_sets_integer_dots_beside_the_float_loops(tmp_path,
         assert row["integer_weights_per_s"] > 0 and row["float_weights_per_s"] > 0
         assert row["errors"]["integer"] < 0.02 and row["errors"]["float"] < 0.02  # within bf16 output rounding
     assert "| q4_k | 4.50 |" in next(tmp_path.glob("quant-gemv-*.md")).read_text()
+
+
+@pytest.mark.skipif(not OLMOE_TRACE.exists(), reason=f"the real OLMoE-1B-7B trace is not here ({OLMOE_TRACE}: "
+                    "../shared is absent)")
+def test_policy_cost_times_each_policy_and_leaves_its_replay_unchanged(capsys):
+    from bench.policy_cost import TimedPolicy
+    from bench.policy_cost import main as policy_cost
+    from engine.accounting.policies import make_policy
+    from engine.traces.replay import replay
+
+    assert policy_cost(["--policies", "lru,crosslayer", "--budgets", "25%", "--repeats", "1"]) == 0
+    rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith(("| lru", "| crosslayer"))]
+    assert len(rows) == 2 and all(float(row.split("|")[2]) > 0 for row in rows)
+    trace = read_trace(OLMOE_TRACE, num_experts=64)
+    timed, plain = (replay(trace, policy, [16] * 16) for policy in (TimedPolicy(make_policy("crosslayer")),
+                                                                     make_policy("crosslayer")))
+    assert (timed.hits, timed.loads, timed.prefetch_loads) == (plain.hits, plain.loads, plain.prefetch_loads) != (0, 0, 0)
