@@ -100,7 +100,7 @@ def test_switching_policies_mid_reply_stays_exact(mixtral_checkpoint):
 
 
 @pytest.mark.parametrize("store", ["disk", "ram"])
-@pytest.mark.parametrize("policy", ["promoe", "eam", "popularity", "markov", "crosslayer"])
+@pytest.mark.parametrize("policy", ["promoe", "eam", "popularity", "markov", "crosslayer", "crosslayer:margin=0.2"])
 def test_budget_changes_mid_reply_stay_exact(tiny_checkpoints, policy, store):
     path = tiny_checkpoints["qwen2_moe"]
     expected = reference_generate(path, PROMPT, 20)
@@ -120,7 +120,8 @@ def test_budget_changes_mid_reply_stay_exact(tiny_checkpoints, policy, store):
     runtime.close()
     assert result.token_ids == expected
     assert slots[0] < slots[1] and slots[2] < slots[1]
-    assert stats.get("prefetch_issued", 0) > 0 or not make_policy(policy).prefetches  # with prefetches in flight
+    # with prefetches in flight (crosslayer prefetches on this tiny model only below its default margin)
+    assert stats.get("prefetch_issued", 0) > 0 or policy == "crosslayer" or not make_policy(policy).prefetches
 
 
 # ---------------------------------------------------------------- what the policies report

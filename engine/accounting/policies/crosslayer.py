@@ -123,6 +123,9 @@ class CrossLayerPolicy(MarkovPolicy):
         own = self.chances(layer)[:experts]
         total = own.sum()
         own = own * (k / total) if total > 0 else np.full(experts, k / experts)  # about top-k in all
+        # markov's estimate ranks well but is no calibrated chance (right after a prompt it favours the
+        # experts the prompt's load waves pushed out): alone it never makes a prefetch worth more than even.
+        own = np.minimum(own, 0.5)
         below = self._token[below_layer, : self._token_width[below_layer]]
         base = (self._ran[below_layer] + prior * k / experts) / (self._tokens[below_layer] + prior)
         given = (self._pairs[below_layer, below, :experts] + prior * base) / (self._seen[below_layer, below, None] + prior)
