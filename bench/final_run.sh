@@ -10,7 +10,8 @@ $PY -m bench.telemetry_overhead --model qwen3moe-64e --budget 50% --reps 5 --dec
 $PY -m bench.run --models qwen3moe-64e,mixtral-8e-12l,demo --budgets 10,25,50,100 --prompts 128,512 \
     --decode 64 --accelerate-decode 8 --accelerate-prompts 128
 $PY -m bench.run --models qwen3moe-64e --budgets 25,50,100 --prompts 128 --decode 64 --routings olmoe \
-    --policies lru,markov --skip-accelerate --label olmoe-routing
+    --policies lru,markov,crosslayer --skip-accelerate --label olmoe-routing
+$PY -m bench.policy_cost --repeats 7
 $PY -m bench.lossy_cost --budgets 25,50 --n 20
 $PY -m bench.lossy_cost --formats q8_0,q6_k,q5_0,q4_k,q4_0,q3_k,q2_k --dense-formats original,q8_0,q4_k --n 100
 $PY bench/heatmap_bench.py

@@ -7,11 +7,12 @@ uniform allocation. The first quarter of each trace calibrates (whole requests, 
 tokens of the one-request OLMoE trace) and is replayed unscored as every policy's warm-up; the
 rest is scored (`engine.traces.replay.compare`).
 
-Beside the table of every policy it writes the study behind `markov`: how often a layer's experts
-repeat from one step to the next, decayed frequency at fixed decays on the calibration part
-against the scored part (how routing drifts), markov without its parts, and how its defaults were
-chosen: on the calibration parts alone (each split again, its first third warming up). Writes
-bench/results/replay-real-traces-<date>.{md,json}.
+Beside the table of every policy it writes the study behind `markov` and `crosslayer`: how often
+a layer's experts repeat from one step to the next, decayed frequency at fixed decays on the
+calibration part against the scored part (how routing drifts), markov and crosslayer without their
+parts, an online bound (`NextStepOracle`: markov that also knows each layer's next step exactly),
+and how the defaults were chosen: on the calibration parts alone (each split again, its first
+third warming up). Writes bench/results/replay-real-traces-<date>[-label].{md,json}.
 """
 
 from __future__ import annotations
@@ -20,14 +21,17 @@ import argparse
 import datetime as dt
 import json
 import sys
+from collections.abc import Sequence
 from pathlib import Path
 
 import numpy as np
 
 from bench.routing import OLMOE_TRACE
 from engine.accounting.policies import POLICIES
+from engine.accounting.policies.markov import MarkovPolicy
+from engine.accounting.routing import RoutingStep
 from engine.accounting.sizes import format_bytes, parse_budget
-from engine.traces.replay import CALIBRATION, Comparison, compare
+from engine.traces.replay import CALIBRATION, Comparison, belady_for, compare, plan_slots, replay, resolve_slots
 from engine.traces.trace import Trace, read_trace
 
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -35,10 +39,45 @@ TRACES = Path(__file__).resolve().parent / "traces"
 BUDGETS = ("25%", "50%")
 OLMOE_EXPERT_BYTES = 3 * 2048 * 1024 * 2  # OLMoE-1B-7B: hidden 2048, expert FFN 1024, bf16 gate/up/down
 FIXED_DECAYS = (0.8, 0.9, 0.95, 0.98, 0.99)
-ABLATIONS = ("markov:weight=0", "markov:decay=0.95", "markov:decay=0.98")
+ABLATIONS = ("markov:weight=0", "markov:decay=0.95", "markov:decay=0.98", "crosslayer:witnesses=0",
+             "crosslayer:witnesses=8", "crosslayer:margin=0.8")
 TUNING = ("lru", "lfu", "markov", "markov:weight=1", "markov:weight=0", "markov:memory=0.99", "markov:memory=0.9",
           "markov:decay=0.9", "markov:decay=0.95", "markov:decay=0.98", "markov:decay=0.99",
-          "markov:decay=0.95,weight=1")
+          "markov:decay=0.95,weight=1", "crosslayer", "crosslayer:witnesses=2", "crosslayer:witnesses=8",
+          "crosslayer:margin=0.8", "crosslayer:margin=0.7", "crosslayer:witnesses=2,margin=0.8",
+          "crosslayer:witnesses=2,margin=0.7", "crosslayer:witnesses=8,margin=0.8")
+
+
+class NextStepOracle(MarkovPolicy):
+    """A bound for online eviction: markov that also knows each layer's next step exactly (and evicts an
+    expert that step does not need first). Replay only: it reads the future."""
+
+    name = "next-step oracle"
+
+    def __init__(self, trace: Trace) -> None:
+        super().__init__()
+        self.future = belady_for(trace)  # the whole trace's steps: calibration replayed first, then scored
+
+    def reset(self, num_layers: int, num_experts: int, top_k: int) -> None:
+        super().reset(num_layers, num_experts, top_k)
+        self.future.reset(num_layers, num_experts, top_k)
+
+    def on_access(self, step: RoutingStep) -> None:
+        super().on_access(step)
+        self.future.on_access(step)
+
+    def choose_victim(self, layer: int, candidates: Sequence[int]) -> int:
+        unneeded = [e for e in candidates if not self.future.needed_next(layer, e)]
+        return super().choose_victim(layer, unneeded or list(candidates))
+
+
+def next_step_bound(trace: Trace, budget: str) -> dict:
+    """x hits / x loads of `NextStepOracle` against Belady's MIN, on the same split as `compare`."""
+    calibration, scored = trace.split(CALIBRATION)
+    slots, _ = plan_slots(calibration, resolve_slots(trace, parse_budget(budget), None), "uniform")
+    best = replay(scored, belady_for(scored), slots)
+    hits, loads = replay(scored, NextStepOracle(trace), slots, history=calibration).ratios(best)
+    return {"hits": hits, "loads": loads}
 
 
 def real_traces() -> tuple[dict[str, Trace], list[str]]:
@@ -80,7 +119,8 @@ def row(c: Comparison) -> dict:
 
 def measure(traces: dict[str, Trace]) -> dict:
     report = {"date": dt.date.today().isoformat(), "calibration": CALIBRATION, "allocation": "uniform",
-              "policies": {}, "oracle": {}, "fixed_decay": {}, "ablations": {}, "overlap": {}, "tuning": {}}
+              "policies": {}, "oracle": {}, "fixed_decay": {}, "ablations": {}, "overlap": {}, "tuning": {},
+              "next_step": {}}
     calibrations = {name: trace.split(CALIBRATION)[0] for name, trace in traces.items()}
     for spec in TUNING:  # on the calibration parts only: what chose markov's defaults
         runs = [row(compare(part, spec, parse_budget(b), calibrate=1 / 3, allocation="uniform"))
@@ -96,6 +136,7 @@ def measure(traces: dict[str, Trace]) -> dict:
             report["policies"][key] = [row(compare(trace, p, spec, allocation="uniform")) for p in POLICIES]
             report["oracle"][key] = row(compare(trace, "popularity", spec, allocation="uniform", oracle=True))
             report["ablations"][key] = [row(compare(trace, a, spec, allocation="uniform")) for a in ABLATIONS]
+            report["next_step"][key] = next_step_bound(trace, budget)
             # LFU with decay, one decay at a time: on the calibration part itself (its first third warms
             # up) against the scored part. Where the best decay moves, routing drifts.
             report["fixed_decay"][key] = {
@@ -138,7 +179,9 @@ def markdown(report: dict, traces: dict[str, Trace], notes: list[str]) -> str:
                          f"{r['belady_hit_rate']:.1%} | {r['belady_loads_per_token']:.2f} |")
     lines += ["", "Bold: the best lossless demand-only policy (no prefetch) of the row group. `swapmoe` is lossy "
               "(it reroutes instead of loading), `popularity (oracle)` is calibrated on the scored routing itself "
-              "(the old default; no user can have that profile).", "",
+              "(the old default; no user can have that profile). The prefetching policies (`crosslayer`, `eam`, "
+              "`promoe`) buy hit rate with loads: a prefetch is a hit when it is used (the replay assumes it arrives "
+              "in time) and a load whether it is used or not.", "",
               "## Study: drift (decayed frequency at fixed decays, x hits)", "",
               "| trace | budget | " + " | ".join(f"decay {d}: calibration / scored" for d in FIXED_DECAYS) + " |",
               "|---|---|" + "---|" * len(FIXED_DECAYS)]
@@ -146,15 +189,25 @@ def markdown(report: dict, traces: dict[str, Trace], notes: list[str]) -> str:
         name, budget = key.rsplit(" ", 1)
         cells = " | ".join(f"{v['calibration']:.3f} / {v['scored']:.3f}" for v in by_decay.values())
         lines.append(f"| {name} | {budget} | {cells} |")
-    lines += ["", "## Study: markov without its parts (x hits / x loads)", "",
-              "| trace | budget | markov | " + " | ".join(ABLATIONS) + " |", "|---|---|---|" + "---|" * len(ABLATIONS)]
+    lines += ["", "## Study: markov and crosslayer without their parts (x hits / x loads)", "",
+              "| trace | budget | markov | crosslayer | " + " | ".join(ABLATIONS) + " |",
+              "|---|---|---|---|" + "---|" * len(ABLATIONS)]
     for key, rows in report["ablations"].items():
         name, budget = key.rsplit(" ", 1)
+        whole = [next(r for r in report["policies"][key] if r["policy"] == p) for p in ("markov", "crosslayer")]
+        cells = " | ".join(f"{r['hit_rate_vs_belady']:.3f} / {r['loads_vs_belady']:.3f}" for r in [*whole, *rows])
+        lines.append(f"| {name} | {budget} | {cells} |")
+    lines += ["", "## Study: an online bound (x hits / x loads)", "",
+              "`next-step oracle`: markov that also knows each layer's next step exactly (it evicts an expert that "
+              "step does not need first). No online policy knows that much; where even it stays far from Belady's "
+              "loads, so will every online policy that only evicts.", "",
+              "| trace | budget | markov | next-step oracle |", "|---|---|---|---|"]
+    for key, bound in report["next_step"].items():
+        name, budget = key.rsplit(" ", 1)
         markov = next(r for r in report["policies"][key] if r["policy"] == "markov")
-        cells = " | ".join(f"{r['hit_rate_vs_belady']:.3f} / {r['loads_vs_belady']:.3f}" for r in rows)
         lines.append(f"| {name} | {budget} | {markov['hit_rate_vs_belady']:.3f} / {markov['loads_vs_belady']:.3f} | "
-                     f"{cells} |")
-    lines += ["", "## How markov's defaults were chosen: the calibration parts only", "",
+                     f"{bound['hits']:.3f} / {bound['loads']:.3f} |")
+    lines += ["", "## How the defaults were chosen: the calibration parts only", "",
               "Each trace's calibration part split again (its first third warms up, the rest is scored); the mean "
               "over the traces and both budgets of x hits and x loads. No scored routing is involved.", "",
               "| policy | mean x hits | mean x loads |", "|---|---|---|"]
@@ -165,12 +218,13 @@ def markdown(report: dict, traces: dict[str, Trace], notes: list[str]) -> str:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench.replay_table")
     parser.add_argument("--out", type=Path, default=RESULTS)
+    parser.add_argument("--label", default="", help="e.g. after-crosslayer: named in the file name")
     args = parser.parse_args(argv)
     traces, notes = real_traces()
     report = measure(traces)
     report["notes"] = notes
     args.out.mkdir(parents=True, exist_ok=True)
-    stem = args.out / f"replay-real-traces-{report['date']}"
+    stem = args.out / "-".join(filter(None, ("replay-real-traces", report["date"], args.label)))
     stem.with_suffix(".json").write_text(json.dumps(report, indent=1))
     stem.with_suffix(".md").write_text(markdown(report, traces, notes))
     print(f"results: {stem}.md / .json")

@@ -157,3 +157,20 @@ def test_the_bandwidth_limit_counts_every_byte_a_token_reads(tiny_checkpoints, f
     moe_layers = sum(1 for name, _ in model.named_parameters() if name.endswith("experts.down_proj"))
     assert one_expert == experts // routed // moe_layers
     assert active == dense + config.num_experts_per_tok * one_expert * moe_layers
+
+
+@pytest.mark.skipif(not OLMOE_TRACE.exists(), reason=f"the real OLMoE-1B-7B trace is not here ({OLMOE_TRACE}: "
+                    "../shared is absent)")
+def test_policy_cost_times_each_policy_and_leaves_its_replay_unchanged(capsys):
+    from bench.policy_cost import TimedPolicy
+    from bench.policy_cost import main as policy_cost
+    from engine.accounting.policies import make_policy
+    from engine.traces.replay import replay
+
+    assert policy_cost(["--policies", "lru,crosslayer", "--budgets", "25%", "--repeats", "1"]) == 0
+    rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith(("| lru", "| crosslayer"))]
+    assert len(rows) == 2 and all(float(row.split("|")[2]) > 0 for row in rows)
+    trace = read_trace(OLMOE_TRACE, num_experts=64)
+    timed, plain = (replay(trace, policy, [16] * 16) for policy in (TimedPolicy(make_policy("crosslayer")),
+                                                                     make_policy("crosslayer")))
+    assert (timed.hits, timed.loads, timed.prefetch_loads) == (plain.hits, plain.loads, plain.prefetch_loads) != (0, 0, 0)

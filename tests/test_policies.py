@@ -22,7 +22,7 @@ from engine.offload.loads import ChunkScheduler, LoadJob
 from engine.protocol import LoadModel, SamplingSettings
 from engine.traces.replay import belady_for, compare, replay
 from tests.helpers.checkpoints import FAMILIES, reference_generate
-from tests.helpers.traces import cycle_trace, request_types_trace
+from tests.helpers.traces import cycle_trace, layer_pair_trace, request_types_trace
 
 PROMPT = [1, 17, 42, 9, 77, 5, 63, 30, 11]
 NEW_TOKENS = 12
@@ -47,8 +47,8 @@ def generate_json(capsys, path, budget: str, policy: str, *extra: str) -> dict:
 
 
 def test_every_policy_is_listed_and_swapmoe_says_lossy(capsys):
-    assert set(POLICIES) == {"lru", "lfu", "markov", "popularity", "eam", "promoe", "swapmoe"}
-    assert LOSSLESS == ["lru", "lfu", "markov", "popularity", "eam", "promoe"]
+    assert set(POLICIES) == {"lru", "lfu", "markov", "crosslayer", "popularity", "eam", "promoe", "swapmoe"}
+    assert LOSSLESS == ["lru", "lfu", "markov", "crosslayer", "popularity", "eam", "promoe"]
     assert POLICIES["swapmoe"].lossless is False and "LOSSY" in POLICIES["swapmoe"].description
     assert moescope(["policies"]) == 0
     listing = capsys.readouterr().out
@@ -80,7 +80,7 @@ def test_bad_policy_names_are_refused(capsys, mixtral_checkpoint):
 def test_switching_policies_mid_reply_stays_exact(mixtral_checkpoint):
     expected = reference_generate(mixtral_checkpoint, PROMPT, 20)
     runtime = MoERuntime(LoadModel(path=str(mixtral_checkpoint), budget="1", store="disk", policy="lru"))
-    order = iter(["eam", "promoe", "popularity", "markov", "lfu", "promoe:k=1", "lru"])
+    order = iter(["eam", "promoe", "popularity", "markov", "crosslayer", "lfu", "promoe:k=1", "lru"])
     tokens: list[int] = []
     seen: list[tuple[str, np.ndarray]] = []
 
@@ -95,12 +95,12 @@ def test_switching_policies_mid_reply_stays_exact(mixtral_checkpoint):
                                          between_tokens=between_tokens)
     runtime.close()
     assert result.token_ids == expected
-    assert [name for name, _ in seen][:6] == ["eam", "promoe", "popularity", "markov", "lfu", "promoe"]
+    assert [name for name, _ in seen][:7] == ["eam", "promoe", "popularity", "markov", "crosslayer", "lfu", "promoe"]
     assert all(same.all() for _, same in seen)  # switching keeps what is resident
 
 
 @pytest.mark.parametrize("store", ["disk", "ram"])
-@pytest.mark.parametrize("policy", ["promoe", "eam", "popularity", "markov"])
+@pytest.mark.parametrize("policy", ["promoe", "eam", "popularity", "markov", "crosslayer", "crosslayer:margin=0.2"])
 def test_budget_changes_mid_reply_stay_exact(tiny_checkpoints, policy, store):
     path = tiny_checkpoints["qwen2_moe"]
     expected = reference_generate(path, PROMPT, 20)
@@ -120,7 +120,8 @@ def test_budget_changes_mid_reply_stay_exact(tiny_checkpoints, policy, store):
     runtime.close()
     assert result.token_ids == expected
     assert slots[0] < slots[1] and slots[2] < slots[1]
-    assert stats.get("prefetch_issued", 0) > 0 or not make_policy(policy).prefetches  # with prefetches in flight
+    # with prefetches in flight (crosslayer prefetches on this tiny model only below its default margin)
+    assert stats.get("prefetch_issued", 0) > 0 or policy == "crosslayer" or not make_policy(policy).prefetches
 
 
 # ---------------------------------------------------------------- what the policies report
@@ -232,6 +233,43 @@ def test_markov_adapts_its_decay_per_layer():
                           ("markov:memory=2", "0 <= memory < 1")):
         with pytest.raises(ValueError, match=message):
             make_policy(spec)
+
+
+def test_crosslayer_prefetches_what_the_layer_below_foretells_and_beats_lru():
+    # Layer 0 picks at random and layer 1 runs its pick's partner: layer 1's own history says nothing,
+    # so no demand policy hits there more often than its 2 slots of 8 allow; the layer below says it all.
+    trace = layer_pair_trace(tokens=400)
+    lru = replay(trace, make_policy("lru"), [2, 2], warm=False)
+    markov = replay(trace, make_policy("markov"), [2, 2], warm=False)
+    crosslayer = replay(trace, make_policy("crosslayer"), [2, 2], warm=False)
+    assert crosslayer.hit_rate > lru.hit_rate + 0.15 and crosslayer.hit_rate > markov.hit_rate + 0.15
+    assert crosslayer.prefetch_hits == crosslayer.prefetch_loads > 100  # every prefetch was needed
+    assert crosslayer.extra["prefetch_wasted"] == 0 and crosslayer.extra["crosslayer_precision"] > 0.8
+    assert crosslayer.loads <= markov.loads + 5 and crosslayer.loads <= lru.loads * 1.03  # hits, not extra loads
+    for spec, message in (("crosslayer:margin=1", "0 <= margin < 1"), ("crosslayer:witnesses=-1", "witnesses >= 0"),
+                          ("crosslayer:prior=0", "prior > 0")):
+        with pytest.raises(ValueError, match=message):
+            make_policy(spec)
+
+
+def test_crosslayer_guesses_from_the_same_token_only():
+    # Layer 1's guess comes from layer 0 of the same decode token: nothing is prefetched for layer 1
+    # once the token has ended, nor after a prompt step.
+    trace = layer_pair_trace(tokens=400)
+    partner = {a.experts[0]: b.experts[0] for a, b in zip(trace.steps[::2], trace.steps[1::2], strict=True)}
+    policy = make_policy("crosslayer")
+    policy.reset(2, 8, 1)
+    policy.set_capacity([2, 2])
+    for a, b in zip(trace.steps[::2], trace.steps[1::2], strict=True):
+        policy.on_access(RoutingStep.of_layer(0, a.experts))
+        policy.on_access(RoutingStep.of_layer(1, b.experts))
+        policy.on_token_end()
+    policy.on_access(RoutingStep.of_layer(0, [2]))
+    assert policy.prefetch(0)[0] == (1, partner[2])
+    policy.on_token_end()
+    assert policy.prefetch(0) == []
+    policy.on_access(RoutingStep.of_layer(0, [2, 4], tokens=9))
+    assert policy.prefetch(0) == []
 
 
 def test_popularity_pins_the_profile_favourites():

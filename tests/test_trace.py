@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from engine.accounting.policies import POLICIES, make_policy
@@ -14,7 +15,7 @@ from engine.decode.generation import Generator
 from engine.decode.runtime import MoERuntime
 from engine.protocol import LoadModel, SamplingSettings
 from engine.traces.replay import ReplayError, belady_for, compare, replay
-from engine.traces.trace import TraceError, read_trace
+from engine.traces.trace import Trace, TraceError, TraceStep, read_trace
 from tests.helpers.checkpoints import reference_generate
 from tests.helpers.traces import hand_trace, request_types_trace, skewed_trace, write_csv, write_token_lines
 
@@ -239,6 +240,33 @@ def test_real_olmoe_trace_markov_beats_lru_and_nothing_beats_belady():
         lru, markov = (compare(trace, p, parse_budget(budget), allocation="uniform") for p in ("lru", "markov"))
         assert markov.policy.loads < lru.policy.loads and markov.policy.hit_rate > lru.policy.hit_rate
         assert markov.policy.loads >= markov.belady.loads and markov.policy.tokens == 224
+        # crosslayer knows a layer's experts before its router runs: within 10 % of Belady's hit rate,
+        # at no more than 1 % above LRU's loads (its prefetches are hits that cost a load each)
+        crosslayer = compare(trace, "crosslayer", parse_budget(budget), allocation="uniform")
+        assert crosslayer.policy.hit_rate >= 0.9 * crosslayer.belady.hit_rate
+        assert crosslayer.belady.loads <= crosslayer.policy.loads <= 1.01 * lru.policy.loads
+
+
+@pytest.mark.skipif(not OLMOE.exists(), reason=f"the real OLMoE-1B-7B trace is not here ({OLMOE}: ../shared is absent)")
+def test_crosslayer_spends_no_loads_on_a_cold_start_after_a_prompt():
+    # As `bench.run` drives it: a short warm-up request, then a prompt of 16 tokens and 3 decode
+    # tokens of OLMoE routing. Right after a prompt markov favours what its load waves pushed out;
+    # crosslayer, having learned almost nothing of the layer below, must not spend loads on that.
+    rows = read_trace(OLMOE, num_experts=64)
+    picks = np.array([[s.experts for s in rows.steps if s.token == t] for t in sorted({s.token for s in rows.steps})])
+    steps, row = [], 0
+    for request, (prompt, decode) in enumerate(((8, 1), (16, 3))):
+        for layer in range(16):
+            experts, counts = np.unique(picks[row:row + prompt, layer], return_counts=True)
+            steps.append(TraceStep(request, 0, prompt, layer, experts.tolist(), counts.tolist(), [1.0] * len(experts)))
+        row += prompt
+        for t in range(decode):
+            steps += [TraceStep(request, prompt + t, 1, layer, sorted(picks[row, layer].tolist()), [1] * 8, [1.0] * 8)
+                      for layer in range(16)]
+            row += 1
+    warm, scored = Trace(16, 64, 8, steps[:32]), Trace(16, 64, 8, steps[32:])
+    markov, crosslayer = (replay(scored, make_policy(p), [16] * 16, history=warm) for p in ("markov", "crosslayer"))
+    assert crosslayer.loads <= markov.loads
 
 
 @pytest.mark.parametrize("name", ["demo-heldout-mixed", "demo-heldout-by-skill"])

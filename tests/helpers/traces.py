@@ -95,3 +95,16 @@ def cycle_trace(cycles: int = 20, length: int = 3) -> Trace:
     needed next, while the expert that follows the one just used is perfectly predictable."""
     steps = [_step(0, t, 0, [t % length]) for t in range(cycles * length)]
     return Trace(1, length + 1, 1, steps, 100, {"synthetic": "cycle"})
+
+
+def layer_pair_trace(tokens: int = 200, num_experts: int = 8, seed: int = 0) -> Trace:
+    """Two layers, top-1: layer 0 picks at random, layer 1 always runs the partner of layer 0's pick.
+
+    Nothing in layer 1's own history says what it needs next, but the layer below says it exactly."""
+    rng = np.random.default_rng(seed)
+    partner = rng.permutation(num_experts)
+    steps = []
+    for t in range(tokens):
+        first = int(rng.integers(num_experts))
+        steps += [_step(0, t, 0, [first]), _step(0, t, 1, [int(partner[first])])]
+    return Trace(2, num_experts, 1, steps, 100, {"synthetic": "layer-pair"})

@@ -8,6 +8,7 @@ engine would do. Options go after a colon: `promoe:k=3`, `eam:collection_size=64
 from __future__ import annotations
 
 from engine.accounting.policies.base import CachePolicy
+from engine.accounting.policies.crosslayer import CrossLayerPolicy
 from engine.accounting.policies.eam import EAMPolicy
 from engine.accounting.policies.lfu import LFUPolicy
 from engine.accounting.policies.lru import LRUPolicy
@@ -19,7 +20,7 @@ from engine.errors import MoEScopeError
 
 POLICIES: dict[str, type[CachePolicy]] = {
     cls.name: cls
-    for cls in (LRUPolicy, LFUPolicy, MarkovPolicy, PopularityPolicy, EAMPolicy, ProMoEPolicy, SwapMoEPolicy)
+    for cls in (LRUPolicy, LFUPolicy, MarkovPolicy, CrossLayerPolicy, PopularityPolicy, EAMPolicy, ProMoEPolicy, SwapMoEPolicy)
 }
 LOSSLESS = [name for name, cls in POLICIES.items() if cls.lossless]
 

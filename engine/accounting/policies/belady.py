@@ -40,6 +40,10 @@ class BeladyPolicy(CachePolicy):
         i = bisect_right(uses, self._pos[layer])
         return uses[i] if i < len(uses) else float("inf")
 
+    def needed_next(self, layer: int, expert: int) -> bool:
+        """Does `layer`'s next step need `expert`?"""
+        return self.next_use(layer, expert) == self._pos[layer] + 1
+
     def choose_victim(self, layer: int, candidates: Sequence[int]) -> int:
         return max(candidates, key=lambda e: (self.next_use(layer, e), e))
 

@@ -130,7 +130,8 @@ class MarkovPolicy(LRUPolicy):
 
     def chances(self, layer: int) -> np.ndarray:
         """Every expert's estimated chance of being needed at `layer`'s next step (up to scale)."""
-        self._learn()
+        if self._waiting[layer]:  # other layers' pending steps do not change this one's estimate
+            self._learn()
         if not self._fresh[layer]:
             v = int(np.argmax(self._skill[:, layer]))
             before = self._previous[layer, : self._width[layer]]
