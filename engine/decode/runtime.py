@@ -25,6 +25,8 @@ from engine.formats.dequantize import reference_dequantizer
 from engine.hub.local import resolve_model
 from engine.model import experts_registry
 from engine.model.dense_formats import QuantizedLinear, quantize_dense
+from engine.model.gguf_file import is_gguf
+from engine.model.gguf_loader import gguf_tokenizer
 from engine.model.inspect import ModelInfo, describe, host_tensor_bytes
 from engine.model.loader import ProgressFn, build_model, resolve_device
 from engine.offload import packed_linear
@@ -65,7 +67,11 @@ class MoERuntime:
         self.model, self.layout, self.files, self.dtype = loaded.model, loaded.layout, loaded.files, loaded.dtype
         self.expert_format = _parse_format(options.expert_format, "expert")
         self.dense_format = _parse_format(options.dense_format, "dense")
-        self.format_notes: list[str] = []
+        self.format_notes: list[str] = list(loaded.notes)
+        if self.expert_format is not None and self.layout.quantized:
+            raise MoEScopeError(
+                f"the experts of '{self.files.root.name}' are stored in {self.layout.expert_format.label} already; "
+                "--expert-format converts bf16/fp16/fp32 experts, so leave it at original for this model")
         if self.expert_format is not None:
             self.layout, self.format_notes = quantize_layout(self.layout, self.expert_format, self.fingerprint,
                                                              progress=progress)
@@ -73,11 +79,13 @@ class MoERuntime:
             if progress is not None:
                 progress(1.0, f"converting dense weights to {self.dense_format.label}")
             self.format_notes += quantize_dense(self.model, self.dense_format, set(self.layout.module_paths))
-            for module in self.model.modules():
-                if isinstance(module, QuantizedLinear):  # the native expansion once built: the same values
-                    module.dequantizer = native.slot_dequantizer(reference_dequantizer)
+        for module in self.model.modules():  # converted above, or kept in a GGUF file's blocks
+            if isinstance(module, QuantizedLinear):  # the native expansion once built: the same values
+                module.dequantizer = native.slot_dequantizer(reference_dequantizer)
         self.tokenizer = None  # checkpoints without tokenizer files still run on token ids (--prompt-ids)
-        if any((self.files.root / f).exists() for f in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")):
+        if is_gguf(self.files.root):
+            self.tokenizer = gguf_tokenizer(self.files.root)
+        elif any((self.files.root / f).exists() for f in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")):
             self.tokenizer = AutoTokenizer.from_pretrained(self.files.root, trust_remote_code=options.trust_remote_code)
         self.store = self._open_store(options.store, progress)
         self.counters = EngineCounters(self.layout.num_layers, self.layout.num_experts)
