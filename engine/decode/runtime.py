@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from collections import Counter
 
 import psutil
 import torch
@@ -25,7 +26,6 @@ from engine.formats.dequantize import reference_dequantizer
 from engine.hub.local import resolve_model
 from engine.model import experts_registry
 from engine.model.dense_formats import QuantizedLinear, quantize_dense
-from engine.model.gguf_file import is_gguf
 from engine.model.gguf_loader import gguf_tokenizer
 from engine.model.inspect import ModelInfo, describe, host_tensor_bytes
 from engine.model.loader import ProgressFn, build_model, resolve_device
@@ -73,8 +73,9 @@ class MoERuntime:
                 f"the experts of '{self.files.root.name}' are stored in {self.layout.expert_format.label} already; "
                 "--expert-format converts bf16/fp16/fp32 experts, so leave it at original for this model")
         if self.expert_format is not None:
-            self.layout, self.format_notes = quantize_layout(self.layout, self.expert_format, self.fingerprint,
-                                                             progress=progress)
+            self.layout, notes = quantize_layout(self.layout, self.expert_format, self.fingerprint,
+                                                  progress=progress)
+            self.format_notes += notes
         if self.dense_format is not None:
             if progress is not None:
                 progress(1.0, f"converting dense weights to {self.dense_format.label}")
@@ -83,8 +84,8 @@ class MoERuntime:
             if isinstance(module, QuantizedLinear):  # the native expansion once built: the same values
                 module.dequantizer = native.slot_dequantizer(reference_dequantizer)
         self.tokenizer = None  # checkpoints without tokenizer files still run on token ids (--prompt-ids)
-        if is_gguf(self.files.root):
-            self.tokenizer = gguf_tokenizer(self.files.root)
+        if loaded.gguf is not None:
+            self.tokenizer = gguf_tokenizer(loaded.gguf)
         elif any((self.files.root / f).exists() for f in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")):
             self.tokenizer = AutoTokenizer.from_pretrained(self.files.root, trust_remote_code=options.trust_remote_code)
         self.store = self._open_store(options.store, progress)
@@ -273,7 +274,8 @@ class MoERuntime:
     @property
     def format_names(self) -> tuple[str, str]:
         """(experts, dense) as loaded: "original" or a block format's name (q4_k, ...)."""
-        return format_name(self.expert_format), format_name(self.dense_format)
+        dense = Counter(m.fmt.name for m in self.model.modules() if isinstance(m, QuantizedLinear))
+        return format_name(self.layout.expert_format), dense.most_common(1)[0][0] if dense else "original"
 
     @property
     def routing_restricted(self) -> bool:

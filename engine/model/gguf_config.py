@@ -67,6 +67,8 @@ def hf_config(model: GGUFModel) -> dict:
         "num_experts_per_tok": int(_need(model, "expert_used_count")),
         # llama.cpp ties the LM head to the embedding when the file has no output.weight
         "tie_word_embeddings": "output.weight" not in model.tensors,
+        # the compute dtype of `--dtype auto`: the native decode kernels' (a GGUF's blocks say nothing of it)
+        "dtype": "bfloat16",
     }
     head_dim = model.arch_value("attention.key_length") or model.arch_value("rope.dimension_count")
     if head_dim:

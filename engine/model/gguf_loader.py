@@ -56,12 +56,12 @@ def build_gguf_model(path: Path, *, device: torch.device, dtype: str = "auto", p
             setattr(experts, p.name, None)  # the bytes stay in the file; slots are the only copy
     notes: list[str] = []
     if not load_dense:
-        return LoadedWeights(model, layout, files, compute_dtype, notes)
+        return LoadedWeights(model, layout, files, compute_dtype, notes, gguf_model)
     notes += convert_experts(layout, gguf_model, conversions, progress=progress)
     _load_dense(model, layout, gguf_model, device, progress)
     model.to(device)  # non-persistent buffers (rotary tables) are created on the CPU
     model.eval().requires_grad_(False)
-    return LoadedWeights(model, layout, files, compute_dtype, notes)
+    return LoadedWeights(model, layout, files, compute_dtype, notes, gguf_model)
 
 
 def _unpermute(rows: np.ndarray, gguf_name: str, config) -> np.ndarray:
@@ -131,11 +131,10 @@ def _dequantize(raw: np.ndarray, record: TensorRecord, gguf) -> np.ndarray:
                       dtype=np.float32).reshape(-1)
 
 
-def gguf_tokenizer(path: Path):
+def gguf_tokenizer(model: GGUFModel):
     """The tokenizer stored in a GGUF file (transformers converts it), or None when it has none."""
     from transformers import AutoTokenizer
 
-    model = open_gguf(path)
     if "tokenizer.ggml.model" not in model.metadata:
         return None
     try:

@@ -20,7 +20,7 @@ from engine.errors import CheckpointError, DeviceError
 from engine.model import experts_registry as experts_impl
 from engine.model.checkpoint import CheckpointFiles, open_checkpoint
 from engine.model.dtypes import resolve_dtype
-from engine.model.gguf_file import is_gguf
+from engine.model.gguf_file import GGUFModel, is_gguf
 from engine.model.layout import MoELayout, build_layout
 from engine.system import huge_pages
 
@@ -44,6 +44,7 @@ class LoadedWeights:
     files: CheckpointFiles
     dtype: torch.dtype
     notes: list[str] = field(default_factory=list)  # what was converted at load, for the user
+    gguf: GGUFModel | None = None  # the GGUF file it was opened from
 
 
 def build_model(
