@@ -23,7 +23,7 @@ from tests.helpers.gguf_writer import gguf_reference_generate, save_tiny_hf, wri
 
 PROMPT = [5, 17, 33, 8, 61, 12, 40, 9]
 NEW_TOKENS = 32
-FAMILIES = ("qwen3_moe", "mixtral")
+FAMILIES = ("qwen3_moe", "qwen2_moe", "mixtral")
 TYPES = ("Q8_0", "Q4_K")
 
 

@@ -26,14 +26,20 @@ TINY = {
     "qwen3_moe": dict(hidden_size=256, intermediate_size=512, moe_intermediate_size=256, num_hidden_layers=3,
                       num_attention_heads=4, num_key_value_heads=2, head_dim=64, num_experts=8, num_experts_per_tok=2,
                       norm_topk_prob=True),  # llama.cpp's qwen3moe always renormalises the top-k weights
+    "qwen2_moe": dict(hidden_size=256, intermediate_size=512, moe_intermediate_size=256,  # with a gated shared expert
+                      shared_expert_intermediate_size=256, num_hidden_layers=3, num_attention_heads=4,
+                      num_key_value_heads=2, num_experts=8, num_experts_per_tok=2),
     "mixtral": dict(hidden_size=256, intermediate_size=256, num_hidden_layers=3, num_attention_heads=4,
                     num_key_value_heads=2, num_local_experts=8, num_experts_per_tok=2),
 }
 
 
-def save_tiny_hf(family: str, path: Path, seed: int = 0) -> Path:
+SEEDS = {"qwen3_moe": 0, "qwen2_moe": 2, "mixtral": 1}  # random weights whose greedy replies vary over 32 tokens
+
+
+def save_tiny_hf(family: str, path: Path) -> Path:
     """A tiny transformers checkpoint of `family` (TINY's geometry), as the GGUF's source."""
-    torch.manual_seed(seed)
+    torch.manual_seed(SEEDS[family])
     config = AutoConfig.for_model(family, vocab_size=VOCAB, max_position_embeddings=256, eos_token_id=2,
                                   bos_token_id=1, pad_token_id=0, tie_word_embeddings=False, **TINY[family])
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
