@@ -274,8 +274,11 @@ class MoERuntime:
     @property
     def format_names(self) -> tuple[str, str]:
         """(experts, dense) as loaded: "original" or a block format's name (q4_k, ...)."""
-        dense = Counter(m.fmt.name for m in self.model.modules() if isinstance(m, QuantizedLinear))
-        return format_name(self.layout.expert_format), dense.most_common(1)[0][0] if dense else "original"
+        if self.dense_format is not None:
+            return format_name(self.layout.expert_format), format_name(self.dense_format)
+        # a GGUF file's dense weights kept in their blocks: the type most of them are in
+        kept = Counter(m.fmt.name for m in self.model.modules() if isinstance(m, QuantizedLinear))
+        return format_name(self.layout.expert_format), kept.most_common(1)[0][0] if kept else "original"
 
     @property
     def routing_restricted(self) -> bool:
