@@ -206,3 +206,23 @@ def test_the_fit_verdict_counts_the_files_bytes(models, capsys):
     assert fit.estimate.download_bytes == path.stat().st_size
     assert moescope(["models", "info", str(path)]) == 0
     assert "q4_k" in capsys.readouterr().out
+
+
+@pytest.mark.process
+def test_the_engine_process_opens_a_gguf_and_streams_the_same_reply(models):
+    from engine import protocol as p
+    from tests.helpers.engine_events import started_client
+
+    _, path, expected = models["qwen3_moe", "Q4_K"]
+    client, log = started_client()
+    try:
+        client.send(p.LoadModel(path=str(path), dtype="float32", budget="30%", store="disk"))
+        loaded = log.wait_for(lambda e: isinstance(e, (p.ModelLoaded, p.Error)))
+        assert isinstance(loaded, p.ModelLoaded), loaded
+        assert loaded.expert_format == "q4_k" and loaded.name == path.name
+        client.send(p.Generate("g1", prompt_ids=PROMPT, sampling=p.SamplingSettings(temperature=0,
+                                                                                 max_new_tokens=NEW_TOKENS)))
+        done = log.wait_for(lambda e: isinstance(e, p.Done) and e.request_id == "g1", 120)
+        assert done.token_ids == expected
+    finally:
+        client.stop()
