@@ -195,19 +195,6 @@ def test_the_native_decode_paths_run_a_gguf_in_bf16(models, kernels):
     assert "native" in runtime.decode_path.lower() or "whole" in runtime.decode_path.lower(), runtime.decode_path
 
 
-def test_the_fit_verdict_counts_the_files_bytes(models, capsys):
-    from engine.hub.fit import fit_model
-
-    _, path, _ = models["mixtral", "Q4_K"]
-    expert_bytes = sum(int(t.n_bytes) for t in gguf.GGUFReader(path).tensors if "_exps." in t.name)
-    fit = fit_model(str(path))
-    assert fit.estimate.runnable and fit.local_path == path
-    assert fit.estimate.all_expert_bytes == expert_bytes and fit.estimate.expert_format == "q4_k"
-    assert fit.estimate.download_bytes == path.stat().st_size
-    assert moescope(["models", "info", str(path)]) == 0
-    assert "q4_k" in capsys.readouterr().out
-
-
 @pytest.mark.process
 def test_the_engine_process_opens_a_gguf_and_streams_the_same_reply(models):
     from engine import protocol as p

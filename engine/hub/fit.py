@@ -210,19 +210,13 @@ def fit_model(ref: str, *, revision: str = "main", cache_dir: Path | None = None
     complete copy in the HF cache: the Hub is not asked), else from the Hub's config.json, else,
     with no Hub, from a config.json an earlier look-up left in the cache."""
     from engine.hub.errors import HubError
-    from engine.hub.gguf_estimate import estimate_gguf
     from engine.hub.local import estimate_folder, find_cached
     from engine.hub.machine import probe_machine
     from engine.hub.paths import hub_cache_dir
-    from engine.model.gguf_file import is_gguf
 
     cache_dir = cache_dir or hub_cache_dir()
     machine = probe_machine(cache_dir)
     folder = Path(ref).expanduser()
-    if folder.is_file() and is_gguf(folder):
-        est = estimate_gguf(folder)
-        files = f"{format_bytes(est.download_bytes or 0)} of weights in {folder}"
-        return ModelFit(str(folder), est, assess(est, machine), machine, files, local_path=folder)
     if folder.exists():
         est = estimate_folder(folder)
         files = f"{format_bytes(est.download_bytes or 0)} of weights in {folder}"
