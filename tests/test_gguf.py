@@ -93,6 +93,15 @@ def test_the_tokenizer_comes_from_the_file(models):
         runtime.close()
 
 
+def test_a_gguf_without_its_suffix_opens_as_ollamas_blobs_are_named(models, tmp_path):
+    _, path, expected = models["mixtral", "Q8_0"]
+    blob = tmp_path / "blobs" / "sha256-0123abcd"
+    blob.parent.mkdir()
+    blob.symlink_to(path)
+    tokens, runtime = generate(blob, budget="30%")
+    assert tokens == expected and runtime.tokenizer is not None
+
+
 def test_a_split_set_opens_from_its_first_part_and_a_missing_part_is_named(models, tmp_path, capsys):
     hf = models["hf"]["mixtral"]
     weights = write_gguf(hf, tmp_path / "tiny.gguf", experts="Q8_0", split_max_tensors=12)

@@ -48,7 +48,14 @@ class GGUFModel:
 
 
 def is_gguf(path: Path) -> bool:
-    return path.suffix.lower() == ".gguf"
+    """A `.gguf` name, or a file that starts with GGUF's magic (Ollama's blobs have no suffix)."""
+    if path.suffix.lower() == ".gguf":
+        return True
+    try:
+        with open(path, "rb") as handle:
+            return path.is_file() and handle.read(4) == b"GGUF"
+    except OSError:
+        return False
 
 
 def split_parts(path: Path) -> list[Path]:
