@@ -69,6 +69,17 @@ def test_greedy_replies_equal_transformers_on_the_files_weights(models, family, 
     assert tree_snapshot(folder) == before  # nothing written beside the user's file
 
 
+@pytest.mark.parametrize("type_name", ["BF16", "F16"])
+def test_float_experts_are_read_from_the_file_and_converted_to_the_compute_dtype(models, tmp_path, type_name):
+    hf = models["hf"]["qwen3_moe"]
+    path = tmp_path / f"float-{type_name}.gguf"
+    weights = write_gguf(hf, path, experts=type_name, dense=type_name)
+    tokens, runtime = generate(path, budget="30%", store="disk")
+    assert tokens == gguf_reference_generate(hf, weights, PROMPT, NEW_TOKENS)
+    assert runtime.format_names == ("original", "original") and not runtime.layout.quantized
+    assert {piece.file for per_layer in runtime.layout.pieces for e in per_layer for piece in e} == {path}
+
+
 def test_budget_and_info_count_the_files_bytes(models, capsys):
     _, path, _ = models["qwen3_moe", "Q4_K"]
     reader = gguf.GGUFReader(path)
