@@ -9,7 +9,9 @@ MoEScope has not got yet are still measured on the llama.cpp side and marked n/a
 Per repetition and format: the memory read bandwidth, then llama.cpp (`llama-bench`: prefill
 `-p P`, and decode `-n N` after a P-token context `-d P`, each its own process, `-r 1` after its
 warm-up run), MoEScope exact and MoEScope --fast-decode (`bench.measure`, one process each:
-budget all, RAM store, P-token prompt, N decode tokens); the order flips every repetition.
+budget all, RAM store, P-token prompt, N decode tokens), and MoEScope --fast-decode opening
+llama.cpp's own GGUF file directly (`gguf`: the same bytes llama-bench reads, experts kept in the
+file's quant types); the order flips every repetition.
 Ratios are taken per repetition, then the median.
 
     python -m bench.llamacpp [--geometries qwen3moe-64e,mixtral-8e] [--formats bf16,q8_0,q4_k] [--reps 3]
@@ -32,8 +34,9 @@ from bench.llamacpp_build import VERSION, LlamaCpp, LlamaCppUnavailable, build_t
 from bench.output import RESULTS_DIR, write_report
 from bench.synthetic import build_checkpoint
 
-SYSTEMS = ("llama", "exact", "fast")  # llama.cpp, MoEScope exact, MoEScope --fast-decode: the run order
-COLUMNS = ("exact", "fast", "llama")  # the table's order
+# llama.cpp, MoEScope exact, MoEScope --fast-decode, MoEScope --fast-decode on the GGUF file: the run order
+SYSTEMS = ("llama", "exact", "fast", "gguf")
+COLUMNS = ("exact", "fast", "llama")  # the main table's order; `gguf` has a table of its own
 
 
 def parse_llama_bench(text: str) -> dict[str, float]:
@@ -68,6 +71,14 @@ def run_moescope(path: Path, fmt: str, fast: bool, args) -> dict[str, float]:
     return {k: run[k] for k in ("prefill_tokens_per_s", "decode_tokens_per_s")}
 
 
+def run_moescope_gguf(gguf: Path, args) -> dict[str, float]:
+    """MoEScope opening the GGUF file llama.cpp runs (bf16 compute, the file's own weight types)."""
+    run = run_measure("ours", "--model", str(gguf), "--budget", "all", "--store", "ram", "--threads",
+                      str(args.threads), "--prompt-len", str(args.prompt_len), "--decode", str(args.decode),
+                      "--fast-decode")
+    return {k: run[k] for k in ("prefill_tokens_per_s", "decode_tokens_per_s")}
+
+
 def availability(path: Path, fmt: str) -> tuple[int | None, str | None]:
     """(bytes a decode token reads in MoEScope's `fmt`, None) or (None, why MoEScope cannot run it)."""
     try:
@@ -92,6 +103,8 @@ def measure_geometry(lc: LlamaCpp, name: str, path: Path, fmts: list[str], args)
             for system in reversed(systems) if flip else systems:
                 if system == "llama":
                     runs[system] = run_llama_bench(lc, ggufs[formats.LLAMA_TYPE[fmt]], args)
+                elif system == "gguf":
+                    runs[system] = run_moescope_gguf(ggufs[formats.LLAMA_TYPE[fmt]], args)
                 elif ours[fmt][0] is not None:
                     runs[system] = run_moescope(path, fmt, system == "fast", args)
             reps[fmt].append(runs)
@@ -105,12 +118,13 @@ def summarise(name: str, fmt: str, reps: list[dict], ours: tuple[int | None, str
     """Medians over the repetitions of tokens/s, of MoEScope / llama.cpp, and of each run over the
     limit at the bandwidth measured just before its format's runs."""
     ours_bytes, why = ours
-    token_bytes = {"llama": llama.bytes_per_token, "exact": ours_bytes, "fast": ours_bytes}
+    token_bytes = {"llama": llama.bytes_per_token, "exact": ours_bytes, "fast": ours_bytes,
+                   "gguf": llama.bytes_per_token}  # the file's bytes (a tensor converted at load aside)
     row: dict = {"geometry": name, "format": fmt, "llama_type": formats.LLAMA_TYPE[fmt], "moescope_unavailable": why,
                  "moescope_bytes_per_token": ours_bytes, "llama_bytes_per_token": llama.bytes_per_token,
                  "llama_bytes_by_type": llama.bytes_by_type, "llama_file_bytes": llama.file_bytes,
                  "bandwidth_bytes_per_s": statistics.median(r["bandwidth"] for r in reps), "reps": reps}
-    for system in [s for s in SYSTEMS if s in reps[0]] if why is None else ("llama",):
+    for system in [s for s in SYSTEMS if s in reps[0] and (why is None or s in ("llama", "gguf"))]:
         for phase in ("decode", "prefill"):
             row[f"{system}_{phase}_tokens_per_s"] = statistics.median(r[system][f"{phase}_tokens_per_s"] for r in reps)
         row[f"{system}_decode_over_limit"] = statistics.median(
@@ -155,6 +169,21 @@ def table(rows: list[dict], args) -> list[str]:
     missing = sorted({f"{r['format']}: {r['moescope_unavailable']}" for r in rows if r["moescope_unavailable"]})
     if missing:
         lines += ["", "n/a: " + "; ".join(missing) + "."]
+    gguf_rows = [r for r in rows if "gguf_decode_tokens_per_s" in r]
+    if gguf_rows:
+        lines += ["", "MoEScope --fast-decode opening llama.cpp's GGUF file directly (the same file llama-bench runs):",
+                  "", "| geometry | GGUF type | decode tok/s: MoEScope / llama.cpp | decode ÷ llama.cpp "
+                  "| prefill tok/s: MoEScope / llama.cpp | prefill ÷ llama.cpp |", "|---|---|---|---|---|---|"]
+        seen = set()
+        for r in gguf_rows:
+            if (r["geometry"], r["llama_type"]) in seen:
+                continue  # several formats compare against the same file
+            seen.add((r["geometry"], r["llama_type"]))
+            lines.append(
+                f"| {r['geometry']} | {r['llama_type']} | {r['gguf_decode_tokens_per_s']:.1f} / "
+                f"{r['llama_decode_tokens_per_s']:.1f} | {r['gguf_decode_over_llama']:.2f} "
+                f"| {r['gguf_prefill_tokens_per_s']:.0f} / {r['llama_prefill_tokens_per_s']:.0f} "
+                f"| {r['gguf_prefill_over_llama']:.2f} |")
     return lines
 
 
@@ -165,7 +194,8 @@ def main(argv=None) -> int:
                         help=f"MoEScope formats (bench.formats: {', '.join(formats.LLAMA_TYPE)})")
     parser.add_argument("--reps", type=int, default=3)
     parser.add_argument("--systems", default=",".join(SYSTEMS),
-                        help="which of llama, exact, fast to run (exact decodes far slower: leave it out for a quick run)")
+                        help="which of llama, exact, fast, gguf to run (exact decodes far slower: leave it out for a "
+                             "quick run; gguf: MoEScope on llama.cpp's GGUF file)")
     parser.add_argument("--prompt-len", type=int, default=128)
     parser.add_argument("--decode", type=int, default=64)
     parser.add_argument("--threads", type=int, default=2)

@@ -113,6 +113,22 @@ def test_summary_takes_per_repetition_ratios_and_marks_missing_formats():
     assert "| g | q8_0 (Q8_0) | n/a / 0 |" in lines[-3] and "n/a / n/a / 5.0" in lines[-3]
 
 
+def test_moescope_on_llamacpps_own_gguf_gets_its_own_ratios_and_table():
+    from bench.gguf_files import TokenBytes
+
+    llama = TokenBytes(bytes_per_token=100.0, expert_bytes_per_token=50.0, file_bytes=1000)
+    reps = [_rep(1000.0, 5.0, 4.0, 10.0), _rep(1000.0, 10.0, 5.0, 10.0)]
+    for rep, gguf in zip(reps, (6.0, 12.0), strict=True):
+        rep["gguf"] = {"decode_tokens_per_s": gguf, "prefill_tokens_per_s": 5 * gguf}
+    row = summarise("g", "q4_k", reps, (None, "MoEScope has no q4_k format yet"), llama)
+    assert row["gguf_decode_over_llama"] == pytest.approx(1.2) and row["gguf_prefill_over_llama"] == pytest.approx(0.6)
+    assert "fast_decode_tokens_per_s" not in row  # unavailable formats still compare the GGUF run
+    lines = table([row, dict(row, format="q4_k-dq8_0")], SimpleNamespace(
+        threads=2, prompt_len=128, decode=64, reps=2, llama_bench_args=""))
+    assert lines[-1] == "| g | Q4_K_M | 9.0 / 7.5 | 1.20 | 45 / 75 | 0.60 |"  # one line per file
+    assert "opening llama.cpp's GGUF file directly" in lines[-5]
+
+
 @pytest.fixture
 def llamacpp_home(tmp_path, monkeypatch):
     """The llama.cpp build to use: MOESCOPE_LLAMACPP_DIR as given, else a fresh one for this test."""

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from collections import Counter
 
 import psutil
 import torch
@@ -25,6 +26,7 @@ from engine.formats.dequantize import reference_dequantizer
 from engine.hub.local import resolve_model
 from engine.model import experts_registry
 from engine.model.dense_formats import QuantizedLinear, quantize_dense
+from engine.model.gguf_loader import gguf_tokenizer
 from engine.model.inspect import ModelInfo, describe, host_tensor_bytes
 from engine.model.loader import ProgressFn, build_model, resolve_device
 from engine.offload import packed_linear
@@ -65,19 +67,27 @@ class MoERuntime:
         self.model, self.layout, self.files, self.dtype = loaded.model, loaded.layout, loaded.files, loaded.dtype
         self.expert_format = _parse_format(options.expert_format, "expert")
         self.dense_format = _parse_format(options.dense_format, "dense")
-        self.format_notes: list[str] = []
+        self.format_notes: list[str] = list(loaded.notes)
+        if loaded.gguf is not None and self.expert_format is not None and self.layout.quantized:
+            raise MoEScopeError(
+                f"the experts of '{self.files.root.name}' are stored in {self.layout.expert_format.label} already; "
+                "--expert-format converts bf16/fp16/fp32 (or MXFP4/FP8 checkpoint) experts, so leave it at "
+                "original for this GGUF file")
         if self.expert_format is not None and self.expert_format is not self.layout.expert_format:
-            self.layout, self.format_notes = quantize_layout(self.layout, self.expert_format, self.fingerprint,
-                                                             progress=progress)
+            self.layout, notes = quantize_layout(self.layout, self.expert_format, self.fingerprint,
+                                                  progress=progress)
+            self.format_notes += notes
         if self.dense_format is not None:
             if progress is not None:
                 progress(1.0, f"converting dense weights to {self.dense_format.label}")
             self.format_notes += quantize_dense(self.model, self.dense_format, set(self.layout.module_paths))
-            for module in self.model.modules():
-                if isinstance(module, QuantizedLinear):  # the native expansion once built: the same values
-                    module.dequantizer = native.slot_dequantizer(reference_dequantizer)
+        for module in self.model.modules():  # converted above, or kept in a GGUF file's blocks
+            if isinstance(module, QuantizedLinear):  # the native expansion once built: the same values
+                module.dequantizer = native.slot_dequantizer(reference_dequantizer)
         self.tokenizer = None  # checkpoints without tokenizer files still run on token ids (--prompt-ids)
-        if any((self.files.root / f).exists() for f in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")):
+        if loaded.gguf is not None:
+            self.tokenizer = gguf_tokenizer(loaded.gguf)
+        elif any((self.files.root / f).exists() for f in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")):
             self.tokenizer = AutoTokenizer.from_pretrained(self.files.root, trust_remote_code=options.trust_remote_code)
         self.store = self._open_store(options.store, progress)
         self.counters = EngineCounters(self.layout.num_layers, self.layout.num_experts)
@@ -266,7 +276,12 @@ class MoERuntime:
     def format_names(self) -> tuple[str, str]:
         """(experts, dense) as loaded: "original" or a block format's name (q4_k, ...)."""
         # a quantized checkpoint's experts are in its own format (mxfp4, fp8) unless converted
-        return format_name(self.expert_format or self.layout.expert_format), format_name(self.dense_format)
+        experts = format_name(self.expert_format or self.layout.expert_format)
+        if self.dense_format is not None:
+            return experts, format_name(self.dense_format)
+        # a GGUF file's dense weights kept in their blocks: the type most of them are in
+        kept = Counter(m.fmt.name for m in self.model.modules() if isinstance(m, QuantizedLinear))
+        return experts, kept.most_common(1)[0][0] if kept else "original"
 
     @property
     def routing_restricted(self) -> bool:

@@ -116,7 +116,7 @@ def open_checkpoint(path: str | os.PathLike, *, allow_pickle: bool = False, trus
     if not root.exists():
         raise CheckpointError(f"model path '{root}' does not exist; pass a checkpoint folder or 'demo'")
     if not root.is_dir():
-        raise CheckpointError(f"model path '{root}' is a file; pass the folder that holds config.json")
+        raise CheckpointError(f"model path '{root}' is a file; pass the folder that holds config.json, or a .gguf file")
     config = read_config(root)
     if config.get("auto_map") and not trust_remote_code and not _builtin_model_type(config.get("model_type")):
         raise UnsafeCheckpointError(

@@ -136,17 +136,16 @@ def find_top_k(config) -> int:
     raise CheckpointError("cannot find the number of experts per token (top-k) in config.json")
 
 
-def build_layout(model: torch.nn.Module, files: CheckpointFiles, compute_dtype: torch.dtype) -> MoELayout:
-    """Map every checkpoint tensor to a dense model weight or to a piece of one expert."""
-    experts = [(name, m) for name, m in model.named_modules() if is_experts_module(m)]
+def expert_modules(model: torch.nn.Module, compute_dtype: torch.dtype, name: str,
+                   arch: str) -> tuple[list[str], int, list[ExpertParam]]:
+    """The experts modules (paths, in model order), the number of experts, and one expert's
+    parameters laid out in a slot in `compute_dtype`; a dense model is refused."""
+    experts = [(path, m) for path, m in model.named_modules() if is_experts_module(m)]
     if not experts:
-        arch = (files.config.get("architectures") or [files.config.get("model_type", "?")])[0]
         raise NotMoEError(
-            f"'{files.root.name}' ({arch}) is a dense model, not a mixture-of-experts model; "
+            f"'{name}' ({arch}) is a dense model, not a mixture-of-experts model; "
             "MoEScope offloads experts, so run dense models with a plain runner"
         )
-    module_paths = [name for name, _ in experts]
-    module_index = {name: i for i, name in enumerate(module_paths)}
     first = experts[0][1]
     num_experts = int(first.num_experts)
     params: list[ExpertParam] = []
@@ -157,10 +156,19 @@ def build_layout(model: torch.nn.Module, files: CheckpointFiles, compute_dtype: 
         nbytes = p[0].numel() * compute_dtype.itemsize
         params.append(ExpertParam(pname, shape, compute_dtype, offset, nbytes, transposed=transposed and len(shape) == 2))
         offset += aligned(nbytes)
-    for name, m in experts[1:]:
+    for path, m in experts[1:]:
         other = [(n, tuple(p.shape[1:])) for n, p in m.named_parameters(recurse=False)]
         if other != [(p.name, p.shape) for p in params] or m.num_experts != num_experts:
-            raise CheckpointError(f"experts of '{name}' differ in shape from the first MoE layer; not supported yet")
+            raise CheckpointError(f"experts of '{path}' differ in shape from the first MoE layer; not supported yet")
+    return [path for path, _ in experts], num_experts, params
+
+
+def build_layout(model: torch.nn.Module, files: CheckpointFiles, compute_dtype: torch.dtype) -> MoELayout:
+    """Map every checkpoint tensor to a dense model weight or to a piece of one expert."""
+    arch = (files.config.get("architectures") or [files.config.get("model_type", "?")])[0]
+    module_paths, num_experts, params = expert_modules(model, compute_dtype, files.root.name, arch)
+    module_index = {name: i for i, name in enumerate(module_paths)}
+    offset = params[-1].offset + params[-1].nbytes
     param_by_name = {p.name: p for p in params}
 
     transforms = get_model_conversion_mapping(model)

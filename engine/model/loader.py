@@ -10,7 +10,7 @@ from __future__ import annotations
 import warnings
 from collections.abc import Callable
 from contextlib import ExitStack
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -20,6 +20,7 @@ from engine.errors import CheckpointError, DeviceError
 from engine.model import experts_registry as experts_impl
 from engine.model.checkpoint import CheckpointFiles, TensorRecord, open_checkpoint
 from engine.model.dtypes import resolve_dtype
+from engine.model.gguf_file import GGUFModel, is_gguf
 from engine.model.layout import MoELayout, build_layout
 from engine.model.prequantized import dequantize_tensor
 from engine.system import huge_pages
@@ -43,6 +44,8 @@ class LoadedWeights:
     layout: MoELayout
     files: CheckpointFiles
     dtype: torch.dtype
+    notes: list[str] = field(default_factory=list)  # what was converted at load, for the user
+    gguf: GGUFModel | None = None  # the GGUF file it was opened from
 
 
 def build_model(
@@ -58,6 +61,10 @@ def build_model(
     from accelerate import init_empty_weights
     from transformers import AutoConfig, AutoModelForCausalLM
 
+    if is_gguf(Path(path)):
+        from engine.model.gguf_loader import build_gguf_model
+
+        return build_gguf_model(Path(path), device=device, dtype=dtype, progress=progress, load_dense=load_dense)
     files = open_checkpoint(path, allow_pickle=allow_pickle, trust_remote_code=trust_remote_code)
     compute_dtype = resolve_dtype(dtype, files.config)
     experts_impl.register()

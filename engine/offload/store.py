@@ -62,8 +62,11 @@ class DiskStore(ExpertStore):
         self._fds: dict[Path, int] = {}
         self._lock = threading.Lock()
         self._params = {p.name: p for p in layout.params}
-        # Every expert shares one layout, so the first one tells whether bytes need converting.
-        self._convert = any(p.src_dtype != self._params[p.param].dtype for p in layout.pieces[0][0] if not p.relay)
+        # Whether any bytes need converting to the compute dtype (a GGUF file's pieces may differ by
+        # layer; a quantized checkpoint's relayed pieces are laid into blocks instead).
+        self._convert = any(p.src_dtype != self._params[p.param].dtype
+                            for per_layer in layout.pieces for per_expert in per_layer for p in per_expert
+                            if not p.relay)
 
     def _fd(self, path: Path) -> int:
         with self._lock:

@@ -1,0 +1,91 @@
+"""A GGUF file's metadata as a transformers config, for the architectures MoEScope maps.
+
+transformers has a GGUF config mapping of its own, but it falls short for MoE files: with
+transformers 5.23, a Qwen3-MoE GGUF from llama.cpp's `convert_hf_to_gguf.py` gets no
+`moe_intermediate_size` (the file's `expert_feed_forward_length`) and so builds experts of the dense
+FFN's width, which the file's tensors do not fit. The keys are mapped here, as the converter writes
+them (`gguf.GGUFWriter.add_*`), into the config the original checkpoint had.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from engine.errors import CheckpointError, NotMoEError
+from engine.model.gguf_file import GGUFModel
+
+# GGUF architecture -> (transformers model_type, class), for the MoE families mapped here
+ARCHITECTURES = {
+    "qwen3moe": ("qwen3_moe", "Qwen3MoeForCausalLM"),
+    "qwen2moe": ("qwen2_moe", "Qwen2MoeForCausalLM"),
+    "llama": ("mixtral", "MixtralForCausalLM"),  # llama.cpp writes Mixtral as `llama` with experts
+}
+SUPPORTED = "qwen3moe (Qwen3-MoE), qwen2moe (Qwen2-MoE), llama with experts (Mixtral)"
+
+
+def _need(model: GGUFModel, key: str):
+    value = model.arch_value(key)
+    if value is None:
+        raise CheckpointError(f"{model.path.name} has no '{model.architecture}.{key}' in its metadata; "
+                              "it was not written by llama.cpp's converter or is damaged")
+    return value
+
+
+def _decimal(value) -> float:
+    """A float32 from the file as the decimal the source config had (1e-05, not 9.999999747378752e-06)."""
+    return float(str(np.float32(value)))
+
+
+def hf_config(model: GGUFModel) -> dict:
+    """The transformers config (as config.json would hold it) of a GGUF model, or one line saying why not."""
+    arch = model.architecture
+    if arch not in ARCHITECTURES:
+        raise CheckpointError(
+            f"{model.path.name} is a GGUF of architecture '{arch}', which MoEScope cannot map to a transformers "
+            f"model yet; GGUF architectures that work: {SUPPORTED}")
+    experts = int(model.arch_value("expert_count", 0) or 0)
+    if experts == 0:
+        raise NotMoEError(f"{model.path.name} ({arch}) is a dense model, not a mixture-of-experts model; MoEScope "
+                          "offloads experts, so run dense models with a plain runner")
+    model_type, cls = ARCHITECTURES[arch]
+    hidden = int(_need(model, "embedding_length"))
+    heads = int(_need(model, "attention.head_count"))
+    embedding = model.tensors.get("token_embd.weight")
+    vocab = int(model.arch_value("vocab_size", 0) or (embedding.shape[0] if embedding else 0))
+    config: dict = {
+        "architectures": [cls],
+        "model_type": model_type,
+        "hidden_size": hidden,
+        "intermediate_size": int(_need(model, "feed_forward_length")),
+        "num_hidden_layers": int(_need(model, "block_count")),
+        "num_attention_heads": heads,
+        "num_key_value_heads": int(model.arch_value("attention.head_count_kv", heads)),
+        "max_position_embeddings": int(model.arch_value("context_length", 4096)),
+        "rms_norm_eps": _decimal(model.arch_value("attention.layer_norm_rms_epsilon", 1e-6)),
+        "rope_parameters": {"rope_type": "default", "rope_theta": _decimal(model.arch_value("rope.freq_base", 1e4))},
+        "vocab_size": vocab,
+        "num_experts_per_tok": int(_need(model, "expert_used_count")),
+        # llama.cpp ties the LM head to the embedding when the file has no output.weight
+        "tie_word_embeddings": "output.weight" not in model.tensors,
+        # the compute dtype of `--dtype auto`: the native decode kernels' (a GGUF's blocks say nothing of it)
+        "dtype": "bfloat16",
+    }
+    head_dim = model.arch_value("attention.key_length") or model.arch_value("rope.dimension_count")
+    if head_dim:
+        config["head_dim"] = int(head_dim)
+    for key, token in (("bos_token_id", "bos"), ("eos_token_id", "eos"), ("pad_token_id", "padding")):
+        value = model.metadata.get(f"tokenizer.ggml.{token}_token_id")
+        if value is not None:
+            config[key] = int(value)
+    if model_type == "mixtral":
+        config["num_local_experts"] = experts
+    else:
+        config["num_experts"] = experts
+        config["moe_intermediate_size"] = int(_need(model, "expert_feed_forward_length"))
+        config["decoder_sparse_step"] = 1
+        config["mlp_only_layers"] = []
+        # llama.cpp's qwen3moe graph renormalises the top-k weights, its qwen2moe graph does not
+        config["norm_topk_prob"] = model_type == "qwen3_moe"
+    if model_type == "qwen2_moe":
+        config["shared_expert_intermediate_size"] = int(_need(model, "expert_shared_feed_forward_length"))
+    return config

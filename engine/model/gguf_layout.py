@@ -1,0 +1,193 @@
+"""Where a GGUF file's weights go: dense tensors into the model, routed experts into the store.
+
+The routed experts sit in llama.cpp's fused tensors, `blk.N.ffn_{gate,up,down}_exps.weight` of
+[experts, rows, row bytes]: one expert is a contiguous run of each, so the store reads it straight
+from the file at its offset. The experts' quant type is kept where MoEScope has a kernel for it
+(`engine.formats.blocks.FORMATS`: the same bytes); a slot holds one format per matrix, so a matrix
+whose layers come in several types (llama.cpp's Q4_K_M gives some layers' `ffn_down_exps` Q6_K) or
+in a type without a kernel is converted once, per tensor, to the nearest format with a kernel
+(`gguf_convert`). Dense tensors are named by the `gguf` package's own tensor-name map.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+import torch
+
+from engine.errors import CheckpointError
+from engine.formats.blocks import FORMATS, BlockFormat, format_for
+from engine.model.checkpoint import TensorRecord
+from engine.model.gguf_file import GGUFModel, GGUFTensor
+from engine.model.layout import ExpertParam, ExpertPiece, MoELayout, aligned, expert_modules, find_top_k
+
+# The experts forward's matrices ([E, out, in], not transposed) and the fused GGUF tensors that fill
+# them, in order: gate rows then up rows, as transformers concatenates them.
+EXPERT_SOURCES = {"gate_up_proj": ("ffn_gate_exps", "ffn_up_exps"), "down_proj": ("ffn_down_exps",)}
+FLOAT_TYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
+KERNEL_FORMATS = {fmt.ggml_type: fmt for fmt in FORMATS.values()}
+
+
+@dataclass(frozen=True)
+class Conversion:
+    """A fused expert tensor whose bytes are converted once into `fmt`, to fill `param` of MoE layer
+    `layer` from byte `dst` on."""
+
+    tensor: GGUFTensor
+    fmt: BlockFormat
+    why: str
+    layer: int
+    param: str
+    dst: int
+
+
+def _bits(type_name: str) -> float:
+    import gguf
+
+    block, nbytes = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType[type_name]]
+    return nbytes * 8 / block
+
+
+def nearest_format(type_name: str, columns: int) -> BlockFormat | None:
+    """The format with a kernel that keeps `type_name`'s precision at the fewest bits: the type itself
+    when it has a kernel, else the smallest at least as many bits (8-bit at most); None for floats."""
+    if type_name in FLOAT_TYPES:
+        return None
+    kernel = FORMATS.get(type_name.lower())
+    if kernel is None:
+        wanted = _bits(type_name)
+        fitting = sorted((f for f in FORMATS.values() if f.fits(columns)), key=lambda f: f.bits)
+        kernel = next((f for f in fitting if f.bits >= wanted), FORMATS["q8_0"])
+    return format_for(kernel, columns)
+
+
+def _choose(param: str, tensors: list[GGUFTensor], columns: int) -> tuple[BlockFormat | None, dict[str, str]]:
+    """One format for a matrix over every layer, and why each other tensor must be converted."""
+    types = sorted({t.type_name for t in tensors})
+    if len(types) == 1 and (types[0] in FLOAT_TYPES or types[0].lower() in FORMATS):
+        return nearest_format(types[0], columns), {}
+    if all(t in FLOAT_TYPES for t in types):
+        raise CheckpointError(f"the experts' '{param}' come in {' and '.join(types)} in different layers; "
+                              "MoEScope reads float experts of one type only — convert the GGUF again")
+    candidates = [nearest_format(t, columns) or FORMATS["q8_0"] for t in types]
+    target = max(candidates, key=lambda f: f.bits)
+    why = {}
+    for t in types:
+        if t.lower() == target.name:
+            continue
+        if t.lower() in FORMATS or t in FLOAT_TYPES:
+            why[t] = f"its layers come in {' and '.join(types)} and a slot holds one format per matrix"
+        else:
+            why[t] = f"MoEScope has no kernel for {t}"
+    return target, why
+
+
+def build_gguf_layout(model: torch.nn.Module, gguf_model: GGUFModel,
+                      compute_dtype: torch.dtype) -> tuple[MoELayout, list[Conversion]]:
+    """The MoE layout of a GGUF model, and the expert tensors to convert before the store reads them."""
+    name = gguf_model.path.name
+    module_paths, num_experts, model_params = expert_modules(model, compute_dtype, name, gguf_model.architecture)
+    first = model.get_submodule(module_paths[0])
+    if getattr(first, "is_transposed", False) or {p.name for p in model_params} != set(EXPERT_SOURCES):
+        raise CheckpointError(f"{name}: the experts of '{gguf_model.architecture}' are laid out in a way MoEScope "
+                              "cannot read from a GGUF yet")
+    blocks = [_block_index(path) for path in module_paths]
+
+    def sources(param: str, block: int) -> list[GGUFTensor]:
+        found = []
+        for stem in EXPERT_SOURCES[param]:
+            tensor = gguf_model.tensors.get(f"blk.{block}.{stem}.weight")
+            if tensor is None:
+                raise CheckpointError(f"{name} has no tensor 'blk.{block}.{stem}.weight'; the file is incomplete "
+                                      "or was not written by llama.cpp's converter")
+            found.append(tensor)
+        return found
+
+    params: list[ExpertParam] = []
+    why_of: dict[str, str] = {}  # tensor name -> why it is converted
+    offset = 0
+    for mp in model_params:
+        rows, columns = mp.shape
+        every = [t for block in blocks for t in sources(mp.name, block)]
+        for t in every:
+            if t.shape[0] != num_experts or t.shape[-1] != columns or t.shape[1] * len(EXPERT_SOURCES[mp.name]) != rows:
+                raise CheckpointError(f"{name}: tensor '{t.name}' has shape {list(t.shape)}, which does not fit "
+                                      f"{num_experts} experts of '{mp.name}' {list(mp.shape)}")
+        fmt, why = _choose(mp.name, every, columns)
+        why_of.update({t.name: why[t.type_name] for t in every if t.type_name in why})
+        if fmt is None:
+            param = ExpertParam(mp.name, mp.shape, compute_dtype, offset, rows * columns * compute_dtype.itemsize)
+        else:
+            param = ExpertParam(mp.name, mp.shape, torch.uint8, offset, fmt.packed_bytes((rows, columns)), fmt)
+        params.append(param)
+        offset += aligned(param.nbytes)
+
+    pieces: list[list[list[ExpertPiece]]] = [[[] for _ in range(num_experts)] for _ in module_paths]
+    conversions: list[Conversion] = []
+    expert_disk = 0
+    expert_tensors: set[str] = set()
+    for layer, block in enumerate(blocks):
+        for param in params:
+            dst = 0
+            for tensor in sources(param.name, block):
+                expert_tensors.add(tensor.name)
+                expert_disk += tensor.nbytes
+                per_expert = tensor.nbytes // num_experts
+                if tensor.name in why_of:  # its pieces will point into the converted file (gguf_convert)
+                    conversions.append(Conversion(tensor, param.fmt, why_of[tensor.name], layer, param.name, dst))
+                    dst += param.fmt.row_bytes(tensor.shape[-1]) * tensor.shape[1]
+                    continue
+                src_dtype = FLOAT_TYPES.get(tensor.type_name, torch.uint8)
+                for e in range(num_experts):
+                    pieces[layer][e].append(
+                        ExpertPiece(tensor.file, tensor.offset + e * per_expert, per_expert, src_dtype, param.name, dst))
+                dst += per_expert
+
+    dense = _dense_records(model, gguf_model, expert_tensors, set(module_paths))
+    layout = MoELayout(
+        module_paths=module_paths,
+        decoder_layers=blocks,
+        num_experts=num_experts,
+        top_k=find_top_k(model.config),
+        params=params,
+        slot_bytes=aligned(offset),
+        pieces=pieces,
+        dense=dense,
+        expert_bytes_on_disk=expert_disk,
+        compute_dtype=compute_dtype,
+        expert_format=next((p.fmt for p in params if p.fmt is not None), None),
+    )
+    return layout, conversions
+
+
+def _dense_records(model: torch.nn.Module, gguf_model: GGUFModel, expert_tensors: set[str],
+                   expert_paths: set[str]) -> dict[str, TensorRecord]:
+    """Model key -> the GGUF tensor that fills it, for every weight outside the experts."""
+    import gguf
+
+    arch = {v: k for k, v in gguf.MODEL_ARCH_NAMES.items()}[gguf_model.architecture]
+    names = gguf.get_tensor_name_map(arch, int(gguf_model.arch_value("block_count", 0)))
+    dense: dict[str, TensorRecord] = {}
+    for key in model.state_dict():
+        owner = key.rpartition(".")[0]
+        if owner in expert_paths:
+            continue
+        gguf_name = names.get_name(key, try_suffixes=(".weight", ".bias"))
+        tensor = gguf_model.tensors.get(gguf_name or "")
+        if tensor is None:
+            continue  # an LM head tied to the embedding, or missing: the loader names what stays empty
+        dense[key] = TensorRecord(tensor.name, tensor.file, tensor.type_name, tensor.shape, tensor.offset, tensor.nbytes)
+    unused = set(gguf_model.tensors) - expert_tensors - {r.name for r in dense.values()}
+    unused = {n for n in unused if not n.startswith("rope_")}  # llama.cpp's precomputed RoPE tables
+    if unused:
+        raise CheckpointError(f"{gguf_model.path.name}: tensor '{sorted(unused)[0]}' (and {len(unused) - 1} more) has "
+                              "no place in the transformers model; this GGUF variant is not supported yet")
+    return dense
+
+
+def _block_index(module_path: str) -> int:
+    match = re.search(r"\.(\d+)\.", module_path)
+    if match is None:
+        raise CheckpointError(f"cannot tell which layer '{module_path}' is")
+    return int(match.group(1))

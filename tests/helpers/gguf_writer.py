@@ -1,0 +1,178 @@
+"""Tiny GGUF files as llama.cpp's `convert_hf_to_gguf.py` writes them, made with the `gguf` package's
+`GGUFWriter` (CI has no llama.cpp): the same metadata keys, tensor names (the package's own
+tensor-name map), fused `ffn_{gate,up,down}_exps` experts, Llama's q/k row permutation, F32 norms
+and routers. Quantized with `gguf.quants.quantize` where it supports the type, with MoEScope's
+quantizer for the K-quants (the package only dequantizes those); either way the reference weights
+are the written bytes dequantized by the `gguf` package.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import gguf
+import numpy as np
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM
+
+from tests.helpers.checkpoints import VOCAB, make_tokenizer
+
+GGUF_ARCH = {"qwen3_moe": "qwen3moe", "qwen2_moe": "qwen2moe", "mixtral": "llama"}
+FLOATS = {"F32", "F16", "BF16"}
+EXPERT_STEMS = {"gate": "ffn_gate_exps", "up": "ffn_up_exps", "down": "ffn_down_exps"}
+
+# Widths of whole 256-element blocks, so every GGUF quant type fits.
+TINY = {
+    "qwen3_moe": dict(hidden_size=256, intermediate_size=512, moe_intermediate_size=256, num_hidden_layers=3,
+                      num_attention_heads=4, num_key_value_heads=2, head_dim=64, num_experts=8, num_experts_per_tok=2,
+                      norm_topk_prob=True),  # llama.cpp's qwen3moe always renormalises the top-k weights
+    "qwen2_moe": dict(hidden_size=256, intermediate_size=512, moe_intermediate_size=256,  # with a gated shared expert
+                      shared_expert_intermediate_size=256, num_hidden_layers=3, num_attention_heads=4,
+                      num_key_value_heads=2, num_experts=8, num_experts_per_tok=2),
+    "mixtral": dict(hidden_size=256, intermediate_size=256, num_hidden_layers=3, num_attention_heads=4,
+                    num_key_value_heads=2, num_local_experts=8, num_experts_per_tok=2),
+}
+
+
+SEEDS = {"qwen3_moe": 0, "qwen2_moe": 2, "mixtral": 1}  # random weights whose greedy replies vary over 32 tokens
+
+
+def save_tiny_hf(family: str, path: Path) -> Path:
+    """A tiny transformers checkpoint of `family` (TINY's geometry), as the GGUF's source."""
+    torch.manual_seed(SEEDS[family])
+    config = AutoConfig.for_model(family, vocab_size=VOCAB, max_position_embeddings=256, eos_token_id=2,
+                                  bos_token_id=1, pad_token_id=0, tie_word_embeddings=False, **TINY[family])
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    with torch.no_grad():  # random init gives near-uniform logits; widen them so greedy argmax is far from ties
+        for name, p in model.named_parameters():
+            p.mul_(0.5 if "norm" in name else 4.0)
+    model.save_pretrained(path)
+    return path
+
+
+def _encode(values: np.ndarray, type_name: str) -> tuple[np.ndarray, np.ndarray]:
+    """(bytes as GGUFWriter takes them, the values the gguf package reads back) of `values` [..., columns]."""
+    values = np.ascontiguousarray(values, dtype=np.float32)
+    if type_name == "F32":
+        return values, values
+    if type_name == "F16":
+        half = values.astype(np.float16)
+        return half, half.astype(np.float32)
+    qtype = gguf.GGMLQuantizationType[type_name]
+    if type_name == "BF16" or type_name in ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0"):
+        packed = gguf.quants.quantize(values, qtype)
+    else:  # K-quants: the gguf package has no quantizer for them
+        from engine.formats.blocks import FORMATS
+        from engine.formats.quantize import quantize
+
+        fmt = FORMATS[type_name.lower()]
+        packed = quantize(values.reshape(-1, values.shape[-1]), fmt).reshape(*values.shape[:-1], -1)
+    return packed, np.asarray(gguf.quants.dequantize(packed, qtype), dtype=np.float32).reshape(values.shape)
+
+
+def _permute(w: np.ndarray, heads: int) -> np.ndarray:
+    """llama.cpp's LlamaModel.permute (rows of q or k, grouped by head)."""
+    return w.reshape(heads, 2, w.shape[0] // heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def _add_tokenizer(writer: gguf.GGUFWriter) -> None:
+    vocab = make_tokenizer().get_vocab()
+    by_id = sorted(vocab, key=vocab.get)
+    by_id += ["ab"] + [f"<|extra_{i}|>" for i in range(VOCAB - len(by_id) - 1)]  # "ab": llama.cpp wants a merge
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre("default")
+    writer.add_token_list(by_id)
+    writer.add_token_types([gguf.TokenType.CONTROL if t.startswith("<") and len(t) > 1 else gguf.TokenType.NORMAL
+                            for t in by_id])
+    writer.add_token_merges(["a b"])
+    writer.add_bos_token_id(1)
+    writer.add_eos_token_id(2)
+    writer.add_pad_token_id(0)
+
+
+def write_gguf(model_dir: Path, out: Path, *, experts: str | list[str] = "Q8_0", dense: str = "Q8_0",
+               arch: str | None = None, split_max_tensors: int = 0) -> dict[str, np.ndarray]:
+    """Write the checkpoint in `model_dir` as GGUF `out`: experts in type `experts` (or one type per
+    layer for `ffn_down_exps`, gate and up in the first), 2-D dense weights in `dense`. Returns the
+    model's weights as the file holds them, dequantized by the gguf package: model key -> values."""
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    config = model.config
+    family = config.model_type
+    arch = arch or GGUF_ARCH[family]
+    layers = config.num_hidden_layers
+    down_types = experts if isinstance(experts, list) else [experts] * layers
+    gate_up_type = down_types[0]
+    writer = gguf.GGUFWriter(out, arch, split_max_tensors=split_max_tensors)
+    writer.add_block_count(layers)
+    writer.add_context_length(config.max_position_embeddings)
+    writer.add_embedding_length(config.hidden_size)
+    writer.add_feed_forward_length(config.intermediate_size)
+    writer.add_head_count(config.num_attention_heads)
+    writer.add_head_count_kv(config.num_key_value_heads)
+    writer.add_rope_freq_base(config.rope_parameters["rope_theta"])
+    writer.add_layer_norm_rms_eps(config.rms_norm_eps)
+    num_experts = getattr(config, "num_experts", None) or config.num_local_experts
+    writer.add_expert_count(num_experts)
+    writer.add_expert_used_count(config.num_experts_per_tok)
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    if arch == "llama":
+        writer.add_vocab_size(config.vocab_size)
+        writer.add_rope_dimension_count(head_dim)
+    else:
+        writer.add_expert_feed_forward_length(config.moe_intermediate_size)
+    if family == "qwen3_moe":
+        writer.add_key_length(head_dim)
+        writer.add_value_length(head_dim)
+    if family == "qwen2_moe":
+        writer.add_expert_shared_feed_forward_length(config.shared_expert_intermediate_size)
+    writer.add_file_type(gguf.LlamaFileType.MOSTLY_Q8_0)
+    _add_tokenizer(writer)
+
+    names = gguf.get_tensor_name_map({v: k for k, v in gguf.MODEL_ARCH_NAMES.items()}[arch], layers)
+    reference: dict[str, np.ndarray] = {}
+    for key, tensor in model.state_dict().items():
+        values = tensor.numpy()
+        if key.endswith("experts.gate_up_proj") or key.endswith("experts.down_proj"):
+            block = int(key.split(".layers.")[1].split(".")[0])
+            if key.endswith("down_proj"):
+                parts = {"down": (values, down_types[block])}
+            else:
+                half = values.shape[1] // 2
+                parts = {"gate": (values[:, :half], gate_up_type), "up": (values[:, half:], gate_up_type)}
+            back = []
+            for stem, (part, type_name) in parts.items():
+                packed, read = _encode(part, type_name)
+                writer.add_tensor(f"blk.{block}.{EXPERT_STEMS[stem]}.weight", packed,
+                                  raw_dtype=None if type_name in ("F32", "F16") else gguf.GGMLQuantizationType[type_name])
+                back.append(read)
+            reference[key] = np.concatenate(back, axis=1)
+            continue
+        name = names.get_name(key, try_suffixes=(".weight", ".bias"))
+        assert name is not None, key
+        leaf = key.rpartition(".")[0].rpartition(".")[2]
+        type_name = dense if values.ndim == 2 and leaf not in ("gate", "shared_expert_gate") else "F32"
+        packed, read = _encode(values, type_name)
+        reference[key] = read
+        if arch == "llama" and name.split(".")[-2] in ("attn_q", "attn_k"):
+            heads = config.num_attention_heads if ".attn_q." in name else config.num_key_value_heads
+            packed = _permute(packed, heads)
+        writer.add_tensor(name, packed,
+                          raw_dtype=None if type_name in ("F32", "F16") else gguf.GGMLQuantizationType[type_name])
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return reference
+
+
+def gguf_reference_generate(model_dir: Path, weights: dict[str, np.ndarray], prompt_ids: list[int],
+                            max_new_tokens: int) -> list[int]:
+    """Stock transformers, greedy, on the checkpoint with the GGUF file's weights (dequantized by gguf)."""
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    with torch.no_grad():
+        for key, p in model.state_dict().items():
+            p.copy_(torch.from_numpy(weights[key]).reshape(p.shape))
+    ids = torch.tensor([prompt_ids])
+    out = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=max_new_tokens,
+                         pad_token_id=0)
+    return out[0, len(prompt_ids):].tolist()
