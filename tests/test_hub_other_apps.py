@@ -119,8 +119,10 @@ def test_a_split_set_with_a_part_missing_names_the_part(home):
     first = write_moe_gguf(home / ".lmstudio" / "models" / "p" / "S-GGUF" / "s-Q8_0.gguf", split_max_tensors=8)
     (first.parent / "s-Q8_0-00002-of-00003.gguf").unlink()
     [entry] = found(list_library(), "lmstudio").values()
-    assert entry.problem == ("split GGUF set s-Q8_0-00001-of-00003.gguf: part s-Q8_0-00002-of-00003.gguf is missing "
-                             f"from {first.parent}; download every part into the same folder")
+    # the loader's own line (engine.model.gguf_file.split_parts), the same the library shows
+    assert entry.problem == ("'s-Q8_0-00001-of-00003.gguf' is part of a split GGUF set of 3 files, and "
+                             f"s-Q8_0-00002-of-00003.gguf is missing from {first.parent}; download every part "
+                             "into the same folder")
 
 
 def test_a_truncated_gguf_is_listed_with_its_problem(home):

@@ -16,13 +16,13 @@ from pathlib import Path
 from engine.errors import CheckpointError
 from engine.hub.estimate import SizeEstimate
 from engine.hub.gguf_header import BadHeader, ParsedHeader, ShortHeader, parse_header
+from engine.model.gguf_config import ARCHITECTURES, SUPPORTED
+from engine.model.gguf_file import split_parts as model_split_parts
 
-SPLIT_NAME = re.compile(r"^(?P<prefix>.*)-(?P<no>\d{5})-of-(?P<count>\d{5})\.gguf$", re.IGNORECASE)
 BLOCK = re.compile(r"^blk\.(\d+)\.")
-# GGUF architectures the GGUF loader maps onto a transformers MoE family (llama.cpp writes Mixtral as
-# `llama` with experts). Keep in step with the loader's own table.
-GGUF_ARCHITECTURES = {"qwen3moe": "qwen3_moe", "qwen2moe": "qwen2_moe", "llama": "mixtral"}
-WORKING = "qwen3moe (Qwen3-MoE), qwen2moe (Qwen2-MoE), llama with experts (Mixtral)"
+# GGUF architectures the GGUF loader maps onto a transformers MoE family: the loader's own table
+GGUF_ARCHITECTURES = {arch: model_type for arch, (model_type, _) in ARCHITECTURES.items()}
+WORKING = SUPPORTED
 KV_ITEMSIZE = 2  # the KV cache is kept in bf16
 
 
@@ -53,16 +53,10 @@ class GGUFProblem(CheckpointError):
 
 def split_parts(path: Path) -> list[Path]:
     """Every file of the split set `path` starts (just `path` when not split); names the missing part."""
-    match = SPLIT_NAME.match(path.name)
-    if match is None:
-        return [path]
-    count = int(match["count"])
-    parts = [path.with_name(f"{match['prefix']}-{no:05d}-of-{count:05d}.gguf") for no in range(1, count + 1)]
-    for part in parts:
-        if not part.is_file():
-            raise GGUFProblem(f"split GGUF set {parts[0].name}: part {part.name} is missing from {path.parent}; "
-                              "download every part into the same folder")
-    return parts
+    try:
+        return model_split_parts(path)
+    except CheckpointError as exc:
+        raise GGUFProblem(str(exc)) from None
 
 
 def read_header(path: Path) -> GGUFHeader:

@@ -13,8 +13,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from engine.hub.gguf_header import BadHeader, ParsedHeader, ShortHeader, parse_header
-from engine.hub.gguf_info import SPLIT_NAME, GGUFHeader, GGUFProblem, header_of
+from engine.hub.gguf_info import GGUFHeader, GGUFProblem, header_of
 from engine.hub.remote import RemoteFile
+from engine.model.gguf_file import SPLIT_NAME
 
 HEADER_BYTES = 8 * 1024**2  # first try: metadata with a 150k-token vocabulary and the tensor table fit
 MAX_HEADER_BYTES = 256 * 1024**2
