@@ -16,6 +16,7 @@ from transformers.conversion_mapping import get_model_conversion_mapping
 from transformers.core_model_loading import (
     Concatenate,
     MergeModulelist,
+    Transpose,
     WeightConverter,
     WeightRenaming,
     rename_source_key,
@@ -28,7 +29,10 @@ from engine.model.dtypes import torch_dtype
 
 SLOT_ALIGN = 64  # bytes; keeps every expert matrix aligned for vector loads and DMA
 
+# Only a fallback: the router module says its top-k (`router_top_k`).
 TOPK_CONFIG_KEYS = ("num_experts_per_tok", "moe_top_k", "top_k", "num_experts_per_token", "moe_k")
+TOPK_ATTRIBUTES = ("top_k", "num_experts_per_tok", "topk", "moe_topk", "top_k_experts")
+ROUTER_NAMES = ("gate", "router")  # transformers 5 keeps the router beside the experts module
 
 @dataclass(frozen=True)
 class ExpertParam:
@@ -69,6 +73,7 @@ class ExpertPiece:
     src_dtype: torch.dtype
     param: str
     dst_offset: int  # bytes from the start of that parameter, in the checkpoint dtype
+    transposed_from: tuple[int, int] | None = None  # the matrix as stored, to transpose into the parameter
 
 
 @dataclass
@@ -112,6 +117,53 @@ class MoELayout:
 def is_experts_module(module: torch.nn.Module) -> bool:
     """True for classes decorated with transformers' `@use_experts_implementation`."""
     return hasattr(module, "is_concatenated") and hasattr(module, "_is_expert_parallel")
+
+
+def _router(model: torch.nn.Module, experts_path: str, num_experts: int) -> tuple[torch.nn.Module, int] | None:
+    """The router (gate) of the MoE block whose experts module is at `experts_path`, a sibling named
+    `gate` or `router` with a [experts, hidden] matrix (its own or a projection's), and the hidden size."""
+    block = model.get_submodule(experts_path.rpartition(".")[0])
+    for name in ROUTER_NAMES:
+        module = getattr(block, name, None)
+        if not isinstance(module, torch.nn.Module):
+            continue
+        for p in module.parameters():
+            if p.dim() == 2 and p.shape[0] == num_experts:
+                return module, int(p.shape[1])
+    return None
+
+
+def router_top_k(model: torch.nn.Module, experts_path: str, num_experts: int) -> int | None:
+    """How many experts a token takes, as the router module knows it: its (or its MoE block's) top-k
+    attribute, else the width of the expert indices it returns for one token (run on the meta device:
+    no weight is read)."""
+    block = model.get_submodule(experts_path.rpartition(".")[0])
+    found = _router(model, experts_path, num_experts)
+    for owner in (found[0] if found else None, block):
+        for attr in TOPK_ATTRIBUTES:
+            value = getattr(owner, attr, None)
+            if isinstance(value, int) and not isinstance(value, bool) and 0 < value <= num_experts:
+                return value
+    if found is None:
+        return None
+    router, hidden = found
+    dtype = next(router.parameters()).dtype
+    for shape in ((1, hidden), (1, 1, hidden)):
+        try:
+            with torch.no_grad():
+                out = router.forward(torch.zeros(shape, dtype=dtype, device="meta"))
+        except Exception:  # a router that wants more than hidden states: the config decides
+            continue
+        indices = [t for t in (out if isinstance(out, tuple) else ()) if isinstance(t, torch.Tensor)
+                   and not t.is_floating_point() and t.dtype != torch.bool]
+        if len(indices) == 1 and 0 < indices[0].shape[-1] <= num_experts:
+            return int(indices[0].shape[-1])
+    return None
+
+
+def top_k_of(model: torch.nn.Module, experts_path: str, num_experts: int) -> int:
+    """The router's top-k; the config's keys only where the router does not tell."""
+    return router_top_k(model, experts_path, num_experts) or find_top_k(model.config)
 
 
 def find_top_k(config) -> int:
@@ -162,20 +214,28 @@ def build_layout(model: torch.nn.Module, files: CheckpointFiles, compute_dtype: 
         model_key, src_pattern = rename_source_key(
             key, renamings, converters, model.base_model_prefix, meta_state
         )
+        if model_key not in meta_state and key in meta_state:
+            # transformers' own fallback: a renaming that also hit a key it was not meant for (DeepSeek-V4's
+            # `.norm.` -> `.kv_norm.` on the final norm) leaves the original name, which the model has
+            model_key, src_pattern = rename_source_key(key, [], [], model.base_model_prefix, meta_state)
         owner, _, pname = model_key.rpartition(".")
         if owner in module_index and pname in param_by_name:
             expert_disk += record.nbytes
             layer = module_index[owner]
             target = param_by_name[pname]
             src_dtype = torch_dtype(record.dtype)
-            if src_pattern is None:  # fused [E, ...] tensor on disk (GPT-OSS style): one slice per expert
-                if record.shape != (num_experts, *target.shape):
-                    raise CheckpointError(f"tensor '{key}' has shape {record.shape}, expected {(num_experts, *target.shape)}")
+            transpose = _fused_transpose(converters, src_pattern)
+            swapped = None
+            if transpose is not None and not (transpose.check_dims and record.shape == (num_experts, *target.shape)):
+                swapped = target.shape[::-1]  # like transformers, a `check_dims` transpose skips the model's shape
+            if src_pattern is None or transpose is not None:  # fused [E, ...] tensor on disk: one slice per expert
+                expected = (num_experts, *(swapped or target.shape))
+                if record.shape != expected:
+                    raise CheckpointError(f"tensor '{key}' has shape {record.shape}, expected {expected}")
                 per_expert = record.nbytes // num_experts
                 for e in range(num_experts):
-                    pieces[layer][e].append(
-                        ExpertPiece(record.file, record.offset + e * per_expert, per_expert, src_dtype, pname, 0)
-                    )
+                    pieces[layer][e].append(ExpertPiece(record.file, record.offset + e * per_expert, per_expert,
+                                                        src_dtype, pname, 0, swapped))
             else:  # one tensor per expert, maybe one of several concatenated parts (gate, up)
                 part, n_parts = _converter_part(converters, src_pattern, key)
                 expert = _expert_index(key)
@@ -212,7 +272,7 @@ def build_layout(model: torch.nn.Module, files: CheckpointFiles, compute_dtype: 
         module_paths=module_paths,
         decoder_layers=[_decoder_layer_index(name) for name in module_paths],
         num_experts=num_experts,
-        top_k=find_top_k(model.config),
+        top_k=top_k_of(model, module_paths[0], num_experts),
         params=params,
         slot_bytes=aligned(offset),
         pieces=pieces,
@@ -251,6 +311,16 @@ def quantized_params(params: list[ExpertParam], fmt: BlockFormat,
         laid.append(p)
         offset += aligned(p.nbytes)
     return laid, aligned(offset), notes
+
+
+def _fused_transpose(converters: list[WeightConverter], src_pattern: str | None) -> Transpose | None:
+    """The converter's operation when it is only a transpose of the last two dimensions of a fused
+    [E, A, B] expert tensor (Qwen3-VL-MoE's experts are stored [E, B, A]); None otherwise."""
+    conv = next((c for c in converters if src_pattern in c.source_patterns), None) if src_pattern else None
+    ops = list(conv.operations) if conv is not None else []
+    if len(ops) == 1 and isinstance(ops[0], Transpose) and {ops[0].dim0, ops[0].dim1} == {1, 2}:
+        return ops[0]
+    return None
 
 
 def _converter_part(converters: list[WeightConverter], src_pattern: str, key: str) -> tuple[int, int]:

@@ -21,6 +21,7 @@ from engine.model import experts_registry as experts_impl
 from engine.model.checkpoint import CheckpointFiles, open_checkpoint
 from engine.model.dtypes import resolve_dtype
 from engine.model.layout import MoELayout, build_layout
+from engine.model.model_class import model_class
 from engine.system import huge_pages
 
 ProgressFn = Callable[[float, str], None]
@@ -42,6 +43,7 @@ class LoadedWeights:
     layout: MoELayout
     files: CheckpointFiles
     dtype: torch.dtype
+    text_only: bool = False  # a multimodal model of which the text part runs (images are a later step)
 
 
 def build_model(
@@ -64,15 +66,16 @@ def build_model(
         config = AutoConfig.from_pretrained(files.root, trust_remote_code=trust_remote_code)
     except (ValueError, KeyError) as exc:
         raise CheckpointError(f"transformers cannot read {files.root / 'config.json'}: {exc}") from None
+    remote = trust_remote_code and "AutoModelForCausalLM" in (getattr(config, "auto_map", None) or {})
+    chosen = None if remote else model_class(config)
     with warnings.catch_warnings(), init_empty_weights(include_buffers=False):
         warnings.simplefilter("ignore")
         try:
-            model = AutoModelForCausalLM.from_config(
-                config,
-                dtype=compute_dtype,
-                experts_implementation=experts_impl.IMPLEMENTATION_NAME,
-                trust_remote_code=trust_remote_code,
-            )
+            kwargs = dict(dtype=compute_dtype, experts_implementation=experts_impl.IMPLEMENTATION_NAME)
+            if chosen is None:  # the checkpoint's own code, through the auto class
+                model = AutoModelForCausalLM.from_config(config, trust_remote_code=True, **kwargs)
+            else:
+                model = chosen.cls._from_config(config, **kwargs)
         except ValueError as exc:
             raise CheckpointError(f"transformers cannot build '{files.root.name}' as a causal LM: {exc}") from None
     if (files.root / "generation_config.json").is_file():
@@ -85,12 +88,13 @@ def build_model(
         experts = model.get_submodule(module_path)
         for p in layout.params:
             setattr(experts, p.name, None)  # the bytes live in the store; slots are the only copy
+    text_only = chosen is not None and chosen.text_only
     if not load_dense:
-        return LoadedWeights(model, layout, files, compute_dtype)
+        return LoadedWeights(model, layout, files, compute_dtype, text_only)
     _load_dense(model, layout, device, progress)
     model.to(device)  # non-persistent buffers (rotary tables) are created on the CPU
     model.eval().requires_grad_(False)
-    return LoadedWeights(model, layout, files, compute_dtype)
+    return LoadedWeights(model, layout, files, compute_dtype, text_only)
 
 
 def _load_dense(model: torch.nn.Module, layout: MoELayout, device: torch.device, progress: ProgressFn | None) -> None:
@@ -100,11 +104,13 @@ def _load_dense(model: torch.nn.Module, layout: MoELayout, device: torch.device,
     total = max(1, layout.dense_bytes)
     done = 0
     state = dict(model.named_parameters(remove_duplicate=False)) | dict(model.named_buffers())
+    unused: list[str] = []  # checkpoint tensors no model weight takes
     for file, keys in sorted(by_file.items()):
         try:
             with safe_open(file, framework="pt", device="cpu") as handle:
                 for key in keys:
                     if key not in state:
+                        unused.append(layout.dense[key].name)
                         continue  # checkpoint extras the model does not use (e.g. unused MTP layers)
                     target = state[key]
                     tensor = handle.get_tensor(layout.dense[key].name).to(device=device, dtype=target.dtype)
@@ -120,6 +126,11 @@ def _load_dense(model: torch.nn.Module, layout: MoELayout, device: torch.device,
     if getattr(model, "lm_head", None) is not None and model.lm_head.weight.is_meta:
         model.tie_weights()
     missing = [name for name, p in model.named_parameters() if p.is_meta]
+    if missing and unused:
+        raise CheckpointError(
+            f"no checkpoint tensor maps to {len(missing)} model weights, e.g. '{missing[0]}', while {len(unused)} "
+            f"checkpoint tensors map to none, e.g. '{unused[0]}': the checkpoint's names do not match what "
+            "transformers' mapping for this model expects (a different transformers version may read it)")
     if missing:
         raise CheckpointError(f"checkpoint is missing {len(missing)} weights, e.g. '{missing[0]}'; the download may be incomplete")
 

@@ -61,7 +61,8 @@ class DiskStore(ExpertStore):
         self._lock = threading.Lock()
         self._params = {p.name: p for p in layout.params}
         # Every expert shares one layout, so the first one tells whether bytes need converting.
-        self._convert = any(p.src_dtype != self._params[p.param].dtype for p in layout.pieces[0][0])
+        self._convert = any(p.src_dtype != self._params[p.param].dtype or p.transposed_from
+                            for p in layout.pieces[0][0])
 
     def _fd(self, path: Path) -> int:
         with self._lock:
@@ -82,8 +83,10 @@ class DiskStore(ExpertStore):
                 start = self._params[piece.param].offset + piece.dst_offset
                 _pread_exact(self._fd(piece.file), raw[start : start + piece.nbytes], piece.file_offset)
             return sum(p.nbytes for p in pieces)
-        # The checkpoint's dtype differs from the compute dtype: read, then convert into the slot.
+        # The checkpoint's dtype differs from the compute dtype, or its matrices are stored transposed:
+        # read, then convert into the slot.
         staging: dict[str, torch.Tensor] = {}
+        stored_as = {piece.param: piece.transposed_from for piece in pieces}
         for piece in pieces:
             param = self._params[piece.param]
             buf = staging.get(piece.param)
@@ -95,7 +98,10 @@ class DiskStore(ExpertStore):
         for name, buf in staging.items():
             param = self._params[name]
             dst = slot[param.offset : param.offset + param.nbytes].view(param.dtype)
-            dst.copy_(buf)
+            if stored_as[name] is not None:
+                dst.view(param.shape).copy_(buf.view(stored_as[name]).t())
+            else:
+                dst.copy_(buf)
         return sum(p.nbytes for p in pieces)
 
     def close(self) -> None:
