@@ -33,7 +33,7 @@ EXACT_RULES: dict[str, int] = {
     "num_experts_per_tok": TOP_K, "moe_top_k": TOP_K, "top_k": TOP_K, "moe_topk": TOP_K, "top_k_experts": TOP_K,
     "num_experts_per_token": TOP_K, "moe_k": TOP_K,
     "n_shared_experts": 1, "num_shared_experts": 1, "moe_num_shared_experts": 1,
-    "n_group": 2, "topk_group": 1, "first_k_dense_replace": 1,
+    "n_group": 2, "num_expert_group": 2, "n_groups": 2, "topk_group": 1, "first_k_dense_replace": 1,
     "kv_lora_rank": 16, "q_lora_rank": 16, "qk_rope_head_dim": 8, "qk_nope_head_dim": 8, "v_head_dim": 8,
     "sliding_window": 64, "hidden_size_per_layer_input": 8,
 }
@@ -53,12 +53,19 @@ OVERRIDES: dict[str, dict] = {
     "hunyuan_v1_moe": dict(num_experts=EXPERTS, moe_topk=TOP_K, head_dim=8),
     # the default config leaves layer_types unset, which the decoder layers index
     "lfm2_moe": dict(num_dense_layers=1, layer_types=["conv", "full_attention", "conv"]),
+    # the default config leaves top-k unset
+    "deepseek_v2": dict(num_experts_per_tok=TOP_K),
     # the default config leaves the experts unset
     "dots1": dict(n_routed_experts=EXPERTS, num_experts_per_tok=TOP_K, n_shared_experts=1, first_k_dense_replace=1),
     # the default text config leaves top-k and which layers are sparse unset
     "deepseek_ocr2": dict(text_config=dict(num_experts_per_tok=TOP_K, mlp_layer_types=["dense", "sparse", "sparse"])),
+    # the default config is all Mamba layers, which transformers' generate cannot run (no attention cache)
+    "granitemoehybrid": dict(layer_types=["linear_attention", "full_attention", "linear_attention"],
+                             mamba_n_heads=4, mamba_d_head=16),
+    # the rotary sections default to a 128-wide head (partial rotary 0.5); the tiny one rotates 2 frequencies
+    "glm4v_moe": dict(text_config=dict(rope_parameters=dict(rope_theta=10000.0, partial_rotary_factor=0.5,
+                                                           rope_type="default", mrope_section=[1, 1, 0]))),
     # Mamba heads x head size must equal the Mamba expansion of the hidden size (2 x 32)
-    "granitemoehybrid": dict(mamba_n_heads=4, mamba_d_head=16),
     # the rotary part is head_dim x partial_rotary_factor (0.5), which must be the MLA rope size (8)
     "mistral4": dict(head_dim=16),
     # MoE blocks are off in the default config (dense Gemma); switch them on
@@ -68,9 +75,9 @@ OVERRIDES: dict[str, dict] = {
                                              moe_intermediate_size=32)),
     # sliding-window attention's head size must be the MLA query's (nope + rope = 8 + 8)
     "dots3_note": dict(text_config=dict(head_dim=16)),
-    # the rotary sections default to a 128-wide head; the tiny head has 4 frequencies
+    # the rotary sections default to a 128-wide head; the tiny head has 4 frequencies (h = w, then t)
     "ernie4_5_vl_moe": dict(text_config=dict(rope_parameters=dict(rope_theta=500000.0, rope_type="default",
-                                                                  mrope_section=[2, 1, 1]))),
+                                                                  mrope_section=[1, 1, 2]))),
     # the default config has sparse-attention layers but leaves their indexer unset
     "qwen4_exp": dict(text_config=dict(indexer_n_heads=2, indexer_kv_heads=1, indexer_head_dim=8, indexer_budget=16,
                                        indexer_compress_ratio=4)),

@@ -47,7 +47,7 @@ class FamilyResult:
 
     @property
     def exact(self) -> bool:
-        return self.built and len(self.runs) == len(RUNS) and all(v == "exact" for v in self.runs.values())
+        return self.built and bool(self.runs) and all(v == "exact" for v in self.runs.values())
 
 
 def _one_line(exc: BaseException) -> str:
@@ -79,7 +79,8 @@ def offloaded_run(path: Path, budget: str, store: str, *, exact: bool = True, dt
         runtime.close()
 
 
-def sweep_family(family: Family, root: Path, *, decode_path: bool = True) -> FamilyResult:
+def sweep_family(family: Family, root: Path, *, runs: tuple[tuple[str, str], ...] = RUNS,
+                 decode_path: bool = True) -> FamilyResult:
     result = FamilyResult(family.name, family.model_type or "", getattr(family.model_class, "__name__", ""),
                           family.multimodal)
     if family.problem:
@@ -102,7 +103,7 @@ def sweep_family(family: Family, root: Path, *, decode_path: bool = True) -> Fam
         except Exception as exc:
             result.failure = f"stock transformers cannot generate with it: {_one_line(exc)}"
             return result
-        for budget, store in RUNS:
+        for budget, store in runs:
             key = f"{budget} {store}"
             try:
                 ids, stats, _, _ = offloaded_run(path, budget, store)
