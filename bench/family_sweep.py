@@ -150,7 +150,7 @@ def render(results: list[FamilyResult]) -> str:
         "Decode path: what a bfloat16 decode token ran on with the default settings (and why not a faster path).",
         "",
         f"**{len(exact)} of {len(runnable)} families that generate text run exactly** "
-        f"({len(results)} decorated families; {len(results) - len(runnable)} have no text-generating class).",
+        f"({len(results)} decorated families; without a text-generating class: {len(results) - len(runnable)}).",
         "Multimodal families run text-only chat through their conditional-generation class (images are a later step).",
         "",
         "| family | model type | class | " + " | ".join(f"{b} {s}" for b, s in RUNS) + " | decode path | what went wrong |",
