@@ -20,7 +20,8 @@ def model_summary(m: p.ModelLoaded, budget_bytes: int) -> str:
     resident = m.dense_bytes + budget_bytes
     return (f"{format_bytes(total)} · {m.num_layers} MoE layers x {m.num_experts} experts (top-{m.top_k}) · "
             f"in {m.device} memory: {format_bytes(resident)} ({resident / total:.0%}) · "
-            f"{formats.loaded_formats_text(m.expert_format, m.dense_format, m.dtype)}, store {m.store}")
+            f"{formats.loaded_formats_text(m.expert_format, m.dense_format, m.dtype)}, store {m.store}"
+            + (f" · {p.TEXT_ONLY_NOTE}" if m.text_only else ""))
 
 
 class ModelBar(QWidget):

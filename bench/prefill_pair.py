@@ -39,7 +39,7 @@ def pair(path: Path, prompt_len: int, turns: int, threads: int) -> dict:
     mask = torch.ones_like(ids)
 
     def run_ours() -> None:
-        ours.model(input_ids=ids, **cache_argument(ours.model, new_cache(ours.model.config)), use_cache=True,
+        ours.model(input_ids=ids, **cache_argument(ours.model, new_cache(ours.model)), use_cache=True,
                    logits_to_keep=last_position(ids))
 
     def run_stock() -> None:

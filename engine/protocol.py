@@ -235,6 +235,9 @@ class PolicyInfo:
     description: str
 
 
+TEXT_ONLY_NOTE = "text only: this model also reads images, which MoEScope does not pass to it yet"
+
+
 @dataclass
 class ModelLoaded:
     name: str
@@ -267,6 +270,7 @@ class ModelLoaded:
     overhead_bytes: int = 0  # resident beyond dense weights and experts: what a memory limit loses first
     baseline_rss_bytes: int = 0  # of it, before any weights (interpreter, torch, transformers); the rest is the model's code, tokenizer, kernels
     dense_resident_bytes: int = 0  # the dense weights in the engine's RAM as loaded (in their format; 0 on a GPU)
+    text_only: bool = False  # a multimodal model (images, audio) of which the text part runs; images are a later step
 
 
 @dataclass

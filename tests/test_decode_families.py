@@ -144,7 +144,7 @@ def test_each_family_takes_its_pinned_path(tiny_checkpoints, family):
     path = "demo" if family == "demo" else str(tiny_checkpoints[family])
     runtime = MoERuntime(LoadModel(path=path, budget="all", store="ram", dtype="bfloat16", fast_decode=True))
     try:
-        kv = new_cache(runtime.model.config)
+        kv = new_cache(runtime.model)
         prompt = torch.tensor([[5, 17, 33, 8, 61]])
         with torch.inference_mode():
             runtime.paths.choose(Step(prompt, kv, 0))[0].run(Step(prompt, kv, 0))  # the prefill

@@ -34,7 +34,7 @@ def model_path(request, tiny_checkpoints) -> str:
 
 
 def prefilled(runtime: MoERuntime, prompt: list[int]):
-    cache = new_cache(runtime.model.config)
+    cache = new_cache(runtime.model)
     with torch.inference_mode():
         runtime.model(input_ids=torch.tensor([prompt]), **cache_argument(runtime.model, cache), use_cache=True)
     return cache

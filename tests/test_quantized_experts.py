@@ -204,12 +204,12 @@ def test_expanding_slots_natively_changes_no_bit_of_the_exact_path(wide, kernels
     prompt = torch.tensor([PROMPT])
     try:
         with torch.inference_mode():
-            native = model_forward(runtime.model, Step(prompt, new_cache(runtime.model.config), 0))
+            native = model_forward(runtime.model, Step(prompt, new_cache(runtime.model), 0))
             runtime.cache.use_dequantizer(reference_dequantizer)
             dense = [m for m in runtime.model.modules() if isinstance(m, QuantizedLinear)]
             for module in dense:
                 module.dequantizer = reference_dequantizer
-            reference = model_forward(runtime.model, Step(prompt, new_cache(runtime.model.config), 0))
+            reference = model_forward(runtime.model, Step(prompt, new_cache(runtime.model), 0))
     finally:
         runtime.close()
     assert dense and torch.equal(native, reference)

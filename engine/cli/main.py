@@ -16,6 +16,7 @@ from engine.cli.models import add_models_parser, run_models
 from engine.cli.serve import add_serve_parser, run_serve
 from engine.cli.trace import add_trace_parser, run_trace
 from engine.errors import MoEScopeError
+from engine.protocol import TEXT_ONLY_NOTE
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -163,6 +164,8 @@ def cmd_info(args: argparse.Namespace) -> int:
     whole = info.dense_bytes + info.all_expert_bytes + info.engine_overhead_bytes
     print(f"at budget all    {format_bytes(whole)} (dense + all experts + engine overhead, before the KV cache)")
     print(f"context          {info.context_length} tokens")
+    if info.text_only:
+        print(f"input            {TEXT_ONLY_NOTE}")
     return 0
 
 

@@ -105,7 +105,7 @@ class Generator:
 
         ids = torch.tensor([list(prompt_ids)], dtype=torch.long, device=device)
         seen = ids[0].clone()
-        cache = new_cache(rt.model.config)
+        cache = new_cache(rt.model)
         counters.keep_token_picks = keep_routing
         counters.take_token_picks()
         routed: list[np.ndarray] = []  # one [layers, top_k] per step after the prompt (a generated token fed back)
@@ -121,6 +121,7 @@ class Generator:
             if step > 0:
                 rt.decode_path, rt.decode_path_reason = path.label, reason
             logits = path.run(forward)
+            cache = forward.kv  # the model's own cache class is made by its first forward
             picks = counters.take_token_picks()
             if step > 0 and picks is not None:
                 routed.append(picks)

@@ -106,10 +106,15 @@ class BlockLayer(DynamicLayer):
         super().reset()
 
 
-def new_cache(config) -> DynamicCache:
-    """transformers' dynamic cache for `config`, its plain layers replaced by block-growing ones
-    (sliding-window and other special layers stay as they are)."""
-    cache = DynamicCache(config=config)
+def new_cache(model: torch.nn.Module) -> DynamicCache | None:
+    """transformers' dynamic cache for `model`, its plain layers replaced by block-growing ones
+    (sliding-window and other special layers stay as they are). None for a model with a cache class
+    of its own (MiniMax's lightning-attention state): as in transformers' `generate`, the model makes
+    it on the first forward and returns it (`cache_argument.cache_from_output`)."""
+    supports = getattr(model, "_supports_default_dynamic_cache", None)
+    if supports is not None and not supports():
+        return None
+    cache = DynamicCache(config=model.config.get_text_config(decoder=True))
     for index, layer in enumerate(cache.layers):
         if type(layer) is DynamicLayer:
             cache.layers[index] = BlockLayer()

@@ -15,9 +15,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from engine.model.layout import MoELayout
-
-ROUTER_NAMES = ("gate", "router")
+from engine.model.layout import ROUTER_NAMES, MoELayout
 
 
 def find_routers(model: torch.nn.Module, layout: MoELayout) -> list[torch.nn.Module | None]:

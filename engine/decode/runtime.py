@@ -65,6 +65,7 @@ class MoERuntime:
             progress=progress,
         )
         self.model, self.layout, self.files, self.dtype = loaded.model, loaded.layout, loaded.files, loaded.dtype
+        self.text_only = loaded.text_only
         self.expert_format = _parse_format(options.expert_format, "expert")
         self.dense_format = _parse_format(options.dense_format, "dense")
         self.format_notes: list[str] = list(loaded.notes)
@@ -327,11 +328,12 @@ class MoERuntime:
     # ----- facts -----
     @property
     def context_length(self) -> int:
-        config = self.model.config
+        config = self.model.config.get_text_config()  # a multimodal model's text part
         return int(getattr(config, "max_position_embeddings", 0) or 1 << 30)
 
     def info(self) -> ModelInfo:
-        info = describe(self.files, self.layout, self.model.config, self.dtype, str(self.device), self.store.kind)
+        info = describe(self.files, self.layout, self.model.config, self.dtype, str(self.device), self.store.kind,
+                        self.text_only)
         info.engine_overhead_bytes = self.overhead.total_bytes
         return info
 

@@ -98,12 +98,13 @@ def estimate_from_config(config: dict, *, weight_file_bytes: int | None = None) 
     """Sizes from a config.json dict; `weight_file_bytes` (the safetensors files' total) when known."""
     from engine.accounting.sizes import format_bytes
     from engine.model.dtypes import resolve_dtype
-    from engine.model.layout import SLOT_ALIGN, find_top_k, is_experts_module
+    from engine.model.layout import SLOT_ALIGN, is_experts_module, top_k_of
 
     model, cfg = _meta_model(config)
     dtype = resolve_dtype("auto", config)
     itemsize = dtype.itemsize
-    experts = [m for _, m in model.named_modules() if is_experts_module(m)]
+    named_experts = [(name, m) for name, m in model.named_modules() if is_experts_module(m)]
+    experts = [m for _, m in named_experts]
     total = sum(p.numel() for p in model.parameters())  # tied weights counted once
     expert_params = sum(p.numel() for m in experts for p in m.parameters(recurse=False))
     expert_matrix_params = sum(p.numel() for m in experts for p in m.parameters(recurse=False) if p.dim() == 3)
@@ -115,7 +116,7 @@ def estimate_from_config(config: dict, *, weight_file_bytes: int | None = None) 
         slot = _slot_bytes(first, itemsize, SLOT_ALIGN)
         per_expert = expert_params // (num_experts * len(experts))
         try:
-            top_k = find_top_k(cfg)
+            top_k = top_k_of(model, named_experts[0][0], num_experts)
         except CheckpointError as exc:
             problem = str(exc)
     else:
@@ -179,8 +180,9 @@ def estimate_from_config(config: dict, *, weight_file_bytes: int | None = None) 
 def _meta_model(config: dict):
     """Build the model with no memory. Only transformers' built-in classes, never downloaded code."""
     from accelerate import init_empty_weights
-    from transformers import AutoModelForCausalLM
     from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+    from engine.model.model_class import model_class
 
     model_type = config.get("model_type")
     if model_type not in CONFIG_MAPPING:
@@ -192,7 +194,7 @@ def _meta_model(config: dict):
         cfg = CONFIG_MAPPING[model_type].from_dict(clean)
         with warnings.catch_warnings(), init_empty_weights(include_buffers=False):
             warnings.simplefilter("ignore")
-            model = AutoModelForCausalLM.from_config(cfg)
+            model = model_class(cfg).cls._from_config(cfg)
     except (ValueError, KeyError, TypeError, AttributeError) as exc:
         raise CheckpointError(f"transformers cannot build a '{model_type}' causal LM from this config.json: {exc}") from None
     return model, cfg

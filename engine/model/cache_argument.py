@@ -30,3 +30,11 @@ def cache_from_call(args: tuple, kwargs: dict):
         if kwargs.get(name) is not None:
             return kwargs[name]
     return args[0] if args else None
+
+
+def cache_from_output(output):
+    """The KV cache a transformers forward returned, under either version's name."""
+    for name in ("cache", "past_key_values"):
+        if getattr(output, name, None) is not None:
+            return getattr(output, name)
+    return None

@@ -16,8 +16,7 @@ import torch.nn.functional as F
 from engine.formats.blocks import BlockFormat, format_for
 from engine.formats.dequantize import Dequantizer, reference_dequantizer
 from engine.formats.quantize import quantize
-
-ROUTER_NAMES = ("gate", "router")
+from engine.model.layout import ROUTER_NAMES
 
 
 class QuantizedLinear(torch.nn.Module):

@@ -34,6 +34,7 @@ class ModelInfo:
     # the engine process by itself (interpreter, torch, transformers, code, tokenizer): measured by a
     # loaded runtime (engine.system.memory.EngineOverhead) or, for `moescope info`, its own process
     engine_overhead_bytes: int = 0
+    text_only: bool = False  # a multimodal model of which the text part runs (images are a later step)
 
 
 def host_tensor_bytes(model: torch.nn.Module) -> int:
@@ -48,14 +49,15 @@ def host_tensor_bytes(model: torch.nn.Module) -> int:
     return sum(seen.values())
 
 
-def describe(files: CheckpointFiles, layout: MoELayout, config, dtype: torch.dtype, device: str, store: str) -> ModelInfo:
+def describe(files: CheckpointFiles, layout: MoELayout, config, dtype: torch.dtype, device: str, store: str,
+             text_only: bool = False) -> ModelInfo:
     cfg = files.config
     return ModelInfo(
         name=files.root.name,
         path=str(files.root),
         architecture=(cfg.get("architectures") or [cfg.get("model_type", "?")])[0],
         num_moe_layers=layout.num_layers,
-        num_layers=int(getattr(config, "num_hidden_layers", layout.num_layers)),
+        num_layers=int(getattr(config.get_text_config(), "num_hidden_layers", layout.num_layers)),
         num_experts=layout.num_experts,
         top_k=layout.top_k,
         expert_bytes=layout.slot_bytes,
@@ -66,8 +68,9 @@ def describe(files: CheckpointFiles, layout: MoELayout, config, dtype: torch.dty
         dtype=str(dtype).removeprefix("torch."),
         device=device,
         store=store,
-        context_length=int(getattr(config, "max_position_embeddings", 0) or 0),
+        context_length=int(getattr(config.get_text_config(), "max_position_embeddings", 0) or 0),
         expert_format=format_name(layout.expert_format),
+        text_only=text_only,
     )
 
 
@@ -84,4 +87,4 @@ def inspect_checkpoint(path: Path, *, allow_pickle: bool = False, trust_remote_c
     if expert_format is not None:
         params, slot_bytes, _ = quantized_params(layout.params, expert_format)
         layout = replace(layout, params=params, slot_bytes=slot_bytes, expert_format=expert_format)
-    return describe(loaded.files, layout, loaded.model.config, loaded.dtype, "-", "-")
+    return describe(loaded.files, layout, loaded.model.config, loaded.dtype, "-", "-", loaded.text_only)

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import torch
 from transformers.conversion_mapping import get_model_conversion_mapping
-from transformers.core_model_loading import WeightConverter, WeightRenaming, rename_source_key
+from transformers.core_model_loading import Transpose, WeightConverter, WeightRenaming, rename_source_key
 
 from engine.errors import CheckpointError, NotMoEError
 from engine.formats.blocks import BlockFormat, format_for, formats_that_fit
@@ -24,7 +24,10 @@ from engine.model.prequantized import CheckpointQuantization, checkpoint_quantiz
 
 SLOT_ALIGN = 64  # bytes; keeps every expert matrix aligned for vector loads and DMA
 
+# Only a fallback: the router module says its top-k (`router_top_k`).
 TOPK_CONFIG_KEYS = ("num_experts_per_tok", "moe_top_k", "top_k", "num_experts_per_token", "moe_k")
+TOPK_ATTRIBUTES = ("top_k", "num_experts_per_tok", "topk", "moe_topk", "top_k_experts")
+ROUTER_NAMES = ("gate", "router")  # transformers 5 keeps the router beside the experts module
 
 @dataclass(frozen=True)
 class ExpertParam:
@@ -66,6 +69,7 @@ class ExpertPiece:
     param: str
     dst_offset: int  # bytes from the start of that parameter, in the checkpoint dtype (in the slot when relayed)
     interleave_dim: int | None = None  # the parameter's rows sit interleaved in pairs along this dim on disk
+    transposed_from: tuple[int, int] | None = None  # the matrix as stored, to transpose into the parameter
     # A quantized checkpoint's own blocks (engine.model.prequantized): these bytes and `scales` are
     # laid into the slot's block format as they are read (engine.formats.relay, by `relay` kind).
     relay: str = ""
@@ -125,6 +129,53 @@ class MoELayout:
 def is_experts_module(module: torch.nn.Module) -> bool:
     """True for classes decorated with transformers' `@use_experts_implementation`."""
     return hasattr(module, "is_concatenated") and hasattr(module, "_is_expert_parallel")
+
+
+def _router(model: torch.nn.Module, experts_path: str, num_experts: int) -> tuple[torch.nn.Module, int] | None:
+    """The router (gate) of the MoE block whose experts module is at `experts_path`, a sibling named
+    `gate` or `router` with a [experts, hidden] matrix (its own or a projection's), and the hidden size."""
+    block = model.get_submodule(experts_path.rpartition(".")[0])
+    for name in ROUTER_NAMES:
+        module = getattr(block, name, None)
+        if not isinstance(module, torch.nn.Module):
+            continue
+        for p in module.parameters():
+            if p.dim() == 2 and p.shape[0] == num_experts:
+                return module, int(p.shape[1])
+    return None
+
+
+def router_top_k(model: torch.nn.Module, experts_path: str, num_experts: int) -> int | None:
+    """How many experts a token takes, as the router module knows it: its (or its MoE block's) top-k
+    attribute, else the width of the expert indices it returns for one token (run on the meta device:
+    no weight is read)."""
+    block = model.get_submodule(experts_path.rpartition(".")[0])
+    found = _router(model, experts_path, num_experts)
+    for owner in (found[0] if found else None, block):
+        for attr in TOPK_ATTRIBUTES:
+            value = getattr(owner, attr, None)
+            if isinstance(value, int) and not isinstance(value, bool) and 0 < value <= num_experts:
+                return value
+    if found is None:
+        return None
+    router, hidden = found
+    dtype = next(router.parameters()).dtype
+    for shape in ((1, hidden), (1, 1, hidden)):
+        try:
+            with torch.no_grad():
+                out = router.forward(torch.zeros(shape, dtype=dtype, device="meta"))
+        except Exception:  # a router that wants more than hidden states: the config decides
+            continue
+        indices = [t for t in (out if isinstance(out, tuple) else ()) if isinstance(t, torch.Tensor)
+                   and not t.is_floating_point() and t.dtype != torch.bool]
+        if len(indices) == 1 and 0 < indices[0].shape[-1] <= num_experts:
+            return int(indices[0].shape[-1])
+    return None
+
+
+def top_k_of(model: torch.nn.Module, experts_path: str, num_experts: int) -> int:
+    """The router's top-k; the config's keys only where the router does not tell."""
+    return router_top_k(model, experts_path, num_experts) or find_top_k(model.config)
 
 
 def find_top_k(config) -> int:
@@ -202,6 +253,11 @@ def build_layout(model: torch.nn.Module, files: CheckpointFiles, compute_dtype: 
             lookup, renamings, converters, model.base_model_prefix, meta_state
         )
         converter = converter_of[src_pattern] if src_pattern is not None else None
+        if model_key not in meta_state and key in meta_state:
+            # transformers' own fallback: a renaming that also hit a key it was not meant for (DeepSeek-V4's
+            # `.norm.` -> `.kv_norm.` on the final norm) leaves the original name, which the model has
+            model_key, src_pattern = rename_source_key(key, [], [], model.base_model_prefix, meta_state)
+            converter = None
         owner, _, pname = model_key.rpartition(".")
         if owner in module_index and pname in param_by_name and scale is not None:
             expert_disk += record.nbytes + scale.nbytes
@@ -212,8 +268,21 @@ def build_layout(model: torch.nn.Module, files: CheckpointFiles, compute_dtype: 
             expert_disk += record.nbytes
             layer = module_index[owner]
             target = param_by_name[pname]
-            source = expert_source(converter, src_pattern, key)
             src_dtype = torch_dtype(record.dtype)
+            transpose = _fused_transpose(converter)
+            if transpose is not None:  # a fused [E, ...] tensor stored with its matrices transposed
+                swapped = None
+                if not (transpose.check_dims and record.shape == (num_experts, *target.shape)):
+                    swapped = target.shape[::-1]  # like transformers, a `check_dims` transpose skips the model's shape
+                expected = (num_experts, *(swapped or target.shape))
+                if record.shape != expected:
+                    raise CheckpointError(f"tensor '{key}' has shape {record.shape}, expected {expected}")
+                per_expert = record.nbytes // num_experts
+                for e in range(num_experts):
+                    pieces[layer][e].append(ExpertPiece(record.file, record.offset + e * per_expert, per_expert,
+                                                        src_dtype, pname, 0, transposed_from=swapped))
+                continue
+            source = expert_source(converter, src_pattern, key)
             shape = record.shape[1:] if source.fused else record.shape
             fits = bool(shape) and (shape[0] * source.parts, *shape[1:]) == target.shape
             if not fits or (source.fused and record.shape[0] != num_experts):
@@ -265,7 +334,7 @@ def build_layout(model: torch.nn.Module, files: CheckpointFiles, compute_dtype: 
         module_paths=module_paths,
         decoder_layers=[_decoder_layer_index(name) for name in module_paths],
         num_experts=num_experts,
-        top_k=find_top_k(model.config),
+        top_k=top_k_of(model, module_paths[0], num_experts),
         params=params,
         slot_bytes=slot_bytes,
         pieces=pieces,
@@ -344,6 +413,15 @@ def quantized_params(params: list[ExpertParam], fmt: BlockFormat, where: str = "
         laid.append(p)
         offset += aligned(p.nbytes)
     return laid, aligned(offset), notes
+
+
+def _fused_transpose(converter: WeightConverter | None) -> Transpose | None:
+    """The converter's operation when it is only a transpose of the last two dimensions of a fused
+    [E, A, B] expert tensor (Qwen3-VL-MoE's experts are stored [E, B, A]); None otherwise."""
+    ops = list(converter.operations) if converter is not None else []
+    if len(ops) == 1 and isinstance(ops[0], Transpose) and {ops[0].dim0, ops[0].dim1} == {1, 2}:
+        return ops[0]
+    return None
 
 
 def _expert_index(key: str) -> int:

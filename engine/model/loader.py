@@ -22,6 +22,7 @@ from engine.model.checkpoint import CheckpointFiles, TensorRecord, open_checkpoi
 from engine.model.dtypes import resolve_dtype
 from engine.model.gguf_file import GGUFModel, is_gguf
 from engine.model.layout import MoELayout, build_layout
+from engine.model.model_class import model_class
 from engine.model.prequantized import dequantize_tensor
 from engine.system import huge_pages
 
@@ -46,6 +47,7 @@ class LoadedWeights:
     dtype: torch.dtype
     notes: list[str] = field(default_factory=list)  # what was converted at load, for the user
     gguf: GGUFModel | None = None  # the GGUF file it was opened from
+    text_only: bool = False  # a multimodal model of which the text part runs (images are a later step)
 
 
 def build_model(
@@ -72,15 +74,16 @@ def build_model(
         config = AutoConfig.from_pretrained(files.root, trust_remote_code=trust_remote_code)
     except (ValueError, KeyError) as exc:
         raise CheckpointError(f"transformers cannot read {files.root / 'config.json'}: {exc}") from None
+    remote = trust_remote_code and "AutoModelForCausalLM" in (getattr(config, "auto_map", None) or {})
+    chosen = None if remote else model_class(config)
     with warnings.catch_warnings(), init_empty_weights(include_buffers=False):
         warnings.simplefilter("ignore")
         try:
-            model = AutoModelForCausalLM.from_config(
-                config,
-                dtype=compute_dtype,
-                experts_implementation=experts_impl.IMPLEMENTATION_NAME,
-                trust_remote_code=trust_remote_code,
-            )
+            kwargs = dict(dtype=compute_dtype, experts_implementation=experts_impl.IMPLEMENTATION_NAME)
+            if chosen is None:  # the checkpoint's own code, through the auto class
+                model = AutoModelForCausalLM.from_config(config, trust_remote_code=True, **kwargs)
+            else:
+                model = chosen.cls._from_config(config, **kwargs)
         except ValueError as exc:
             raise CheckpointError(f"transformers cannot build '{files.root.name}' as a causal LM: {exc}") from None
     if (files.root / "generation_config.json").is_file():
@@ -93,12 +96,13 @@ def build_model(
         experts = model.get_submodule(module_path)
         for p in layout.params:
             setattr(experts, p.name, None)  # the bytes live in the store; slots are the only copy
+    text_only = chosen is not None and chosen.text_only
     if not load_dense:
-        return LoadedWeights(model, layout, files, compute_dtype)
+        return LoadedWeights(model, layout, files, compute_dtype, text_only=text_only)
     _load_dense(model, layout, device, progress)
     model.to(device)  # non-persistent buffers (rotary tables) are created on the CPU
     model.eval().requires_grad_(False)
-    return LoadedWeights(model, layout, files, compute_dtype)
+    return LoadedWeights(model, layout, files, compute_dtype, text_only=text_only)
 
 
 def _load_dense(model: torch.nn.Module, layout: MoELayout, device: torch.device, progress: ProgressFn | None) -> None:
@@ -115,6 +119,7 @@ def _load_dense(model: torch.nn.Module, layout: MoELayout, device: torch.device,
         tensor = huge_pages.rehome(tensor.to(device=device, dtype=target.dtype))  # decode streams these every token
         _set_tensor(model, key, tensor)
 
+    unused: list[str] = []  # checkpoint tensors no model weight takes
     with _TensorReader() as read:
         for key, record in sorted(layout.dense.items(), key=lambda item: (item[1].file, item[1].offset)):
             if key in state:
@@ -123,6 +128,8 @@ def _load_dense(model: torch.nn.Module, layout: MoELayout, device: torch.device,
                     tensor = dequantize_tensor(layout.checkpoint_quant, tensor, read(layout.dense_scales[key]),
                                                state[key].dtype)
                 place(key, tensor, record.file.name)
+            else:
+                unused.append(record.name)  # checkpoint extras the model does not use (e.g. unused MTP layers)
             done += record.nbytes
             if progress:
                 progress(done / total, f"dense weights from {record.file.name}")
@@ -135,6 +142,11 @@ def _load_dense(model: torch.nn.Module, layout: MoELayout, device: torch.device,
     if getattr(model, "lm_head", None) is not None and model.lm_head.weight.is_meta:
         model.tie_weights()
     missing = [name for name, p in model.named_parameters() if p.is_meta]
+    if missing and unused:
+        raise CheckpointError(
+            f"no checkpoint tensor maps to {len(missing)} model weights, e.g. '{missing[0]}', while {len(unused)} "
+            f"checkpoint tensors map to none, e.g. '{unused[0]}': the checkpoint's names do not match what "
+            "transformers' mapping for this model expects (a different transformers version may read it)")
     if missing:
         raise CheckpointError(f"checkpoint is missing {len(missing)} weights, e.g. '{missing[0]}'; the download may be incomplete")
 

@@ -62,9 +62,9 @@ class DiskStore(ExpertStore):
         self._fds: dict[Path, int] = {}
         self._lock = threading.Lock()
         self._params = {p.name: p for p in layout.params}
-        # Whether any bytes need converting to the compute dtype (a GGUF file's pieces may differ by
-        # layer; a quantized checkpoint's relayed pieces are laid into blocks instead).
-        self._convert = any(p.src_dtype != self._params[p.param].dtype
+        # Whether any bytes need converting to the compute dtype or transposing (a GGUF file's pieces may
+        # differ by layer; a quantized checkpoint's relayed pieces are laid into blocks instead).
+        self._convert = any((p.src_dtype != self._params[p.param].dtype or p.transposed_from is not None)
                             for per_layer in layout.pieces for per_expert in per_layer for p in per_expert
                             if not p.relay)
 
@@ -90,13 +90,15 @@ class DiskStore(ExpertStore):
                 start = self._params[piece.param].offset + piece.dst_offset
                 _pread_exact(self._fd(piece.file), raw[start : start + piece.nbytes], piece.file_offset)
             return sum(p.nbytes for p in pieces)
-        # The checkpoint's dtype or row order differs from the slot's: read, then convert into the slot.
+        # The checkpoint's dtype, row order or orientation differs from the slot's: read, then convert into
+        # the slot.
         param = self._params[param_name]
         staging = torch.empty(param.nbytes // param.dtype.itemsize, dtype=pieces[0].src_dtype)
         raw = staging.view(torch.uint8).numpy()
         for piece in pieces:
             _pread_exact(self._fd(piece.file), raw[piece.dst_offset : piece.dst_offset + piece.nbytes], piece.file_offset)
-        value = staging.view(param.slot_shape)
+        stored_as = pieces[0].transposed_from
+        value = staging.view(stored_as).t() if stored_as is not None else staging.view(param.slot_shape)
         if interleave_dim is not None:
             value = undo_interleave(value, interleave_dim)
         slot[param.offset : param.offset + param.nbytes].view(param.dtype).view(param.slot_shape).copy_(value)

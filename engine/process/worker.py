@@ -150,7 +150,7 @@ class Worker:
             fast_decode=runtime.fast_decode_on, fast_decode_available=runtime.fast_decode_available,
             expert_format=runtime.format_names[0], dense_format=runtime.format_names[1],
             overhead_bytes=runtime.overhead.total_bytes, baseline_rss_bytes=runtime.overhead.baseline_bytes,
-            dense_resident_bytes=runtime.overhead.dense_bytes,
+            dense_resident_bytes=runtime.overhead.dense_bytes, text_only=info.text_only,
         ))
         self._snapshot(force=True)
 

@@ -20,7 +20,7 @@ class Step:
     """One forward step of the generation loop."""
 
     input_ids: torch.Tensor  # [1, n]: the prompt (prefill) or the last token (decode)
-    kv: DynamicCache
+    kv: DynamicCache | None  # None until the first forward, for a model that makes its own cache
     position: int  # tokens already in the KV cache
 
     @property

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from engine.decode.paths.base import DecodePath, Step
-from engine.model.cache_argument import cache_argument
+from engine.model.cache_argument import cache_argument, cache_from_output
 
 
 def last_position(input_ids: torch.Tensor) -> torch.Tensor:
@@ -19,11 +19,15 @@ def last_position(input_ids: torch.Tensor) -> torch.Tensor:
 
 
 def model_forward(model: torch.nn.Module, step: Step) -> torch.Tensor:
-    """The model's forward over the step's tokens, extending its KV cache; last position's logits."""
+    """The model's forward over the step's tokens, extending its KV cache; last position's logits.
+    A step without a cache gets the one the model makes (a cache class of its own, `kv_cache.new_cache`)."""
     ids = step.input_ids
     attention = torch.ones((1, step.position + ids.shape[1]), dtype=torch.long, device=ids.device)
-    return model(input_ids=ids, attention_mask=attention, **cache_argument(model, step.kv), use_cache=True,
-                 logits_to_keep=last_position(ids)).logits
+    output = model(input_ids=ids, attention_mask=attention, **cache_argument(model, step.kv), use_cache=True,
+                   logits_to_keep=last_position(ids))
+    if step.kv is None:
+        step.kv = cache_from_output(output)
+    return output.logits
 
 
 class TransformersPath(DecodePath):

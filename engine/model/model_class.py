@@ -1,0 +1,58 @@
+"""Which transformers class generates text for a checkpoint's config.
+
+The auto mapping for causal LMs covers most families, but not all: some ship their causal-LM
+class outside it (Mistral-4), and multimodal MoE families (Qwen3-VL-MoE, GLM-4.5V, ...) generate
+text only through their conditional-generation class. The config's `architectures` names the
+class the checkpoint was saved from; where it is a transformers class that generates, it is
+the one. Multimodal classes run text-only chat here (images are a later step).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import transformers
+from transformers.models.auto import modeling_auto
+
+from engine.errors import CheckpointError
+
+
+@dataclass(frozen=True)
+class ModelClass:
+    cls: type
+    text_only: bool  # a multimodal model of which MoEScope runs the text part only
+
+
+def _multimodal(cls: type) -> bool:
+    return "ForConditionalGeneration" in cls.__name__
+
+
+def _generates(cls: type | None, config) -> bool:
+    from transformers import GenerationMixin
+
+    config_class = getattr(cls, "config_class", None)
+    return (isinstance(cls, type) and issubclass(cls, GenerationMixin)
+            and (config_class is None or isinstance(config, config_class)))
+
+
+def model_class(config) -> ModelClass:
+    """The class that generates text for `config`: the one its `architectures` names if transformers
+    has it, else the auto mapping for causal LMs, then the image-and-text ones."""
+    for name in getattr(config, "architectures", None) or []:
+        cls = getattr(transformers, name, None)
+        if _generates(cls, config):
+            return ModelClass(cls, _multimodal(cls))
+    mappings = (modeling_auto.MODEL_FOR_CAUSAL_LM_MAPPING, modeling_auto.MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING,
+                getattr(modeling_auto, "MODEL_FOR_MULTIMODAL_LM_MAPPING", {}))
+    for mapping in mappings:
+        try:
+            cls = mapping[type(config)]
+        except (KeyError, ValueError):
+            continue
+        if _generates(cls, config):
+            return ModelClass(cls, _multimodal(cls))
+    named = ", ".join(getattr(config, "architectures", None) or []) or "none"
+    raise CheckpointError(
+        f"transformers {transformers.__version__} has no class that generates text for model type "
+        f"'{config.model_type}' (config.json's architectures: {named}); a newer transformers may have one"
+    )
