@@ -27,12 +27,12 @@ def _multimodal(cls: type) -> bool:
     return "ForConditionalGeneration" in cls.__name__
 
 
-def _generates(cls: type | None, config) -> bool:
+def _generates(cls: type | None, config, *, own_config: bool = True) -> bool:
     from transformers import GenerationMixin
 
     config_class = getattr(cls, "config_class", None)
     return (isinstance(cls, type) and issubclass(cls, GenerationMixin)
-            and (config_class is None or isinstance(config, config_class)))
+            and (not own_config or config_class is None or isinstance(config, config_class)))
 
 
 def model_class(config) -> ModelClass:
@@ -49,7 +49,8 @@ def model_class(config) -> ModelClass:
             cls = mapping[type(config)]
         except (KeyError, ValueError):
             continue
-        if _generates(cls, config):
+        # the auto mapping may give a family another's class (Sarvam-MoE runs as GLM-4-MoE)
+        if _generates(cls, config, own_config=False):
             return ModelClass(cls, _multimodal(cls))
     named = ", ".join(getattr(config, "architectures", None) or []) or "none"
     raise CheckpointError(
