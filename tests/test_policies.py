@@ -85,7 +85,7 @@ def test_switching_policies_mid_reply_stays_exact(mixtral_checkpoint):
     seen: list[tuple[str, np.ndarray]] = []
 
     def between_tokens() -> bool:
-        if len(tokens) % 3 == 0:
+        if len(tokens) % 2 == 0:  # 10 switches in 20 tokens: every policy, some twice
             before = runtime.cache.resident_matrix()
             runtime.set_policy(next(order, "eam"))
             seen.append((runtime.cache.policy.name, before == runtime.cache.resident_matrix()))
