@@ -35,17 +35,7 @@ KNOWN_FAILURES = {
     "qwen3_omni_moe": "stock generate of the whole Omni model fails on a text-only tiny checkpoint",
     "dots3_note": "its vision tower has experts of another shape than the text model's",
     "ernie4_5_vl_moe": "one checkpoint list of experts split into text and vision experts modules",
-    # dense weights that need transformers' converter operations (the `convert` branch)
-    "bailing_hybrid": "dense weights need a converter operation",
-    "kimi_linear": "dense weights need a converter operation",
-    "glm5_next": "dense weights need a converter operation",
-    "lara_mini": "dense weights need a converter operation",
-    "minimax_m3_vl": "dense weights need a converter operation",
-    "mistral_large4": "dense weights need a converter operation",
-    "unlimited_ocr": "dense weights need a converter operation",
-    # fused experts with gate/up rows interleaved (the `convert` branch)
-    "inkling2": "interleaved fused experts",
-    "inkling2_loop": "interleaved fused experts",
+    "inkling2_loop": "its expert converter dequantizes (Inkling2LoopDequantizeExperts), not a slicing rule",
 }  # (an older transformers may lack some of these families)
 ROTATING_PER_RUN = 2
 CI_RUNS = (("30%", "disk"), ("all", "ram"))  # the slow sweep runs both budgets on both stores
