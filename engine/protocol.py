@@ -270,6 +270,9 @@ class ModelLoaded:
     overhead_bytes: int = 0  # resident beyond dense weights and experts: what a memory limit loses first
     baseline_rss_bytes: int = 0  # of it, before any weights (interpreter, torch, transformers); the rest is the model's code, tokenizer, kernels
     dense_resident_bytes: int = 0  # the dense weights in the engine's RAM as loaded (in their format; 0 on a GPU)
+    # what the load decided that the user should know: tensors converted to another format, where the
+    # popularity profile came from, experts computed on the CPU; the CLI prints the same lines
+    load_notes: list[str] = field(default_factory=list)
     text_only: bool = False  # a multimodal model (images, audio) of which the text part runs; images are a later step
 
 

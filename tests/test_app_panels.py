@@ -291,6 +291,10 @@ def test_system_panel_says_in_which_formats_the_model_runs(qtbot):
     loaded.expert_format, loaded.dense_format, loaded.dtype = "original", "q8_0", "float32"
     panel.on_event(loaded)
     assert panel.formats.text() == "experts fp32, dense Q8_0"
+    assert not panel.load_notes.isVisibleTo(panel)  # nothing the load decided
+    loaded.load_notes = ["Q5_K to Q6_K (no native kernel for Q5_K): blk.0.ffn_down_exps"]
+    panel.on_event(loaded)
+    assert panel.load_notes.isVisibleTo(panel) and "Q5_K to Q6_K" in panel.load_notes.text()
 
 
 def test_system_panel_says_how_the_last_token_ran(qtbot):

@@ -161,6 +161,7 @@ def test_layers_in_different_types_share_the_highest_and_keep_the_rest_in_the_fi
     assert runtime.format_notes == [
         f"2 expert tensors converted once from Q4_K to Q6_K (its layers come in Q4_K and Q6_K and a slot holds one "
         f"format per matrix) into {files[0].pop().parent}, e.g. 'blk.0.ffn_down_exps.weight'"]
+    assert runtime.format_notes[0] in runtime.load_notes()  # what the window's System panel shows
 
 
 def _write_minimal(path: Path, arch: str, **arch_values) -> Path:

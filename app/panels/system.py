@@ -14,7 +14,7 @@ from engine import protocol as p
 EXACT_TEXT = "Exact (transformers' kernels, bit-identical)"
 EXACT_TIP = ("Off (the default): bf16 decode steps on the CPU use MoEScope's native kernels (a layer's experts in "
              "one pass, compiled once per machine; a C++ compiler is needed) and float32-matmul attention; with every "
-             "expert resident, a Qwen3-MoE or Mixtral token runs whole in one native call. Several times faster "
+             "expert resident, a Qwen3-MoE, Qwen2-MoE, OLMoE or Mixtral token runs whole in one native call. Several times faster "
              "decode (docs/performance.md), the same arithmetic summed in another order, so replies can differ from "
              "plain transformers in rare near-ties. On: every token equals transformers'.")
 EXACT_ONLY_TIP = ("This model decodes on transformers' kernels: the native ones compute bf16 weights on a CPU "
@@ -22,7 +22,8 @@ EXACT_ONLY_TIP = ("This model decodes on transformers' kernels: the native ones 
 
 
 DECODE_PATH_TIP = ("How the last decode token ran. The whole-token native step needs every expert resident "
-                   "(budget `all`), a Qwen3-MoE or Mixtral model, and a lossless policy that does not look ahead.")
+                   "(budget `all`), a Qwen3-MoE, Qwen2-MoE, OLMoE or Mixtral model, and a lossless policy that does not "
+                   "look ahead; other families run their experts on the native per-layer kernel.")
 
 
 def policy_label(info: p.PolicyInfo) -> str:
@@ -67,6 +68,10 @@ class SystemPanel(Panel):
         self.formats.setObjectName("weight-formats")
         self.formats.setToolTip("How the loaded model's weights are stored: the routed experts, and every other "
                                 "linear layer. Quantized formats are approximate (pick them in the model bar).")
+        self.load_notes = QLabel("")
+        self.load_notes.setObjectName("load-notes")
+        self.load_notes.setWordWrap(True)
+        self.load_notes.setStyleSheet("color: palette(placeholder-text);")
         self.decode_path = QLabel("–")
         self.decode_path.setObjectName("decode-path")
         self.decode_path.setToolTip(DECODE_PATH_TIP)
@@ -85,6 +90,7 @@ class SystemPanel(Panel):
         form.addRow("", self.policy_note)
         form.addRow("Kernels", self.exact)
         form.addRow("Weights", self.formats)
+        form.addRow("", self.load_notes)
         form.addRow("Decode", self.decode_path)
         form.addRow("", self.decode_reason)
         self._show_vram(False)
@@ -115,6 +121,8 @@ class SystemPanel(Panel):
             self._describe()
             self._show_kernels(event.fast_decode, event.fast_decode_available)
             self.formats.setText(loaded_formats_text(event.expert_format, event.dense_format, event.dtype))
+            self.load_notes.setText("\n".join(event.load_notes))
+            self.load_notes.setVisible(bool(event.load_notes))
         elif isinstance(event, p.FastDecodeChanged):
             self._show_kernels(event.enabled, event.available)
         elif isinstance(event, p.PolicyChanged):

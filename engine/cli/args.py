@@ -41,7 +41,7 @@ def add_model_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--exact", dest="fast_decode", action="store_false", default=LOAD["fast_decode"],
                         help="decode on transformers' own kernels, bit-identical to stock transformers. By default "
                         "bf16 decode on a CPU runs MoEScope's native kernels (a layer's experts in one pass, "
-                        "Llama-style attention in three calls; a whole Qwen3-MoE or Mixtral token in one call when "
+                        "Llama-style attention in three calls; a whole Qwen3-MoE, Qwen2-MoE, OLMoE or Mixtral token in one call when "
                         "every expert is resident): the same arithmetic summed in another order, so not bit-identical "
                         "(bench.decode_pair counts the greedy tokens that still match)")
     parser.add_argument("--fast-decode", action=_Deprecated, nargs=0, help=argparse.SUPPRESS)

@@ -56,7 +56,7 @@ def _load(args: argparse.Namespace):
     from engine.decode.runtime import MoERuntime
 
     runtime = MoERuntime(load_settings(args))
-    for note in (*runtime.format_notes, runtime.plan.note, runtime.profile_note, runtime.cpu_experts_note):
+    for note in (*runtime.load_notes(), runtime.plan.note):
         if note:
             print(f"moescope: note: {note}", file=sys.stderr)
     return runtime

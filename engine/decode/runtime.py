@@ -331,6 +331,10 @@ class MoERuntime:
         config = self.model.config.get_text_config()  # a multimodal model's text part
         return int(getattr(config, "max_position_embeddings", 0) or 1 << 30)
 
+    def load_notes(self) -> list[str]:
+        """What the load decided that the user should know (the budget's own note is the planner's)."""
+        return [n for n in (*self.format_notes, self.profile_note, self.cpu_experts_note) if n]
+
     def info(self) -> ModelInfo:
         info = describe(self.files, self.layout, self.model.config, self.dtype, str(self.device), self.store.kind,
                         self.text_only)

@@ -151,6 +151,7 @@ class Worker:
             expert_format=runtime.format_names[0], dense_format=runtime.format_names[1],
             overhead_bytes=runtime.overhead.total_bytes, baseline_rss_bytes=runtime.overhead.baseline_bytes,
             dense_resident_bytes=runtime.overhead.dense_bytes, text_only=info.text_only,
+            load_notes=runtime.load_notes(),
         ))
         self._snapshot(force=True)
 
