@@ -18,6 +18,7 @@ Stock transformers is measured the same way, the read done in its streamer's cal
 from __future__ import annotations
 
 import argparse
+import gc
 import statistics
 import sys
 import time
@@ -64,7 +65,9 @@ def run_ours(path: Path, active: int, args, fast: bool) -> dict:
     from engine.decode.runtime import MoERuntime
     from engine.protocol import LoadModel, SamplingSettings
 
-    runtime = MoERuntime(LoadModel(path=str(path), budget="all", store="ram", fast_decode=fast))
+    # the disk store, as `auto` picks on a CPU: at `all` the load fills every slot from it, and the RAM
+    # store would hold a second copy of the experts beside the slots
+    runtime = MoERuntime(LoadModel(path=str(path), budget="all", store="disk", fast_decode=fast))
     ids = prompt_ids(runtime.model.config.get_text_config().vocab_size, args.prompt_len)
     generator = Generator(runtime)
     generator.generate(ids[:8], SamplingSettings(temperature=0, max_new_tokens=2))  # warm-up
@@ -72,6 +75,8 @@ def run_ours(path: Path, active: int, args, fast: bool) -> dict:
     clock.start()  # the first on_token call ends the prompt's step
     result = generator.generate(ids, SamplingSettings(temperature=0, max_new_tokens=args.decode), on_token=clock.token)
     runtime.close()
+    del runtime, generator
+    gc.collect()  # the model and the cache refer to each other: free them before the next run loads
     return {"share": clock.share(), "token_ids": result.token_ids,
             "tokens_per_s": (len(clock.token_s) - 1) / sum(clock.token_s[1:]),
             "limit_tokens_per_s": (len(clock.read_s) - 1) / sum(clock.read_s[1:])}
@@ -103,6 +108,8 @@ def run_stock(path: Path, active: int, args) -> dict:
                        pad_token_id=0)
         out = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=args.decode,
                              min_new_tokens=args.decode, streamer=Streamer(), pad_token_id=0)
+    del model
+    gc.collect()
     return {"share": clock.share(), "token_ids": out[0, ids.shape[1]:].tolist(),
             "tokens_per_s": (len(clock.token_s) - 1) / sum(clock.token_s[1:]),
             "limit_tokens_per_s": (len(clock.read_s) - 1) / sum(clock.read_s[1:])}

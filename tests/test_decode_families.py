@@ -22,7 +22,7 @@ from engine.decode.runtime import MoERuntime
 from engine.model.cache_argument import cache_argument
 from engine.offload.expert_compute import torch_one_token
 from engine.protocol import LoadModel, SamplingSettings
-from tests.helpers.checkpoints import make_config, reference_generate
+from tests.helpers.checkpoints import make_config
 from tests.helpers.numerics import close
 
 pytestmark = pytest.mark.usefixtures("kernels")
@@ -37,7 +37,7 @@ PINNED = {
     "mixtral": (WHOLE, {"norm", "attention", "router"}),
     "qwen2_moe": (WHOLE, {"norm", "router"}),  # per layer, its biased q/k/v keep their own code
     "olmoe": (WHOLE, {"norm", "router"}),  # per layer, its full-width q/k norms keep their own code
-    "deepseek_v3": (LAYERS, {"norm"}),  # MLA attention, grouped routing
+    "deepseek_v3": (LAYERS, {"norm", "attention"}),  # MLA attention absorbed per layer; grouped routing
     "glm4_moe": (LAYERS, {"norm"}),  # partial rotary, biased q/k/v, grouped sigmoid routing
     "gpt_oss": (LAYERS, set()),  # sinks, biased interleaved experts, its own norm
 }
@@ -128,13 +128,49 @@ def test_listed_attention_steps_like_its_own_forward(cls):
     close(ours, reference, cls.__name__)
 
 
+@pytest.mark.parametrize("q_lora_rank", [48, None])
+@pytest.mark.parametrize("cls", sorted(families.latent_attention_classes(), key=lambda c: c.__name__),
+                         ids=lambda cls: cls.__name__)
+def test_listed_latent_attention_steps_like_its_own_forward(cls, q_lora_rank):
+    # MLA with kv_b_proj absorbed gives what the module's own forward gives after expanding the
+    # whole latent cache, and leaves the cache as that forward leaves it.
+    from transformers.cache_utils import DynamicCache
+
+    config = config_of(cls, hidden_size=256, num_attention_heads=8, num_key_value_heads=8, q_lora_rank=q_lora_rank,
+                       kv_lora_rank=64, qk_nope_head_dim=32, qk_rope_head_dim=16, v_head_dim=24, head_dim=16,
+                       num_hidden_layers=1, attention_bias=False, attention_dropout=0.0)
+    config._attn_implementation = "sdpa"
+    torch.manual_seed(2)
+    module = cls(config, 0).to(torch.bfloat16).eval()
+    assert families.is_latent_attention(module)
+    rotary = next(v for v in vars(inspect.getmodule(cls)).values()
+                  if isinstance(v, type) and v.__name__.endswith("RotaryEmbedding"))(config)
+    prompt, token = torch.randn(1, 24, 256).to(torch.bfloat16), torch.randn(1, 1, 256).to(torch.bfloat16)
+    caches = [DynamicCache(config=config), DynamicCache(config=config)]
+    with torch.no_grad():
+        for cache in caches:
+            module(prompt, rotary(prompt, torch.arange(24)[None]), None, **cache_argument(module, cache))
+        step = rotary(token, torch.tensor([[24]]))
+        reference, _ = module(token, step, None, **cache_argument(module, caches[0]))
+        switch = native_layers.NativeSwitch()
+        assert native_layers.patch_module(module, switch)
+        with switch.active():
+            ours, _ = module(token, step, None, **cache_argument(module, caches[1]))
+    close(ours, reference, cls.__name__)
+    assert all(torch.equal(a, b) for a, b in zip(caches[0].layers[0].keys, caches[1].layers[0].keys, strict=True))
+
+
+def native_attention(module: torch.nn.Module) -> bool:
+    return families.is_llama_attention(module) or families.is_latent_attention(module)
+
+
 def native_kinds(runtime: MoERuntime) -> set[str]:
     kinds = set()
     for module in runtime.model.modules():
         cls = type(module)
         if cls is native_layers.FastLinear or not getattr(cls, "_moescope_plain", None):
             continue
-        kinds |= {kind for kind, test in (("norm", families.is_llama_rms_norm), ("attention", families.is_llama_attention),
+        kinds |= {kind for kind, test in (("norm", families.is_llama_rms_norm), ("attention", native_attention),
                                           ("router", lambda m: families.router_recipe(m) is not None)) if test(module)}
     return kinds
 
@@ -194,12 +230,13 @@ def test_gated_experts_run_on_the_native_kernel(kernels, tiny_checkpoints, famil
 PROMPT = [5, 17, 33, 8, 61, 12, 40, 9, 27, 4]
 
 
-# OLMoE's and GLM-4-MoE's tiny checkpoints are left out: their random routers meet near-ties
-# within 64 tokens, where any other summation order (the native norms and linears too) may pick
-# the other expert and the replies part; the experts kernel itself is checked above.
+# Random tiny routers and heads meet near-ties (two logits one bf16 step apart) within 64 tokens,
+# where any other summation order may pick the other token: the replies must be equal up to the
+# first such near-tie (OLMoE's and GLM-4-MoE's random routers part too early to say much; their
+# experts kernel is checked above).
 @pytest.mark.parametrize("family", ["qwen2_moe", "deepseek_v3", "gpt_oss"])
 def test_greedy_replies_equal_transformers(tiny_checkpoints, tmp_path, family):
-    from tests.helpers.checkpoints import save_tiny_checkpoint
+    from tests.helpers.checkpoints import first_parting_is_a_near_tie, reference_with_margins, save_tiny_checkpoint
 
     path = save_tiny_checkpoint(family, tmp_path / family, eos_token_id=None)  # 64 tokens, no early stop
     runtime = fast_runtime(path)
@@ -208,7 +245,8 @@ def test_greedy_replies_equal_transformers(tiny_checkpoints, tmp_path, family):
         assert runtime.decode_path == PINNED[family][0]
     finally:
         runtime.close()
-    assert reply.token_ids == reference_generate(path, PROMPT, 64, dtype=torch.bfloat16)
+    reference, logits = reference_with_margins(path, PROMPT, 64, dtype=torch.bfloat16)
+    assert first_parting_is_a_near_tie(reply.token_ids, reference, logits)
 
 
 def test_experts_the_kernel_does_not_compute_say_why():

@@ -190,17 +190,19 @@ def test_bad_shapes_are_refused_with_a_message(kernels):
         kernels.attend(query, keys, keys, 1.0)  # 3 query heads cannot share 2 kv heads
 
 
-def test_gpt_oss_experts_run_on_the_kernel(kernels):
+@pytest.mark.parametrize("width,inter", [(256, 96), (250, 45)])
+def test_gpt_oss_experts_run_on_the_kernel(kernels, width, inter):
     # GPT-OSS's experts: [in, out] matrices, biases, interleaved gate/up rows, the clamped SwiGLU
     # (with inputs beyond the clamp), and bf16 routing weights: the kernel computes what
-    # transformers' own expert code computes.
+    # transformers' own expert code computes. Also at sizes that leave rows and columns over after
+    # the kernel's four-row, sixteen-column steps.
     from transformers import GptOssConfig
     from transformers.models.gpt_oss.modeling_gpt_oss import GptOssExperts
 
     from engine.decode.paths.expert_recipe import experts_recipe
     from engine.offload.expert_compute import expert_mlp, weighted_sum
 
-    config = GptOssConfig(hidden_size=256, intermediate_size=96, num_local_experts=4)
+    config = GptOssConfig(hidden_size=width, intermediate_size=inter, num_local_experts=4)
     config._experts_implementation = "eager"
     module = GptOssExperts(config).to(torch.bfloat16)
     torch.manual_seed(4)
@@ -211,12 +213,12 @@ def test_gpt_oss_experts_run_on_the_kernel(kernels):
     assert recipe.transposed and recipe.bias and recipe.interleaved and recipe.clamped_swiglu
     slots = [{name: getattr(module, name)[e] for name in ("gate_up_proj", "gate_up_proj_bias", "down_proj",
                                                            "down_proj_bias")} for e in (2, 0, 3)]
-    hidden = (torch.randn(1, 256) * 2).to(torch.bfloat16)
+    hidden = (torch.randn(1, width) * 2).to(torch.bfloat16)
     weights = torch.softmax(torch.randn(3), dim=0).to(torch.bfloat16)
     reference = weighted_sum([expert_mlp(module, hidden, w) for w in slots], weights, torch.bfloat16, torch.bfloat16)
     gate = kernels.GateRecipe(True, True, recipe.alpha, recipe.limit)
-    fused = kernels.moe_decode(hidden, [kernels.Weight(w["gate_up_proj"], 0, 192) for w in slots],
-                               [kernels.Weight(w["down_proj"], 0, 256) for w in slots], weights,
+    fused = kernels.moe_decode(hidden, [kernels.Weight(w["gate_up_proj"], 0, 2 * inter) for w in slots],
+                               [kernels.Weight(w["down_proj"], 0, width) for w in slots], weights,
                                [w["gate_up_proj_bias"] for w in slots], [w["down_proj_bias"] for w in slots], True, gate)
     assert fused.shape == reference.shape and fused.dtype == torch.bfloat16
     close(fused, reference, "moe_decode (GPT-OSS)")

@@ -137,6 +137,29 @@ def reference_generate(path: Path, prompt_ids: list[int], max_new_tokens: int, d
     return out[0, len(prompt_ids):].tolist()
 
 
+def reference_with_margins(path: Path, prompt_ids: list[int], max_new_tokens: int,
+                           dtype=torch.float32) -> tuple[list[int], list[torch.Tensor]]:
+    """Plain transformers' greedy reply and, per step, its logits (float32)."""
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
+    ids = torch.tensor([prompt_ids])
+    out = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=max_new_tokens,
+                         pad_token_id=0, output_scores=True, return_dict_in_generate=True)
+    return out.sequences[0, len(prompt_ids):].tolist(), [step[0].float() for step in out.scores]
+
+
+def first_parting_is_a_near_tie(ours: list[int], reference: list[int], logits: list[torch.Tensor],
+                                ulps: int = 2) -> bool:
+    """A fast path (the same arithmetic in another order) may part from the reference only where the
+    reference's own pick beat ours by at most `ulps` bf16 steps at the top logit's size; after the
+    first parting the contexts differ, so nothing later is compared."""
+    for step, (mine, theirs) in enumerate(zip(ours, reference, strict=True)):
+        if mine != theirs:
+            scores = logits[step]
+            ulp = 2.0 ** (torch.floor(torch.log2(scores[theirs].abs())).item() - 7)
+            return (scores[theirs] - scores[mine]).item() <= ulps * ulp
+    return True
+
+
 # Wider versions of the families, whose expert matrices take the 256-element K-quant blocks
 WIDE = {
     "mixtral": dict(hidden_size=256, intermediate_size=256, num_attention_heads=4, num_key_value_heads=2),

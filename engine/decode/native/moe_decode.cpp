@@ -269,11 +269,36 @@ ExpertWeights expert_weights(const Weight& gate_up, const Weight& down, int64_t 
 
 // out[begin, end) = columns [begin, end) of x W for a [rows = len(x), cols] bf16 matrix read as
 // x @ W: row by row, each scaled by its x and added into the float32 sums (the rows stream in order).
+// Four rows per pass over the sums: one load and one store of a sum per four weight vectors, not per
+// one (the sums, not the weights, bounded the one-row loop). Each sum still takes its rows' products
+// one at a time in row order, so the result is the one-row loop's to the bit.
 inline void gemv_t_range(const Matrix& m, const bf16* x, int64_t begin, int64_t end, float* out) {
   const bf16* base = reinterpret_cast<const bf16*>(m.data);
   const int64_t stride = m.row_bytes / 2;
   std::fill(out + begin, out + end, 0.f);
-  for (int64_t i = 0; i < m.rows; ++i) {
+  int64_t i = 0;
+#if defined(MOESCOPE_AVX512BF16) || defined(MOESCOPE_AVX512F)
+  for (; i + 4 <= m.rows; i += 4) {
+    const bf16 *r0 = base + i * stride, *r1 = r0 + stride, *r2 = r1 + stride, *r3 = r2 + stride;
+    const __m512 s0 = _mm512_set1_ps(to_float(x[i])), s1 = _mm512_set1_ps(to_float(x[i + 1])),
+                 s2 = _mm512_set1_ps(to_float(x[i + 2])), s3 = _mm512_set1_ps(to_float(x[i + 3]));
+    int64_t j = begin;
+    for (; j + 16 <= end; j += 16) {
+      __m512 acc = _mm512_loadu_ps(out + j);
+      acc = _mm512_fmadd_ps(s0, widen_bf16(r0 + j), acc);
+      acc = _mm512_fmadd_ps(s1, widen_bf16(r1 + j), acc);
+      acc = _mm512_fmadd_ps(s2, widen_bf16(r2 + j), acc);
+      acc = _mm512_fmadd_ps(s3, widen_bf16(r3 + j), acc);
+      _mm512_storeu_ps(out + j, acc);
+    }
+    for (int64_t r = 0; r < 4; ++r) {
+      const float xi = to_float(x[i + r]);
+      const bf16* row = r0 + r * stride;
+      for (int64_t t = j; t < end; ++t) out[t] += xi * to_float(row[t]);
+    }
+  }
+#endif
+  for (; i < m.rows; ++i) {
     const float xi = to_float(x[i]);
     const bf16* row = base + i * stride;
     int64_t j = begin;

@@ -43,6 +43,9 @@ class Family:
     # Llama-style attention that only the whole-token step computes: q/k/v projections with biases
     # (Qwen2-MoE), or q/k norms over the whole projection before the rotary embedding (OLMoE)
     whole_token_attention: tuple[str, ...] = ()
+    # DeepSeek-V3-style multi-head latent attention whose cache holds the compressed latents: one-query
+    # steps attend over the latents with kv_b_proj absorbed (engine.decode.paths.latent_attention)
+    latent_attention: tuple[str, ...] = ()
 
 
 FAMILIES = (
@@ -68,10 +71,10 @@ FAMILIES = (
     Family("solar_open", ("SolarOpenRMSNorm",), ("SolarOpenAttention",)),
     Family("phimoe", (), ("PhimoeAttention",)),
     Family("deepseek_v2", ("DeepseekV2RMSNorm",)),
-    Family("deepseek_v3", ("DeepseekV3RMSNorm",)),
+    Family("deepseek_v3", ("DeepseekV3RMSNorm",), latent_attention=("DeepseekV3Attention",)),
     Family("deepseek_v32", ("DeepseekV32RMSNorm",)),
     Family("glm4_moe", ("Glm4MoeRMSNorm",)),
-    Family("glm4_moe_lite", ("Glm4MoeLiteRMSNorm",)),
+    Family("glm4_moe_lite", ("Glm4MoeLiteRMSNorm",), latent_attention=("Glm4MoeLiteAttention",)),
     Family("glm_moe_dsa", ("GlmMoeDsaRMSNorm",)),
     Family("ernie4_5_moe", ("Ernie4_5_MoeRMSNorm",)),
     Family("dots3_note", ("Dots3NoteRMSNorm",)),
@@ -122,6 +125,11 @@ def attention_classes() -> frozenset[type]:
 @cache
 def whole_token_attention_classes() -> frozenset[type]:
     return frozenset(cls for f in FAMILIES for cls in _classes(f, f.whole_token_attention))
+
+
+@cache
+def latent_attention_classes() -> frozenset[type]:
+    return frozenset(cls for f in FAMILIES for cls in _classes(f, f.latent_attention))
 
 
 @cache
@@ -176,6 +184,13 @@ def is_llama_attention(module: torch.nn.Module, whole_token: bool = False) -> bo
     full = (whole_token and len(norms) == 2 and module.q_norm.weight.numel() == module.q_proj.out_features
             and module.k_norm.weight.numel() == module.k_proj.out_features)
     return per_head or full
+
+
+def is_latent_attention(module: torch.nn.Module) -> bool:
+    """A listed MLA attention whose kv_b_proj is a plain bias-free linear (its weight is split per head)."""
+    up = getattr(module, "kv_b_proj", None)
+    return (own_class(module) in latent_attention_classes() and isinstance(up, torch.nn.Linear)
+            and up.bias is None and is_linear(getattr(module, "o_proj", None)))
 
 
 def is_linear(module: torch.nn.Module | None) -> bool:

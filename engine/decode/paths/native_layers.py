@@ -8,7 +8,9 @@ For one new token (prefill keeps transformers' kernels), while the path runs:
   whose experts are gated MLPs): the expert cache is handed that kernel (`ExpertCache.experts_kernel`);
 - plain bf16 `nn.Linear`s of one row (biased or not) use the native GEMV, Llama-style RMSNorms one call instead
   of eight small ops, Llama-style attention three (q/k/v with q/k norms and rotary, attention over
-  the KV cache, o_proj) instead of ~60, and listed top-k routers the GEMV for their linear;
+  the KV cache, o_proj) instead of ~60, DeepSeek-V3-style latent attention over the cached latents
+  with its up-projection absorbed (engine.decode.paths.latent_attention), and listed top-k routers
+  the GEMV for their linear;
 - other attention of one query runs as two float32 matmuls and a softmax instead of SDPA's
   flash kernel (whose fixed cost dominates for one query).
 Which modules qualify is decided by their class (engine.decode.paths.families). Each patched
@@ -29,7 +31,8 @@ import torch.nn.functional as F
 from engine.decode.native import kernels as native
 from engine.decode.paths.base import DecodePath, Step
 from engine.decode.paths.expert_recipe import ExpertsRecipe, experts_recipe
-from engine.decode.paths.families import is_llama_attention, is_llama_rms_norm, router_recipe
+from engine.decode.paths.families import is_latent_attention, is_llama_attention, is_llama_rms_norm, router_recipe
+from engine.decode.paths.latent_attention import latent_attention_forward
 from engine.decode.paths.transformers_path import model_forward
 from engine.model.cache_argument import cache_from_call
 from engine.model.dense_formats import QuantizedLinear
@@ -175,6 +178,8 @@ def patch_module(module: torch.nn.Module, switch: NativeSwitch) -> bool:
         module.__class__ = _fast_class(cls, _fast_rms_norm_forward)
     elif is_llama_attention(module):
         module.__class__ = _fast_class(cls, _fast_attention_forward)
+    elif is_latent_attention(module):
+        module.__class__ = _fast_class(cls, latent_attention_forward)
     elif (recipe := router_recipe(module)) is not None:
         module.__class__ = _fast_class(cls, _fast_router_forward)
         module._moescope_recipe = recipe

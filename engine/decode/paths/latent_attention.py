@@ -1,0 +1,65 @@
+"""One decode token of DeepSeek-V3-style multi-head latent attention (MLA) with the up-projection
+absorbed, inside a native step.
+
+transformers caches MLA's compressed latents (one `kv_lora_rank` row and one shared rotary key per
+position) and, every step, expands the whole cache through `kv_b_proj` into per-head keys and values
+before attending: for a one-query step that is a [positions x rank] by [rank x heads*(nope+v)]
+product per layer, growing with the context, which outweighs the rest of the layer. The same
+scores and output follow from the latents directly (DeepSeek-V2's paper, "absorbed" attention):
+  score_h(t) = (W_uk[h]^T q_nope_h) . c_t + q_rot_h . k_rot_t
+  out_h      = W_uv[h] (sum_t p_h(t) c_t)
+so the per-token cost is two small per-head products with `kv_b_proj`'s halves plus an attention
+over the latents. Everything up to the cache update is the module's own code, so the cache holds
+what transformers would put there. The same arithmetic in another order (float32 scores, the
+absorbed products rounded to bf16 once): not bit-identical, like the rest of the native path.
+"""
+
+from __future__ import annotations
+
+import sys
+
+import torch
+
+from engine.model.cache_argument import cache_from_call
+
+
+def latent_attention_forward(self, hidden_states: torch.Tensor, position_embeddings: tuple[torch.Tensor, torch.Tensor],
+                             attention_mask: torch.Tensor | None, *args, **kwargs):
+    """The fast forward of a listed MLA attention class (engine.decode.paths.families): one token
+    absorbed inside a native step; anything else takes the module's own forward."""
+    switch = self.__dict__.get("_moescope_switch")
+    kv = cache_from_call(args, kwargs)
+    batch, length = hidden_states.shape[:-1]
+    if (switch is None or not switch.on or kv is None or length != 1 or attention_mask is not None
+            or hidden_states.device.type != "cpu" or self.kv_b_proj.weight.dtype != hidden_states.dtype):
+        return self._plain_forward(hidden_states, position_embeddings, attention_mask, *args, **kwargs)
+    code = sys.modules[self._moescope_plain.__module__]  # the family's own rotary functions
+    heads, nope, rope, v_dim, rank = (self.num_heads, self.qk_nope_head_dim, self.qk_rope_head_dim, self.v_head_dim,
+                                      self.kv_lora_rank)
+
+    if self.q_lora_rank is None:
+        q_states = self.q_proj(hidden_states)
+    else:
+        q_states = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(hidden_states)))
+    q_states = q_states.view(batch, 1, heads, nope + rope).transpose(1, 2)
+    q_pass, q_rot = torch.split(q_states, [nope, rope], dim=-1)
+    compressed = self.kv_a_proj_with_mqa(hidden_states)
+    kv_nope, k_rot = torch.split(compressed, [rank, rope], dim=-1)
+    kv_nope = self.kv_a_layernorm(kv_nope).view(batch, 1, 1, rank)
+    k_rot = k_rot.view(batch, 1, 1, rope)
+    cos, sin = position_embeddings
+    rotate = code.apply_rotary_pos_emb_interleave if self.config.rope_interleave else code.apply_rotary_pos_emb
+    q_rot, k_rot = rotate(q_rot, k_rot, cos, sin)
+    latents, k_rot = kv.update(kv_nope, k_rot, self.layer_idx)  # [batch, 1, positions, rank]
+
+    up = self.kv_b_proj.weight.view(heads, nope + v_dim, rank)
+    w_uk, w_uv = up[:, :nope], up[:, nope:]  # [heads, nope, rank], [heads, v, rank]
+    absorbed = torch.matmul(q_pass.transpose(0, 1).reshape(heads, batch, nope), w_uk)  # [heads, batch, rank]
+    query = absorbed.transpose(0, 1).unsqueeze(2).float()  # [batch, heads, 1, rank]
+    scores = torch.matmul(query, latents.float().transpose(-1, -2))
+    scores += torch.matmul(q_rot.float(), k_rot.float().transpose(-1, -2))
+    weights = torch.softmax(scores * self.scaling, dim=-1)
+    context = torch.matmul(weights, latents.float()).to(hidden_states.dtype)  # [batch, heads, 1, rank]
+    out = torch.matmul(context.squeeze(2).transpose(0, 1), w_uv.transpose(1, 2))  # [heads, batch, v]
+    out = out.transpose(0, 1).reshape(batch, 1, heads * v_dim)
+    return self.o_proj(out), None
