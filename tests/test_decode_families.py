@@ -128,6 +128,39 @@ def test_listed_attention_steps_like_its_own_forward(cls):
     close(ours, reference, cls.__name__)
 
 
+@pytest.mark.parametrize("window", [None, 6])
+def test_one_query_eager_attention_with_sinks_and_mask_is_the_familys_own(window):
+    # GPT-OSS's eager attention: grouped kv heads, attention sinks, an additive (sliding-window) mask
+    from transformers import GptOssConfig
+    from transformers.models.gpt_oss.modeling_gpt_oss import GptOssAttention, eager_attention_forward
+
+    from engine.decode.paths import one_query_attention
+    from engine.decode.paths.switch import SWITCH_ATTR
+
+    config = GptOssConfig(hidden_size=128, num_attention_heads=8, num_key_value_heads=2, head_dim=16)
+    torch.manual_seed(5)
+    module = GptOssAttention(config, 0).to(torch.bfloat16).eval()
+    with torch.no_grad():
+        module.sinks.normal_(0, 2)
+    query = torch.randn(1, 8, 1, 16).to(torch.bfloat16)
+    key, value = torch.randn(1, 2, 20, 16).to(torch.bfloat16), torch.randn(1, 2, 20, 16).to(torch.bfloat16)
+    mask = torch.zeros(1, 1, 1, 20)
+    if window:
+        mask[..., :-window] = torch.finfo(torch.float32).min
+    mask = mask.to(torch.bfloat16)
+    switch = native_layers.NativeSwitch()
+    module.__dict__[SWITCH_ATTR] = switch
+    reference, _ = eager_attention_forward(module, query, key, value, mask, scaling=module.scaling, s_aux=module.sinks)
+    with switch.active():
+        ours, weights = one_query_attention.eager_attention(module, query, key, value, mask, scaling=module.scaling,
+                                                            s_aux=module.sinks)
+    assert weights is None  # the one-query path ran (the family's own returns its weights)
+    close(ours, reference, f"GPT-OSS eager attention, window {window}")
+    outside, _ = one_query_attention.eager_attention(module, query, key, value, mask, scaling=module.scaling,
+                                                     s_aux=module.sinks)
+    assert torch.equal(outside, reference)  # outside a native step: the family's own function
+
+
 @pytest.mark.parametrize("q_lora_rank", [48, None])
 @pytest.mark.parametrize("cls", sorted(families.latent_attention_classes(), key=lambda c: c.__name__),
                          ids=lambda cls: cls.__name__)
@@ -191,6 +224,8 @@ def test_each_family_takes_its_pinned_path(tiny_checkpoints, family):
             assert reason == ("" if label == WHOLE else NOT_THESE)  # said, in the System panel's tooltip
             assert path.run(step).shape[:2] == (1, 1)
         assert native_kinds(runtime) == kinds
+        # SDPA and eager attention alike (GPT-OSS's, with sinks) go through the one-query functions
+        assert runtime.model.config._attn_implementation in ("moescope_sdpa", "moescope_eager")
     finally:
         runtime.close()
 

@@ -20,6 +20,7 @@ import sys
 
 import torch
 
+from engine.decode.paths.switch import switched_on
 from engine.model.cache_argument import cache_from_call
 
 
@@ -27,10 +28,9 @@ def latent_attention_forward(self, hidden_states: torch.Tensor, position_embeddi
                              attention_mask: torch.Tensor | None, *args, **kwargs):
     """The fast forward of a listed MLA attention class (engine.decode.paths.families): one token
     absorbed inside a native step; anything else takes the module's own forward."""
-    switch = self.__dict__.get("_moescope_switch")
     kv = cache_from_call(args, kwargs)
     batch, length = hidden_states.shape[:-1]
-    if (switch is None or not switch.on or kv is None or length != 1 or attention_mask is not None
+    if (not switched_on(self) or kv is None or length != 1 or attention_mask is not None
             or hidden_states.device.type != "cpu" or self.kv_b_proj.weight.dtype != hidden_states.dtype):
         return self._plain_forward(hidden_states, position_embeddings, attention_mask, *args, **kwargs)
     code = sys.modules[self._moescope_plain.__module__]  # the family's own rotary functions

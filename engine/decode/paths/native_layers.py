@@ -11,8 +11,8 @@ For one new token (prefill keeps transformers' kernels), while the path runs:
   the KV cache, o_proj) instead of ~60, DeepSeek-V3-style latent attention over the cached latents
   with its up-projection absorbed (engine.decode.paths.latent_attention), and listed top-k routers
   the GEMV for their linear;
-- other attention of one query runs as two float32 matmuls and a softmax instead of SDPA's
-  flash kernel (whose fixed cost dominates for one query).
+- other attention of one query (SDPA or eager, with attention sinks and additive masks) runs as two
+  float32 matmuls and a softmax (engine.decode.paths.one_query_attention).
 Which modules qualify is decided by their class (engine.decode.paths.families). Each patched
 module reads a switch that belongs to its model and is on only inside this path's `run`, so
 outside it every module computes exactly as transformers does; no process-wide torch setting
@@ -21,40 +21,22 @@ is touched.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from contextlib import contextmanager
 from types import ModuleType
 
 import torch
 import torch.nn.functional as F
 
 from engine.decode.native import kernels as native
+from engine.decode.paths import one_query_attention
 from engine.decode.paths.base import DecodePath, Step
 from engine.decode.paths.expert_recipe import ExpertsRecipe, experts_recipe
 from engine.decode.paths.families import is_latent_attention, is_llama_attention, is_llama_rms_norm, router_recipe
 from engine.decode.paths.latent_attention import latent_attention_forward
+from engine.decode.paths.switch import SWITCH_ATTR, NativeSwitch
 from engine.decode.paths.transformers_path import model_forward
 from engine.model.cache_argument import cache_from_call
 from engine.model.dense_formats import QuantizedLinear
 from engine.offload.expert_compute import SlotReader, torch_one_token
-
-ATTENTION_NAME = "moescope_sdpa"
-SWITCH_ATTR = "_moescope_switch"
-
-
-class NativeSwitch:
-    """On while a native decode step runs this model (one per loaded model)."""
-
-    def __init__(self) -> None:
-        self.on = False
-
-    @contextmanager
-    def active(self) -> Iterator[None]:
-        self.on = True
-        try:
-            yield
-        finally:
-            self.on = False
 
 
 def _native_kernels(module: torch.nn.Module, x: torch.Tensor, weight: torch.Tensor) -> ModuleType | None:
@@ -231,47 +213,13 @@ def expert_weights(kernels: ModuleType, reader: SlotReader, chosen: list[dict[st
     return out[0], out[1]
 
 
-def _one_query_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                         scaling: float | None) -> torch.Tensor:
-    """softmax(q k^T * scale) v for one query, key/value heads shared by groups of query heads."""
-    batch, heads, _, dim = query.shape
-    kv_heads, value_dim = key.shape[1], value.shape[-1]  # MLA (DeepSeek) values are narrower than keys
-    scale = dim**-0.5 if scaling is None else scaling
-    q = query.reshape(batch, kv_heads, heads // kv_heads, dim).float()  # each group of heads meets its kv head
-    scores = torch.matmul(q, key.float().transpose(-1, -2)) * scale
-    out = torch.matmul(torch.softmax(scores, dim=-1), value.float())
-    return out.to(query.dtype).reshape(batch, heads, 1, value_dim).transpose(1, 2)  # [batch, 1, heads, dim], as SDPA's
-
-
-def attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-              attention_mask: torch.Tensor | None, dropout: float = 0.0, scaling: float | None = None,
-              **kwargs) -> tuple[torch.Tensor, None]:
-    """transformers' SDPA attention, except one-query steps inside a native step (no mask, no extras)."""
-    from transformers.integrations.sdpa_attention import sdpa_attention_forward
-
-    switch = module.__dict__.get(SWITCH_ATTR)
-    plain = (switch is not None and switch.on and query.shape[2] == 1 and attention_mask is None
-             and query.device.type == "cpu" and query.dtype != torch.float32 and kwargs.get("position_bias") is None
-             and kwargs.get("s_aux") is None and key.shape[1] > 0 and query.shape[1] % key.shape[1] == 0)
-    if not plain:
-        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
-                                      **kwargs)
-    return _one_query_attention(query, key, value, scaling), None
-
-
 def install(model: torch.nn.Module) -> NativeSwitch:
     """Give `model`'s qualifying modules their native-step classes, all reading one new switch, and
-    route its SDPA attention through `attention` (same results outside a native step)."""
-    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
-    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
-
+    route its SDPA or eager attention through the one-query versions (same results outside a native step)."""
     switch = NativeSwitch()
     for module in model.modules():
         patch_module(module, switch)
-    if model.config._attn_implementation == "sdpa":
-        ALL_ATTENTION_FUNCTIONS.register(ATTENTION_NAME, attention)
-        ALL_MASK_ATTENTION_FUNCTIONS.register(ATTENTION_NAME, sdpa_mask)  # same masks as SDPA
-        model.set_attn_implementation(ATTENTION_NAME)
+    one_query_attention.install(model)
     return switch
 
 
