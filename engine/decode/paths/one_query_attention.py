@@ -23,28 +23,37 @@ EAGER_NAME = "moescope_eager"
 
 
 def one_query(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scaling: float | None,
-              mask: torch.Tensor | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
+              mask: torch.Tensor | None = None, sinks: torch.Tensor | None = None,
+              eager_rounding: bool = False) -> torch.Tensor:
     """softmax(q k^T * scale + mask) v for one query, key/value heads shared by groups of query heads;
-    `sinks` (one logit per query head) take part in the softmax's normalisation only."""
+    `sinks` (one logit per query head) take part in the softmax's normalisation only. Sums in float32;
+    `eager_rounding` rounds to the query's dtype where an eager function's bf16 ops round (the
+    scores, their scaling, the mask, the shift by the maximum, the probabilities, the output), so
+    near-ties fall as they fall in the model's own code; SDPA's kernel keeps float32 throughout."""
     batch, heads, _, dim = query.shape
     kv_heads, positions, value_dim = key.shape[1], key.shape[2], value.shape[-1]  # MLA values can be narrower
     groups = heads // kv_heads
     scale = dim**-0.5 if scaling is None else scaling
+
+    def rounded(t: torch.Tensor) -> torch.Tensor:
+        return t.to(query.dtype).float() if eager_rounding else t
+
     q = query.reshape(batch, kv_heads, groups, dim).float()  # each group of heads meets its kv head
-    scores = torch.matmul(q, key.float().transpose(-1, -2)) * scale  # [batch, kv_heads, groups, positions]
+    scores = rounded(rounded(torch.matmul(q, key.float().transpose(-1, -2))) * scale)  # [b, kv_heads, groups, pos]
     if mask is not None:
         mask = mask[..., :positions]  # as transformers slices it for SDPA
         if mask.dtype == torch.bool:
             mask = torch.zeros(mask.shape, dtype=torch.float32).masked_fill_(~mask, float("-inf"))
-        scores = scores + mask.float().reshape(batch, -1 if mask.shape[1] == 1 else kv_heads,
-                                               1 if mask.shape[1] == 1 else groups, positions)
+        scores = rounded(scores + mask.float().reshape(batch, -1 if mask.shape[1] == 1 else kv_heads,
+                                                       1 if mask.shape[1] == 1 else groups, positions))
     if sinks is None:
-        weights = torch.softmax(scores, dim=-1)
+        weights = rounded(torch.softmax(scores, dim=-1))
     else:
         sink = sinks.float().reshape(1, kv_heads, groups, 1)
         top = torch.maximum(scores.amax(dim=-1, keepdim=True), sink)
-        exp = torch.exp(scores - top)
-        weights = exp / (exp.sum(dim=-1, keepdim=True) + torch.exp(sink - top))
+        scores, sink = rounded(scores - top), rounded(sink - top)
+        exp = torch.exp(scores)
+        weights = rounded(exp / (exp.sum(dim=-1, keepdim=True) + torch.exp(sink)))
     out = torch.matmul(weights, value.float())
     return out.to(query.dtype).reshape(batch, heads, 1, value_dim).transpose(1, 2)  # [batch, 1, heads, dim], as SDPA's
 
@@ -84,7 +93,7 @@ def eager_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Ten
             sinks is not None and sinks.numel() != query.shape[1]):
         return _own_eager(module)(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout,
                                   **kwargs)
-    return one_query(query, key, value, scaling, attention_mask, sinks), None
+    return one_query(query, key, value, scaling, attention_mask, sinks, eager_rounding=True), None
 
 
 def install(model: torch.nn.Module) -> None:
