@@ -60,6 +60,8 @@ def latent_attention_forward(self, hidden_states: torch.Tensor, position_embeddi
     scores += torch.matmul(q_rot.float(), k_rot.float().transpose(-1, -2))
     weights = torch.softmax(scores * self.scaling, dim=-1)
     context = torch.matmul(weights, latents.float()).to(hidden_states.dtype)  # [batch, heads, 1, rank]
-    out = torch.matmul(context.squeeze(2).transpose(0, 1), w_uv.transpose(1, 2))  # [heads, batch, v]
-    out = out.transpose(0, 1).reshape(batch, 1, heads * v_dim)
+    # W_uv [heads, v, rank] times the contexts as columns: the weight as stored (a transposed view of it
+    # would be copied whole every step)
+    out = torch.matmul(w_uv, context.squeeze(2).permute(1, 2, 0))  # [heads, v, batch]
+    out = out.permute(2, 0, 1).reshape(batch, 1, heads * v_dim)
     return self.o_proj(out), None
