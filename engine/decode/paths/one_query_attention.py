@@ -108,7 +108,7 @@ def install(model: torch.nn.Module) -> None:
         ALL_MASK_ATTENTION_FUNCTIONS.register(SDPA_NAME, sdpa_mask)  # same masks as SDPA
         model.set_attn_implementation(SDPA_NAME)
     elif implementation == "eager":
-        attentions = [m for m in model.modules() if type(m).__name__.endswith("Attention") and hasattr(m, "layer_idx")]
+        attentions = [m for m in model.modules() if type(m).__name__.endswith("Attention")]
         if not attentions or any(_own_eager(m) is None for m in attentions):
             return
         ALL_ATTENTION_FUNCTIONS.register(EAGER_NAME, eager_attention)
