@@ -159,6 +159,10 @@ def test_one_query_eager_attention_with_sinks_and_mask_is_the_familys_own(window
     outside, _ = one_query_attention.eager_attention(module, query, key, value, mask, scaling=module.scaling,
                                                      s_aux=module.sinks)
     assert torch.equal(outside, reference)  # outside a native step: the family's own function
+    with switch.active():  # a keyword the one-query path does not compute: the family's own function
+        capped, weights = one_query_attention.eager_attention(module, query, key, value, mask, scaling=module.scaling,
+                                                              s_aux=module.sinks, softcap=30.0)
+    assert weights is not None and torch.equal(capped, reference)
 
 
 @pytest.mark.parametrize("q_lora_rank", [48, None])

@@ -58,10 +58,19 @@ def one_query(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scali
     return out.to(query.dtype).reshape(batch, heads, 1, value_dim).transpose(1, 2)  # [batch, 1, heads, dim], as SDPA's
 
 
+# Keywords the one-query path may see set and still compute what the model's own function computes
+# (a sliding window arrives as the mask; sinks are handled). Anything else set (a soft-cap, a
+# position bias, attention weights asked for...) falls back to the model's own function.
+UNDERSTOOD_KWARGS = frozenset({"position_ids", "cache_position", "use_cache", "output_router_logits", "is_causal",
+                               "return_dict", "sliding_window", "s_aux"})
+
+
 def _one_query_applies(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, dropout: float,
                        kwargs: dict) -> bool:
-    return (switched_on(module) and query.shape[2] == 1 and dropout == 0.0 and query.device.type == "cpu"
-            and query.dtype != torch.float32 and kwargs.get("position_bias") is None
+    unknown = any(value is not None and value is not False for name, value in kwargs.items()
+                  if name not in UNDERSTOOD_KWARGS)
+    return (switched_on(module) and not unknown and query.shape[2] == 1 and dropout == 0.0
+            and query.device.type == "cpu" and query.dtype != torch.float32
             and key.shape[1] > 0 and query.shape[1] % key.shape[1] == 0)
 
 
