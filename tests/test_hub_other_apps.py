@@ -152,7 +152,7 @@ def test_an_lmstudio_checkpoint_folder_opens_where_it_lies(home, mixtral_checkpo
 def test_the_header_parser_agrees_with_the_gguf_package(tmp_path):
     import gguf
 
-    from engine.hub.gguf_header import parse_header
+    from engine.model.gguf_header import parse_header
 
     path = write_moe_gguf(tmp_path / "m.gguf", quant="Q4_K", file_type="MOSTLY_Q4_K_M", vocabulary=3000)
     parsed = parse_header(path.read_bytes())

@@ -8,16 +8,15 @@ own bytes: the estimate says what the experts and dense weights take as the file
 
 from __future__ import annotations
 
-import mmap
 import re
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from engine.errors import CheckpointError
 from engine.hub.estimate import SizeEstimate
-from engine.hub.gguf_header import BadHeader, ParsedHeader, ShortHeader, parse_header
 from engine.model.gguf_config import ARCHITECTURES, SUPPORTED
 from engine.model.gguf_file import split_parts as model_split_parts
+from engine.model.gguf_header import BadHeader, ParsedHeader, ShortHeader, read_file_header
 
 BLOCK = re.compile(r"^blk\.(\d+)\.")
 # GGUF architectures the GGUF loader maps onto a transformers MoE family: the loader's own table
@@ -85,11 +84,10 @@ def header_of(parts: list[Path], parsed: list[ParsedHeader], sizes: list[int]) -
 
 def _read_part(part: Path) -> ParsedHeader:
     try:
-        with open(part, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as mapped:
-            return parse_header(mapped)
+        return read_file_header(part)
     except ShortHeader:
         raise GGUFProblem(f"{part} is truncated inside its header; download it again") from None
-    except (BadHeader, ValueError, OSError) as exc:  # ValueError: mmap of an empty file
+    except BadHeader as exc:
         raise GGUFProblem(f"{part} is not a readable GGUF file ({exc}); download it again") from None
 
 

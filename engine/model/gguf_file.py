@@ -1,8 +1,8 @@
 """Opening a GGUF file (or a split `-00001-of-0000N.gguf` set) as llama.cpp's converter writes it:
 its metadata, and where every tensor's bytes sit, checked before anything is read.
 
-Headers only: the `gguf` package maps the file, and the tensors' bytes are read later, per expert,
-by the store (the file is never copied or written).
+Headers only (engine.model.gguf_header walks them, stepping over the vocabulary), and the tensors'
+bytes are read later, per expert, by the store (the file is never copied or written).
 """
 
 from __future__ import annotations
@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from engine.errors import CheckpointError
+from engine.model.gguf_header import BadHeader, ShortHeader, read_file_header
 
 SPLIT_NAME = re.compile(r"^(?P<prefix>.*)-(?P<no>\d{5})-of-(?P<count>\d{5})\.gguf$", re.IGNORECASE)
 
@@ -73,40 +74,25 @@ def split_parts(path: Path) -> list[Path]:
     return parts
 
 
-def _scalar(value):
-    if isinstance(value, list):
-        return value
-    return value.item() if hasattr(value, "item") else value
-
-
 def _read(part: Path, model: GGUFModel, *, first: bool) -> None:
     import gguf
 
     try:
-        reader = gguf.GGUFReader(part)
-    except Exception as exc:  # the gguf package raises ValueError, IndexError, ... on a cut-off header
+        parsed = read_file_header(part)
+    except ShortHeader:
+        raise CheckpointError(f"{part} is truncated inside its header; download it again") from None
+    except BadHeader as exc:
         raise CheckpointError(f"{part} is truncated or not a GGUF file ({exc}); download it again") from None
     if first:
-        for key, value in reader.fields.items():
-            if key.startswith("GGUF."):
-                continue
-            if key in ("tokenizer.ggml.tokens", "tokenizer.ggml.merges", "tokenizer.ggml.token_type",
-                       "tokenizer.ggml.scores"):
-                continue  # large: the tokenizer reads them itself
-            try:
-                model.metadata[key] = _scalar(value.contents())
-            except (ValueError, IndexError, UnicodeDecodeError):
-                continue
+        model.metadata.update(parsed.metadata)  # scalars, strings, short arrays; the vocabulary is the tokenizer's
     size = part.stat().st_size
-    for t in reader.tensors:
-        end = int(t.data_offset) + int(t.n_bytes)
+    for name, type_name, _, nbytes, end in parsed.tensors:
         if end > size:
             raise CheckpointError(
-                f"{part} is truncated: it holds {size} bytes but tensor '{t.name}' ends at byte {end}; the "
+                f"{part} is truncated: it holds {size} bytes but tensor '{name}' ends at byte {end}; the "
                 "download was probably interrupted — download it again")
-        model.tensors[t.name] = GGUFTensor(
-            t.name, part, int(t.tensor_type), t.tensor_type.name, tuple(int(d) for d in reversed(t.shape.tolist())),
-            int(t.data_offset), int(t.n_bytes))
+        model.tensors[name] = GGUFTensor(name, part, int(gguf.GGMLQuantizationType[type_name]), type_name,
+                                         tuple(reversed(parsed.dims[name])), end - nbytes, nbytes)
 
 
 def open_gguf(path: str | Path) -> GGUFModel:

@@ -2,15 +2,17 @@
 
 The `gguf` package's GGUFReader turns every element of every metadata array into numpy views: for a
 150k-token vocabulary and its merges that takes ~20 s per file (gguf 0.19), too slow to list a
-folder of models or to size a file on the Hub from its first bytes. This walks the same layout
+folder of models, to size a file on the Hub from its first bytes, or to open one for a chat
+(engine.model.gguf_file; the tokenizer's arrays are read by transformers). This walks the same layout
 (GGUF v2/v3, see gguf/constants.py) with struct, keeping scalars and short numeric arrays and
 stepping over strings and the rest; quant types and their block sizes come from the gguf package.
 """
 
 from __future__ import annotations
 
+import mmap
 import struct
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 MAGIC = b"GGUF"
 DEFAULT_ALIGNMENT = 32
@@ -37,6 +39,7 @@ class ParsedHeader:
     metadata: dict[str, object]
     tensors: list[tuple[str, str, int, int, int]]  # name, quant type, elements, bytes, end offset in the file
     data_start: int
+    dims: dict[str, tuple[int, ...]] = field(default_factory=dict)  # per tensor, GGUF's order (columns first)
 
 
 class _Cursor:
@@ -133,4 +136,14 @@ def parse_header(buf) -> ParsedHeader:
             elements *= d
         nbytes = elements // block * type_size
         tensors.append((name, qtype.name, elements, nbytes, data_start + offset + nbytes))
-    return ParsedHeader(metadata, tensors, data_start)
+    return ParsedHeader(metadata, tensors, data_start, {name: tuple(dims) for name, dims, _, _ in infos})
+
+
+def read_file_header(path) -> ParsedHeader:
+    """The header of a local GGUF file, mapped (not read whole). ShortHeader when the file ends inside
+    it, BadHeader when it is not a GGUF file or cannot be mapped."""
+    try:
+        with open(path, "rb") as handle, mmap.mmap(handle.fileno(), 0, access=mmap.ACCESS_READ) as mapped:
+            return parse_header(mapped)
+    except (ValueError, OSError) as exc:  # ValueError: mmap of an empty file
+        raise BadHeader(str(exc)) from None
