@@ -96,10 +96,28 @@ def test_listed_routers_pick_what_their_own_forward_picks(cls):
     close(ours[1], reference[1], f"{cls.__name__} weights")
 
 
-@pytest.mark.parametrize("cls", listed("attention"), ids=lambda cls: cls.__name__)
-def test_listed_attention_steps_like_its_own_forward(cls):
+def step_like_own_forward(module: torch.nn.Module, config, rotary, what: str):
+    """A 24-token prompt, then one token through the module's own forward and, patched, inside a
+    native step: the outputs agree to bf16 rounding. Returns both caches (own, native)."""
     from transformers.cache_utils import DynamicCache
 
+    prompt, token = torch.randn(1, 24, 256).to(torch.bfloat16), torch.randn(1, 1, 256).to(torch.bfloat16)
+    caches = [DynamicCache(config=config), DynamicCache(config=config)]
+    with torch.no_grad():
+        for cache in caches:
+            module(prompt, rotary(prompt, torch.arange(24)[None]), None, **cache_argument(module, cache))
+        step = rotary(token, torch.tensor([[24]]))
+        reference, _ = module(token, step, None, **cache_argument(module, caches[0]))
+        switch = native_layers.NativeSwitch()
+        assert native_layers.patch_module(module, switch)
+        with switch.active():
+            ours, _ = module(token, step, None, **cache_argument(module, caches[1]))
+    close(ours, reference, what)
+    return caches[0], caches[1]
+
+
+@pytest.mark.parametrize("cls", listed("attention"), ids=lambda cls: cls.__name__)
+def test_listed_attention_steps_like_its_own_forward(cls):
     config = config_of(cls, hidden_size=256, num_attention_heads=8, num_key_value_heads=2, head_dim=32,
                        num_hidden_layers=1, attention_bias=False, attention_dropout=0.0)
     config._attn_implementation = "sdpa"
@@ -114,18 +132,7 @@ def test_listed_attention_steps_like_its_own_forward(cls):
             return rotary_module(x, positions, layer_type=config.layer_types[0])
         return rotary_module(x, positions)
 
-    prompt, token = torch.randn(1, 24, 256).to(torch.bfloat16), torch.randn(1, 1, 256).to(torch.bfloat16)
-    caches = [DynamicCache(config=config), DynamicCache(config=config)]
-    with torch.no_grad():
-        for cache in caches:
-            module(prompt, rotary(prompt, torch.arange(24)[None]), None, **cache_argument(module, cache))
-        step = rotary(token, torch.tensor([[24]]))
-        reference, _ = module(token, step, None, **cache_argument(module, caches[0]))
-        switch = native_layers.NativeSwitch()
-        assert native_layers.patch_module(module, switch)
-        with switch.active():
-            ours, _ = module(token, step, None, **cache_argument(module, caches[1]))
-    close(ours, reference, cls.__name__)
+    step_like_own_forward(module, config, rotary, cls.__name__)
 
 
 @pytest.mark.parametrize("window", [None, 6])
@@ -171,8 +178,6 @@ def test_one_query_eager_attention_with_sinks_and_mask_is_the_familys_own(window
 def test_listed_latent_attention_steps_like_its_own_forward(cls, q_lora_rank):
     # MLA with kv_b_proj absorbed gives what the module's own forward gives after expanding the
     # whole latent cache, and leaves the cache as that forward leaves it.
-    from transformers.cache_utils import DynamicCache
-
     config = config_of(cls, hidden_size=256, num_attention_heads=8, num_key_value_heads=8, q_lora_rank=q_lora_rank,
                        kv_lora_rank=64, qk_nope_head_dim=32, qk_rope_head_dim=16, v_head_dim=24, head_dim=16,
                        num_hidden_layers=1, attention_bias=False, attention_dropout=0.0)
@@ -182,19 +187,8 @@ def test_listed_latent_attention_steps_like_its_own_forward(cls, q_lora_rank):
     assert families.is_latent_attention(module)
     rotary = next(v for v in vars(inspect.getmodule(cls)).values()
                   if isinstance(v, type) and v.__name__.endswith("RotaryEmbedding"))(config)
-    prompt, token = torch.randn(1, 24, 256).to(torch.bfloat16), torch.randn(1, 1, 256).to(torch.bfloat16)
-    caches = [DynamicCache(config=config), DynamicCache(config=config)]
-    with torch.no_grad():
-        for cache in caches:
-            module(prompt, rotary(prompt, torch.arange(24)[None]), None, **cache_argument(module, cache))
-        step = rotary(token, torch.tensor([[24]]))
-        reference, _ = module(token, step, None, **cache_argument(module, caches[0]))
-        switch = native_layers.NativeSwitch()
-        assert native_layers.patch_module(module, switch)
-        with switch.active():
-            ours, _ = module(token, step, None, **cache_argument(module, caches[1]))
-    close(ours, reference, cls.__name__)
-    assert all(torch.equal(a, b) for a, b in zip(caches[0].layers[0].keys, caches[1].layers[0].keys, strict=True))
+    theirs, ours = step_like_own_forward(module, config, rotary, cls.__name__)
+    assert all(torch.equal(a, b) for a, b in zip(theirs.layers[0].keys, ours.layers[0].keys, strict=True))
 
 
 def native_attention(module: torch.nn.Module) -> bool:
