@@ -222,3 +222,20 @@ def test_gpt_oss_experts_run_on_the_kernel(kernels, width, inter):
                                [w["gate_up_proj_bias"] for w in slots], [w["down_proj_bias"] for w in slots], True, gate)
     assert fused.shape == reference.shape and fused.dtype == torch.bfloat16
     close(fused, reference, "moe_decode (GPT-OSS)")
+
+
+def test_a_build_lock_left_by_a_killed_process_does_not_block_the_next(kernels):
+    # torch's extension builder takes a `lock` file even to load a finished build; a process killed
+    # during the first build (the window closed, a CLI run that ended first) leaves it behind
+    import threading
+
+    from engine.decode.native import kernels as native
+
+    stale = native.build_directory("native") / "lock"
+    stale.touch()
+    loaded: list = []
+    thread = threading.Thread(target=lambda: loaded.append(native.compile_flavour("native")), daemon=True)
+    thread.start()
+    thread.join(timeout=120)
+    assert loaded and hasattr(loaded[0], "moe_decode"), "the next load waited on the stale lock"
+    assert not stale.exists()

@@ -108,6 +108,9 @@ class MoERuntime:
         )
         if self.layout.quantized:  # the native expansion once the kernels are built: the same values, faster
             self.cache.use_dequantizer(native.slot_dequantizer(reference_dequantizer))
+            # built in the background with --exact too: the torch reference expands a slot through
+            # float32 temporaries several times its size, which a prefill pays in time and memory
+            native.start_build()
         for layer, module_path in enumerate(self.layout.module_paths):
             experts_registry.attach(self.model.get_submodule(module_path), self.cache, layer)
         self._restriction: RoutingRestriction | None = None

@@ -16,6 +16,8 @@ import hashlib
 import os
 import platform
 import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from types import ModuleType
 
@@ -57,15 +59,37 @@ def compile_flavour(flavour: str = "native") -> ModuleType:
     from torch.utils import cpp_extension
 
     name = _build_name(flavour)
-    directory = Path(platformdirs.user_cache_dir("moescope")) / "kernels" / name
+    directory = build_directory(flavour)
     directory.mkdir(parents=True, exist_ok=True)
-    # -ffp-contract=off: a dequantized weight is a product then a difference, two roundings, as the
-    # reference computes it; a fused multiply-add would round once (quant.h)
-    return cpp_extension.load(
-        name, [str(SOURCE)], build_directory=str(directory),
-        extra_cflags=["-O3", FLAVOURS[flavour], "-ffp-contract=off", "-fopenmp"], extra_ldflags=["-fopenmp"],
-        verbose=False,
-    )
+    with _only_builder(directory):
+        # -ffp-contract=off: a dequantized weight is a product then a difference, two roundings, as the
+        # reference computes it; a fused multiply-add would round once (quant.h)
+        return cpp_extension.load(
+            name, [str(SOURCE)], build_directory=str(directory),
+            extra_cflags=["-O3", FLAVOURS[flavour], "-ffp-contract=off", "-fopenmp"], extra_ldflags=["-fopenmp"],
+            verbose=False,
+        )
+
+
+def build_directory(flavour: str = "native") -> Path:
+    return Path(platformdirs.user_cache_dir("moescope")) / "kernels" / _build_name(flavour)
+
+
+@contextmanager
+def _only_builder(directory: Path) -> Iterator[None]:
+    """Hold an OS lock on `directory` for a build or load of it (other processes wait; a process that
+    dies mid-build releases it), and clear torch's own `lock` file while holding it: torch's builder
+    takes that file even to load a finished build, and a process killed midway (the window closed
+    during the first build, a CLI run that ended first) leaves it behind for every later one to wait on."""
+    import fcntl
+
+    with open(directory / ".moescope-build.lock", "w") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            (directory / "lock").unlink(missing_ok=True)  # no live build holds it: we hold the OS lock
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
 
 
 def _build() -> None:
