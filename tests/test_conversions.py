@@ -13,11 +13,9 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from engine.cli.main import main as moescope
-from engine.decode.generation import Generator
 from engine.decode.runtime import MoERuntime
 from engine.model.checkpoint import read_safetensors_header
-from engine.protocol import LoadModel, SamplingSettings
-from tests.helpers.checkpoints import dequantized_reference, reference_generate, save_tiny_checkpoint
+from tests.helpers.checkpoints import dequantized_reference, greedy_reply, reference_generate, save_tiny_checkpoint
 
 PROMPT = [1, 17, 42, 9, 77, 5]
 NEW_TOKENS = 8
@@ -41,13 +39,8 @@ def converted(tmp_path_factory) -> dict[str, tuple[Path, list[int]]]:
 
 
 def generate(path: Path, budget: str, store: str, expert_format: str = "original") -> tuple[list[int], MoERuntime]:
-    runtime = MoERuntime(LoadModel(path=str(path), budget=budget, store=store, dtype="float32", fast_decode=False,
-                                   expert_format=expert_format))
-    try:
-        settings = SamplingSettings(temperature=0, max_new_tokens=NEW_TOKENS)
-        return Generator(runtime).generate(PROMPT, settings).token_ids, runtime
-    finally:
-        runtime.close()
+    return greedy_reply(path, PROMPT, NEW_TOKENS, budget=budget, store=store, dtype="float32", fast_decode=False,
+                        expert_format=expert_format)
 
 
 @pytest.mark.parametrize("store", ["disk", "ram"])

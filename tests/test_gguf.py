@@ -13,12 +13,11 @@ import numpy as np
 import pytest
 
 from engine.cli.main import main as moescope
-from engine.decode.generation import Generator
 from engine.decode.runtime import MoERuntime
 from engine.model.dense_formats import QuantizedLinear
 from engine.model.gguf_convert import converted_root
-from engine.protocol import LoadModel, SamplingSettings
-from tests.helpers.checkpoints import tree_snapshot
+from engine.protocol import LoadModel
+from tests.helpers.checkpoints import greedy_reply, tree_snapshot
 from tests.helpers.gguf_writer import gguf_reference_generate, save_tiny_hf, write_gguf
 
 PROMPT = [5, 17, 33, 8, 61, 12, 40, 9]
@@ -46,12 +45,7 @@ def models(tmp_path_factory) -> dict:
 
 def generate(path: Path, progress=None, **settings) -> tuple[list[int], MoERuntime]:
     settings.setdefault("dtype", "float32")
-    runtime = MoERuntime(LoadModel(path=str(path), **settings), progress=progress)
-    try:
-        reply = Generator(runtime).generate(PROMPT, SamplingSettings(temperature=0, max_new_tokens=NEW_TOKENS))
-        return reply.token_ids, runtime
-    finally:
-        runtime.close()
+    return greedy_reply(path, PROMPT, NEW_TOKENS, progress, **settings)
 
 
 @pytest.mark.parametrize("type_name", TYPES)

@@ -13,13 +13,11 @@ import pytest
 import torch
 
 from engine.cli.main import main as moescope
-from engine.decode.generation import Generator
 from engine.decode.runtime import MoERuntime
 from engine.formats.blocks import FP8, MXFP4
 from engine.formats.dequantize import dequantize
 from engine.formats.relay import fp8_from_tiles, mxfp4_from_openai
-from engine.protocol import LoadModel, SamplingSettings
-from tests.helpers.checkpoints import reference_generate, set_config_field, tree_snapshot
+from tests.helpers.checkpoints import greedy_reply, reference_generate, set_config_field, tree_snapshot
 from tests.helpers.quantized_checkpoints import save_fp8, save_mxfp4_gpt_oss
 
 PROMPT = [5, 17, 33, 8, 61, 12, 40, 9]
@@ -38,12 +36,7 @@ def checkpoints(tmp_path_factory) -> dict[str, Path]:
 
 
 def generate(path: Path, **settings) -> tuple[list[int], MoERuntime]:
-    runtime = MoERuntime(LoadModel(path=str(path), **settings))
-    try:
-        reply = Generator(runtime).generate(PROMPT, SamplingSettings(temperature=0, max_new_tokens=NEW_TOKENS))
-        return reply.token_ids, runtime
-    finally:
-        runtime.close()
+    return greedy_reply(path, PROMPT, NEW_TOKENS, **settings)
 
 
 @pytest.mark.parametrize("model", MODELS)

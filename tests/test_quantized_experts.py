@@ -12,13 +12,19 @@ from pathlib import Path
 import pytest
 
 from engine.cli.main import main as moescope
-from engine.decode.generation import Generator
 from engine.decode.runtime import MoERuntime
 from engine.errors import CheckpointError
 from engine.formats.blocks import FORMATS
 from engine.offload import quantized_store
-from engine.protocol import LoadModel, SamplingSettings
-from tests.helpers.checkpoints import FAMILIES, WIDE, dequantized_reference, save_tiny_checkpoint, tree_snapshot
+from engine.protocol import LoadModel
+from tests.helpers.checkpoints import (
+    FAMILIES,
+    WIDE,
+    dequantized_reference,
+    greedy_reply,
+    save_tiny_checkpoint,
+    tree_snapshot,
+)
 
 PROMPT = [5, 17, 33, 8, 61, 12, 40, 9]
 NEW_TOKENS = 12
@@ -43,11 +49,7 @@ def references(wide) -> dict:
 
 
 def generate(path, **settings) -> tuple[list[int], MoERuntime]:
-    runtime = MoERuntime(LoadModel(path=str(path), **settings))
-    try:
-        return Generator(runtime).generate(PROMPT, SamplingSettings(temperature=0, max_new_tokens=NEW_TOKENS)).token_ids, runtime
-    finally:
-        runtime.close()
+    return greedy_reply(path, PROMPT, NEW_TOKENS, **settings)
 
 
 @pytest.mark.parametrize("fmt", ["q8_0", "q4_k", "q2_k"])

@@ -137,6 +137,20 @@ def reference_generate(path: Path, prompt_ids: list[int], max_new_tokens: int, d
     return out[0, len(prompt_ids):].tolist()
 
 
+def greedy_reply(path: Path, prompt_ids: list[int], max_new_tokens: int, progress=None, **settings):
+    """MoEScope's greedy reply with these load settings, and the (closed) runtime that gave it."""
+    from engine.decode.generation import Generator
+    from engine.decode.runtime import MoERuntime
+    from engine.protocol import LoadModel, SamplingSettings
+
+    runtime = MoERuntime(LoadModel(path=str(path), **settings), progress=progress)
+    try:
+        reply = Generator(runtime).generate(prompt_ids, SamplingSettings(temperature=0, max_new_tokens=max_new_tokens))
+        return reply.token_ids, runtime
+    finally:
+        runtime.close()
+
+
 def reference_with_margins(path: Path, prompt_ids: list[int], max_new_tokens: int,
                            dtype=torch.float32) -> tuple[list[int], list[torch.Tensor]]:
     """Plain transformers' greedy reply and, per step, its logits (float32)."""
