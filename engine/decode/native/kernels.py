@@ -59,7 +59,7 @@ def compile_flavour(flavour: str = "native") -> ModuleType:
     from torch.utils import cpp_extension
 
     name = _build_name(flavour)
-    directory = build_directory(flavour)
+    directory = _directory_of(name)
     directory.mkdir(parents=True, exist_ok=True)
     with _only_builder(directory):
         # -ffp-contract=off: a dequantized weight is a product then a difference, two roundings, as the
@@ -72,7 +72,11 @@ def compile_flavour(flavour: str = "native") -> ModuleType:
 
 
 def build_directory(flavour: str = "native") -> Path:
-    return Path(platformdirs.user_cache_dir("moescope")) / "kernels" / _build_name(flavour)
+    return _directory_of(_build_name(flavour))
+
+
+def _directory_of(name: str) -> Path:
+    return Path(platformdirs.user_cache_dir("moescope")) / "kernels" / name
 
 
 @contextmanager
