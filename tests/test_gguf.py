@@ -22,24 +22,26 @@ from tests.helpers.gguf_writer import gguf_reference_generate, save_tiny_hf, wri
 
 PROMPT = [5, 17, 33, 8, 61, 12, 40, 9]
 NEW_TOKENS = 32
-FAMILIES = ("qwen3_moe", "qwen2_moe", "mixtral")
+FAMILIES = ("qwen3_moe", "qwen2_moe", "mixtral", "gpt_oss")
 TYPES = ("Q8_0", "Q4_K")
+# (family, experts' type, dense type): every family in Q8_0 and Q4_K; gpt-oss also as llama.cpp ships it
+# (MXFP4 experts, Q8_0 dense: `llama-quantize MXFP4_MOE`) and in BF16 (float experts transposed on read)
+CASES = [(family, t, t) for family in FAMILIES for t in TYPES] + [("gpt_oss", "MXFP4", "Q8_0"),
+                                                                   ("gpt_oss", "BF16", "BF16")]
 
 
 @pytest.fixture(scope="module")
 def models(tmp_path_factory) -> dict:
-    """(family, type) -> (user folder, GGUF file, the reference's greedy tokens)."""
+    """(family, experts' type) -> (user folder, GGUF file, the reference's greedy tokens)."""
     root = tmp_path_factory.mktemp("gguf")
-    made: dict = {}
-    for family in FAMILIES:
-        hf = save_tiny_hf(family, root / family / "hf")
-        for type_name in TYPES:
-            folder = root / family / type_name
-            folder.mkdir()
-            path = folder / f"tiny-{family}-{type_name}.gguf"
-            weights = write_gguf(hf, path, experts=type_name, dense=type_name)
-            made[family, type_name] = (folder, path, gguf_reference_generate(hf, weights, PROMPT, NEW_TOKENS))
-    made["hf"] = {family: root / family / "hf" for family in FAMILIES}
+    made: dict = {"hf": {family: save_tiny_hf(family, root / family / "hf") for family in FAMILIES}}
+    for family, type_name, dense in CASES:
+        hf = made["hf"][family]
+        folder = root / family / type_name
+        folder.mkdir()
+        path = folder / f"tiny-{family}-{type_name}.gguf"
+        weights = write_gguf(hf, path, experts=type_name, dense=dense)
+        made[family, type_name] = (folder, path, gguf_reference_generate(hf, weights, PROMPT, NEW_TOKENS))
     return made
 
 
@@ -48,9 +50,8 @@ def generate(path: Path, progress=None, **settings) -> tuple[list[int], MoERunti
     return greedy_reply(path, PROMPT, NEW_TOKENS, progress, **settings)
 
 
-@pytest.mark.parametrize("type_name", TYPES)
-@pytest.mark.parametrize("family", FAMILIES)
-def test_greedy_replies_equal_transformers_on_the_files_weights(models, family, type_name):
+@pytest.mark.parametrize(("family", "type_name", "dense"), CASES)
+def test_greedy_replies_equal_transformers_on_the_files_weights(models, family, type_name, dense):
     folder, path, expected = models[family, type_name]
     before = tree_snapshot(folder)
     for budget, store in (("1", "disk"), ("30%", "ram"), ("30%", "disk"), ("all", "ram")):
@@ -58,8 +59,9 @@ def test_greedy_replies_equal_transformers_on_the_files_weights(models, family, 
         assert tokens == expected, (family, type_name, budget, store)
     # experts were read from the file itself, in its quant type; dense matrices kept their blocks
     assert {piece.file for per_layer in runtime.layout.pieces for e in per_layer for piece in e} == {path}
-    assert runtime.format_names == (type_name.lower(), type_name.lower())
-    assert any(isinstance(m, QuantizedLinear) for m in runtime.model.modules())
+    floats = ("BF16", "F16")
+    assert runtime.format_names == tuple("original" if t in floats else t.lower() for t in (type_name, dense))
+    assert any(isinstance(m, QuantizedLinear) for m in runtime.model.modules()) == (dense not in floats)
     assert tree_snapshot(folder) == before  # nothing written beside the user's file
 
 
@@ -177,7 +179,7 @@ def test_an_architecture_we_cannot_map_is_named_with_the_ones_that_work(tmp_path
     assert capsys.readouterr().err.strip() == (
         "moescope: error: other.gguf is a GGUF of architecture 'falcon', which MoEScope cannot map to a transformers "
         "model yet; GGUF architectures that work: qwen3moe (Qwen3-MoE), qwen2moe (Qwen2-MoE), llama with experts "
-        "(Mixtral)")
+        "(Mixtral), gpt-oss")
     dense = _write_minimal(tmp_path / "dense.gguf", "llama", block_count=1, embedding_length=8)
     assert moescope(["info", "--model", str(dense)]) == 2
     err = capsys.readouterr().err.strip()

@@ -111,3 +111,9 @@ def undo_interleave(tensor: torch.Tensor, dim: int) -> torch.Tensor:
     """One expert's parameter as the model reads it, from rows interleaved in pairs along `dim`
     (gate 0, up 0, gate 1, ...): transformers' own `Interleave` operation."""
     return Interleave(dim=dim).convert({"w": tensor}, source_patterns=["w"], target_patterns=["w"])["w"]
+
+
+def weave_halves(tensor: torch.Tensor, dim: int) -> torch.Tensor:
+    """The reverse of `undo_interleave`: two halves along `dim` (gate rows, up rows) as pairs (gate 0,
+    up 0, gate 1, ...), transformers' inverse `Interleave`."""
+    return Interleave(dim=dim, inverse=True).convert({"w": tensor}, source_patterns=["w"], target_patterns=["w"])["w"]

@@ -19,8 +19,9 @@ ARCHITECTURES = {
     "qwen3moe": ("qwen3_moe", "Qwen3MoeForCausalLM"),
     "qwen2moe": ("qwen2_moe", "Qwen2MoeForCausalLM"),
     "llama": ("mixtral", "MixtralForCausalLM"),  # llama.cpp writes Mixtral as `llama` with experts
+    "gpt-oss": ("gpt_oss", "GptOssForCausalLM"),
 }
-SUPPORTED = "qwen3moe (Qwen3-MoE), qwen2moe (Qwen2-MoE), llama with experts (Mixtral)"
+SUPPORTED = "qwen3moe (Qwen3-MoE), qwen2moe (Qwen2-MoE), llama with experts (Mixtral), gpt-oss"
 
 
 def _need(model: GGUFModel, key: str):
@@ -79,6 +80,8 @@ def hf_config(model: GGUFModel) -> dict:
             config[key] = int(value)
     if model_type == "mixtral":
         config["num_local_experts"] = experts
+    elif model_type == "gpt_oss":
+        config.update(_gpt_oss(model, experts))
     else:
         config["num_experts"] = experts
         config["moe_intermediate_size"] = int(_need(model, "expert_feed_forward_length"))
@@ -89,3 +92,22 @@ def hf_config(model: GGUFModel) -> dict:
     if model_type == "qwen2_moe":
         config["shared_expert_intermediate_size"] = int(_need(model, "expert_shared_feed_forward_length"))
     return config
+
+
+def _gpt_oss(model: GGUFModel, experts: int) -> dict:
+    """gpt-oss's own keys. The converter writes the experts' width as `expert_feed_forward_length`, the
+    sliding window, and YaRN's parameters but not `truncate`: set false, as gpt-oss's own config has it
+    (llama.cpp's YaRN rounds the correction range, the model as published does not)."""
+    rope = {"rope_type": "default", "rope_theta": _decimal(model.arch_value("rope.freq_base", 150000.0))}
+    if model.arch_value("rope.scaling.type") == "yarn":
+        rope.update(rope_type="yarn", factor=_decimal(_need(model, "rope.scaling.factor")),
+                    beta_fast=_decimal(model.arch_value("rope.scaling.yarn_beta_fast", 32.0)),
+                    beta_slow=_decimal(model.arch_value("rope.scaling.yarn_beta_slow", 1.0)), truncate=False,
+                    original_max_position_embeddings=int(_need(model, "rope.scaling.original_context_length")))
+    return {
+        "num_local_experts": experts,
+        "intermediate_size": int(_need(model, "expert_feed_forward_length")),
+        "sliding_window": int(_need(model, "attention.sliding_window")),
+        "rope_parameters": rope,
+        "attention_bias": True,
+    }

@@ -85,7 +85,8 @@ def convert_experts(layout: MoELayout, gguf_model: GGUFModel, conversions: list[
             _convert_tensor(c, out)
         per_expert = c.fmt.packed_bytes((c.tensor.shape[1], c.tensor.shape[-1]))
         for e in range(layout.num_experts):
-            layout.pieces[c.layer][e].append(ExpertPiece(out, e * per_expert, per_expert, torch.uint8, c.param, c.dst))
+            layout.pieces[c.layer][e].append(ExpertPiece(out, e * per_expert, per_expert, torch.uint8, c.param, c.dst,
+                                                             weave_dim=c.weave_dim))
     notes: dict[str, list[str]] = {}
     for c in conversions:
         notes.setdefault(f"{c.tensor.type_name} to {c.fmt.name.upper()} ({c.why})", []).append(c.tensor.name)

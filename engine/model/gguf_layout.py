@@ -22,9 +22,16 @@ from engine.model.checkpoint import TensorRecord
 from engine.model.gguf_file import GGUFModel, GGUFTensor
 from engine.model.layout import ExpertParam, ExpertPiece, MoELayout, aligned, expert_modules, find_top_k
 
-# The experts forward's matrices ([E, out, in], not transposed) and the fused GGUF tensors that fill
-# them, in order: gate rows then up rows, as transformers concatenates them.
-EXPERT_SOURCES = {"gate_up_proj": ("ffn_gate_exps", "ffn_up_exps"), "down_proj": ("ffn_down_exps",)}
+# The experts forward's parameters and the fused GGUF tensors that fill them, in order: gate rows then
+# up rows, as transformers concatenates them. Matrices are [E, out, in] in the file whatever the
+# module's orientation; biases [E, out].
+EXPERT_SOURCES = {"gate_up_proj": ("ffn_gate_exps.weight", "ffn_up_exps.weight"),
+                  "down_proj": ("ffn_down_exps.weight",),
+                  "gate_up_proj_bias": ("ffn_gate_exps.bias", "ffn_up_exps.bias"),
+                  "down_proj_bias": ("ffn_down_exps.bias",)}
+# Architectures whose experts read gate and up rows in pairs (gate 0, up 0, gate 1, ...): llama.cpp's
+# converter splits gpt-oss's interleaved `gate_up_proj` into ffn_gate/ffn_up, the store pairs them again.
+PAIRED_GATE_UP = {"gpt-oss"}
 FLOAT_TYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
 KERNEL_FORMATS = {fmt.ggml_type: fmt for fmt in FORMATS.values()}
 
@@ -40,6 +47,7 @@ class Conversion:
     layer: int
     param: str
     dst: int
+    weave_dim: int | None = None  # as ExpertPiece.weave_dim
 
 
 def _bits(type_name: str) -> float:
@@ -88,18 +96,18 @@ def build_gguf_layout(model: torch.nn.Module, gguf_model: GGUFModel,
     """The MoE layout of a GGUF model, and the expert tensors to convert before the store reads them."""
     name = gguf_model.path.name
     module_paths, num_experts, model_params = expert_modules(model, compute_dtype, name, gguf_model.architecture)
-    first = model.get_submodule(module_paths[0])
-    if getattr(first, "is_transposed", False) or {p.name for p in model_params} != set(EXPERT_SOURCES):
+    if not {p.name for p in model_params} <= set(EXPERT_SOURCES):
         raise CheckpointError(f"{name}: the experts of '{gguf_model.architecture}' are laid out in a way MoEScope "
                               "cannot read from a GGUF yet")
     blocks = [_block_index(path) for path in module_paths]
+    paired = gguf_model.architecture in PAIRED_GATE_UP
 
     def sources(param: str, block: int) -> list[GGUFTensor]:
         found = []
         for stem in EXPERT_SOURCES[param]:
-            tensor = gguf_model.tensors.get(f"blk.{block}.{stem}.weight")
+            tensor = gguf_model.tensors.get(f"blk.{block}.{stem}")
             if tensor is None:
-                raise CheckpointError(f"{name} has no tensor 'blk.{block}.{stem}.weight'; the file is incomplete "
+                raise CheckpointError(f"{name} has no tensor 'blk.{block}.{stem}'; the file is incomplete "
                                       "or was not written by llama.cpp's converter")
             found.append(tensor)
         return found
@@ -108,18 +116,20 @@ def build_gguf_layout(model: torch.nn.Module, gguf_model: GGUFModel,
     why_of: dict[str, str] = {}  # tensor name -> why it is converted
     offset = 0
     for mp in model_params:
-        rows, columns = mp.shape
+        rows, columns = mp.rows_columns if len(mp.shape) == 2 else (mp.shape[0], None)
         every = [t for block in blocks for t in sources(mp.name, block)]
         for t in every:
-            if t.shape[0] != num_experts or t.shape[-1] != columns or t.shape[1] * len(EXPERT_SOURCES[mp.name]) != rows:
+            if t.shape[0] != num_experts or t.shape[1] * len(EXPERT_SOURCES[mp.name]) != rows \
+                    or (columns is not None and t.shape[-1] != columns):
                 raise CheckpointError(f"{name}: tensor '{t.name}' has shape {list(t.shape)}, which does not fit "
                                       f"{num_experts} experts of '{mp.name}' {list(mp.shape)}")
-        fmt, why = _choose(mp.name, every, columns)
+        fmt, why = _choose(mp.name, every, columns or 1)
         why_of.update({t.name: why[t.type_name] for t in every if t.type_name in why})
-        if fmt is None:
-            param = ExpertParam(mp.name, mp.shape, compute_dtype, offset, rows * columns * compute_dtype.itemsize)
+        if fmt is None or columns is None:
+            param = ExpertParam(mp.name, mp.shape, compute_dtype, offset, mp.nbytes, transposed=mp.transposed)
         else:
-            param = ExpertParam(mp.name, mp.shape, torch.uint8, offset, fmt.packed_bytes((rows, columns)), fmt)
+            param = ExpertParam(mp.name, mp.shape, torch.uint8, offset, fmt.packed_bytes((rows, columns)), fmt,
+                                mp.transposed)
         params.append(param)
         offset += aligned(param.nbytes)
 
@@ -130,18 +140,27 @@ def build_gguf_layout(model: torch.nn.Module, gguf_model: GGUFModel,
     for layer, block in enumerate(blocks):
         for param in params:
             dst = 0
-            for tensor in sources(param.name, block):
+            found = sources(param.name, block)
+            # gate and up read as halves, then paired along the output features as the slot holds them
+            weave_dim = None
+            if paired and len(found) == 2:
+                weave_dim = 1 if param.transposed and param.fmt is None else 0
+            # a float matrix the module reads [in, out] is transposed from the file's [out, in]
+            stored_as = param.rows_columns if param.transposed and param.fmt is None else None
+            for tensor in found:
                 expert_tensors.add(tensor.name)
                 expert_disk += tensor.nbytes
                 per_expert = tensor.nbytes // num_experts
                 if tensor.name in why_of:  # its pieces will point into the converted file (gguf_convert)
-                    conversions.append(Conversion(tensor, param.fmt, why_of[tensor.name], layer, param.name, dst))
+                    conversions.append(Conversion(tensor, param.fmt, why_of[tensor.name], layer, param.name, dst,
+                                                  weave_dim))
                     dst += param.fmt.row_bytes(tensor.shape[-1]) * tensor.shape[1]
                     continue
                 src_dtype = FLOAT_TYPES.get(tensor.type_name, torch.uint8)
                 for e in range(num_experts):
-                    pieces[layer][e].append(
-                        ExpertPiece(tensor.file, tensor.offset + e * per_expert, per_expert, src_dtype, param.name, dst))
+                    pieces[layer][e].append(ExpertPiece(tensor.file, tensor.offset + e * per_expert, per_expert,
+                                                        src_dtype, param.name, dst, transposed_from=stored_as,
+                                                        weave_dim=weave_dim))
                 dst += per_expert
 
     dense = _dense_records(model, gguf_model, expert_tensors, set(module_paths))
@@ -173,8 +192,9 @@ def _dense_records(model: torch.nn.Module, gguf_model: GGUFModel, expert_tensors
         owner = key.rpartition(".")[0]
         if owner in expert_paths:
             continue
-        gguf_name = names.get_name(key, try_suffixes=(".weight", ".bias"))
-        tensor = gguf_model.tensors.get(gguf_name or "")
+        gguf_name = names.get_name(key, try_suffixes=(".weight", ".bias")) or ""
+        # a bare parameter (gpt-oss's `sinks`) is written with ".weight" added by the converter
+        tensor = gguf_model.tensors.get(gguf_name) or gguf_model.tensors.get(f"{gguf_name}.weight")
         if tensor is None:
             continue  # an LM head tied to the embedding, or missing: the loader names what stays empty
         dense[key] = TensorRecord(tensor.name, tensor.file, tensor.type_name, tensor.shape, tensor.offset, tensor.nbytes)

@@ -133,11 +133,16 @@ def _dequantize(raw: np.ndarray, record: TensorRecord, gguf) -> np.ndarray:
 
 def gguf_tokenizer(model: GGUFModel):
     """The tokenizer stored in a GGUF file (transformers converts it), or None when it has none."""
-    from transformers import AutoTokenizer
+    from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
     if "tokenizer.ggml.model" not in model.metadata:
         return None
     try:
-        return AutoTokenizer.from_pretrained(model.path.parent, gguf_file=model.path.name)
+        try:
+            return AutoTokenizer.from_pretrained(model.path.parent, gguf_file=model.path.name)
+        except TypeError:
+            # AutoTokenizer parses the GGUF's config to pick a class, and with transformers 5.24 that fails
+            # on gpt-oss's YaRN keys; the generic fast tokenizer reads the same vocabulary without it.
+            return PreTrainedTokenizerFast.from_pretrained(model.path.parent, gguf_file=model.path.name)
     except Exception as exc:  # the tokenizers library raises bare Exceptions for a bad vocabulary
         raise CheckpointError(f"transformers cannot read the tokenizer in {model.path.name}: {exc}") from None

@@ -69,6 +69,7 @@ class ExpertPiece:
     param: str
     dst_offset: int  # bytes from the start of that parameter, in the checkpoint dtype (in the slot when relayed)
     interleave_dim: int | None = None  # the parameter's rows sit interleaved in pairs along this dim on disk
+    weave_dim: int | None = None  # the reverse: two halves on disk, paired along this dim of the slot's value
     transposed_from: tuple[int, int] | None = None  # the matrix as stored, to transpose into the parameter
     # A quantized checkpoint's own blocks (engine.model.prequantized): these bytes and `scales` are
     # laid into the slot's block format as they are read (engine.formats.relay, by `relay` kind).

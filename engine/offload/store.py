@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 
 from engine.formats import relay
-from engine.model.conversions import undo_interleave
+from engine.model.conversions import undo_interleave, weave_halves
 from engine.model.layout import ExpertPiece, MoELayout
 
 ProgressFn = Callable[[float, str], None]
@@ -62,11 +62,13 @@ class DiskStore(ExpertStore):
         self._fds: dict[Path, int] = {}
         self._lock = threading.Lock()
         self._params = {p.name: p for p in layout.params}
-        # Whether any bytes need converting to the compute dtype or transposing (a GGUF file's pieces may
-        # differ by layer; a quantized checkpoint's relayed pieces are laid into blocks instead).
-        self._convert = any((p.src_dtype != self._params[p.param].dtype or p.transposed_from is not None)
-                            for per_layer in layout.pieces for per_expert in per_layer for p in per_expert
-                            if not p.relay)
+        # The parameters whose bytes need converting to the compute dtype, transposing or re-pairing (a
+        # GGUF file's pieces may differ by layer; a quantized checkpoint's relayed pieces are laid into
+        # blocks instead); the others are read straight into the slot.
+        self._converted = {p.param for per_layer in layout.pieces for per_expert in per_layer for p in per_expert
+                           if not p.relay and (p.src_dtype != self._params[p.param].dtype
+                                               or p.transposed_from is not None or p.weave_dim is not None
+                                               or p.interleave_dim is not None)}
 
     def _fd(self, path: Path) -> int:
         with self._lock:
@@ -83,8 +85,7 @@ class DiskStore(ExpertStore):
         pieces = [p for p in self.layout.pieces[layer][expert] if p.param == param_name]
         if pieces and pieces[0].relay:
             return sum(self._fill_relayed(piece, slot) for piece in pieces)
-        interleave_dim = pieces[0].interleave_dim if pieces else None
-        if not self._convert and interleave_dim is None:
+        if param_name not in self._converted:
             raw = slot.numpy()
             for piece in pieces:
                 start = self._params[piece.param].offset + piece.dst_offset
@@ -99,8 +100,10 @@ class DiskStore(ExpertStore):
             _pread_exact(self._fd(piece.file), raw[piece.dst_offset : piece.dst_offset + piece.nbytes], piece.file_offset)
         stored_as = pieces[0].transposed_from
         value = staging.view(stored_as).t() if stored_as is not None else staging.view(param.slot_shape)
-        if interleave_dim is not None:
-            value = undo_interleave(value, interleave_dim)
+        if pieces[0].interleave_dim is not None:
+            value = undo_interleave(value, pieces[0].interleave_dim)
+        if pieces[0].weave_dim is not None:
+            value = weave_halves(value, pieces[0].weave_dim)
         slot[param.offset : param.offset + param.nbytes].view(param.dtype).view(param.slot_shape).copy_(value)
         return sum(p.nbytes for p in pieces)
 

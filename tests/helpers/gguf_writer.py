@@ -17,7 +17,7 @@ from transformers import AutoConfig, AutoModelForCausalLM
 
 from tests.helpers.checkpoints import VOCAB, make_tokenizer
 
-GGUF_ARCH = {"qwen3_moe": "qwen3moe", "qwen2_moe": "qwen2moe", "mixtral": "llama"}
+GGUF_ARCH = {"qwen3_moe": "qwen3moe", "qwen2_moe": "qwen2moe", "mixtral": "llama", "gpt_oss": "gpt-oss"}
 FLOATS = {"F32", "F16", "BF16"}
 EXPERT_STEMS = {"gate": "ffn_gate_exps", "up": "ffn_up_exps", "down": "ffn_down_exps"}
 
@@ -31,10 +31,17 @@ TINY = {
                       num_key_value_heads=2, num_experts=8, num_experts_per_tok=2),
     "mixtral": dict(hidden_size=256, intermediate_size=256, num_hidden_layers=3, num_attention_heads=4,
                     num_key_value_heads=2, num_local_experts=8, num_experts_per_tok=2),
+    # transposed experts with biases and interleaved gate/up, attention sinks, YaRN, a sliding window
+    # shorter than the reply so both attention kinds matter
+    "gpt_oss": dict(hidden_size=256, intermediate_size=256, num_hidden_layers=3, num_attention_heads=4,
+                    num_key_value_heads=2, head_dim=64, num_local_experts=8, num_experts_per_tok=2, sliding_window=8,
+                    rope_parameters={"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0,
+                                     "truncate": False, "original_max_position_embeddings": 8,
+                                     "rope_theta": 150000.0}),
 }
 
 
-SEEDS = {"qwen3_moe": 0, "qwen2_moe": 2, "mixtral": 1}  # random weights whose greedy replies vary over 32 tokens
+SEEDS = {"qwen3_moe": 0, "qwen2_moe": 2, "mixtral": 1, "gpt_oss": 3}  # random weights whose greedy replies vary over 32 tokens
 
 
 def save_tiny_hf(family: str, path: Path) -> Path:
@@ -59,7 +66,7 @@ def _encode(values: np.ndarray, type_name: str) -> tuple[np.ndarray, np.ndarray]
         half = values.astype(np.float16)
         return half, half.astype(np.float32)
     qtype = gguf.GGMLQuantizationType[type_name]
-    if type_name == "BF16" or type_name in ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0"):
+    if type_name == "BF16" or type_name in ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "MXFP4"):
         packed = gguf.quants.quantize(values, qtype)
     else:  # K-quants: the gguf package has no quantizer for them
         from engine.formats.blocks import FORMATS
@@ -118,11 +125,20 @@ def write_gguf(model_dir: Path, out: Path, *, experts: str | list[str] = "Q8_0",
     if arch == "llama":
         writer.add_vocab_size(config.vocab_size)
         writer.add_rope_dimension_count(head_dim)
-    else:
+    elif family != "gpt_oss":
         writer.add_expert_feed_forward_length(config.moe_intermediate_size)
-    if family == "qwen3_moe":
+    if family in ("qwen3_moe", "gpt_oss"):
         writer.add_key_length(head_dim)
         writer.add_value_length(head_dim)
+    if family == "gpt_oss":  # as llama.cpp's GptOssModel.set_gguf_parameters
+        writer.add_expert_feed_forward_length(config.intermediate_size)
+        writer.add_sliding_window(config.sliding_window)
+        rope = config.rope_parameters
+        writer.add_rope_scaling_type(gguf.RopeScalingType.YARN)
+        writer.add_rope_scaling_factor(rope["factor"])
+        writer.add_rope_scaling_orig_ctx_len(rope["original_max_position_embeddings"])
+        writer.add_rope_scaling_yarn_beta_fast(rope["beta_fast"])
+        writer.add_rope_scaling_yarn_beta_slow(rope["beta_slow"])
     if family == "qwen2_moe":
         writer.add_expert_shared_feed_forward_length(config.shared_expert_intermediate_size)
     writer.add_file_type(gguf.LlamaFileType.MOSTLY_Q8_0)
@@ -132,25 +148,15 @@ def write_gguf(model_dir: Path, out: Path, *, experts: str | list[str] = "Q8_0",
     reference: dict[str, np.ndarray] = {}
     for key, tensor in model.state_dict().items():
         values = tensor.numpy()
-        if key.endswith("experts.gate_up_proj") or key.endswith("experts.down_proj"):
-            block = int(key.split(".layers.")[1].split(".")[0])
-            if key.endswith("down_proj"):
-                parts = {"down": (values, down_types[block])}
-            else:
-                half = values.shape[1] // 2
-                parts = {"gate": (values[:, :half], gate_up_type), "up": (values[:, half:], gate_up_type)}
-            back = []
-            for stem, (part, type_name) in parts.items():
-                packed, read = _encode(part, type_name)
-                writer.add_tensor(f"blk.{block}.{EXPERT_STEMS[stem]}.weight", packed,
-                                  raw_dtype=None if type_name in ("F32", "F16") else gguf.GGMLQuantizationType[type_name])
-                back.append(read)
-            reference[key] = np.concatenate(back, axis=1)
+        if ".experts." in key:
+            reference[key] = _write_experts(writer, key, values, down_types, gate_up_type)
             continue
         name = names.get_name(key, try_suffixes=(".weight", ".bias"))
         assert name is not None, key
         leaf = key.rpartition(".")[0].rpartition(".")[2]
-        type_name = dense if values.ndim == 2 and leaf not in ("gate", "shared_expert_gate") else "F32"
+        type_name = dense if values.ndim == 2 and leaf not in ("gate", "shared_expert_gate", "router") else "F32"
+        if name.endswith("attn_sinks"):
+            name += ".weight"  # as llama.cpp's GptOssModel.filter_tensors
         packed, read = _encode(values, type_name)
         reference[key] = read
         if arch == "llama" and name.split(".")[-2] in ("attn_q", "attn_k"):
@@ -163,6 +169,40 @@ def write_gguf(model_dir: Path, out: Path, *, experts: str | list[str] = "Q8_0",
     writer.write_tensors_to_file()
     writer.close()
     return reference
+
+
+def _write_experts(writer: gguf.GGUFWriter, key: str, values: np.ndarray, down_types: list[str],
+                   gate_up_type: str) -> np.ndarray:
+    """One layer's fused experts tensor as ffn_{gate,up,down}_exps ([E, out, in], biases [E, out]);
+    returns it as the file holds it, dequantized, in the model's layout. gpt-oss's matrices are [E, in,
+    out] with gate/up interleaved: split as llama.cpp's GptOssModel.modify_tensors does."""
+    block = int(key.split(".layers.")[1].split(".")[0])
+    leaf = key.rpartition(".")[2]
+    suffix = "bias" if leaf.endswith("_bias") else "weight"
+    paired = writer.arch == "gpt-oss"
+    transposed = paired and suffix == "weight"
+    if transposed:
+        values = values.swapaxes(-1, -2)
+    if leaf.startswith("down_proj"):
+        parts = {"down": (values, down_types[block] if suffix == "weight" else "F32")}
+    else:
+        type_name = gate_up_type if suffix == "weight" else "F32"
+        half = values.shape[1] // 2
+        gate, up = (values[:, ::2], values[:, 1::2]) if paired else (values[:, :half], values[:, half:])
+        parts = {"gate": (gate, type_name), "up": (up, type_name)}
+    back = []
+    for stem, (part, type_name) in parts.items():
+        packed, read = _encode(part, type_name)
+        writer.add_tensor(f"blk.{block}.{EXPERT_STEMS[stem]}.{suffix}", packed,
+                          raw_dtype=None if type_name in ("F32", "F16") else gguf.GGMLQuantizationType[type_name])
+        back.append(read)
+    if len(back) == 1:
+        read = back[0]
+    elif paired:
+        read = np.stack(back, axis=2).reshape(back[0].shape[0], -1, *back[0].shape[2:])
+    else:
+        read = np.concatenate(back, axis=1)
+    return read.swapaxes(-1, -2) if transposed else read
 
 
 def gguf_reference_generate(model_dir: Path, weights: dict[str, np.ndarray], prompt_ids: list[int],
