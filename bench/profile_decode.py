@@ -11,7 +11,7 @@ With --fast-decode's whole-token step (engine.decode.paths.whole_token) the nati
 (norms, qkv_rope, attention, o_proj, router, experts, lm_head), and the bookkeeping is the cache's
 record of the token afterwards. Also prints torch.profiler's top operators.
 
-    python -m bench.profile_decode [--geometry qwen3moe-64e] [--decode 32] [--threads 2] [--ops 15] [--policy lru]
+    python -m bench.profile_decode [--geometry qwen3moe-64e | --model PATH] [--decode 32] [--threads 2] [--ops 15] [--policy lru]
 """
 
 from __future__ import annotations
@@ -28,6 +28,7 @@ from bench.output import RESULTS_DIR, result_stem
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench.profile_decode")
     parser.add_argument("--geometry", default="qwen3moe-64e")
+    parser.add_argument("--model", default="", help="a checkpoint folder or GGUF file instead of --geometry")
     parser.add_argument("--prompt-len", type=int, default=128)
     parser.add_argument("--decode", type=int, default=32)
     parser.add_argument("--threads", type=int, default=2)
@@ -50,7 +51,9 @@ def main(argv: list[str] | None = None) -> int:
     from engine.protocol import LoadModel, SamplingSettings
 
     torch.set_num_threads(args.threads)
-    runtime = MoERuntime(LoadModel(path=str(build_checkpoint(args.geometry)), budget="all", store="ram",
+    model = args.model or str(build_checkpoint(args.geometry))
+    name = Path(args.model).name if args.model else args.geometry
+    runtime = MoERuntime(LoadModel(path=model, budget="all", store="ram",
                                    fast_decode=args.fast_decode, pack_weights=not args.no_pack_weights,
                                    policy=args.policy))
     clock = {"layer": 0.0, "kernels": 0.0, "whole_token_bookkeeping": 0.0, "policy_token_end": 0.0}
@@ -114,13 +117,13 @@ def main(argv: list[str] | None = None) -> int:
     experts = split["kernels"] + phases.get("experts", 0.0)
     bookkeeping = split["layer"] - split["kernels"] + split["whole_token_bookkeeping"] + split["policy_token_end"]
     report = {
-        "geometry": args.geometry, "threads": args.threads, "fast_decode": args.fast_decode, "decode_tokens_per_s": 1 / token_s,
+        "geometry": name, "threads": args.threads, "fast_decode": args.fast_decode, "decode_tokens_per_s": 1 / token_s,
         "ms_per_token": token_s * 1e3, "experts_ms": experts * 1e3, "bookkeeping_ms": bookkeeping * 1e3,
         "model_ms": (token_s - experts - bookkeeping) * 1e3, "bookkeeping_share": bookkeeping / token_s,
         "label": args.label, "policy": args.policy, "whole_token_step": bool(phases),
         "native_phase_ms": {k: v * 1e3 for k, v in phases.items()},
     }
-    print(f"{args.geometry}, {args.threads} threads{', --fast-decode' if args.fast_decode else ''}: "
+    print(f"{name}, {args.threads} threads{', --fast-decode' if args.fast_decode else ''}: "
           f"{report['decode_tokens_per_s']:.1f} tok/s = "
           f"{report['ms_per_token']:.2f} ms/token: experts {report['experts_ms']:.2f} ms, "
           f"bookkeeping {report['bookkeeping_ms']:.2f} ms ({report['bookkeeping_share']:.1%}), "
@@ -147,8 +150,8 @@ def main(argv: list[str] | None = None) -> int:
         print(table)
         mode = "fast-decode" if args.fast_decode else "default"
         label = f"-{args.label}" if args.label else ""
-        (args.out / f"{result_stem('profile-decode')}-{args.geometry}-{mode}{label}.txt").write_text(
-            f"{args.geometry}, {args.threads} threads, {mode}{' (' + args.label + ')' if args.label else ''}: "
+        (args.out / f"{result_stem('profile-decode')}-{Path(name).stem}-{mode}{label}.txt").write_text(
+            f"{name}, {args.threads} threads, {mode}{' (' + args.label + ')' if args.label else ''}: "
             f"8 decode tokens after a {args.prompt_len}-token prompt, torch.profiler, by self CPU time\n"
             f"split per token: {report['ms_per_token']:.2f} ms = experts {report['experts_ms']:.2f} + bookkeeping "
             f"{report['bookkeeping_ms']:.2f} ({report['bookkeeping_share']:.1%}) + model {report['model_ms']:.2f}\n"
