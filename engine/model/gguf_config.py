@@ -20,8 +20,11 @@ ARCHITECTURES = {
     "qwen2moe": ("qwen2_moe", "Qwen2MoeForCausalLM"),
     "llama": ("mixtral", "MixtralForCausalLM"),  # llama.cpp writes Mixtral as `llama` with experts
     "gpt-oss": ("gpt_oss", "GptOssForCausalLM"),
+    "deepseek2": ("deepseek_v3", "DeepseekV3ForCausalLM"),  # DeepSeek-V3/R1 (sigmoid routing); V2 is not mapped
 }
-SUPPORTED = "qwen3moe (Qwen3-MoE), qwen2moe (Qwen2-MoE), llama with experts (Mixtral), gpt-oss"
+SUPPORTED = ("qwen3moe (Qwen3-MoE), qwen2moe (Qwen2-MoE), llama with experts (Mixtral), gpt-oss, "
+             "deepseek2 (DeepSeek-V3/R1)")
+SIGMOID_GATING = 2  # gguf.ExpertGatingFuncType.SIGMOID
 
 
 def _need(model: GGUFModel, key: str):
@@ -82,6 +85,8 @@ def hf_config(model: GGUFModel) -> dict:
         config["num_local_experts"] = experts
     elif model_type == "gpt_oss":
         config.update(_gpt_oss(model, experts))
+    elif model_type == "deepseek_v3":
+        config.update(_deepseek(model, experts, heads))
     else:
         config["num_experts"] = experts
         config["moe_intermediate_size"] = int(_need(model, "expert_feed_forward_length"))
@@ -110,4 +115,49 @@ def _gpt_oss(model: GGUFModel, experts: int) -> dict:
         "sliding_window": int(_need(model, "attention.sliding_window")),
         "rope_parameters": rope,
         "attention_bias": True,
+    }
+
+
+def _deepseek(model: GGUFModel, experts: int, heads: int) -> dict:
+    """DeepSeek-V3's keys as `DeepseekV2Model.set_gguf_parameters` writes them. Its MLA is written as
+    one shared KV head of width `kv_lora_rank + rope` (`head_count_kv` 1, `key_length`), with the
+    per-head widths in `key_length_mla`/`value_length_mla` (files from before that split give them in
+    `key_length`/`value_length`). `mscale` is not written: DeepSeek-V3 ships it equal to `mscale_all_dim`
+    (0.1 x the YaRN log multiplier), as taken here. llama.cpp's deepseek2 rotates adjacent pairs, which
+    is transformers' `rope_interleave`; no rows are permuted."""
+    gating = model.arch_value("expert_gating_func")
+    if gating is not None and int(gating) != SIGMOID_GATING:
+        raise CheckpointError(f"{model.path.name} is a deepseek2 GGUF with softmax routing (DeepSeek-V2); MoEScope "
+                              "maps DeepSeek-V3/R1 GGUFs (sigmoid routing) only — open the original checkpoint")
+    rope_dim = int(_need(model, "rope.dimension_count"))
+    mla = model.arch_value("attention.key_length_mla") is not None
+    key = int(_need(model, "attention.key_length_mla" if mla else "attention.key_length"))
+    value = int(_need(model, "attention.value_length_mla" if mla else "attention.value_length"))
+    rope = {"rope_type": "default", "rope_theta": _decimal(model.arch_value("rope.freq_base", 10000.0))}
+    if model.arch_value("rope.scaling.type") == "yarn":
+        mscale = _decimal(float(model.arch_value("rope.scaling.yarn_log_multiplier", 0.1)) / 0.1)
+        rope.update(rope_type="yarn", factor=_decimal(_need(model, "rope.scaling.factor")),
+                    original_max_position_embeddings=int(_need(model, "rope.scaling.original_context_length")),
+                    beta_fast=_decimal(model.arch_value("rope.scaling.yarn_beta_fast", 32.0)),
+                    beta_slow=_decimal(model.arch_value("rope.scaling.yarn_beta_slow", 1.0)),
+                    mscale=mscale, mscale_all_dim=mscale)
+    q_lora = model.arch_value("attention.q_lora_rank")
+    return {
+        "num_key_value_heads": heads,
+        "head_dim": rope_dim,
+        "n_routed_experts": experts,
+        "n_shared_experts": int(model.arch_value("expert_shared_count", 0)),
+        "moe_intermediate_size": int(_need(model, "expert_feed_forward_length")),
+        "first_k_dense_replace": int(model.arch_value("leading_dense_block_count", 0)),
+        "q_lora_rank": int(q_lora) if q_lora else None,
+        "kv_lora_rank": int(_need(model, "attention.kv_lora_rank")),
+        "qk_rope_head_dim": rope_dim,
+        "qk_nope_head_dim": key - rope_dim,
+        "v_head_dim": value,
+        "routed_scaling_factor": _decimal(model.arch_value("expert_weights_scale", 1.0)),
+        "norm_topk_prob": bool(model.arch_value("expert_weights_norm", False)),
+        "n_group": int(model.arch_value("expert_group_count", 1)),
+        "topk_group": int(model.arch_value("expert_group_used_count", 1)),
+        "rope_interleave": True,
+        "rope_parameters": rope,
     }

@@ -18,6 +18,7 @@ import torch
 
 from engine.errors import CheckpointError
 from engine.formats.blocks import FORMATS, BlockFormat, format_for
+from engine.model import gguf_mla
 from engine.model.checkpoint import TensorRecord
 from engine.model.gguf_file import GGUFModel, GGUFTensor
 from engine.model.layout import ExpertParam, ExpertPiece, MoELayout, aligned, expert_modules, find_top_k
@@ -192,18 +193,27 @@ def _dense_records(model: torch.nn.Module, gguf_model: GGUFModel, expert_tensors
         owner = key.rpartition(".")[0]
         if owner in expert_paths:
             continue
-        gguf_name = names.get_name(key, try_suffixes=(".weight", ".bias")) or ""
+        # the converter's own renaming (its ModelBase.modify_tensors) before the name map
+        lookup = key.replace("e_score_correction_bias", "e_score_correction.bias")
+        gguf_name = names.get_name(lookup, try_suffixes=(".weight", ".bias")) or ""
         # a bare parameter (gpt-oss's `sinks`) is written with ".weight" added by the converter
         tensor = gguf_model.tensors.get(gguf_name) or gguf_model.tensors.get(f"{gguf_name}.weight")
+        parts = gguf_mla.split_parts(gguf_name, gguf_model.tensors)
+        if parts is not None:
+            tensor, dense[key + gguf_mla.V_B] = parts[0], _record(parts[1])
         if tensor is None:
             continue  # an LM head tied to the embedding, or missing: the loader names what stays empty
-        dense[key] = TensorRecord(tensor.name, tensor.file, tensor.type_name, tensor.shape, tensor.offset, tensor.nbytes)
+        dense[key] = _record(tensor)
     unused = set(gguf_model.tensors) - expert_tensors - {r.name for r in dense.values()}
     unused = {n for n in unused if not n.startswith("rope_")}  # llama.cpp's precomputed RoPE tables
     if unused:
         raise CheckpointError(f"{gguf_model.path.name}: tensor '{sorted(unused)[0]}' (and {len(unused) - 1} more) has "
                               "no place in the transformers model; this GGUF variant is not supported yet")
     return dense
+
+
+def _record(tensor: GGUFTensor) -> TensorRecord:
+    return TensorRecord(tensor.name, tensor.file, tensor.type_name, tensor.shape, tensor.offset, tensor.nbytes)
 
 
 def _block_index(module_path: str) -> int:

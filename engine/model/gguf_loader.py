@@ -18,6 +18,7 @@ import torch
 from engine.errors import CheckpointError
 from engine.formats.blocks import FORMATS
 from engine.model import experts_registry as experts_impl
+from engine.model import gguf_mla
 from engine.model.checkpoint import CheckpointFiles, TensorRecord
 from engine.model.dense_formats import QuantizedLinear, dense_targets
 from engine.model.dtypes import resolve_dtype
@@ -85,9 +86,18 @@ def _load_dense(model: torch.nn.Module, layout, gguf_model: GGUFModel, device: t
     total, done = max(1, layout.dense_bytes), 0
     for key, record in layout.dense.items():
         owner, _, leaf = key.rpartition(".")
-        raw = np.array(np.memmap(record.file, dtype=np.uint8, mode="r", offset=record.offset, shape=(record.nbytes,)))
+        done += record.nbytes
+        if key.endswith(gguf_mla.V_B):
+            continue  # read with its first part
+        raw = _read(record)
         fmt = FORMATS.get(record.dtype.lower())
-        if leaf == "weight" and owner in linears and fmt is not None:  # kept in its blocks
+        second = layout.dense.get(key + gguf_mla.V_B)
+        if second is not None:  # MLA's kv_b_proj, split by the converter: joined, in floats
+            values = gguf_mla.join_kv_b(_dequantize(raw, record, gguf), _dequantize(_read(second), second, gguf),
+                                        text_config.num_attention_heads, text_config.kv_lora_rank)
+            _set_tensor(model, key, huge_pages.rehome(torch.from_numpy(values).to(device=device,
+                                                                                  dtype=state[key].dtype)))
+        elif leaf == "weight" and owner in linears and fmt is not None:  # kept in its blocks
             linear = linears[owner]
             packed = raw.reshape(linear.out_features, -1)
             if permute:
@@ -106,7 +116,6 @@ def _load_dense(model: torch.nn.Module, layout, gguf_model: GGUFModel, device: t
                 values = _unpermute(values, record.name, text_config)
             tensor = torch.from_numpy(np.ascontiguousarray(values)).to(device=device, dtype=target.dtype)
             _set_tensor(model, key, huge_pages.rehome(tensor))
-        done += record.nbytes
         if progress:
             progress(done / total, f"dense weights from {record.file.name}")
     if getattr(model, "lm_head", None) is not None and getattr(model.lm_head, "weight", None) is not None \
@@ -116,6 +125,10 @@ def _load_dense(model: torch.nn.Module, layout, gguf_model: GGUFModel, device: t
     if missing:
         raise CheckpointError(f"{gguf_model.path.name} is missing {len(missing)} weights the model needs, e.g. "
                               f"'{missing[0]}'; the file is incomplete or of a variant MoEScope does not map")
+
+
+def _read(record: TensorRecord) -> np.ndarray:
+    return np.array(np.memmap(record.file, dtype=np.uint8, mode="r", offset=record.offset, shape=(record.nbytes,)))
 
 
 def _dequantize(raw: np.ndarray, record: TensorRecord, gguf) -> np.ndarray:
@@ -140,9 +153,10 @@ def gguf_tokenizer(model: GGUFModel):
     try:
         try:
             return AutoTokenizer.from_pretrained(model.path.parent, gguf_file=model.path.name)
-        except TypeError:
+        except (TypeError, ValueError):
             # AutoTokenizer parses the GGUF's config to pick a class, and with transformers 5.24 that fails
-            # on gpt-oss's YaRN keys; the generic fast tokenizer reads the same vocabulary without it.
+            # on gpt-oss's YaRN keys and refuses deepseek2; the generic fast tokenizer reads the same
+            # vocabulary without it.
             return PreTrainedTokenizerFast.from_pretrained(model.path.parent, gguf_file=model.path.name)
     except Exception as exc:  # the tokenizers library raises bare Exceptions for a bad vocabulary
         raise CheckpointError(f"transformers cannot read the tokenizer in {model.path.name}: {exc}") from None

@@ -17,7 +17,8 @@ from transformers import AutoConfig, AutoModelForCausalLM
 
 from tests.helpers.checkpoints import VOCAB, make_tokenizer
 
-GGUF_ARCH = {"qwen3_moe": "qwen3moe", "qwen2_moe": "qwen2moe", "mixtral": "llama", "gpt_oss": "gpt-oss"}
+GGUF_ARCH = {"qwen3_moe": "qwen3moe", "qwen2_moe": "qwen2moe", "mixtral": "llama", "gpt_oss": "gpt-oss",
+             "deepseek_v3": "deepseek2"}
 FLOATS = {"F32", "F16", "BF16"}
 EXPERT_STEMS = {"gate": "ffn_gate_exps", "up": "ffn_up_exps", "down": "ffn_down_exps"}
 
@@ -38,10 +39,20 @@ TINY = {
                     rope_parameters={"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0,
                                      "truncate": False, "original_max_position_embeddings": 8,
                                      "rope_theta": 150000.0}),
+    # MLA (kv_b_proj split into attn_k_b/attn_v_b by the converter), a dense first layer, a shared
+    # expert, grouped sigmoid routing with its correction bias, YaRN with mscale
+    "deepseek_v3": dict(hidden_size=256, intermediate_size=256, moe_intermediate_size=256, num_hidden_layers=3,
+                        first_k_dense_replace=1, num_attention_heads=4, num_key_value_heads=4, n_routed_experts=8,
+                        n_shared_experts=1, num_experts_per_tok=2, n_group=2, topk_group=1, norm_topk_prob=True,
+                        routed_scaling_factor=2.5, q_lora_rank=64, kv_lora_rank=64, qk_rope_head_dim=32,
+                        qk_nope_head_dim=32, v_head_dim=32,
+                        rope_parameters={"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64,
+                                         "beta_fast": 32.0, "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 1.0,
+                                         "rope_theta": 10000.0}),
 }
 
 
-SEEDS = {"qwen3_moe": 0, "qwen2_moe": 2, "mixtral": 1, "gpt_oss": 3}  # random weights whose greedy replies vary over 32 tokens
+SEEDS = {"qwen3_moe": 0, "qwen2_moe": 2, "mixtral": 1, "gpt_oss": 3, "deepseek_v3": 4}  # random weights whose greedy replies vary over 32 tokens
 
 
 def save_tiny_hf(family: str, path: Path) -> Path:
@@ -115,7 +126,7 @@ def write_gguf(model_dir: Path, out: Path, *, experts: str | list[str] = "Q8_0",
     writer.add_embedding_length(config.hidden_size)
     writer.add_feed_forward_length(config.intermediate_size)
     writer.add_head_count(config.num_attention_heads)
-    writer.add_head_count_kv(config.num_key_value_heads)
+    writer.add_head_count_kv(1 if arch == "deepseek2" else config.num_key_value_heads)  # MLA as one KV head
     writer.add_rope_freq_base(config.rope_parameters["rope_theta"])
     writer.add_layer_norm_rms_eps(config.rms_norm_eps)
     num_experts = getattr(config, "num_experts", None) or config.num_local_experts
@@ -141,6 +152,8 @@ def write_gguf(model_dir: Path, out: Path, *, experts: str | list[str] = "Q8_0",
         writer.add_rope_scaling_yarn_beta_slow(rope["beta_slow"])
     if family == "qwen2_moe":
         writer.add_expert_shared_feed_forward_length(config.shared_expert_intermediate_size)
+    if family == "deepseek_v3":
+        _add_deepseek_keys(writer, config)
     writer.add_file_type(gguf.LlamaFileType.MOSTLY_Q8_0)
     _add_tokenizer(writer)
 
@@ -151,17 +164,23 @@ def write_gguf(model_dir: Path, out: Path, *, experts: str | list[str] = "Q8_0",
         if ".experts." in key:
             reference[key] = _write_experts(writer, key, values, down_types, gate_up_type)
             continue
-        name = names.get_name(key, try_suffixes=(".weight", ".bias"))
+        if key.endswith("kv_b_proj.weight"):
+            reference[key] = _write_kv_b(writer, key, values, config, dense)
+            continue
+        # as the converter renames it (ModelBase.modify_tensors)
+        name = names.get_name(key.replace("e_score_correction_bias", "e_score_correction.bias"),
+                              try_suffixes=(".weight", ".bias"))
         assert name is not None, key
         leaf = key.rpartition(".")[0].rpartition(".")[2]
         type_name = dense if values.ndim == 2 and leaf not in ("gate", "shared_expert_gate", "router") else "F32"
         if name.endswith("attn_sinks"):
             name += ".weight"  # as llama.cpp's GptOssModel.filter_tensors
-        packed, read = _encode(values, type_name)
+        packed, read = _encode(values, _fitting(type_name, values))
         reference[key] = read
         if arch == "llama" and name.split(".")[-2] in ("attn_q", "attn_k"):
             heads = config.num_attention_heads if ".attn_q." in name else config.num_key_value_heads
             packed = _permute(packed, heads)
+        type_name = _fitting(type_name, values)
         writer.add_tensor(name, packed,
                           raw_dtype=None if type_name in ("F32", "F16") else gguf.GGMLQuantizationType[type_name])
     writer.write_header_to_file()
@@ -169,6 +188,56 @@ def write_gguf(model_dir: Path, out: Path, *, experts: str | list[str] = "Q8_0",
     writer.write_tensors_to_file()
     writer.close()
     return reference
+
+
+def _fitting(type_name: str, values: np.ndarray) -> str:
+    """llama.cpp's quantizer falls back to Q8_0 for a K-quant whose rows are not whole 256-element blocks."""
+    if type_name.endswith("_K") and values.shape[-1] % 256:
+        return "Q8_0"
+    return type_name
+
+
+def _add_deepseek_keys(writer: gguf.GGUFWriter, config) -> None:
+    """As llama.cpp's DeepseekV2Model.set_gguf_parameters (and its base) writes them for DeepSeek-V3."""
+    rope_dim, kv_lora = config.qk_rope_head_dim, config.kv_lora_rank
+    writer.add_leading_dense_block_count(config.first_k_dense_replace)
+    writer.add_vocab_size(config.vocab_size)
+    writer.add_q_lora_rank(config.q_lora_rank)
+    writer.add_kv_lora_rank(kv_lora)
+    writer.add_key_length(kv_lora + rope_dim)
+    writer.add_value_length(kv_lora)
+    writer.add_key_length_mla(config.qk_nope_head_dim + rope_dim)
+    writer.add_value_length_mla(config.v_head_dim)
+    writer.add_expert_shared_count(config.n_shared_experts)
+    writer.add_expert_weights_scale(config.routed_scaling_factor)
+    writer.add_expert_weights_norm(config.norm_topk_prob)
+    writer.add_rope_dimension_count(rope_dim)
+    writer.add_expert_group_count(config.n_group)
+    writer.add_expert_group_used_count(config.topk_group)
+    writer.add_expert_gating_func(gguf.ExpertGatingFuncType.SIGMOID)
+    rope = config.rope_parameters
+    writer.add_rope_scaling_type(gguf.RopeScalingType.YARN)
+    writer.add_rope_scaling_factor(rope["factor"])
+    writer.add_rope_scaling_orig_ctx_len(rope["original_max_position_embeddings"])
+    writer.add_rope_scaling_yarn_beta_fast(rope["beta_fast"])
+    writer.add_rope_scaling_yarn_beta_slow(rope["beta_slow"])
+    writer.add_rope_scaling_yarn_log_mul(0.1 * rope["mscale_all_dim"])
+
+
+def _write_kv_b(writer: gguf.GGUFWriter, key: str, values: np.ndarray, config, type_name: str) -> np.ndarray:
+    """MLA's kv_b_proj split per head into attn_k_b (nope rows, transposed) and attn_v_b, as llama.cpp's
+    DeepseekV2Model.modify_tensors does; returns the matrix the file's parts dequantize to."""
+    block = int(key.split(".layers.")[1].split(".")[0])
+    heads, nope, kv_lora = config.num_attention_heads, config.qk_nope_head_dim, config.kv_lora_rank
+    per_head = values.reshape(heads, -1, kv_lora)
+    parts = {"attn_k_b": per_head[:, :nope].swapaxes(1, 2), "attn_v_b": per_head[:, nope:]}
+    back = {}
+    for stem, part in parts.items():
+        part_type = _fitting(type_name, part)
+        packed, back[stem] = _encode(part, part_type)
+        writer.add_tensor(f"blk.{block}.{stem}.weight", packed,
+                          raw_dtype=None if part_type in ("F32", "F16") else gguf.GGMLQuantizationType[part_type])
+    return np.concatenate([back["attn_k_b"].swapaxes(1, 2), back["attn_v_b"]], axis=1).reshape(values.shape)
 
 
 def _write_experts(writer: gguf.GGUFWriter, key: str, values: np.ndarray, down_types: list[str],
