@@ -205,6 +205,8 @@ def main(argv=None) -> int:
                         help="llama-bench options beyond threads, tests and output (default: %(default)s)")
     parser.add_argument("--prepare-only", action="store_true", help="build, convert and quantize; measure nothing")
     parser.add_argument("--out", type=Path, default=RESULTS_DIR)
+    parser.add_argument("--label", default="", help="named in the results file (llamacpp-LABEL-...), so runs of "
+                        "other geometries or formats keep today's main table")
     args = parser.parse_args(argv)
     args.systems = [s for s in args.systems.split(",") if s]
     fmts = args.formats.split(",")
@@ -223,7 +225,7 @@ def main(argv=None) -> int:
     if args.prepare_only:
         return 0
     rows = [row for name, path in paths.items() for row in measure_geometry(lc, name, path, fmts, args)]
-    write_report(args.out, "llamacpp", {"llamacpp_version": VERSION, "threads": args.threads, "reps": args.reps,
+    write_report(args.out, f"llamacpp-{args.label}" if args.label else "llamacpp", {"llamacpp_version": VERSION, "threads": args.threads, "reps": args.reps,
                                         "prompt_len": args.prompt_len, "decode": args.decode,
                                         "llama_bench_args": args.llama_bench_args, "rows": rows}, table(rows, args))
     return 0
