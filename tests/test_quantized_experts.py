@@ -63,7 +63,7 @@ def test_greedy_replies_equal_transformers_on_the_dequantized_experts(wide, refe
         assert runtime.layout.expert_format is FORMATS[fmt]
 
 
-@pytest.mark.parametrize("family", ["mixtral", "qwen2_moe", "gpt_oss"])
+@pytest.mark.parametrize("family", ["mixtral", "qwen2_moe", "gpt_oss", "deepseek_v3"])
 def test_mixed_quantization_of_experts_and_dense_weights(wide, family):
     # Experts at 4 bits, every other linear layer (not the routers) at 8: the replies are those of
     # transformers with both dequantized, and the dense layers hold only their blocks.
@@ -73,8 +73,11 @@ def test_mixed_quantization_of_experts_and_dense_weights(wide, family):
     from engine.model.dense_formats import QuantizedLinear
 
     quantized = [name for name, m in runtime.model.named_modules() if isinstance(m, QuantizedLinear)]
-    assert any(name.endswith("q_proj") for name in quantized)
+    assert any(name.endswith(("q_proj", "q_a_proj")) for name in quantized)
     assert not any(name.rpartition(".")[2] in ("gate", "router") for name in quantized)  # routers stay
+    # MLA's kv_b_proj stays a matrix: the absorbed one-token attention reads it per head
+    assert not any(name.endswith("kv_b_proj") for name in quantized)
+    assert family != "deepseek_v3" or any(name.endswith("kv_b_proj") for name, _ in runtime.model.named_modules())
 
 
 def test_the_demo_model_takes_llamacpps_fallback_for_its_narrow_matrices():

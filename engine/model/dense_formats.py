@@ -2,7 +2,9 @@
 
 Every plain linear layer of the model — attention projections, shared experts, dense MLPs, the LM
 head — may be stored in a block format, except the routers (a few rows that decide which experts
-run: kept as they are) and an LM head tied to the embedding. Each becomes a `QuantizedLinear`
+run: kept as they are), an LM head tied to the embedding, and MLA's `kv_b_proj` (DeepSeek), which
+the absorbed one-token attention (engine.decode.paths.latent_attention) reads per head as a matrix:
+quantized, every token would dequantize it whole. Each becomes a `QuantizedLinear`
 holding only its blocks; its forward computes with the dequantized weight (the reference values),
 and the native decode paths read the blocks directly.
 """
@@ -17,6 +19,8 @@ from engine.formats.blocks import BlockFormat, format_for
 from engine.formats.dequantize import Dequantizer, reference_dequantizer
 from engine.formats.quantize import quantize
 from engine.model.layout import ROUTER_NAMES
+
+KEPT_AS_IS = ("kv_b_proj",)  # see the module's docstring
 
 
 class QuantizedLinear(torch.nn.Module):
@@ -46,11 +50,11 @@ class QuantizedLinear(torch.nn.Module):
 
 def dense_targets(model: torch.nn.Module, expert_modules: set[str]) -> list[tuple[str, torch.nn.Linear]]:
     """The linear layers a dense format applies to, by name: not inside an experts module, not a
-    router, not an LM head that shares the embedding's weight."""
+    router, not MLA's kv_b_proj, not an LM head that shares the embedding's weight."""
     embedding = model.get_input_embeddings().weight if hasattr(model, "get_input_embeddings") else None
     targets = []
     for name, module in model.named_modules():
-        if type(module) is not torch.nn.Linear or name.rpartition(".")[2] in ROUTER_NAMES:
+        if type(module) is not torch.nn.Linear or name.rpartition(".")[2] in (*ROUTER_NAMES, *KEPT_AS_IS):
             continue
         if any(name.startswith(path + ".") for path in expert_modules):
             continue

@@ -55,13 +55,18 @@ def latent_attention_forward(self, hidden_states: torch.Tensor, position_embeddi
     up = self.kv_b_proj.weight.view(heads, nope + v_dim, rank)
     w_uk, w_uv = up[:, :nope], up[:, nope:]  # [heads, nope, rank], [heads, v, rank]
     absorbed = torch.matmul(q_pass.transpose(0, 1).reshape(heads, batch, nope), w_uk)  # [heads, batch, rank]
-    query = absorbed.transpose(0, 1).unsqueeze(2).float()  # [batch, heads, 1, rank]
-    scores = torch.matmul(query, latents.float().transpose(-1, -2))
-    scores += torch.matmul(q_rot.float(), k_rot.float().transpose(-1, -2))
+    # The one shared latent row per position meets every head as one [heads x rank] by [rank x
+    # positions] product per sequence (a [heads, 1, ...] broadcast against the cache would copy it per head).
+    positions = latents.shape[-2]
+    lat = latents.float().reshape(batch, positions, rank)
+    query = absorbed.transpose(0, 1).float()  # [batch, heads, rank]
+    scores = torch.bmm(query, lat.transpose(1, 2))
+    rot = torch.bmm(q_rot.float().reshape(batch, heads, rope), k_rot.float().reshape(batch, positions, rope).transpose(1, 2))
+    scores += rot
     weights = torch.softmax(scores * self.scaling, dim=-1)
-    context = torch.matmul(weights, latents.float()).to(hidden_states.dtype)  # [batch, heads, 1, rank]
+    context = torch.bmm(weights, lat).to(hidden_states.dtype)  # [batch, heads, rank]
     # W_uv [heads, v, rank] times the contexts as columns: the weight as stored (a transposed view of it
     # would be copied whole every step)
-    out = torch.matmul(w_uv, context.squeeze(2).permute(1, 2, 0))  # [heads, v, batch]
+    out = torch.matmul(w_uv, context.permute(1, 2, 0))  # [heads, v, batch]
     out = out.permute(2, 0, 1).reshape(batch, 1, heads * v_dim)
     return self.o_proj(out), None
