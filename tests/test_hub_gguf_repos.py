@@ -38,15 +38,20 @@ def hub(tmp_path, monkeypatch):
         dense = write_moe_gguf(tmp_path / "src" / "dense.gguf", arch="llama", experts=0)
         server.add_repo("someone/Llama-Tiny-GGUF", {"dense.gguf": dense.read_bytes()}, downloads=9,
                         gguf={"architecture": "llama", "total": 1000})
+        for repo, arch in (("someone/gpt-oss-Tiny-GGUF", "gpt-oss"), ("someone/DeepSeek-V3-Tiny-GGUF", "deepseek2")):
+            moe = write_moe_gguf(tmp_path / "src" / arch / "model-Q4_K_M.gguf", arch=arch, quant="Q4_K")
+            server.add_repo(repo, {moe.name: moe.read_bytes()}, downloads=3, gguf={"architecture": arch, "total": 10})
         server.sizes = {"Q4_K_M": q4.stat().st_size, "Q8_0": sum(x.stat().st_size for x in parts)}  # type: ignore[attr-defined]
         server.parts = [f"Q8_0/{part.name}" for part in parts]  # type: ignore[attr-defined]
         yield server
 
 
 def test_search_finds_moe_gguf_repos(hub):
-    [entry] = search_library("tiny")  # the llama GGUF names no Mixtral: dense, left out
-    assert (entry.repo_id, entry.model_type, entry.quant, entry.problem) == (REPO, "qwen3_moe", "GGUF", None)
-    assert entry.description == "qwen3_moe GGUF on the Hub: pick a quant file"
+    found = {entry.repo_id: entry for entry in search_library("tiny")}  # the llama GGUF names no Mixtral: left out
+    assert {repo: (e.model_type, e.quant, e.problem) for repo, e in found.items()} == {
+        REPO: ("qwen3_moe", "GGUF", None), "someone/gpt-oss-Tiny-GGUF": ("gpt_oss", "GGUF", None),
+        "someone/DeepSeek-V3-Tiny-GGUF": ("deepseek_v3", "GGUF", None)}
+    assert found[REPO].description == "qwen3_moe GGUF on the Hub: pick a quant file"
 
 
 def test_each_quant_file_has_its_own_verdict_from_one_fetched_header(hub):
