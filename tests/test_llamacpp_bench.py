@@ -170,3 +170,20 @@ def test_pipeline_end_to_end_on_a_tiny_checkpoint(tmp_path, mixtral_checkpoint, 
     assert bf16["exact_decode_over_llama"] > 0 and bf16["llama_decode_over_limit"] > 0
     assert q8["llama_decode_tokens_per_s"] > 0 and "no q8_0 format yet" in q8["moescope_unavailable"]
     assert q8["llama_bytes_per_token"] < bf16["llama_bytes_per_token"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family", ["gpt_oss", "deepseek_v3"])
+def test_llamacpps_own_gguf_of_a_family_equals_transformers(tmp_path, family, llamacpp_home):
+    # The layouts the converter really writes (gpt-oss's split, transposed gate/up; DeepSeek's kv_b_proj
+    # as attn_k_b + attn_v_b), not this project's writer of them: the reply equals transformers'.
+    from bench.gguf_files import write_test_gguf
+    from tests.helpers.checkpoints import WIDE, greedy_reply, reference_generate, save_tiny_checkpoint
+
+    prompt = [5, 17, 33, 8, 61, 12, 40, 9]
+    checkpoint = save_tiny_checkpoint(family, tmp_path / family, **WIDE[family])
+    path = write_test_gguf(checkpoint, tmp_path / f"{family}.gguf", "f32")
+    expected = reference_generate(checkpoint, prompt, 24)
+    tokens, runtime = greedy_reply(path, prompt, 24, None, dtype="float32", budget="30%", store="disk")
+    assert tokens == expected
+    assert {p.file for per_layer in runtime.layout.pieces for e in per_layer for p in e} == {path}

@@ -99,16 +99,24 @@ def hf_config(model: GGUFModel) -> dict:
     return config
 
 
+def _rope(model: GGUFModel, default_theta: float) -> dict:
+    """`rope_parameters` from the rope keys: the base frequency, and YaRN's parameters when it is set."""
+    rope = {"rope_type": "default", "rope_theta": _decimal(model.arch_value("rope.freq_base", default_theta))}
+    if model.arch_value("rope.scaling.type") == "yarn":
+        rope.update(rope_type="yarn", factor=_decimal(_need(model, "rope.scaling.factor")),
+                    original_max_position_embeddings=int(_need(model, "rope.scaling.original_context_length")),
+                    beta_fast=_decimal(model.arch_value("rope.scaling.yarn_beta_fast", 32.0)),
+                    beta_slow=_decimal(model.arch_value("rope.scaling.yarn_beta_slow", 1.0)))
+    return rope
+
+
 def _gpt_oss(model: GGUFModel, experts: int) -> dict:
     """gpt-oss's own keys. The converter writes the experts' width as `expert_feed_forward_length`, the
     sliding window, and YaRN's parameters but not `truncate`: set false, as gpt-oss's own config has it
     (llama.cpp's YaRN rounds the correction range, the model as published does not)."""
-    rope = {"rope_type": "default", "rope_theta": _decimal(model.arch_value("rope.freq_base", 150000.0))}
-    if model.arch_value("rope.scaling.type") == "yarn":
-        rope.update(rope_type="yarn", factor=_decimal(_need(model, "rope.scaling.factor")),
-                    beta_fast=_decimal(model.arch_value("rope.scaling.yarn_beta_fast", 32.0)),
-                    beta_slow=_decimal(model.arch_value("rope.scaling.yarn_beta_slow", 1.0)), truncate=False,
-                    original_max_position_embeddings=int(_need(model, "rope.scaling.original_context_length")))
+    rope = _rope(model, 150000.0)
+    if rope["rope_type"] == "yarn":
+        rope["truncate"] = False
     return {
         "num_local_experts": experts,
         "intermediate_size": int(_need(model, "expert_feed_forward_length")),
@@ -133,14 +141,10 @@ def _deepseek(model: GGUFModel, experts: int, heads: int) -> dict:
     mla = model.arch_value("attention.key_length_mla") is not None
     key = int(_need(model, "attention.key_length_mla" if mla else "attention.key_length"))
     value = int(_need(model, "attention.value_length_mla" if mla else "attention.value_length"))
-    rope = {"rope_type": "default", "rope_theta": _decimal(model.arch_value("rope.freq_base", 10000.0))}
-    if model.arch_value("rope.scaling.type") == "yarn":
-        mscale = _decimal(float(model.arch_value("rope.scaling.yarn_log_multiplier", 0.1)) / 0.1)
-        rope.update(rope_type="yarn", factor=_decimal(_need(model, "rope.scaling.factor")),
-                    original_max_position_embeddings=int(_need(model, "rope.scaling.original_context_length")),
-                    beta_fast=_decimal(model.arch_value("rope.scaling.yarn_beta_fast", 32.0)),
-                    beta_slow=_decimal(model.arch_value("rope.scaling.yarn_beta_slow", 1.0)),
-                    mscale=mscale, mscale_all_dim=mscale)
+    rope = _rope(model, 10000.0)
+    if rope["rope_type"] == "yarn":
+        rope["mscale"] = rope["mscale_all_dim"] = _decimal(
+            float(model.arch_value("rope.scaling.yarn_log_multiplier", 0.1)) / 0.1)
     q_lora = model.arch_value("attention.q_lora_rank")
     return {
         "num_key_value_heads": heads,

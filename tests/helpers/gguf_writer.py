@@ -144,12 +144,7 @@ def write_gguf(model_dir: Path, out: Path, *, experts: str | list[str] = "Q8_0",
     if family == "gpt_oss":  # as llama.cpp's GptOssModel.set_gguf_parameters
         writer.add_expert_feed_forward_length(config.intermediate_size)
         writer.add_sliding_window(config.sliding_window)
-        rope = config.rope_parameters
-        writer.add_rope_scaling_type(gguf.RopeScalingType.YARN)
-        writer.add_rope_scaling_factor(rope["factor"])
-        writer.add_rope_scaling_orig_ctx_len(rope["original_max_position_embeddings"])
-        writer.add_rope_scaling_yarn_beta_fast(rope["beta_fast"])
-        writer.add_rope_scaling_yarn_beta_slow(rope["beta_slow"])
+        _add_yarn(writer, config.rope_parameters)
     if family == "qwen2_moe":
         writer.add_expert_shared_feed_forward_length(config.shared_expert_intermediate_size)
     if family == "deepseek_v3":
@@ -197,6 +192,15 @@ def _fitting(type_name: str, values: np.ndarray) -> str:
     return type_name
 
 
+def _add_yarn(writer: gguf.GGUFWriter, rope: dict) -> None:
+    """YaRN's keys as llama.cpp's TextModel.set_gguf_parameters writes them."""
+    writer.add_rope_scaling_type(gguf.RopeScalingType.YARN)
+    writer.add_rope_scaling_factor(rope["factor"])
+    writer.add_rope_scaling_orig_ctx_len(rope["original_max_position_embeddings"])
+    writer.add_rope_scaling_yarn_beta_fast(rope["beta_fast"])
+    writer.add_rope_scaling_yarn_beta_slow(rope["beta_slow"])
+
+
 def _add_deepseek_keys(writer: gguf.GGUFWriter, config) -> None:
     """As llama.cpp's DeepseekV2Model.set_gguf_parameters (and its base) writes them for DeepSeek-V3."""
     rope_dim, kv_lora = config.qk_rope_head_dim, config.kv_lora_rank
@@ -215,13 +219,8 @@ def _add_deepseek_keys(writer: gguf.GGUFWriter, config) -> None:
     writer.add_expert_group_count(config.n_group)
     writer.add_expert_group_used_count(config.topk_group)
     writer.add_expert_gating_func(gguf.ExpertGatingFuncType.SIGMOID)
-    rope = config.rope_parameters
-    writer.add_rope_scaling_type(gguf.RopeScalingType.YARN)
-    writer.add_rope_scaling_factor(rope["factor"])
-    writer.add_rope_scaling_orig_ctx_len(rope["original_max_position_embeddings"])
-    writer.add_rope_scaling_yarn_beta_fast(rope["beta_fast"])
-    writer.add_rope_scaling_yarn_beta_slow(rope["beta_slow"])
-    writer.add_rope_scaling_yarn_log_mul(0.1 * rope["mscale_all_dim"])
+    _add_yarn(writer, config.rope_parameters)
+    writer.add_rope_scaling_yarn_log_mul(0.1 * config.rope_parameters["mscale_all_dim"])
 
 
 def _write_kv_b(writer: gguf.GGUFWriter, key: str, values: np.ndarray, config, type_name: str) -> np.ndarray:
