@@ -14,7 +14,7 @@ from pathlib import Path
 
 from engine.errors import CheckpointError
 from engine.hub.estimate import SizeEstimate
-from engine.model.gguf_config import ARCHITECTURES, SUPPORTED
+from engine.model.gguf_config import ARCHITECTURES, SUPPORTED, unmapped_variant
 from engine.model.gguf_file import split_parts as model_split_parts
 from engine.model.gguf_header import BadHeader, ParsedHeader, ShortHeader, read_file_header
 
@@ -120,7 +120,8 @@ def gguf_problem(header: GGUFHeader) -> str | None:
     if header.architecture not in GGUF_ARCHITECTURES:
         return (f"GGUF architecture '{header.architecture}' cannot be mapped to a model MoEScope runs; "
                 f"GGUF architectures that work: {WORKING}")
-    return None
+    variant = unmapped_variant(header.architecture, header.arch_value)
+    return f"{header.path.name} is {variant}" if variant else None
 
 
 def estimate_gguf(header: GGUFHeader) -> SizeEstimate:

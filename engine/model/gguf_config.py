@@ -27,6 +27,17 @@ SUPPORTED = ("qwen3moe (Qwen3-MoE), qwen2moe (Qwen2-MoE), llama with experts (Mi
 SIGMOID_GATING = 2  # gguf.ExpertGatingFuncType.SIGMOID
 
 
+def unmapped_variant(architecture: str, arch_value) -> str | None:
+    """Why a file of an architecture in ARCHITECTURES is still not mapped (a variant of it), from its
+    metadata (`arch_value(key, default)`); None when it is mapped. The loader and the library both ask."""
+    if architecture == "deepseek2":
+        gating = arch_value("expert_gating_func", None)
+        if gating is not None and int(gating) != SIGMOID_GATING:
+            return ("a deepseek2 GGUF with softmax routing (DeepSeek-V2); MoEScope maps DeepSeek-V3/R1 GGUFs "
+                    "(sigmoid routing) only — open the original checkpoint")
+    return None
+
+
 def _need(model: GGUFModel, key: str):
     value = model.arch_value(key)
     if value is None:
@@ -133,10 +144,9 @@ def _deepseek(model: GGUFModel, experts: int, heads: int) -> dict:
     `key_length`/`value_length`). `mscale` is not written: DeepSeek-V3 ships it equal to `mscale_all_dim`
     (0.1 x the YaRN log multiplier), as taken here. llama.cpp's deepseek2 rotates adjacent pairs, which
     is transformers' `rope_interleave`; no rows are permuted."""
-    gating = model.arch_value("expert_gating_func")
-    if gating is not None and int(gating) != SIGMOID_GATING:
-        raise CheckpointError(f"{model.path.name} is a deepseek2 GGUF with softmax routing (DeepSeek-V2); MoEScope "
-                              "maps DeepSeek-V3/R1 GGUFs (sigmoid routing) only — open the original checkpoint")
+    variant = unmapped_variant(model.architecture, model.arch_value)
+    if variant:
+        raise CheckpointError(f"{model.path.name} is {variant}")
     rope_dim = int(_need(model, "rope.dimension_count"))
     mla = model.arch_value("attention.key_length_mla") is not None
     key = int(_need(model, "attention.key_length_mla" if mla else "attention.key_length"))

@@ -19,7 +19,7 @@ HIDDEN, FFN, EXPERT_FFN, HEADS, KV_HEADS, HEAD_DIM, VOCAB = 256, 256, 256, 4, 2,
 
 def write_moe_gguf(path: Path, *, arch: str = "qwen3moe", layers: int = 2, experts: int = 8, top_k: int = 2,
                    quant: str = "Q8_0", file_type: str | None = "MOSTLY_Q8_0", name: str = "Tiny MoE",
-                   split_max_tensors: int = 0, vocabulary: int = 0) -> Path:
+                   split_max_tensors: int = 0, vocabulary: int = 0, gating: int | None = None) -> Path:
     """A GGUF of `layers` MoE blocks with `experts` experts, expert matrices in `quant` ("F32": none).
     With `split_max_tensors`, a split set as llama.cpp's gguf-split writes it (`-00001-of-0000N.gguf`); with
     `vocabulary`, a tokenizer of that many tokens and merges in the metadata."""
@@ -42,6 +42,8 @@ def write_moe_gguf(path: Path, *, arch: str = "qwen3moe", layers: int = 2, exper
         writer.add_expert_count(experts)
         writer.add_expert_used_count(top_k)
         writer.add_expert_feed_forward_length(EXPERT_FFN)
+    if gating is not None:  # gguf.ExpertGatingFuncType
+        writer.add_expert_gating_func(gguf.ExpertGatingFuncType(gating))
     if file_type is not None:
         writer.add_file_type(gguf.LlamaFileType[file_type])
     if vocabulary:
