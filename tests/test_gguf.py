@@ -1,4 +1,4 @@
-"""GGUF files opened directly (Qwen3-MoE, Qwen2-MoE, Mixtral, gpt-oss, DeepSeek-V3): written here as
+"""GGUF files opened directly (Qwen3-MoE, Qwen2-MoE, Mixtral, gpt-oss, DeepSeek-V2/V3): written here as
 llama.cpp's converter writes them (tests/helpers/gguf_writer.py), experts read per expert from the
 file in their quant type, and greedy replies equal stock transformers running the same weights
 dequantized by the `gguf` package."""
@@ -23,7 +23,7 @@ from tests.helpers.gguf_writer import gguf_reference_generate, save_tiny_hf, wri
 
 PROMPT = [5, 17, 33, 8, 61, 12, 40, 9]
 NEW_TOKENS = 32
-FAMILIES = ("qwen3_moe", "qwen2_moe", "mixtral", "gpt_oss", "deepseek_v3")
+FAMILIES = ("qwen3_moe", "qwen2_moe", "mixtral", "gpt_oss", "deepseek_v3", "deepseek_v2")
 TYPES = ("Q8_0", "Q4_K")
 # (family, experts' type, dense type): every family in Q8_0 and Q4_K; gpt-oss also as llama.cpp ships it
 # (MXFP4 experts, Q8_0 dense: `llama-quantize MXFP4_MOE`) and in BF16 (float experts transposed on read)
@@ -180,7 +180,7 @@ def test_an_architecture_we_cannot_map_is_named_with_the_ones_that_work(tmp_path
     assert capsys.readouterr().err.strip() == (
         "moescope: error: other.gguf is a GGUF of architecture 'falcon', which MoEScope cannot map to a transformers "
         "model yet; GGUF architectures that work: qwen3moe (Qwen3-MoE), qwen2moe (Qwen2-MoE), llama with experts "
-        "(Mixtral), gpt-oss, deepseek2 (DeepSeek-V3/R1)")
+        "(Mixtral), gpt-oss, deepseek2 (DeepSeek-V2/V3/R1)")
     dense = _write_minimal(tmp_path / "dense.gguf", "llama", block_count=1, embedding_length=8)
     assert moescope(["info", "--model", str(dense)]) == 2
     err = capsys.readouterr().err.strip()
@@ -188,15 +188,16 @@ def test_an_architecture_we_cannot_map_is_named_with_the_ones_that_work(tmp_path
     assert set(tree_snapshot(tmp_path)) == set(before) | {"dense.gguf"}
 
 
-def test_a_deepseek_v2_gguf_is_refused_in_one_line(tmp_path, capsys):
-    # llama.cpp writes DeepSeek-V2 and V3 both as deepseek2; V2 routes by softmax, which is not mapped
-    path = _write_minimal(tmp_path / "v2.gguf", "deepseek2", block_count=1, embedding_length=8, feed_forward_length=8,
+def test_a_deepseek2_gguf_routing_like_neither_v2_nor_v3_is_refused_in_one_line(tmp_path, capsys):
+    # llama.cpp writes DeepSeek-V2 and V3 both as deepseek2: V3's routers carry a correction bias and
+    # route by sigmoid, V2's by softmax without one. A file that mixes them has no transformers model.
+    path = _write_minimal(tmp_path / "odd.gguf", "deepseek2", block_count=1, embedding_length=8, feed_forward_length=8,
                           **{"attention.head_count": 1, "expert_count": 8, "expert_used_count": 2,
-                             "expert_gating_func": 1})
+                             "expert_gating_func": 2})
     assert moescope(["info", "--model", str(path)]) == 2
     assert capsys.readouterr().err.strip() == (
-        "moescope: error: v2.gguf is a deepseek2 GGUF with softmax routing (DeepSeek-V2); MoEScope maps "
-        "DeepSeek-V3/R1 GGUFs (sigmoid routing) only — open the original checkpoint")
+        "moescope: error: odd.gguf is a deepseek2 GGUF routing by sigmoid without a correction bias, which "
+        "neither DeepSeek-V2 nor V3 does; open the original checkpoint")
 
 
 def test_a_truncated_file_is_named(models, tmp_path, capsys):

@@ -125,16 +125,17 @@ def test_a_split_set_with_a_part_missing_names_the_part(home):
                              "into the same folder")
 
 
-def test_a_deepseek_v2_gguf_is_listed_with_the_loaders_line(home):
-    # DeepSeek-V2 and V3 share llama.cpp's deepseek2; V2 routes by softmax (gating 1), V3 by sigmoid (2)
+def test_a_deepseek2_gguf_the_loader_refuses_is_listed_with_its_line(home):
+    # DeepSeek-V2 and V3 share llama.cpp's deepseek2: V2 routes by softmax (gating 1) without the
+    # correction bias V3's sigmoid routing (2) has; these files carry no bias
     folder = home / ".lmstudio" / "models" / "p"
     write_moe_gguf(folder / "V2-GGUF" / "v2-Q8_0.gguf", arch="deepseek2", gating=1)
-    write_moe_gguf(folder / "V3-GGUF" / "v3-Q8_0.gguf", arch="deepseek2", gating=2)
+    write_moe_gguf(folder / "Odd-GGUF" / "odd-Q8_0.gguf", arch="deepseek2", gating=2)
     entries = {title.split("/")[-1]: e for title, e in found(list_library(), "lmstudio").items()}
-    assert entries["v2-Q8_0.gguf"].problem == (
-        "v2-Q8_0.gguf is a deepseek2 GGUF with softmax routing (DeepSeek-V2); MoEScope maps DeepSeek-V3/R1 GGUFs "
-        "(sigmoid routing) only — open the original checkpoint")
-    assert entries["v3-Q8_0.gguf"].problem is None
+    assert entries["v2-Q8_0.gguf"].problem is None
+    assert entries["odd-Q8_0.gguf"].problem == (
+        "odd-Q8_0.gguf is a deepseek2 GGUF routing by sigmoid without a correction bias, which neither "
+        "DeepSeek-V2 nor V3 does; open the original checkpoint")
 
 
 def test_a_truncated_gguf_is_listed_with_its_problem(home):

@@ -120,7 +120,7 @@ def gguf_problem(header: GGUFHeader) -> str | None:
     if header.architecture not in GGUF_ARCHITECTURES:
         return (f"GGUF architecture '{header.architecture}' cannot be mapped to a model MoEScope runs; "
                 f"GGUF architectures that work: {WORKING}")
-    variant = unmapped_variant(header.architecture, header.arch_value)
+    variant = unmapped_variant(header.architecture, header.arch_value, (name for name, *_ in header.tensors))
     return f"{header.path.name} is {variant}" if variant else None
 
 

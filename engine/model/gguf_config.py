@@ -9,6 +9,8 @@ them (`gguf.GGUFWriter.add_*`), into the config the original checkpoint had.
 
 from __future__ import annotations
 
+from decimal import Decimal
+
 import numpy as np
 
 from engine.errors import CheckpointError, NotMoEError
@@ -20,22 +22,34 @@ ARCHITECTURES = {
     "qwen2moe": ("qwen2_moe", "Qwen2MoeForCausalLM"),
     "llama": ("mixtral", "MixtralForCausalLM"),  # llama.cpp writes Mixtral as `llama` with experts
     "gpt-oss": ("gpt_oss", "GptOssForCausalLM"),
-    "deepseek2": ("deepseek_v3", "DeepseekV3ForCausalLM"),  # DeepSeek-V3/R1 (sigmoid routing); V2 is not mapped
+    # DeepSeek-V3/R1, and V2/V2.5 (deepseek_v2) when the file has no routing correction bias: _deepseek_variant
+    "deepseek2": ("deepseek_v3", "DeepseekV3ForCausalLM"),
 }
 SUPPORTED = ("qwen3moe (Qwen3-MoE), qwen2moe (Qwen2-MoE), llama with experts (Mixtral), gpt-oss, "
-             "deepseek2 (DeepSeek-V3/R1)")
-SIGMOID_GATING = 2  # gguf.ExpertGatingFuncType.SIGMOID
+             "deepseek2 (DeepSeek-V2/V3/R1)")
+SOFTMAX_GATING, SIGMOID_GATING = 1, 2  # gguf.ExpertGatingFuncType
+CORRECTION_BIAS = "exp_probs_b.bias"  # DeepSeek-V3's e_score_correction_bias, as the converter names it
 
 
-def unmapped_variant(architecture: str, arch_value) -> str | None:
+def unmapped_variant(architecture: str, arch_value, tensor_names) -> str | None:
     """Why a file of an architecture in ARCHITECTURES is still not mapped (a variant of it), from its
-    metadata (`arch_value(key, default)`); None when it is mapped. The loader and the library both ask."""
+    metadata (`arch_value(key, default)`) and tensor names; None when it is mapped. The loader and the
+    library both ask."""
     if architecture == "deepseek2":
+        v3 = _deepseek_v3(tensor_names)
         gating = arch_value("expert_gating_func", None)
-        if gating is not None and int(gating) != SIGMOID_GATING:
-            return ("a deepseek2 GGUF with softmax routing (DeepSeek-V2); MoEScope maps DeepSeek-V3/R1 GGUFs "
-                    "(sigmoid routing) only — open the original checkpoint")
+        if gating is not None and int(gating) != (SIGMOID_GATING if v3 else SOFTMAX_GATING):
+            return (f"a deepseek2 GGUF routing by {'softmax' if v3 else 'sigmoid'} "
+                    f"{'with' if v3 else 'without'} a correction bias, which neither DeepSeek-V2 nor V3 does; "
+                    "open the original checkpoint")
     return None
+
+
+def _deepseek_v3(tensor_names) -> bool:
+    """A deepseek2 file is DeepSeek-V3/R1 when its routers carry the correction bias, else V2/V2.5. The
+    gating key cannot decide it: the converter writes it only from `scoring_func`, which transformers'
+    DeepSeek-V3 config does not keep (llama.cpp reads a missing key as V2's softmax)."""
+    return any(name.endswith(CORRECTION_BIAS) for name in tensor_names)
 
 
 def _need(model: GGUFModel, key: str):
@@ -138,25 +152,33 @@ def _gpt_oss(model: GGUFModel, experts: int) -> dict:
 
 
 def _deepseek(model: GGUFModel, experts: int, heads: int) -> dict:
-    """DeepSeek-V3's keys as `DeepseekV2Model.set_gguf_parameters` writes them. Its MLA is written as
+    """DeepSeek-V2/V3's keys as `DeepseekV2Model.set_gguf_parameters` writes them. Their MLA is written as
     one shared KV head of width `kv_lora_rank + rope` (`head_count_kv` 1, `key_length`), with the
     per-head widths in `key_length_mla`/`value_length_mla` (files from before that split give them in
-    `key_length`/`value_length`). `mscale` is not written: DeepSeek-V3 ships it equal to `mscale_all_dim`
+    `key_length`/`value_length`). `mscale` is not written: DeepSeek ships it equal to `mscale_all_dim`
     (0.1 x the YaRN log multiplier), as taken here. llama.cpp's deepseek2 rotates adjacent pairs, which
-    is transformers' `rope_interleave`; no rows are permuted."""
-    variant = unmapped_variant(model.architecture, model.arch_value)
+    is transformers' `rope_interleave` (V3) and complex rotation (V2); no rows are permuted. V2 picks its
+    top-k from softmax scores, in groups when the file has them, and does not renormalise them."""
+    variant = unmapped_variant(model.architecture, model.arch_value, model.tensors)
     if variant:
         raise CheckpointError(f"{model.path.name} is {variant}")
+    v3 = _deepseek_v3(model.tensors)
+    groups = int(model.arch_value("expert_group_count", 1))
     rope_dim = int(_need(model, "rope.dimension_count"))
     mla = model.arch_value("attention.key_length_mla") is not None
     key = int(_need(model, "attention.key_length_mla" if mla else "attention.key_length"))
     value = int(_need(model, "attention.value_length_mla" if mla else "attention.value_length"))
     rope = _rope(model, 10000.0)
     if rope["rope_type"] == "yarn":
-        rope["mscale"] = rope["mscale_all_dim"] = _decimal(
-            float(model.arch_value("rope.scaling.yarn_log_multiplier", 0.1)) / 0.1)
+        # ten times the multiplier, in decimal: the config's 0.707, not float32's 0.70699996
+        log_mul = Decimal(str(np.float32(model.arch_value("rope.scaling.yarn_log_multiplier", 0.1))))
+        rope["mscale"] = rope["mscale_all_dim"] = float(log_mul * 10)
     q_lora = model.arch_value("attention.q_lora_rank")
-    return {
+    variant = {"model_type": "deepseek_v3", "architectures": ["DeepseekV3ForCausalLM"], "rope_interleave": True,
+               "norm_topk_prob": bool(model.arch_value("expert_weights_norm", False))} if v3 else {
+        "model_type": "deepseek_v2", "architectures": ["DeepseekV2ForCausalLM"],
+        "topk_method": "group_limited_greedy" if groups > 1 else "greedy"}
+    return variant | {
         "num_key_value_heads": heads,
         "head_dim": rope_dim,
         "n_routed_experts": experts,
@@ -169,9 +191,7 @@ def _deepseek(model: GGUFModel, experts: int, heads: int) -> dict:
         "qk_nope_head_dim": key - rope_dim,
         "v_head_dim": value,
         "routed_scaling_factor": _decimal(model.arch_value("expert_weights_scale", 1.0)),
-        "norm_topk_prob": bool(model.arch_value("expert_weights_norm", False)),
-        "n_group": int(model.arch_value("expert_group_count", 1)),
+        "n_group": groups,
         "topk_group": int(model.arch_value("expert_group_used_count", 1)),
-        "rope_interleave": True,
         "rope_parameters": rope,
     }

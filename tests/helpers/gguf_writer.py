@@ -18,7 +18,7 @@ from transformers import AutoConfig, AutoModelForCausalLM
 from tests.helpers.checkpoints import VOCAB, make_tokenizer
 
 GGUF_ARCH = {"qwen3_moe": "qwen3moe", "qwen2_moe": "qwen2moe", "mixtral": "llama", "gpt_oss": "gpt-oss",
-             "deepseek_v3": "deepseek2"}
+             "deepseek_v3": "deepseek2", "deepseek_v2": "deepseek2"}
 FLOATS = {"F32", "F16", "BF16"}
 EXPERT_STEMS = {"gate": "ffn_gate_exps", "up": "ffn_up_exps", "down": "ffn_down_exps"}
 
@@ -49,10 +49,19 @@ TINY = {
                         rope_parameters={"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64,
                                          "beta_fast": 32.0, "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 1.0,
                                          "rope_theta": 10000.0}),
+    # V2-Lite's shape: no q LoRA (q_proj), softmax routing in groups, no correction bias
+    "deepseek_v2": dict(hidden_size=256, intermediate_size=256, moe_intermediate_size=256, num_hidden_layers=3,
+                        first_k_dense_replace=1, num_attention_heads=4, num_key_value_heads=4, n_routed_experts=8,
+                        n_shared_experts=1, num_experts_per_tok=2, n_group=2, topk_group=1,
+                        topk_method="group_limited_greedy", routed_scaling_factor=2.0, q_lora_rank=None,
+                        kv_lora_rank=64, qk_rope_head_dim=32, qk_nope_head_dim=32, v_head_dim=32,
+                        rope_parameters={"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64,
+                                         "beta_fast": 32.0, "beta_slow": 1.0, "mscale": 0.707,
+                                         "mscale_all_dim": 0.707, "rope_theta": 10000.0}),
 }
 
 
-SEEDS = {"qwen3_moe": 0, "qwen2_moe": 2, "mixtral": 1, "gpt_oss": 3, "deepseek_v3": 4}  # random weights whose greedy replies vary over 32 tokens
+SEEDS = {"qwen3_moe": 0, "qwen2_moe": 2, "mixtral": 1, "gpt_oss": 3, "deepseek_v3": 4, "deepseek_v2": 5}  # random weights whose greedy replies vary over 32 tokens
 
 
 def save_tiny_hf(family: str, path: Path) -> Path:
@@ -147,7 +156,7 @@ def write_gguf(model_dir: Path, out: Path, *, experts: str | list[str] = "Q8_0",
         _add_yarn(writer, config.rope_parameters)
     if family == "qwen2_moe":
         writer.add_expert_shared_feed_forward_length(config.shared_expert_intermediate_size)
-    if family == "deepseek_v3":
+    if family.startswith("deepseek"):
         _add_deepseek_keys(writer, config)
     writer.add_file_type(gguf.LlamaFileType.MOSTLY_Q8_0)
     _add_tokenizer(writer)
@@ -202,11 +211,13 @@ def _add_yarn(writer: gguf.GGUFWriter, rope: dict) -> None:
 
 
 def _add_deepseek_keys(writer: gguf.GGUFWriter, config) -> None:
-    """As llama.cpp's DeepseekV2Model.set_gguf_parameters (and its base) writes them for DeepSeek-V3."""
+    """As llama.cpp's DeepseekV2Model.set_gguf_parameters (and its base) writes them for DeepSeek-V2/V3
+    (the gating from the original config's `scoring_func`: sigmoid for V3, softmax for V2)."""
     rope_dim, kv_lora = config.qk_rope_head_dim, config.kv_lora_rank
     writer.add_leading_dense_block_count(config.first_k_dense_replace)
     writer.add_vocab_size(config.vocab_size)
-    writer.add_q_lora_rank(config.q_lora_rank)
+    if config.q_lora_rank is not None:
+        writer.add_q_lora_rank(config.q_lora_rank)
     writer.add_kv_lora_rank(kv_lora)
     writer.add_key_length(kv_lora + rope_dim)
     writer.add_value_length(kv_lora)
@@ -218,7 +229,8 @@ def _add_deepseek_keys(writer: gguf.GGUFWriter, config) -> None:
     writer.add_rope_dimension_count(rope_dim)
     writer.add_expert_group_count(config.n_group)
     writer.add_expert_group_used_count(config.topk_group)
-    writer.add_expert_gating_func(gguf.ExpertGatingFuncType.SIGMOID)
+    v3 = config.model_type == "deepseek_v3"
+    writer.add_expert_gating_func(gguf.ExpertGatingFuncType.SIGMOID if v3 else gguf.ExpertGatingFuncType.SOFTMAX)
     _add_yarn(writer, config.rope_parameters)
     writer.add_rope_scaling_yarn_log_mul(0.1 * config.rope_parameters["mscale_all_dim"])
 
