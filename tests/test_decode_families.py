@@ -105,13 +105,17 @@ def step_like_own_forward(module: torch.nn.Module, config, rotary, what: str):
     caches = [DynamicCache(config=config), DynamicCache(config=config)]
     with torch.no_grad():
         for cache in caches:
-            module(prompt, rotary(prompt, torch.arange(24)[None]), None, **cache_argument(module, cache))
+            module(hidden_states=prompt, position_embeddings=rotary(prompt, torch.arange(24)[None]),
+                   attention_mask=None, **cache_argument(module, cache))
         step = rotary(token, torch.tensor([[24]]))
-        reference, _ = module(token, step, None, **cache_argument(module, caches[0]))
+        # by keyword, as decoder layers call them: families order the arguments differently
+        reference, _ = module(hidden_states=token, position_embeddings=step, attention_mask=None,
+                              **cache_argument(module, caches[0]))
         switch = native_layers.NativeSwitch()
         assert native_layers.patch_module(module, switch)
         with switch.active():
-            ours, _ = module(token, step, None, **cache_argument(module, caches[1]))
+            ours, _ = module(hidden_states=token, position_embeddings=step, attention_mask=None,
+                             **cache_argument(module, caches[1]))
     close(ours, reference, what)
     return caches[0], caches[1]
 

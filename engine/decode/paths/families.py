@@ -70,7 +70,7 @@ FAMILIES = (
     Family("granitemoeshared", ("GraniteMoeSharedRMSNorm",), ("GraniteMoeSharedAttention",)),
     Family("solar_open", ("SolarOpenRMSNorm",), ("SolarOpenAttention",)),
     Family("phimoe", (), ("PhimoeAttention",)),
-    Family("deepseek_v2", ("DeepseekV2RMSNorm",)),
+    Family("deepseek_v2", ("DeepseekV2RMSNorm",), latent_attention=("DeepseekV2Attention",)),
     Family("deepseek_v3", ("DeepseekV3RMSNorm",), latent_attention=("DeepseekV3Attention",)),
     Family("deepseek_v32", ("DeepseekV32RMSNorm",)),
     Family("glm4_moe", ("Glm4MoeRMSNorm",)),

@@ -16,23 +16,32 @@ absorbed products rounded to bf16 once): not bit-identical, like the rest of the
 
 from __future__ import annotations
 
+import functools
+import inspect
 import sys
 
 import torch
 
 from engine.decode.paths.switch import switched_on
-from engine.model.cache_argument import cache_from_call
 
 
-def latent_attention_forward(self, hidden_states: torch.Tensor, position_embeddings: tuple[torch.Tensor, torch.Tensor],
-                             attention_mask: torch.Tensor | None, *args, **kwargs):
+@functools.cache
+def _own_signature(cls: type) -> inspect.Signature:
+    return inspect.signature(cls.forward)
+
+
+def latent_attention_forward(self, *args, **kwargs):
     """The fast forward of a listed MLA attention class (engine.decode.paths.families): one token
-    absorbed inside a native step; anything else takes the module's own forward."""
-    kv = cache_from_call(args, kwargs)
+    absorbed inside a native step; anything else takes the module's own forward. The arguments are
+    read by the class's own signature (DeepSeek-V2 takes the mask before the rotations, V3 after)."""
+    given = _own_signature(self._moescope_plain).bind(self, *args, **kwargs).arguments
+    hidden_states, position_embeddings = given["hidden_states"], given["position_embeddings"]
+    attention_mask = given.get("attention_mask")
+    kv = given.get("cache") or given.get("past_key_values") or given.get("kwargs", {}).get("past_key_values")
     batch, length = hidden_states.shape[:-1]
     if (not switched_on(self) or kv is None or length != 1 or attention_mask is not None
             or hidden_states.device.type != "cpu" or self.kv_b_proj.weight.dtype != hidden_states.dtype):
-        return self._plain_forward(hidden_states, position_embeddings, attention_mask, *args, **kwargs)
+        return self._plain_forward(*args, **kwargs)
     code = sys.modules[self._moescope_plain.__module__]  # the family's own rotary functions
     heads, nope, rope, v_dim, rank = (self.num_heads, self.qk_nope_head_dim, self.qk_rope_head_dim, self.v_head_dim,
                                       self.kv_lora_rank)
@@ -47,9 +56,12 @@ def latent_attention_forward(self, hidden_states: torch.Tensor, position_embeddi
     kv_nope, k_rot = torch.split(compressed, [rank, rope], dim=-1)
     kv_nope = self.kv_a_layernorm(kv_nope).view(batch, 1, 1, rank)
     k_rot = k_rot.view(batch, 1, 1, rope)
-    cos, sin = position_embeddings
-    rotate = code.apply_rotary_pos_emb_interleave if self.config.rope_interleave else code.apply_rotary_pos_emb
-    q_rot, k_rot = rotate(q_rot, k_rot, cos, sin)
+    if isinstance(position_embeddings, torch.Tensor):  # DeepSeek-V2: rotations as complex numbers
+        q_rot, k_rot = code.apply_rotary_emb(q_rot, k_rot, position_embeddings.to(q_rot.device))
+    else:
+        cos, sin = position_embeddings
+        rotate = code.apply_rotary_pos_emb_interleave if self.config.rope_interleave else code.apply_rotary_pos_emb
+        q_rot, k_rot = rotate(q_rot, k_rot, cos, sin)
     latents, k_rot = kv.update(kv_nope, k_rot, self.layer_idx)  # [batch, 1, positions, rank]
 
     up = self.kv_b_proj.weight.view(heads, nope + v_dim, rank)
