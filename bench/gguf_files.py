@@ -65,9 +65,24 @@ def write_placeholder_tokenizer(folder: Path, vocab_size: int) -> None:
     fast.save_pretrained(folder)
 
 
+# Keys the published configs have and llama.cpp's converter reads, which transformers' config classes
+# drop on save: without DeepSeek-V3's `scoring_func` the converter writes no gating key, and llama.cpp
+# then routes the file by V2's softmax.
+CONVERTER_KEYS = {"deepseek_v3": {"scoring_func": "sigmoid"}}
+
+
+def _converter_additions(model_dir: Path) -> dict:
+    config = json.loads((model_dir / "config.json").read_text())
+    return {k: v for k, v in CONVERTER_KEYS.get(config.get("model_type"), {}).items() if k not in config}
+
+
 def checkpoint_key(model_dir: Path) -> str:
-    """A cache key for a checkpoint folder: its name and a digest of its config and weight files."""
+    """A cache key for a checkpoint folder: its name and a digest of its config (as the converter
+    sees it) and weight files."""
     digest = hashlib.sha256((model_dir / "config.json").read_bytes())
+    additions = _converter_additions(model_dir)
+    if additions:
+        digest.update(json.dumps(additions, sort_keys=True).encode())
     for path in sorted(model_dir.glob("*.safetensors")):
         stat = path.stat()
         digest.update(f"{path.name}:{stat.st_size}:{stat.st_mtime_ns}".encode())
@@ -75,15 +90,18 @@ def checkpoint_key(model_dir: Path) -> str:
 
 
 def overlay_folder(model_dir: Path, target: Path) -> Path:
-    """`target` with links to the checkpoint's files (its own tokenizer files left out) and a
-    placeholder tokenizer of the checkpoint's vocabulary size."""
+    """`target` with links to the checkpoint's files (its own tokenizer files left out), its config
+    with CONVERTER_KEYS added, and a placeholder tokenizer of the checkpoint's vocabulary size."""
     target.mkdir(parents=True, exist_ok=True)
+    additions = _converter_additions(model_dir)
     for path in model_dir.iterdir():
         link = target / path.name
         if path.is_file() and not path.name.startswith(".") and path.name not in _TOKENIZER_FILES \
-                and not link.exists():
+                and not link.exists() and not (additions and path.name == "config.json"):
             link.symlink_to(path.resolve())
     config = json.loads((model_dir / "config.json").read_text())
+    if additions:
+        (target / "config.json").write_text(json.dumps(config | additions, indent=2))
     vocab = config.get("vocab_size") or config.get("text_config", {}).get("vocab_size")
     write_placeholder_tokenizer(target, int(vocab))
     return target

@@ -45,6 +45,25 @@ def test_overlay_links_the_checkpoint_and_never_writes_into_it(tmp_path, mixtral
     assert not (folder / "tokenizer.json").is_symlink() and tokenizer["model"]["type"] == "BPE"
 
 
+def test_a_deepseek_v3_overlay_says_sigmoid_routing_as_the_published_config_does(tmp_path):
+    # transformers' DeepSeek-V3 config drops `scoring_func`; without it the converter writes no gating
+    # key and llama.cpp routes the file by V2's softmax
+    from bench.gguf_files import checkpoint_key
+
+    checkpoint = tmp_path / "ds"
+    checkpoint.mkdir()
+    (checkpoint / "config.json").write_text(json.dumps({"model_type": "deepseek_v3", "vocab_size": 300}))
+    before = tree_snapshot(checkpoint)
+    folder = overlay_folder(checkpoint, tmp_path / "overlay")
+    assert json.loads((folder / "config.json").read_text())["scoring_func"] == "sigmoid"
+    assert tree_snapshot(checkpoint) == before
+    # GGUFs cached from the config without it are not taken for ones converted with it
+    import hashlib
+
+    bare = hashlib.sha256((checkpoint / "config.json").read_bytes()).hexdigest()[:12]
+    assert checkpoint_key(checkpoint) != f"ds-{bare}"
+
+
 def test_llama_bench_json_gives_prefill_and_decode_tokens_per_s():
     assert parse_llama_bench(SAMPLE.read_text()) == {"prefill_tokens_per_s": pytest.approx((147.527 + 103.647) / 2),
                                                      "decode_tokens_per_s": pytest.approx((104.02 + 20.4992) / 2)}
