@@ -23,21 +23,23 @@ import sys
 import torch
 
 from engine.decode.paths.switch import switched_on
+from engine.model.cache_argument import cache_from_call
 
 
 @functools.cache
-def _own_signature(cls: type) -> inspect.Signature:
-    return inspect.signature(cls.forward)
+def _positional_names(cls: type) -> tuple[str, ...]:
+    """The names of the class's forward arguments after `self`, in order (asked every layer of every token)."""
+    return tuple(inspect.signature(cls.forward).parameters)[1:]
 
 
 def latent_attention_forward(self, *args, **kwargs):
     """The fast forward of a listed MLA attention class (engine.decode.paths.families): one token
     absorbed inside a native step; anything else takes the module's own forward. The arguments are
     read by the class's own signature (DeepSeek-V2 takes the mask before the rotations, V3 after)."""
-    given = _own_signature(self._moescope_plain).bind(self, *args, **kwargs).arguments
+    given = dict(zip(_positional_names(self._moescope_plain), args, strict=False)) | kwargs  # fewer args than names
     hidden_states, position_embeddings = given["hidden_states"], given["position_embeddings"]
     attention_mask = given.get("attention_mask")
-    kv = given.get("cache") or given.get("past_key_values") or given.get("kwargs", {}).get("past_key_values")
+    kv = cache_from_call((), given)
     batch, length = hidden_states.shape[:-1]
     if (not switched_on(self) or kv is None or length != 1 or attention_mask is not None
             or hidden_states.device.type != "cpu" or self.kv_b_proj.weight.dtype != hidden_states.dtype):
