@@ -177,14 +177,14 @@ def write_gguf(model_dir: Path, out: Path, *, experts: str | list[str] = "Q8_0",
         assert name is not None, key
         leaf = key.rpartition(".")[0].rpartition(".")[2]
         type_name = dense if values.ndim == 2 and leaf not in ("gate", "shared_expert_gate", "router") else "F32"
+        type_name = _fitting(type_name, values)
         if name.endswith("attn_sinks"):
             name += ".weight"  # as llama.cpp's GptOssModel.filter_tensors
-        packed, read = _encode(values, _fitting(type_name, values))
+        packed, read = _encode(values, type_name)
         reference[key] = read
         if arch == "llama" and name.split(".")[-2] in ("attn_q", "attn_k"):
             heads = config.num_attention_heads if ".attn_q." in name else config.num_key_value_heads
             packed = _permute(packed, heads)
-        type_name = _fitting(type_name, values)
         writer.add_tensor(name, packed,
                           raw_dtype=None if type_name in ("F32", "F16") else gguf.GGMLQuantizationType[type_name])
     writer.write_header_to_file()
