@@ -95,7 +95,7 @@ class LoadModel:
     allocation: str = "planned"  # planned | uniform: how a budget is split across layers
     cpu_experts: str = "never"  # auto | never: Fiddler's CPU execution of misses (GPU + RAM store only)
     trace: str | None = None  # record routing to this file (JSON lines, engine.traces.trace)
-    warm: bool = True  # fill the cache at load, so the first tokens do not all miss
+    warm: bool = True  # at load: fill the cache, and run a first forward so torch's first-use setup is done
     pack_weights: bool = True  # CPU bf16/fp16: expert matrices pre-arranged for oneDNN at `all` (same bits)
 
 

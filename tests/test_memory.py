@@ -48,7 +48,9 @@ def test_peak_rss_stays_within_dense_plus_budget(large_checkpoint, capsys):
 
 
 def test_an_mxfp4_checkpoint_is_budgeted_in_its_own_bytes(tmp_path, capsys):
-    # 4 MoE layers x 64 gpt-oss-shaped experts kept MXFP4: 0.4 GiB (3.8x that in bf16), 25 % budget
+    # 4 MoE layers x 64 gpt-oss-shaped experts kept MXFP4: 0.4 GiB (3.8x that in bf16), 25 % budget.
+    # Printed beside the peak: dense + budget + the engine's own memory as the load measured it (issue 21's
+    # goal, missed by the prompt's working memory: docs/performance.md); asserted: the looser bound.
     path = write_large_mxfp4_gpt_oss(tmp_path / "gpt-oss-mxfp4", layers=4)
     info = moescope("info", "--model", str(path), "--json")
     assert info["expert_format"] == "mxfp4" and info["all_expert_bytes"] < 0.45 * 2**30
@@ -56,9 +58,13 @@ def test_an_mxfp4_checkpoint_is_budgeted_in_its_own_bytes(tmp_path, capsys):
                       "--prompt-ids", "1,5,9,200,33,7,80,12", "--raw", "--max-new-tokens", "4", "--json")
     stats = result["stats"]
     limit = info["dense_bytes"] + stats["budget_bytes"] + SLACK
+    reported = info["dense_bytes"] + stats["budget_bytes"] + result["engine_overhead_bytes"]
     with capsys.disabled():
         print(f"\n[honest memory, mxfp4] experts {info['all_expert_bytes'] / 2**20:.0f} MiB, dense "
-              f"{info['dense_bytes'] / 2**20:.0f} MiB, budget {stats['budget_bytes'] / 2**20:.0f} MiB -> peak RSS "
-              f"{stats['peak_rss_bytes'] / 2**20:.0f} MiB (limit {limit / 2**20:.0f} MiB)")
+              f"{info['dense_bytes'] / 2**20:.0f} MiB, budget {stats['budget_bytes'] / 2**20:.0f} MiB, reported "
+              f"overhead {result['engine_overhead_bytes'] / 2**20:.0f} MiB -> peak RSS "
+              f"{stats['peak_rss_bytes'] / 2**20:.0f} MiB (dense + budget + reported overhead "
+              f"{reported / 2**20:.0f} MiB; limit {limit / 2**20:.0f} MiB)")
+    assert result["engine_overhead_bytes"] <= SLACK
     assert stats["budget_bytes"] <= info["all_expert_bytes"] // 4 + info["expert_bytes"]
     assert stats["bytes_loaded"] > 0 and stats["peak_rss_bytes"] < limit

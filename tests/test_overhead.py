@@ -80,3 +80,25 @@ def test_the_overhead_benchmark_measures_each_point_and_writes_its_table(tmp_pat
     (result,) = json.loads(next(tmp_path.glob("overhead-*.json")).read_text())["results"]
     assert 0 < result["baseline_bytes"] <= result["overhead_at_load"] < 2 * GiB
     assert result["lazy_modules_loaded"] == []
+
+
+def test_the_loads_first_forward_is_not_shown_and_does_not_change_the_reply():
+    # the load runs a short prompt through the decode paths (torch's first-use setup, counted in the
+    # overhead); the user sees no trace of it: no tokens, hits or loads before their first request
+    from engine.decode.generation import Generator
+    from engine.decode.runtime import MoERuntime
+    from engine.protocol import LoadModel, SamplingSettings
+
+    prompt, greedy = [3, 17, 42, 9, 11], SamplingSettings(temperature=0, max_new_tokens=8)
+    replies = []
+    for warm in (True, False):
+        runtime = MoERuntime(LoadModel(path="demo", budget="25%", store="disk", warm=warm))
+        counters = runtime.counters
+        assert counters.requests_started == 0 and not counters.recent
+        assert counters.layer_hits.sum() == counters.layer_misses.sum() == counters.activation_total.sum() == 0
+        assert counters.bytes_ondemand == counters.bytes_prefetch == 0
+        result = Generator(runtime).generate(prompt, greedy)
+        assert runtime.counters.requests_started == 1 and runtime.cache.counters is runtime.counters
+        replies.append(result.token_ids)
+        runtime.close()
+    assert replies[0] == replies[1]

@@ -86,8 +86,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
         raise MoEScopeError(f"--prompt-ids has ids outside this model's vocabulary (0..{vocab - 1})")
     stream = None if args.json else (lambda delta: print(delta, end="", flush=True))
     result = generator.generate(prompt_ids, settings, on_text=stream)
-    if args.json:
-        print(json.dumps(result.to_dict()))
+    if args.json:  # with what the load measured of the engine's own memory, to weigh the peak against
+        print(json.dumps(result.to_dict() | {"engine_overhead_bytes": runtime.overhead.total_bytes}))
     else:
         print()
         s = result.stats

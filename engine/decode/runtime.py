@@ -43,6 +43,9 @@ def _parse_format(name: str, what: str) -> BlockFormat | None:
         raise MoEScopeError(f"{what} format: {exc}") from None
 
 
+FIRST_FORWARD_TOKENS = 2  # the load's first forward: a prompt of more than one token (the prefill path), kept short: its misses load experts
+
+
 class MoERuntime:
     """`settings` are what the user asked for at load and stay as given; what changes live (budget,
     policy, exact or native decode kernels) is this object's own state. `cache_type`: benchmarks substitute a subclass
@@ -130,6 +133,8 @@ class MoERuntime:
         self._prepare(policy)
         self.warm_bytes = self.cache.warm() if options.warm else 0
         self.cpu_experts_note = self._setup_cpu_experts(options.cpu_experts)
+        if options.warm:
+            self._first_forward()
         self.tracer = None
         if options.trace:
             self.start_trace(options.trace)
@@ -176,6 +181,31 @@ class MoERuntime:
         model = cpu_experts.calibrate(self.layout, self.store, first, self.device, hidden)
         self.cache.cpu_experts = cpu_experts.CpuExperts(self.layout, self.store, model)
         return ""
+
+    @torch.inference_mode()
+    def _first_forward(self) -> None:
+        """A short prompt and one decoded token through the paths a reply takes, then forgotten (the
+        counters start afresh; the policy keeps what it saw, as it keeps a calibration run). What torch
+        and the decode paths set up on first use (oneDNN's generated kernels, code pages, a quantized
+        slot's dequantization scratch, the fast step's buffers) is then in place before the first
+        reply, and counted in the overhead measured at the end of the load, like vLLM's profile run."""
+        from engine.decode.kv_cache import new_cache
+        from engine.decode.paths.base import Step
+
+        context = self.context_length
+        vocab = self.model.config.get_text_config().vocab_size
+        prompt = [i % vocab for i in range(1, 1 + max(1, min(FIRST_FORWARD_TOKENS, context - 2)))]
+        step = Step(torch.tensor([prompt], dtype=torch.long, device=self.device), new_cache(self.model), 0)
+        self.counters.start_request()
+        self.cache.policy.on_request_start()
+        for _ in range(2 if context > len(prompt) + 1 else 1):  # the prefill, then one decode step
+            logits = self.paths.choose(step)[0].run(step)
+            self.counters.end_token()
+            self.cache.policy.on_token_end()
+            token = logits[0, -1].argmax().view(1, 1)
+            step = Step(token, step.kv, step.position + step.input_ids.shape[1])
+        self.cache.settle()
+        self.counters = self.cache.counters = EngineCounters(self.layout.num_layers, self.layout.num_experts)
 
     # ----- policies -----
     def _prepare(self, policy: CachePolicy) -> None:
