@@ -176,12 +176,18 @@ def test_one_query_eager_attention_with_sinks_and_mask_is_the_familys_own(window
     assert weights is not None and torch.equal(capped, reference)
 
 
+@pytest.mark.parametrize("in_torch", [False, True], ids=["native", "torch"])
 @pytest.mark.parametrize("q_lora_rank", [48, None])
 @pytest.mark.parametrize("cls", sorted(families.latent_attention_classes(), key=lambda c: c.__name__),
                          ids=lambda cls: cls.__name__)
-def test_listed_latent_attention_steps_like_its_own_forward(cls, q_lora_rank):
+def test_listed_latent_attention_steps_like_its_own_forward(kernels, monkeypatch, cls, q_lora_rank, in_torch):
     # MLA with kv_b_proj absorbed gives what the module's own forward gives after expanding the
-    # whole latent cache, and leaves the cache as that forward leaves it.
+    # whole latent cache, and leaves the cache as that forward leaves it: in the native kernel, and
+    # in torch (before the kernels are built).
+    from engine.decode.paths import latent_attention
+
+    if in_torch:
+        monkeypatch.setattr(latent_attention.native, "ready", lambda: None)
     config = config_of(cls, hidden_size=256, num_attention_heads=8, num_key_value_heads=8, q_lora_rank=q_lora_rank,
                        kv_lora_rank=64, qk_nope_head_dim=32, qk_rope_head_dim=16, v_head_dim=24, head_dim=16,
                        num_hidden_layers=1, attention_bias=False, attention_dropout=0.0)

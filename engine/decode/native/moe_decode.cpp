@@ -820,6 +820,53 @@ torch::Tensor attend(const torch::Tensor& q, const torch::Tensor& keys, const to
   return out;
 }
 
+// One query of multi-head latent attention (DeepSeek-V2/V3's MLA) over cached latents, with the
+// up-projection absorbed (engine/decode/paths/latent_attention.py says why and writes it in torch).
+// `up` is kv_b_proj's weight [heads * (nope + v), rank]: per head, W_uk [nope, rank] then W_uv
+// [v, rank]. Per head h, rounded where the torch version rounds:
+//   a = q_nope W_uk (bf16)   s_t = (a . c_t + q_rot . k_rot_t) * scale   p = softmax(s)
+//   ctx = sum_t p_t c_t (bf16)   out_h = W_uv ctx (bf16)
+// The halves of `up` are read in place, where the torch version copied each per token.
+torch::Tensor latent_attend(const torch::Tensor& up, const torch::Tensor& q_nope, const torch::Tensor& q_rot,
+                            const torch::Tensor& latents, const torch::Tensor& k_rot, int64_t v_dim, double scale) {
+  for (const auto* t : {&up, &q_nope, &q_rot, &latents, &k_rot})
+    TORCH_CHECK(t->scalar_type() == torch::kBFloat16 && t->device().is_cpu(), "latent_attend: bf16 CPU tensors");
+  TORCH_CHECK(up.dim() == 2 && up.is_contiguous() && q_nope.dim() == 2 && q_rot.dim() == 2 &&
+                  q_rot.size(0) == q_nope.size(0), "latent_attend: up [heads * (nope + v), rank], q [heads, ...]");
+  const int64_t heads = q_nope.size(0), nope = q_nope.size(1), rope = q_rot.size(1), rank = up.size(1);
+  TORCH_CHECK(up.size(0) == heads * (nope + v_dim), "latent_attend: up's rows are heads * (nope + v)");
+  TORCH_CHECK(latents.dim() == 2 && k_rot.dim() == 2 && latents.size(1) == rank && k_rot.size(1) == rope &&
+                  latents.size(0) == k_rot.size(0) && latents.size(0) > 0 && latents.stride(1) == 1 &&
+                  k_rot.stride(1) == 1, "latent_attend: latents [positions, rank], k_rot [positions, rope]");
+  const torch::Tensor qn = q_nope.contiguous(), qr = q_rot.contiguous();
+  const int64_t len = latents.size(0), lat_stride = latents.stride(0), rot_stride = k_rot.stride(0);
+  const bf16 *w = bf16_data(up), *lat = bf16_data(latents), *kr = bf16_data(k_rot);
+  const float s = static_cast<float>(scale);
+  torch::Tensor out = torch::empty({1, 1, heads * v_dim}, up.options());
+  bf16* o = bf16_data(out);
+  at::parallel_for(0, heads, 1, [&](int64_t first, int64_t last) {
+    std::vector<float> q(nope), acc(rank), scores(len), rot(len);
+    std::vector<bf16> absorbed(rank), context(rank);
+    for (int64_t h = first; h < last; ++h) {
+      const bf16* w_uk = w + h * (nope + v_dim) * rank;
+      for (int64_t i = 0; i < nope; ++i) q[i] = to_float(bf16_data(qn)[h * nope + i]);
+      weighted_rows(q.data(), w_uk, rank, nope, rank, acc.data());
+      for (int64_t c = 0; c < rank; ++c) absorbed[c] = to_bf16(acc[c]);
+      key_scores(absorbed.data(), rank, lat, lat_stride, len, 1.f, scores.data());
+      key_scores(bf16_data(qr) + h * rope, rope, kr, rot_stride, len, 1.f, rot.data());
+      float top = -INFINITY;
+      for (int64_t t = 0; t < len; ++t) top = std::max(top, scores[t] = (scores[t] + rot[t]) * s);
+      const float total = exp_shifted(scores.data(), len, top);
+      for (int64_t t = 0; t < len; ++t) scores[t] /= total;
+      weighted_rows(scores.data(), lat, lat_stride, len, rank, acc.data());
+      for (int64_t c = 0; c < rank; ++c) context[c] = to_bf16(acc[c]);
+      const bf16* w_uv = w_uk + nope * rank;
+      for (int64_t r = 0; r < v_dim; ++r) o[h * v_dim + r] = to_bf16(dot_row(w_uv + r * rank, context.data(), rank));
+    }
+  });
+  return out;
+}
+
 // out = a + b in bf16, rounded as torch adds two bf16 tensors.
 inline void add_rows(const bf16* a, const bf16* b, int64_t n, bf16* out) {
   for (int64_t i = 0; i < n; ++i) out[i] = to_bf16(to_float(a[i]) + to_float(b[i]));
@@ -1238,6 +1285,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rms_norm", &rms_norm, "RMSNorm of a few bf16 rows");
   m.def("qkv_rope", &qkv_rope, "one token's q, k, v: projections, optional q/k norms, rotary embedding");
   m.def("attend", &attend, "one query's attention over cached keys and values");
+  m.def("latent_attend", &latent_attend, "one query's multi-head latent attention, up-projection absorbed");
   pybind11::class_<GateRecipe>(m, "GateRecipe", "how an expert's gate/up projection becomes its activation")
       .def(pybind11::init<bool, bool, double, double>(), pybind11::arg("interleaved") = false,
            pybind11::arg("clamped_swiglu") = false, pybind11::arg("alpha") = 1.0, pybind11::arg("limit") = 0.0)

@@ -12,6 +12,9 @@ so the per-token cost is two small per-head products with `kv_b_proj`'s halves p
 over the latents. Everything up to the cache update is the module's own code, so the cache holds
 what transformers would put there. The same arithmetic in another order (float32 scores, the
 absorbed products rounded to bf16 once): not bit-identical, like the rest of the native path.
+Once the native kernels are built, the part after the cache update is one call per layer
+(`latent_attend` in engine/decode/native/moe_decode.cpp): in torch, the two per-head products
+copied both halves of `kv_b_proj` every token and ran as small batched matmuls, most of the layer's time.
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ import sys
 
 import torch
 
+from engine.decode.native import kernels as native
 from engine.decode.paths.switch import switched_on
 from engine.model.cache_argument import cache_from_call
 
@@ -66,6 +70,12 @@ def latent_attention_forward(self, *args, **kwargs):
         q_rot, k_rot = rotate(q_rot, k_rot, cos, sin)
     latents, k_rot = kv.update(kv_nope, k_rot, self.layer_idx)  # [batch, 1, positions, rank]
 
+    kernels = native.ready()
+    if kernels is not None and batch == 1 and self.kv_b_proj.weight.is_contiguous():
+        # the same arithmetic per head in one native call, reading kv_b_proj's halves in place
+        out = kernels.latent_attend(self.kv_b_proj.weight, q_pass.reshape(heads, nope), q_rot.reshape(heads, rope),
+                                    latents.reshape(-1, rank), k_rot.reshape(-1, rope), v_dim, self.scaling)
+        return self.o_proj(out), None
     up = self.kv_b_proj.weight.view(heads, nope + v_dim, rank)
     w_uk, w_uv = up[:, :nope], up[:, nope:]  # [heads, nope, rank], [heads, v, rank]
     absorbed = torch.matmul(q_pass.transpose(0, 1).reshape(heads, batch, nope), w_uk)  # [heads, batch, rank]
