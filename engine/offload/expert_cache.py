@@ -93,10 +93,15 @@ class LayerRouting:
 
     def rows_of(self, expert: int) -> torch.Tensor:
         """The flat (token, pick) rows routed to `expert`."""
+        order, bounds = self.by_expert()
+        return order[bounds[expert] : bounds[expert + 1]]
+
+    def by_expert(self) -> tuple[torch.Tensor, list[int]]:
+        """The flat rows sorted by expert (stable: each expert's in their order) and where each
+        expert's rows start in that order ([experts + 1])."""
         if self._sorted is None:
             self._sorted = (torch.argsort(self.flat, stable=True), np.concatenate(([0], np.cumsum(self.counts))).tolist())
-        order, bounds = self._sorted
-        return order[bounds[expert] : bounds[expert + 1]]
+        return self._sorted
 
 
 @dataclass
@@ -469,13 +474,21 @@ class ExpertCache:
         top_k = routing.top_k
         out = torch.empty((routing.flat.numel(), hidden_states.shape[-1]), dtype=out_dtype,
                           device=hidden_states.device)
+        # The rows gathered once in expert order, each expert's a contiguous slice, and its weighted
+        # outputs put back in one scatter at the end: the same values as gathering and scattering
+        # each expert's rows (advanced indexing per expert cost more than a small expert's matmuls).
+        order, bounds = routing.by_expert()
+        sorted_rows = hidden_states[order // top_k]
+        sorted_weights = weights[order].unsqueeze(-1)
+        sorted_out = torch.empty_like(out)
+        computed: list[slice] = []  # parts of the sorted order whose outputs are in sorted_out
 
         def compute(expert: int) -> None:
             slot = self.directory.slot_of[layer][expert]
-            rows = routing.rows_of(expert)
-            y = expert_mlp(module, hidden_states[rows // top_k], self.reader.plain(self.slot_views[layer][slot]),
-                           self._packed)
-            out[rows] = y * weights[rows].unsqueeze(-1)
+            part = slice(bounds[expert], bounds[expert + 1])
+            y = expert_mlp(module, sorted_rows[part], self.reader.plain(self.slot_views[layer][slot]), self._packed)
+            torch.mul(y, sorted_weights[part], out=sorted_out[part])
+            computed.append(part)
 
         if self._grouped and len(plan.ready) > 1:  # resident experts run while the misses load
             self._compute_grouped(layer, module, hidden_states, routing.flat_host, plan.ready, top_k, weights, out)
@@ -495,6 +508,11 @@ class ExpertCache:
             for job in [self._start_load(layer, e, set(wave)) for e in wave]:
                 self._wait(job)
                 compute(job.expert)
+        if sum(part.stop - part.start for part in computed) == out.shape[0]:  # every row: one scatter
+            out.index_copy_(0, order, sorted_out)
+        elif computed:
+            at = torch.cat([order[part] for part in computed])
+            out.index_copy_(0, at, torch.cat([sorted_out[part] for part in computed]))
         return out.view(routing.num_tokens, top_k, -1).sum(dim=1).to(hidden_states.dtype)
 
     def _compute_grouped(self, layer: int, module: torch.nn.Module, hidden: torch.Tensor, flat_host: np.ndarray,
