@@ -26,6 +26,7 @@ struct FixedInput {
   std::vector<float> scale;     // per chunk: x ~= scale * (255 * hi + lo)
   std::vector<int32_t> sum16;   // per 16 elements: sum of (255 * hi + lo)
   std::vector<float> sum32;     // per 32 elements, as float (Q4_K's mins)
+  std::vector<int16_t> wide;    // per element 255 * hi + lo itself (|v| <= 32512), for int16 products
   std::vector<bf16> source;    // the x these were made from
 
   const int8_t* hi_at(int64_t i) const { return planes.data() + 2 * i - i % 32; }  // hi of elements i...
@@ -56,6 +57,9 @@ struct FixedInput {
     };
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(planes.data() + 2 * i), pack(high));
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(planes.data() + 2 * i + 32), pack(low));
+    for (int half = 0; half < 2; ++half)  // packs interleaves 128-bit lanes; the permute puts them in order
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(wide.data() + i + 16 * half),
+                          _mm256_permute4x64_epi64(_mm256_packs_epi32(v[2 * half], v[2 * half + 1]), 0xD8));
     for (int half = 0; half < 2; ++half) {
       const __m256i pair = _mm256_add_epi32(v[2 * half], v[2 * half + 1]);
       __m128i t = _mm_add_epi32(_mm256_castsi256_si128(pair), _mm256_extracti128_si256(pair, 1));
@@ -76,6 +80,7 @@ struct FixedInput {
     source.assign(x, x + count);
     const int64_t chunks = (count + 255) / 256;
     planes.assign(2 * ((count + 31) / 32 * 32), 0);
+    wide.assign((count + 31) / 32 * 32, 0);
     scale.resize(chunks);
     sum16.resize((count + 15) / 16);
     for (int64_t c = 0; c < chunks; ++c) {
@@ -93,6 +98,7 @@ struct FixedInput {
         const int32_t high = (v + (v >= 0 ? 127 : -127)) / 255;  // nearest: |v - 255 * high| <= 127
         planes[2 * i - i % 32] = static_cast<int8_t>(high);
         planes[2 * i - i % 32 + 32] = static_cast<int8_t>(v - 255 * high);
+        wide[i] = static_cast<int16_t>(v);
         if (i % 16 == 0) sum16[i / 16] = 0;
         sum16[i / 16] += v;
       }
@@ -215,52 +221,49 @@ inline float idot_q4_k(const uint8_t* row, int64_t blocks, const FixedInput& in)
 }
 #endif
 
+// Q8_0: the int8 levels widened to int16 and multiplied with the input's int16 values (vpmaddwd),
+// one product per weight; a pair of products (127 * 32512 each) stays inside int32.
 inline float idot_q8_0(const uint8_t* row, int64_t blocks, const FixedInput& in) {
   __m256 acc0 = _mm256_setzero_ps(), acc1 = acc0;
-  const __m256i ones = _mm256_set1_epi16(1);
+  const int16_t* x = in.wide.data();
   for (int64_t blk = 0; blk < blocks; ++blk) {
     const uint8_t* b = row + blk * 34;
     _mm_prefetch(reinterpret_cast<const char*>(b + 1024), _MM_HINT_NTA);
-    const __m256i q = load32(b + 2);
-    const __m256i levels = _mm256_sign_epi8(q, q);  // |q|, the sign moved onto x below
-    const __m256i xh = _mm256_sign_epi8(load32(in.hi_at(32 * blk)), q);
-    const __m256i xl = _mm256_sign_epi8(load32(in.lo_at(32 * blk)), q);
-    const __m256i ph = _mm256_madd_epi16(_mm256_maddubs_epi16(levels, xh), ones);
-    const __m256i pl = _mm256_madd_epi16(_mm256_maddubs_epi16(levels, xl), ones);
-    const __m256 total = _mm256_cvtepi32_ps(_mm256_add_epi32(_mm256_sub_epi32(_mm256_slli_epi32(ph, 8), ph), pl));
+    const __m128i first = _mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 2));
+    const __m128i second = _mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 18));
+    const __m256i sums = _mm256_add_epi32(_mm256_madd_epi16(_mm256_cvtepi8_epi16(first), load32(x + 32 * blk)),
+                                          _mm256_madd_epi16(_mm256_cvtepi8_epi16(second), load32(x + 32 * blk + 16)));
     const __m256 d = _mm256_set1_ps(half_to_float(b) * in.scale[blk / 8]);
     if (blk & 1)
-      acc1 = _mm256_add_ps(acc1, _mm256_mul_ps(total, d));
+      acc1 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums), d, acc1);
     else
-      acc0 = _mm256_add_ps(acc0, _mm256_mul_ps(total, d));
+      acc0 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums), d, acc0);
   }
   return hsum_ps(_mm256_add_ps(acc0, acc1));
 }
 
-// MXFP4: Q8_0's kernel with the int8 levels looked up from the 4-bit codes (a pshufb table, as
-// llama.cpp does), and the scale 2^(e - 128) instead of an fp16.
+// MXFP4: the 4-bit codes looked up as int8 levels (a pshufb table, as llama.cpp does), widened to
+// int16 and multiplied with the input's int16 fixed-point values (vpmaddwd): one product per weight,
+// where the two int8 planes of the other kernels take two plus the sign moves maddubs needs. Levels
+// are at most 12 in magnitude, so a pair of products stays far inside int32. The scale is 2^(e - 128).
 inline float idot_mxfp4(const uint8_t* row, int64_t blocks, const FixedInput& in) {
   __m256 acc0 = _mm256_setzero_ps(), acc1 = acc0;
-  const __m256i ones = _mm256_set1_epi16(1);
-  const __m256i table = _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(kMxfp4Values)));
+  const __m128i table = _mm_loadu_si128(reinterpret_cast<const __m128i*>(kMxfp4Values));
   const __m128i low4 = _mm_set1_epi8(0x0F);
+  const int16_t* x = in.wide.data();
   for (int64_t blk = 0; blk < blocks; ++blk) {
     const uint8_t* b = row + blk * 17;
     _mm_prefetch(reinterpret_cast<const char*>(b + 1024), _MM_HINT_NTA);
     const __m128i qs = _mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 1));
-    const __m256i codes = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(qs, 4), low4), _mm_and_si128(qs, low4));
-    const __m256i q = _mm256_shuffle_epi8(table, codes);  // elements 0-15 from the low nibbles, 16-31 the high
-    const __m256i levels = _mm256_sign_epi8(q, q);
-    const __m256i xh = _mm256_sign_epi8(load32(in.hi_at(32 * blk)), q);
-    const __m256i xl = _mm256_sign_epi8(load32(in.lo_at(32 * blk)), q);
-    const __m256i ph = _mm256_madd_epi16(_mm256_maddubs_epi16(levels, xh), ones);
-    const __m256i pl = _mm256_madd_epi16(_mm256_maddubs_epi16(levels, xl), ones);
-    const __m256 total = _mm256_cvtepi32_ps(_mm256_add_epi32(_mm256_sub_epi32(_mm256_slli_epi32(ph, 8), ph), pl));
+    const __m128i first = _mm_shuffle_epi8(table, _mm_and_si128(qs, low4));  // elements 0-15: low nibbles
+    const __m128i second = _mm_shuffle_epi8(table, _mm_and_si128(_mm_srli_epi16(qs, 4), low4));  // 16-31
+    const __m256i sums = _mm256_add_epi32(_mm256_madd_epi16(_mm256_cvtepi8_epi16(first), load32(x + 32 * blk)),
+                                          _mm256_madd_epi16(_mm256_cvtepi8_epi16(second), load32(x + 32 * blk + 16)));
     const __m256 d = _mm256_set1_ps(e8m0_half(b[0]) * in.scale[blk / 8]);
     if (blk & 1)
-      acc1 = _mm256_add_ps(acc1, _mm256_mul_ps(total, d));
+      acc1 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums), d, acc1);
     else
-      acc0 = _mm256_add_ps(acc0, _mm256_mul_ps(total, d));
+      acc0 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums), d, acc0);
   }
   return hsum_ps(_mm256_add_ps(acc0, acc1));
 }
