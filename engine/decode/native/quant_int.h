@@ -12,7 +12,10 @@
 // planes, x = 255 * hi + lo with both in [-127, 127] (base 255, not 256, so that negating a plane,
 // as the Q8_0 kernel does to move the weights' signs, never overflows), and both planes are
 // multiplied. The input's rounding error is then below 2^-15 of the chunk's largest value, far
-// under the bf16 rounding the input already has.
+// under the bf16 rounding the input already has. The value itself (255 * hi + lo) is kept as int16
+// too: types whose levels are signed or fit a byte as they are (Q8_0, MXFP4, Q4_0, Q5_0) widen the
+// levels to int16 and take one vpmaddwd product per weight, where the planes need two maddubs
+// products plus sign moves; the K-quants, whose sub-block scales ride in the madd, keep the planes.
 // What this computes is sum_i w_i * x_i with w_i the reference's float32 dequantized weight
 // (scale * level - min), not rounded to bf16 first: within bf16 tolerance of the reference, not
 // bit-equal to it (tests/test_quant_kernels.py holds every flavour to that tolerance).
@@ -315,7 +318,6 @@ inline float idot_q6_k(const uint8_t* row, int64_t blocks, const FixedInput& in)
 // one float scale per 32 weights: unsigned levels times x, the offset times sum(x) taken off.
 inline float idot_q4_q5_0(const uint8_t* row, int64_t blocks, const FixedInput& in, bool five) {
   const __m128i low4 = _mm_set1_epi8(0x0F);
-  const __m256i ones = _mm256_set1_epi16(1);
   const __m256i spread = _mm256_setr_epi64x(0, 0x0101010101010101, 0x0202020202020202, 0x0303030303030303);
   const __m256i bit = _mm256_set1_epi64x(static_cast<int64_t>(0x8040201008040201ull));
   const int64_t stride = five ? 22 : 18;
@@ -325,17 +327,20 @@ inline float idot_q4_q5_0(const uint8_t* row, int64_t blocks, const FixedInput& 
   for (int64_t blk = 0; blk < blocks; ++blk) {
     const uint8_t* b = row + blk * stride;
     const __m128i qs = _mm_loadu_si128(reinterpret_cast<const __m128i*>(b + (five ? 6 : 2)));
-    __m256i levels = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(qs, 4), low4), _mm_and_si128(qs, low4));
+    __m128i first = _mm_and_si128(qs, low4), second = _mm_and_si128(_mm_srli_epi16(qs, 4), low4);
     if (five) {
       uint32_t qh;
       std::memcpy(&qh, b + 2, 4);
       const __m256i spread_bits = _mm256_shuffle_epi8(_mm256_set1_epi32(static_cast<int>(qh)), spread);
       const __m256i set = _mm256_cmpeq_epi8(_mm256_and_si256(spread_bits, bit), bit);  // byte i: bit i of qh
-      levels = _mm256_or_si256(levels, _mm256_and_si256(set, _mm256_set1_epi8(0x10)));
+      const __m256i fifth = _mm256_and_si256(set, _mm256_set1_epi8(0x10));
+      first = _mm_or_si128(first, _mm256_castsi256_si128(fifth));
+      second = _mm_or_si128(second, _mm256_extracti128_si256(fifth, 1));
     }
-    const __m256i ph = _mm256_madd_epi16(_mm256_maddubs_epi16(levels, load32(in.hi_at(32 * blk))), ones);
-    const __m256i pl = _mm256_madd_epi16(_mm256_maddubs_epi16(levels, load32(in.lo_at(32 * blk))), ones);
-    const __m256 total = _mm256_cvtepi32_ps(_mm256_add_epi32(_mm256_sub_epi32(_mm256_slli_epi32(ph, 8), ph), pl));
+    // the unsigned levels widened to int16 times the input's int16 values: one product per weight
+    const __m256 total = _mm256_cvtepi32_ps(
+        _mm256_add_epi32(_mm256_madd_epi16(_mm256_cvtepu8_epi16(first), load32(in.wide.data() + 32 * blk)),
+                         _mm256_madd_epi16(_mm256_cvtepu8_epi16(second), load32(in.wide.data() + 32 * blk + 16))));
     const float d = half_to_float(b) * in.scale[blk / 8];
     acc = _mm256_fmadd_ps(total, _mm256_set1_ps(d), acc);
     offsets += d * offset * static_cast<float>(in.sum16[2 * blk] + in.sum16[2 * blk + 1]);
