@@ -19,6 +19,7 @@ import sys
 from pathlib import Path
 
 from bench.bandwidth import disk_random_read_bandwidth, disk_read_bandwidth, memory_read_bandwidth
+from bench.formats import split_format
 from bench.output import RESULTS_DIR, write_report
 from bench.synthetic import build_checkpoint
 
@@ -86,17 +87,21 @@ def main(argv=None) -> int:
     parser.add_argument("--decode", type=int, default=64)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--offload-budget", default="50%", help="the budget < all run with the disk store")
+    parser.add_argument("--format", default=None,
+                        help="MoEScope's weight format (bench.formats: q8_0, q4_k, ...); the limit counts its bytes. "
+                             "transformers stays on the checkpoint's own weights, so tokens are not compared")
     parser.add_argument("--out", type=Path, default=RESULTS_DIR)
     args = parser.parse_args(argv)
     common = ["--prompt-len", str(args.prompt_len), "--decode", str(args.decode), "--threads", str(args.threads)]
     rows = []
     for name in args.geometries.split(","):
         path = build_checkpoint(name)
-        active, _, expert_bytes = active_bytes_per_token(path)
+        experts_format, dense_format = split_format(args.format) if args.format else (None, None)
+        active, _, expert_bytes = active_bytes_per_token(path, experts_format, dense_format)
         files = sorted(path.glob("*.safetensors"))
         runs: dict[str, list[dict]] = {k: [] for k in ("ours", "fast", "stock", "ours_disk", "fast_disk")}
         bandwidth, disk, disk_random = [], [], []
-        ours = ["ours", "--model", str(path), *common]
+        ours = ["ours", "--model", str(path), *common, *(["--format", args.format] if args.format else [])]
         for _ in range(args.reps):  # interleaved, so drift in machine load hits every system alike
             bandwidth.append(memory_read_bandwidth(threads=args.threads))
             disk.append(disk_read_bandwidth(files))
@@ -120,8 +125,11 @@ def main(argv=None) -> int:
             **{f"{k}_over_paired_limit": statistics.median(paired_ratios(runs[k], active))
                for k in ("ours", "fast", "stock")},
             **{f"{k}_prefill_tokens_per_s": median_of(runs[k], "prefill_tokens_per_s") for k in ("ours", "fast", "stock")},
-            "ours_same_tokens": all(r["token_ids"] == reference for r in runs["ours"] + runs["ours_disk"]),
-            "fast_same_tokens_prefix": min(same_prefix(r["token_ids"], reference) for r in runs["fast"] + runs["fast_disk"]),
+            "ours_same_tokens": None if args.format else all(r["token_ids"] == reference
+                                                             for r in runs["ours"] + runs["ours_disk"]),
+            "fast_same_tokens_prefix": None if args.format else min(same_prefix(r["token_ids"], reference)
+                                                                    for r in runs["fast"] + runs["fast_disk"]),
+            "format": args.format or "the checkpoint's",
             "offload_budget": args.offload_budget,
             "reps": {**runs, "bandwidth": bandwidth, "disk": disk, "disk_random": disk_random},
         }
@@ -144,9 +152,16 @@ def main(argv=None) -> int:
     return 0
 
 
+def _same_tokens(row: dict, n: int) -> str:
+    if row["ours_same_tokens"] is None:
+        return "n/a (other weights)"
+    return f"{'all' if row['ours_same_tokens'] else 'no'} / {row['fast_same_tokens_prefix']} of {n}"
+
+
 def write_results(rows: list[dict], args) -> None:
     lines = [
-        f"Decode vs the memory-bandwidth limit — {args.threads} threads, bf16, batch 1, {args.prompt_len}-token prompt, "
+        f"Decode vs the memory-bandwidth limit — {args.threads} threads, MoEScope's weights "
+        f"{args.format or 'bf16'} (transformers: bf16), batch 1, {args.prompt_len}-token prompt, "
         f"{args.decode} decode tokens, median of {args.reps} interleaved runs. Bandwidth: float32 sum over 1 GiB "
         "in 2 MiB pages (pure read, median of 7 passes). `limit` uses the bandwidth measured before each "
         "repetition. The `/limit` columns set each run against the bandwidth measured in its own process just "
@@ -165,8 +180,7 @@ def write_results(rows: list[dict], args) -> None:
             f"{r['stock_tokens_per_s']:.1f} | {r['ours_over_paired_limit']:.2f} ({r['ours_over_limit']:.2f}) | "
             f"{r['fast_over_paired_limit']:.2f} ({r['fast_over_limit']:.2f}) | "
             f"{r['stock_over_paired_limit']:.2f} ({r['stock_over_limit']:.2f}) | "
-            f"{'all' if r['ours_same_tokens'] else 'no'} / "
-            f"{r['fast_same_tokens_prefix']} of {n} | {r['ours_prefill_tokens_per_s']:.0f} / "
+            f"{_same_tokens(r, n)} | {r['ours_prefill_tokens_per_s']:.0f} / "
             f"{r['fast_prefill_tokens_per_s']:.0f} / {r['stock_prefill_tokens_per_s']:.0f} |"
         )
     lines += [
@@ -188,7 +202,8 @@ def write_results(rows: list[dict], args) -> None:
                 f"{r[f'{mode}_disk_bound_s'] * 1e3:.1f} | {1e3 / r[f'{mode}_disk_tokens_per_s']:.1f} | "
                 f"{r[f'{mode}_disk_over_bound']:.2f} ({r[f'{mode}_disk_over_random_bound']:.2f}) |"
             )
-    write_report(args.out, "decode-limit", {"threads": args.threads, "rows": rows}, lines)
+    name = f"decode-limit-{args.format}" if args.format else "decode-limit"
+    write_report(args.out, name, {"threads": args.threads, "format": args.format, "rows": rows}, lines)
 
 
 if __name__ == "__main__":

@@ -27,7 +27,7 @@ def _check(fmt: str) -> None:
         raise FormatNotAvailable(f"unknown format {fmt!r} (known: {', '.join(LLAMA_TYPE)})")
 
 
-def _split(fmt: str) -> tuple[str | None, str | None]:
+def split_format(fmt: str) -> tuple[str | None, str | None]:
     """(expert format, dense format) of a bench format name; None: the checkpoint's own weights."""
     experts, _, dense = fmt.partition("-d")
     if experts == "bf16":
@@ -38,7 +38,7 @@ def _split(fmt: str) -> tuple[str | None, str | None]:
 def load_settings(fmt: str) -> dict:
     """The `LoadModel` fields that make MoEScope run `fmt`: bf16 compute, weights in the format."""
     _check(fmt)
-    experts, dense = _split(fmt)
+    experts, dense = split_format(fmt)
     return {"dtype": "bfloat16"} | ({} if experts is None else {"expert_format": experts, "dense_format": dense})
 
 
@@ -47,5 +47,5 @@ def bytes_per_token(model_dir: Path, fmt: str) -> int:
     from bench.decode_limit import active_bytes_per_token
 
     _check(fmt)
-    experts, dense = _split(fmt)
+    experts, dense = split_format(fmt)
     return active_bytes_per_token(model_dir, experts, dense)[0]
