@@ -134,6 +134,8 @@ class MoERuntime:
         self.warm_bytes = self.cache.warm() if options.warm else 0
         self.cpu_experts_note = self._setup_cpu_experts(options.cpu_experts)
         if options.warm:
+            if progress is not None:
+                progress(1.0, "a first forward (torch sets up its kernels)")
             self._first_forward()
         self.tracer = None
         if options.trace:
