@@ -474,20 +474,22 @@ class ExpertCache:
         top_k = routing.top_k
         out = torch.empty((routing.flat.numel(), hidden_states.shape[-1]), dtype=out_dtype,
                           device=hidden_states.device)
-        # The rows gathered once in expert order, each expert's a contiguous slice, and its weighted
-        # outputs put back in one scatter at the end: the same values as gathering and scattering
-        # each expert's rows (advanced indexing per expert cost more than a small expert's matmuls).
-        order, bounds = routing.by_expert()
-        sorted_rows = hidden_states[order // top_k]
-        sorted_weights = weights[order].unsqueeze(-1)
-        sorted_out = torch.empty_like(out)
-        computed: list[slice] = []  # parts of the sorted order whose outputs are in sorted_out
+        # The rows gathered once in expert order (on the first expert computed here, not by the
+        # grouped matmul), each expert's a contiguous slice, and its weighted outputs put back in one
+        # scatter at the end: the same values as gathering and scattering each expert's rows
+        # (advanced indexing per expert cost more than a small expert's matmuls).
+        by_expert: list[torch.Tensor] = []  # rows, routing weights and outputs in that order
+        computed: list[slice] = []  # parts of the sorted order whose outputs are in by_expert[2]
 
         def compute(expert: int) -> None:
+            order, bounds = routing.by_expert()  # made once per layer step
+            if not by_expert:
+                by_expert.extend((hidden_states[order // top_k], weights[order].unsqueeze(-1), torch.empty_like(out)))
+            rows, routing_weights, outputs = by_expert
             slot = self.directory.slot_of[layer][expert]
             part = slice(bounds[expert], bounds[expert + 1])
-            y = expert_mlp(module, sorted_rows[part], self.reader.plain(self.slot_views[layer][slot]), self._packed)
-            torch.mul(y, sorted_weights[part], out=sorted_out[part])
+            y = expert_mlp(module, rows[part], self.reader.plain(self.slot_views[layer][slot]), self._packed)
+            torch.mul(y, routing_weights[part], out=outputs[part])
             computed.append(part)
 
         if self._grouped and len(plan.ready) > 1:  # resident experts run while the misses load
@@ -508,11 +510,13 @@ class ExpertCache:
             for job in [self._start_load(layer, e, set(wave)) for e in wave]:
                 self._wait(job)
                 compute(job.expert)
-        if sum(part.stop - part.start for part in computed) == out.shape[0]:  # every row: one scatter
-            out.index_copy_(0, order, sorted_out)
-        elif computed:
-            at = torch.cat([order[part] for part in computed])
-            out.index_copy_(0, at, torch.cat([sorted_out[part] for part in computed]))
+        if computed:
+            order, outputs = routing.by_expert()[0], by_expert[2]
+            if sum(part.stop - part.start for part in computed) == out.shape[0]:  # every row: one scatter
+                out.index_copy_(0, order, outputs)
+            else:
+                at = torch.cat([order[part] for part in computed])
+                out.index_copy_(0, at, torch.cat([outputs[part] for part in computed]))
         return out.view(routing.num_tokens, top_k, -1).sum(dim=1).to(hidden_states.dtype)
 
     def _compute_grouped(self, layer: int, module: torch.nn.Module, hidden: torch.Tensor, flat_host: np.ndarray,
