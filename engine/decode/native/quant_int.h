@@ -128,6 +128,12 @@ inline float hsum_ps(__m256 v) {
 
 inline __m256i load32(const void* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); }
 
+// A 32-weight group's levels, already widened to int16 (elements 0-15, then 16-31), times the
+// input's int16 values from `x` on: the products summed in pairs into 8 int32 lanes (vpmaddwd).
+inline __m256i madd_wide(__m256i first, __m256i second, const int16_t* x) {
+  return _mm256_add_epi32(_mm256_madd_epi16(first, load32(x)), _mm256_madd_epi16(second, load32(x + 16)));
+}
+
 // levels (u8) times both planes of x (s8), pairs summed to int16 then weighted by `scale` (int16)
 // into the int32 accumulators of each plane.
 inline void madd_planes(__m256i levels, const int8_t* xh, const int8_t* xl, __m256i scale, __m256i& acc_hi,
@@ -234,8 +240,7 @@ inline float idot_q8_0(const uint8_t* row, int64_t blocks, const FixedInput& in)
     _mm_prefetch(reinterpret_cast<const char*>(b + 1024), _MM_HINT_NTA);
     const __m128i first = _mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 2));
     const __m128i second = _mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 18));
-    const __m256i sums = _mm256_add_epi32(_mm256_madd_epi16(_mm256_cvtepi8_epi16(first), load32(x + 32 * blk)),
-                                          _mm256_madd_epi16(_mm256_cvtepi8_epi16(second), load32(x + 32 * blk + 16)));
+    const __m256i sums = madd_wide(_mm256_cvtepi8_epi16(first), _mm256_cvtepi8_epi16(second), x + 32 * blk);
     const __m256 d = _mm256_set1_ps(half_to_float(b) * in.scale[blk / 8]);
     if (blk & 1)
       acc1 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums), d, acc1);
@@ -260,8 +265,7 @@ inline float idot_mxfp4(const uint8_t* row, int64_t blocks, const FixedInput& in
     const __m128i qs = _mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 1));
     const __m128i first = _mm_shuffle_epi8(table, _mm_and_si128(qs, low4));  // elements 0-15: low nibbles
     const __m128i second = _mm_shuffle_epi8(table, _mm_and_si128(_mm_srli_epi16(qs, 4), low4));  // 16-31
-    const __m256i sums = _mm256_add_epi32(_mm256_madd_epi16(_mm256_cvtepi8_epi16(first), load32(x + 32 * blk)),
-                                          _mm256_madd_epi16(_mm256_cvtepi8_epi16(second), load32(x + 32 * blk + 16)));
+    const __m256i sums = madd_wide(_mm256_cvtepi8_epi16(first), _mm256_cvtepi8_epi16(second), x + 32 * blk);
     const __m256 d = _mm256_set1_ps(e8m0_half(b[0]) * in.scale[blk / 8]);
     if (blk & 1)
       acc1 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums), d, acc1);
@@ -339,8 +343,7 @@ inline float idot_q4_q5_0(const uint8_t* row, int64_t blocks, const FixedInput& 
     }
     // the unsigned levels widened to int16 times the input's int16 values: one product per weight
     const __m256 total = _mm256_cvtepi32_ps(
-        _mm256_add_epi32(_mm256_madd_epi16(_mm256_cvtepu8_epi16(first), load32(in.wide.data() + 32 * blk)),
-                         _mm256_madd_epi16(_mm256_cvtepu8_epi16(second), load32(in.wide.data() + 32 * blk + 16))));
+        madd_wide(_mm256_cvtepu8_epi16(first), _mm256_cvtepu8_epi16(second), in.wide.data() + 32 * blk));
     const float d = half_to_float(b) * in.scale[blk / 8];
     acc = _mm256_fmadd_ps(total, _mm256_set1_ps(d), acc);
     offsets += d * offset * static_cast<float>(in.sum16[2 * blk] + in.sum16[2 * blk + 1]);
