@@ -154,51 +154,39 @@ inline __m128i q4_k_scales_mins(const uint8_t* q) {
                        static_cast<int>(sc_low));
 }
 
-#if defined(__AVX512BW__)
-// pairs of int16 products times int16 scales, added to int32 lanes (one instruction with VNNI)
-inline __m512i dot_scaled(__m512i acc, __m512i products, __m512i scale) {
-#if defined(__AVX512VNNI__)
-  return _mm512_dpwssd_epi32(acc, products, scale);
-#else
-  return _mm512_add_epi32(acc, _mm512_madd_epi16(products, scale));
-#endif
+// Shuffles that put int16 word 2p of a 128-bit lane in the low lane and word 2p + 1 in the high one:
+// with a block's 16 int16 scales split by lane (scales 0-7 in both lanes, then 8-15), one shuffle
+// gives the scale vector of 32 weights whose halves are sub-blocks 2p and 2p + 1.
+struct PairPicks {
+  __m256i pick[4];
+  PairPicks() {
+    for (int p = 0; p < 4; ++p)
+      pick[p] = _mm256_set_m128i(_mm_set1_epi16(static_cast<int16_t>((4 * p + 2) | ((4 * p + 3) << 8))),
+                                 _mm_set1_epi16(static_cast<int16_t>((4 * p) | ((4 * p + 1) << 8))));
+  }
+  // the scales of sub-blocks (2p, 2p + 1) + 8 * half
+  __m256i of(const __m256i* by_lane, int half, int p) const { return _mm256_shuffle_epi8(by_lane[half], pick[p]); }
+};
+
+inline void split_by_lane(__m256i scales16, __m256i* by_lane) {
+  by_lane[0] = _mm256_permute2x128_si256(scales16, scales16, 0x00);
+  by_lane[1] = _mm256_permute2x128_si256(scales16, scales16, 0x11);
 }
 
-// AVX-512: a group's 32 levels broadcast to both halves of a 512-bit register meet both planes of
-// x in one load; int32 lanes 0-7 then hold the hi plane's sums and 8-15 the lo plane's.
-inline float idot_q4_k(const uint8_t* row, int64_t blocks, const FixedInput& in) {
-  const __m256i nibble = _mm256_set1_epi8(0x0F);
-  __m512i pick[8];
-  for (int j = 0; j < 8; ++j) pick[j] = _mm512_set1_epi16(static_cast<int16_t>((2 * j) | ((2 * j + 1) << 8)));
-  const __m512 plane_weight = _mm512_setr_ps(255, 255, 255, 255, 255, 255, 255, 255, 1, 1, 1, 1, 1, 1, 1, 1);
-  __m512 acc = _mm512_setzero_ps();
-  __m256 acc_min = _mm256_setzero_ps();
-  for (int64_t blk = 0; blk < blocks; ++blk) {
-    const uint8_t* b = row + blk * 144;
-    _mm_prefetch(reinterpret_cast<const char*>(b + 1024), _MM_HINT_NTA);
-    const __m256i scales_mins = _mm256_cvtepu8_epi16(q4_k_scales_mins(b + 4));  // 8 scales, then 8 mins
-    const __m512i scales = _mm512_broadcast_i32x4(_mm256_castsi256_si128(scales_mins));
-    __m512i sums = _mm512_setzero_si512();
-    for (int c = 0; c < 4; ++c) {  // 64 weights: low nibbles are sub-block 2c, high ones 2c + 1
-      const __m256i bytes = load32(b + 16 + 32 * c);
-      const int64_t at = blk * 256 + 64 * c;
-      const __m512i low = _mm512_broadcast_i64x4(_mm256_and_si256(bytes, nibble));
-      const __m512i high = _mm512_broadcast_i64x4(_mm256_and_si256(_mm256_srli_epi16(bytes, 4), nibble));
-      sums = dot_scaled(sums, _mm512_maddubs_epi16(low, _mm512_loadu_si512(in.hi_at(at))),
-                        _mm512_shuffle_epi8(scales, pick[2 * c]));
-      sums = dot_scaled(sums, _mm512_maddubs_epi16(high, _mm512_loadu_si512(in.hi_at(at + 32))),
-                        _mm512_shuffle_epi8(scales, pick[2 * c + 1]));
-    }
-    const float s = in.scale[blk];
-    acc = _mm512_fmadd_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(sums), plane_weight), _mm512_set1_ps(half_to_float(b) * s),
-                          acc);
-    const __m256 mins = _mm256_cvtepi32_ps(_mm256_cvtepu16_epi32(_mm256_extracti128_si256(scales_mins, 1)));
-    acc_min = _mm256_fmadd_ps(_mm256_mul_ps(mins, _mm256_loadu_ps(in.sum32.data() + blk * 8)),
-                              _mm256_set1_ps(half_to_float(b + 2) * s), acc_min);
-  }
-  return _mm512_reduce_add_ps(acc) - hsum_ps(acc_min);
+// sum over a block's 16 sub-blocks of weight (int16) * sum of x (int32); the callers' bounds keep it in int32
+inline int32_t weighted_sums16(__m256i weights16, const int32_t* sums) {
+  const __m256i products = _mm256_add_epi32(
+      _mm256_mullo_epi32(_mm256_cvtepi16_epi32(_mm256_castsi256_si128(weights16)), load32(sums)),
+      _mm256_mullo_epi32(_mm256_cvtepi16_epi32(_mm256_extracti128_si256(weights16, 1)), load32(sums + 8)));
+  __m128i folded = _mm_add_epi32(_mm256_castsi256_si128(products), _mm256_extracti128_si256(products, 1));
+  folded = _mm_add_epi32(folded, _mm_shuffle_epi32(folded, 0x4E));
+  folded = _mm_add_epi32(folded, _mm_shuffle_epi32(folded, 0xB1));
+  return _mm_cvtsi128_si32(folded);
 }
-#else
+
+// Q4_K in 256-bit lanes on every x86 build: an AVX-512 version (the levels broadcast to both halves
+// of a 512-bit register to meet both planes in one load) ran slower on a double-pumped AVX-512 CPU
+// (bench.quant_gemv), its cross-lane broadcasts and 512-bit shuffles costing more than they saved.
 inline float idot_q4_k(const uint8_t* row, int64_t blocks, const FixedInput& in) {
   const __m256i nibble = _mm256_set1_epi8(0x0F);
   // shuffles that broadcast int16 scale j (bytes 2j, 2j + 1) to every lane
@@ -228,7 +216,6 @@ inline float idot_q4_k(const uint8_t* row, int64_t blocks, const FixedInput& in)
   }
   return hsum_ps(_mm256_sub_ps(acc, acc_min));
 }
-#endif
 
 // Q8_0: the int8 levels widened to int16 and multiplied with the input's int16 values (vpmaddwd),
 // one product per weight; a pair of products (127 * 32512 each) stays inside int32.
@@ -279,12 +266,15 @@ inline float idot_mxfp4(const uint8_t* row, int64_t blocks, const FixedInput& in
 // per 16 weights. The products use the unsigned levels; 32 * scale * sum(x) comes off per sub-block.
 inline float idot_q6_k(const uint8_t* row, int64_t blocks, const FixedInput& in) {
   const __m256i low4 = _mm256_set1_epi8(0x0F), two = _mm256_set1_epi8(3);
+  const PairPicks picks;
   __m256 acc = _mm256_setzero_ps();
   float offsets = 0.f;
   for (int64_t blk = 0; blk < blocks; ++blk) {
     const uint8_t* b = row + blk * 210;
     _mm_prefetch(reinterpret_cast<const char*>(b + 1024), _MM_HINT_NTA);
-    const int8_t* scales = reinterpret_cast<const int8_t*>(b + 192);
+    const __m256i all = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 192)));
+    __m256i by_lane[2];
+    split_by_lane(all, by_lane);
     __m256i acc_hi = _mm256_setzero_si256(), acc_lo = acc_hi;
     for (int half = 0; half < 2; ++half) {  // 128 weights: ql[64], qh[32]
       const uint8_t* ql = b + 64 * half;
@@ -300,15 +290,12 @@ inline float idot_q6_k(const uint8_t* row, int64_t blocks, const FixedInput& in)
                           _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(h, 6), two), 4)),
       };
       for (int part = 0; part < 4; ++part) {  // 32 weights, sub-blocks 8 * half + 2 * part (+1)
-        const int sub = 8 * half + 2 * part;
-        const __m256i scale = _mm256_set_m128i(_mm_set1_epi16(scales[sub + 1]), _mm_set1_epi16(scales[sub]));
         const int64_t at = blk * 256 + 128 * half + 32 * part;
-        madd_planes(levels[part], in.hi_at(at), in.lo_at(at), scale, acc_hi, acc_lo);
+        madd_planes(levels[part], in.hi_at(at), in.lo_at(at), picks.of(by_lane, half, part), acc_hi, acc_lo);
       }
     }
-    const int32_t* sums = in.sum16.data() + blk * 16;
-    int64_t offset = 0;
-    for (int j = 0; j < 16; ++j) offset += static_cast<int64_t>(scales[j]) * sums[j];
+    // sum of scale * sum(x): |each| <= 128 * 16 * 32512, all 16 inside int32
+    const int32_t offset = weighted_sums16(all, in.sum16.data() + blk * 16);
     const float d = half_to_float(b + 208) * in.scale[blk];
     const __m256 total = _mm256_add_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(acc_hi), _mm256_set1_ps(255.f)),
                                        _mm256_cvtepi32_ps(acc_lo));
@@ -356,32 +343,45 @@ inline float idot_q4_q5_0(const uint8_t* row, int64_t blocks, const FixedInput& 
 // with Q2_K a min per 16 too. Unsigned levels times x; the mins or the 4s come off per sub-block.
 inline float idot_q2_q3_k(const uint8_t* row, int64_t blocks, const FixedInput& in, bool three) {
   const __m256i two_bits = _mm256_set1_epi8(3), one_bit = _mm256_set1_epi8(1);
+  const __m128i low4 = _mm_set1_epi8(0x0F);
+  const PairPicks picks;
   __m256 acc = _mm256_setzero_ps();
   float offsets = 0.f;
-  int32_t scales[16];
   for (int64_t blk = 0; blk < blocks; ++blk) {
     const uint8_t* b = row + blk * (three ? 110 : 84);
     _mm_prefetch(reinterpret_cast<const char*>(b + 1024), _MM_HINT_NTA);
-    int64_t offset = 0;  // sum over sub-blocks of min (Q2_K) or 4 * scale (Q3_K) times sum(x)
-    const int32_t* sums = in.sum16.data() + blk * 16;
-    if (three) {
-      q3_k_scales(b + 96, scales);
-      for (int j = 0; j < 16; ++j) offset += 4 * static_cast<int64_t>(scales[j]) * sums[j];
+    // the 16 scales as int16, and what multiplies each sub-block's sum(x) to come off: the mins
+    // (Q2_K) or 4 * scale (Q3_K); |offset| <= 16 * 15 * 16 * 32512 or 16 * 128 * 16 * 32512
+    __m256i scales, offset_weights;
+    if (three) {  // q3_k_scales: low 4 bits from 8 bytes' nibbles, high 2 bits from 4 bytes
+      uint64_t nibbles;
+      uint32_t highs;
+      std::memcpy(&nibbles, b + 96, 8);
+      std::memcpy(&highs, b + 104, 4);
+      const __m128i packed = _mm_cvtsi64_si128(static_cast<long long>(nibbles));
+      const __m128i low = _mm_and_si128(_mm_unpacklo_epi64(packed, _mm_srli_epi16(packed, 4)), low4);
+      const uint32_t two = 0x03030303u;
+      const __m128i high = _mm_set_epi32(static_cast<int>((highs >> 6) & two), static_cast<int>((highs >> 4) & two),
+                                         static_cast<int>((highs >> 2) & two), static_cast<int>(highs & two));
+      scales = _mm256_sub_epi16(_mm256_cvtepu8_epi16(_mm_or_si128(low, _mm_slli_epi16(high, 4))),
+                                _mm256_set1_epi16(32));
+      offset_weights = _mm256_slli_epi16(scales, 2);
     } else {
-      for (int j = 0; j < 16; ++j) {
-        scales[j] = b[j] & 0xF;
-        offset += static_cast<int64_t>(b[j] >> 4) * sums[j];
-      }
+      const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(b));
+      scales = _mm256_cvtepu8_epi16(_mm_and_si128(bytes, low4));
+      offset_weights = _mm256_cvtepu8_epi16(_mm_and_si128(_mm_srli_epi16(bytes, 4), low4));
     }
+    const int32_t offset = weighted_sums16(offset_weights, in.sum16.data() + blk * 16);
+    __m256i by_lane[2];
+    split_by_lane(scales, by_lane);
     const __m256i hmask = three ? load32(b) : _mm256_setzero_si256();
     __m256i acc_hi = _mm256_setzero_si256(), acc_lo = acc_hi;
     for (int g = 0; g < 8; ++g) {
       const __m256i qs = load32(b + (three ? 32 : 16) + 32 * (g / 4));
       __m256i levels = _mm256_and_si256(_mm256_srli_epi16(qs, 2 * (g % 4)), two_bits);
       if (three) levels = _mm256_or_si256(levels, _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(hmask, g), one_bit), 2));
-      const __m256i scale = _mm256_set_m128i(_mm_set1_epi16(static_cast<int16_t>(scales[2 * g + 1])),
-                                             _mm_set1_epi16(static_cast<int16_t>(scales[2 * g])));
-      madd_planes(levels, in.hi_at(blk * 256 + 32 * g), in.lo_at(blk * 256 + 32 * g), scale, acc_hi, acc_lo);
+      madd_planes(levels, in.hi_at(blk * 256 + 32 * g), in.lo_at(blk * 256 + 32 * g), picks.of(by_lane, g / 4, g % 4),
+                  acc_hi, acc_lo);
     }
     const float s = in.scale[blk];
     const float d = half_to_float(b + (three ? 108 : 80)) * s;
