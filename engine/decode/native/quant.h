@@ -271,7 +271,38 @@ inline void group_levels_avx512(int32_t type, const uint8_t* b, int g, __m512i& 
       hi = _mm512_cvtepu8_epi32(_mm256_extracti128_si256(nib, 1));
       return;
     }
-    default: {  // the other types through the portable unpacking (their levels are few bytes each)
+    case kMXFP4: {
+      const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 1));
+      const __m128i table = _mm_loadu_si128(reinterpret_cast<const __m128i*>(kMxfp4Values)), mask = _mm_set1_epi8(0x0F);
+      lo = _mm512_cvtepi8_epi32(_mm_shuffle_epi8(table, _mm_and_si128(bytes, mask)));
+      hi = _mm512_cvtepi8_epi32(_mm_shuffle_epi8(table, _mm_and_si128(_mm_srli_epi16(bytes, 4), mask)));
+      return;
+    }
+    case kQ6_K:
+    case kQ3_K:
+    case kQ2_K: {  // 32 bytes of low bits and 32 of high bits (none for Q2_K) per group, as group_levels reads them
+      __m256i levels;
+      if (type == kQ6_K) {
+        const int half = g / 4, j = g % 4;
+        const __m256i ql = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 64 * half + 32 * (j & 1)));
+        const __m256i qh = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 128 + 32 * half));
+        const __m256i low = _mm256_and_si256(_mm256_srli_epi16(ql, 4 * (j >> 1)), _mm256_set1_epi8(0x0F));
+        const __m256i high = _mm256_and_si256(_mm256_srli_epi16(qh, 2 * j), _mm256_set1_epi8(3));
+        levels = _mm256_or_si256(low, _mm256_slli_epi16(high, 4));  // 0..63, 32 subtracted below
+      } else {
+        const __m256i qs = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + (type == kQ3_K ? 32 : 16) + 32 * (g / 4)));
+        levels = _mm256_and_si256(_mm256_srli_epi16(qs, 2 * (g % 4)), _mm256_set1_epi8(3));
+        if (type == kQ3_K) {  // 0..7 with the mask bit on top, 4 subtracted below
+          const __m256i mask = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b));
+          levels = _mm256_or_si256(levels, _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(mask, g), _mm256_set1_epi8(1)), 2));
+        }
+      }
+      const __m512i offset = _mm512_set1_epi32(type == kQ6_K ? 32 : type == kQ3_K ? 4 : 0);
+      lo = _mm512_sub_epi32(_mm512_cvtepu8_epi32(_mm256_castsi256_si128(levels)), offset);
+      hi = _mm512_sub_epi32(_mm512_cvtepu8_epi32(_mm256_extracti128_si256(levels, 1)), offset);
+      return;
+    }
+    default: {  // the other types through the portable unpacking
       alignas(64) int32_t q[32];
       group_levels(type, b, g, q);
       lo = _mm512_load_si512(q);
