@@ -247,6 +247,28 @@ inline void group_weights(int32_t type, const uint8_t* b, const BlockScales& s, 
   }
 }
 
+#if defined(__AVX2__)
+// The unsigned levels of group g (32 weights) of a block, 32 bytes at a time, as group_levels reads
+// them: Q6_K's 0..63 (32 above the signed level), Q2_K's 0..3, Q3_K's 0..7 with the mask bit on top
+// (4 above). Shared by the dequantizer and the integer dots (quant_int.h).
+inline __m256i q6_k_group_levels(const uint8_t* b, int g) {
+  const int half = g / 4, j = g % 4;
+  const __m256i ql = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 64 * half + 32 * (j & 1)));
+  const __m256i qh = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 128 + 32 * half));
+  const __m256i low = _mm256_and_si256(_mm256_srli_epi16(ql, 4 * (j >> 1)), _mm256_set1_epi8(0x0F));
+  const __m256i high = _mm256_and_si256(_mm256_srli_epi16(qh, 2 * j), _mm256_set1_epi8(3));
+  return _mm256_or_si256(low, _mm256_slli_epi16(high, 4));
+}
+
+inline __m256i q2_q3_k_group_levels(const uint8_t* b, int g, bool three) {
+  const __m256i qs = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + (three ? 32 : 16) + 32 * (g / 4)));
+  const __m256i levels = _mm256_and_si256(_mm256_srli_epi16(qs, 2 * (g % 4)), _mm256_set1_epi8(3));
+  if (!three) return levels;
+  const __m256i mask = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b));
+  return _mm256_or_si256(levels, _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(mask, g), _mm256_set1_epi8(1)), 2));
+}
+#endif
+
 #if defined(MOESCOPE_AVX512BF16)
 // 32 levels of group g as two vectors of 16 int32 (elements 0-15, 16-31).
 inline void group_levels_avx512(int32_t type, const uint8_t* b, int g, __m512i& lo, __m512i& hi) {
@@ -280,23 +302,8 @@ inline void group_levels_avx512(int32_t type, const uint8_t* b, int g, __m512i& 
     }
     case kQ6_K:
     case kQ3_K:
-    case kQ2_K: {  // 32 bytes of low bits and 32 of high bits (none for Q2_K) per group, as group_levels reads them
-      __m256i levels;
-      if (type == kQ6_K) {
-        const int half = g / 4, j = g % 4;
-        const __m256i ql = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 64 * half + 32 * (j & 1)));
-        const __m256i qh = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 128 + 32 * half));
-        const __m256i low = _mm256_and_si256(_mm256_srli_epi16(ql, 4 * (j >> 1)), _mm256_set1_epi8(0x0F));
-        const __m256i high = _mm256_and_si256(_mm256_srli_epi16(qh, 2 * j), _mm256_set1_epi8(3));
-        levels = _mm256_or_si256(low, _mm256_slli_epi16(high, 4));  // 0..63, 32 subtracted below
-      } else {
-        const __m256i qs = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + (type == kQ3_K ? 32 : 16) + 32 * (g / 4)));
-        levels = _mm256_and_si256(_mm256_srli_epi16(qs, 2 * (g % 4)), _mm256_set1_epi8(3));
-        if (type == kQ3_K) {  // 0..7 with the mask bit on top, 4 subtracted below
-          const __m256i mask = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b));
-          levels = _mm256_or_si256(levels, _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(mask, g), _mm256_set1_epi8(1)), 2));
-        }
-      }
+    case kQ2_K: {
+      const __m256i levels = type == kQ6_K ? q6_k_group_levels(b, g) : q2_q3_k_group_levels(b, g, type == kQ3_K);
       const __m512i offset = _mm512_set1_epi32(type == kQ6_K ? 32 : type == kQ3_K ? 4 : 0);
       lo = _mm512_sub_epi32(_mm512_cvtepu8_epi32(_mm256_castsi256_si128(levels)), offset);
       hi = _mm512_sub_epi32(_mm512_cvtepu8_epi32(_mm256_extracti128_si256(levels, 1)), offset);

@@ -265,7 +265,6 @@ inline float idot_mxfp4(const uint8_t* row, int64_t blocks, const FixedInput& in
 // Q6_K: levels 0..63 (stored as 4 low bits + 2 high bits), minus 32, times a signed 8-bit scale
 // per 16 weights. The products use the unsigned levels; 32 * scale * sum(x) comes off per sub-block.
 inline float idot_q6_k(const uint8_t* row, int64_t blocks, const FixedInput& in) {
-  const __m256i low4 = _mm256_set1_epi8(0x0F), two = _mm256_set1_epi8(3);
   const PairPicks picks;
   __m256 acc = _mm256_setzero_ps();
   float offsets = 0.f;
@@ -276,23 +275,9 @@ inline float idot_q6_k(const uint8_t* row, int64_t blocks, const FixedInput& in)
     __m256i by_lane[2];
     split_by_lane(all, by_lane);
     __m256i acc_hi = _mm256_setzero_si256(), acc_lo = acc_hi;
-    for (int half = 0; half < 2; ++half) {  // 128 weights: ql[64], qh[32]
-      const uint8_t* ql = b + 64 * half;
-      const uint8_t* qh = b + 128 + 32 * half;
-      const __m256i l0 = load32(ql), l1 = load32(ql + 32), h = load32(qh);
-      const __m256i levels[4] = {
-          _mm256_or_si256(_mm256_and_si256(l0, low4), _mm256_slli_epi16(_mm256_and_si256(h, two), 4)),
-          _mm256_or_si256(_mm256_and_si256(l1, low4),
-                          _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(h, 2), two), 4)),
-          _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l0, 4), low4),
-                          _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(h, 4), two), 4)),
-          _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l1, 4), low4),
-                          _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(h, 6), two), 4)),
-      };
-      for (int part = 0; part < 4; ++part) {  // 32 weights, sub-blocks 8 * half + 2 * part (+1)
-        const int64_t at = blk * 256 + 128 * half + 32 * part;
-        madd_planes(levels[part], in.hi_at(at), in.lo_at(at), picks.of(by_lane, half, part), acc_hi, acc_lo);
-      }
+    for (int g = 0; g < 8; ++g) {  // 32 weights, sub-blocks 2g and 2g + 1
+      const int64_t at = blk * 256 + 32 * g;
+      madd_planes(q6_k_group_levels(b, g), in.hi_at(at), in.lo_at(at), picks.of(by_lane, g / 4, g % 4), acc_hi, acc_lo);
     }
     // sum of scale * sum(x): |each| <= 128 * 16 * 32512, all 16 inside int32
     const int32_t offset = weighted_sums16(all, in.sum16.data() + blk * 16);
@@ -342,7 +327,6 @@ inline float idot_q4_q5_0(const uint8_t* row, int64_t blocks, const FixedInput& 
 // third bit from its high-bit mask (level - 4 when that bit is clear); a scale per 16 weights,
 // with Q2_K a min per 16 too. Unsigned levels times x; the mins or the 4s come off per sub-block.
 inline float idot_q2_q3_k(const uint8_t* row, int64_t blocks, const FixedInput& in, bool three) {
-  const __m256i two_bits = _mm256_set1_epi8(3), one_bit = _mm256_set1_epi8(1);
   const __m128i low4 = _mm_set1_epi8(0x0F);
   const PairPicks picks;
   __m256 acc = _mm256_setzero_ps();
@@ -374,13 +358,9 @@ inline float idot_q2_q3_k(const uint8_t* row, int64_t blocks, const FixedInput& 
     const int32_t offset = weighted_sums16(offset_weights, in.sum16.data() + blk * 16);
     __m256i by_lane[2];
     split_by_lane(scales, by_lane);
-    const __m256i hmask = three ? load32(b) : _mm256_setzero_si256();
     __m256i acc_hi = _mm256_setzero_si256(), acc_lo = acc_hi;
     for (int g = 0; g < 8; ++g) {
-      const __m256i qs = load32(b + (three ? 32 : 16) + 32 * (g / 4));
-      __m256i levels = _mm256_and_si256(_mm256_srli_epi16(qs, 2 * (g % 4)), two_bits);
-      if (three) levels = _mm256_or_si256(levels, _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(hmask, g), one_bit), 2));
-      madd_planes(levels, in.hi_at(blk * 256 + 32 * g), in.lo_at(blk * 256 + 32 * g), picks.of(by_lane, g / 4, g % 4),
+      madd_planes(q2_q3_k_group_levels(b, g, three), in.hi_at(blk * 256 + 32 * g), in.lo_at(blk * 256 + 32 * g), picks.of(by_lane, g / 4, g % 4),
                   acc_hi, acc_lo);
     }
     const float s = in.scale[blk];
