@@ -65,6 +65,25 @@ def test_native_dequantization_is_the_reference_bit_for_bit(flavour, name):
     assert torch.equal(out.view(torch.int16), reference.view(torch.int16))
 
 
+def test_mxfp4_at_every_block_exponent_is_the_reference(flavour):
+    # the AVX-512 path adds the block scale to the bf16 exponent field, which holds only where the
+    # weights stay normal: every exponent byte, including those that make them subnormal or infinite
+    fmt = checkpoint_format("mxfp4")
+    rng = np.random.default_rng(5)
+    packed = torch.from_numpy(rng.integers(0, 256, (256, 2 * 17), dtype=np.uint8))
+    packed[:, 0] = packed[:, 17] = torch.arange(256, dtype=torch.uint8)
+    reference = dequantize(packed, fmt, 64, torch.bfloat16)
+    out = torch.empty_like(reference)
+    flavour.dequantize(native.weight(flavour, packed, fmt, 64), out)
+    assert torch.equal(out.view(torch.int16), reference.view(torch.int16))
+    x = (torch.randn(1, 64) * 0.5).to(torch.bfloat16)
+    normal = slice(2, 201)  # rows whose weights are normal and whose sums stay finite
+    ours = flavour.gemv(native.weight(flavour, packed[normal], fmt, 64), x).float()[0]
+    exact = (x.double() @ reference[normal].double().t())[0]
+    row_scale = x.double().abs().sum() * reference[normal].double().abs().amax(dim=1)  # each row's own magnitude
+    assert ((ours.double() - exact).abs() <= 0.01 * row_scale).all()
+
+
 @pytest.mark.parametrize("name", KERNEL_FORMATS)
 @pytest.mark.parametrize("integer", [True, False], ids=["integer-dots", "float-loops"])
 def test_quantized_gemv_is_the_dequantized_bf16_product(flavour, name, integer):

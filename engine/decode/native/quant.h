@@ -336,8 +336,70 @@ inline __m512i level_table_32(float scale, float min) {
 
 inline __m512bh x32(const bf16* x) { return (__m512bh)_mm512_loadu_si512(x); }
 
+// MXFP4's 32 weights of one block as the reference's bf16 values (elements 0-15 in lo, 16-31 in hi).
+// The scale is a power of two, so for a normal result it is an addition to the bf16 exponent field:
+// e2m1 value * 2^(e - 127) is exact in bf16 for e in [2, 252], and a 16-entry table (the scale added
+// to every nonzero code) looked up with vpermw gives the weights with no float work. Other exponents
+// (subnormal or overflowing weights, absent from real checkpoints) take the portable loop.
+inline __m256i mxfp4_e2m1_bf16() {
+  return _mm256_setr_epi16(0x0000, 0x3F00, 0x3F80, 0x3FC0, 0x4000, 0x4040, 0x4080, 0x40C0,
+                           0x0000,  // -0 is +0, as level * scale gives
+                           static_cast<int16_t>(0xBF00), static_cast<int16_t>(0xBF80), static_cast<int16_t>(0xBFC0),
+                           static_cast<int16_t>(0xC000), static_cast<int16_t>(0xC040), static_cast<int16_t>(0xC080),
+                           static_cast<int16_t>(0xC0C0));
+}
+
+// The portable rounding, for the rare exponents: the vector conversion would flush subnormals.
+[[gnu::noinline, gnu::cold]] inline void mxfp4_block_bf16_portable(const uint8_t* b, __m256i& lo, __m256i& hi) {
+  BlockScales s;
+  block_scales(kMXFP4, b, s);
+  alignas(32) bf16 w[32];
+  group_weights(kMXFP4, b, s, 0, w);
+  lo = _mm256_load_si256(reinterpret_cast<const __m256i*>(w));
+  hi = _mm256_load_si256(reinterpret_cast<const __m256i*>(w + 16));
+}
+
+inline void mxfp4_block_bf16(const uint8_t* b, __m256i e2m1, __m256i& lo, __m256i& hi) {
+  const uint32_t e = b[0];
+  if (__builtin_expect(e - 2u > 250u, 0)) return mxfp4_block_bf16_portable(b, lo, hi);
+  const __m256i table = _mm256_mask_add_epi16(e2m1, 0xFEFE, e2m1, _mm256_set1_epi16(static_cast<int16_t>((static_cast<int32_t>(e) - 127) * 128)));
+  const __m256i codes = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 1)));
+  lo = _mm256_permutexvar_epi16(codes, table);  // vpermw reads the low 4 bits: the low nibble
+  hi = _mm256_permutexvar_epi16(_mm256_srli_epi16(codes, 4), table);
+}
+
+// MXFP4 row times x: the reference's bf16 weights (above) in bf16 dot products, two blocks a step
+// into four accumulators (one accumulator chain would wait on the dot product's latency).
+inline float qdot_row_mxfp4(const uint8_t* row, int64_t blocks, const bf16* x) {
+  __m256 acc[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
+  const __m256i e2m1 = mxfp4_e2m1_bf16();
+  auto step = [&](int64_t blk, int slot) {
+    __m256i lo, hi;
+    mxfp4_block_bf16(row + blk * 17, e2m1, lo, hi);
+    const bf16* xb = x + 32 * blk;
+    acc[slot] = _mm256_dpbf16_ps(acc[slot], (__m256bh)lo, (__m256bh)_mm256_loadu_si256(reinterpret_cast<const __m256i*>(xb)));
+    acc[slot + 1] = _mm256_dpbf16_ps(acc[slot + 1], (__m256bh)hi, (__m256bh)_mm256_loadu_si256(reinterpret_cast<const __m256i*>(xb + 16)));
+  };
+  int64_t blk = 0;
+  for (; blk + 2 <= blocks; blk += 2) {
+    _mm_prefetch(reinterpret_cast<const char*>(row + blk * 17 + 1024), _MM_HINT_NTA);
+    step(blk, 0);
+    step(blk + 1, 2);
+  }
+  if (blk < blocks) step(blk, 0);
+  const __m256 sum = _mm256_add_ps(_mm256_add_ps(acc[0], acc[1]), _mm256_add_ps(acc[2], acc[3]));
+  return _mm512_reduce_add_ps(_mm512_zextps256_ps512(sum));
+}
+
 // group_weights, 32 at a time: the same products and differences, rounded to nearest even.
 inline void group_weights_avx512(int32_t type, const uint8_t* b, const BlockScales& s, int g, bf16* w) {
+  if (type == kMXFP4) {
+    __m256i lo, hi;
+    mxfp4_block_bf16(b, mxfp4_e2m1_bf16(), lo, hi);
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(w), lo);
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(w + 16), hi);
+    return;
+  }
   __m512i lo, hi;
   group_levels_avx512(type, b, g, lo, hi);
   const __m512 w_lo = _mm512_sub_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(lo), _mm512_set1_ps(s.scale[2 * g])),
@@ -406,6 +468,7 @@ inline float qdot_row(const Matrix& m, int64_t r, const bf16* x) {
   const int64_t be = block_elements(m.type), bb = block_bytes(m.type), blocks = m.cols / be;
   if (m.type == kQ4_K) return qdot_row_q4_k(row, blocks, x);
   if (m.type == kQ4_0 || m.type == kQ5_0) return qdot_row_q4_q5_0(row, blocks, x, m.type == kQ5_0);
+  if (m.type == kMXFP4) return qdot_row_mxfp4(row, blocks, x);
   const int groups = static_cast<int>(be / 32);
   __m512 acc0 = _mm512_setzero_ps(), acc1 = acc0;
   BlockScales s;

@@ -112,8 +112,12 @@ struct FixedInput {
   }
 };
 
-// Types with an integer kernel here; the others keep quant.h's float loops.
+// Types with an integer kernel here; the others keep quant.h's float loops. MXFP4 with bf16 dot
+// products has its reference-exact loop (quant.h: qdot_row_mxfp4), which is also the faster one.
 inline bool has_integer_dot(int32_t type) {
+#if defined(MOESCOPE_AVX512BF16)
+  if (type == kMXFP4) return false;
+#endif
   return type == kQ4_K || type == kQ8_0 || type == kQ6_K || type == kQ4_0 || type == kQ5_0 || type == kQ3_K ||
          type == kQ2_K || type == kMXFP4;
 }
