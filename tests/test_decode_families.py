@@ -39,7 +39,7 @@ PINNED = {
     "olmoe": (WHOLE, {"norm", "router"}),  # per layer, its full-width q/k norms keep their own code
     "deepseek_v3": (LAYERS, {"norm", "attention"}),  # MLA attention absorbed per layer; grouped routing
     "glm4_moe": (LAYERS, {"norm"}),  # partial rotary, biased q/k/v, grouped sigmoid routing
-    "gpt_oss": (LAYERS, set()),  # sinks, biased interleaved experts, its own norm
+    "gpt_oss": (LAYERS, {"attention", "router"}),  # per layer: sinks, biased interleaved experts, its own norm
 }
 # Families whose experts are gated MLPs: the native experts kernel computes them in the per-layer path
 # (engine.decode.paths.expert_recipe), whatever the rest of the decoder takes.
@@ -120,14 +120,25 @@ def step_like_own_forward(module: torch.nn.Module, config, rotary, what: str):
     return caches[0], caches[1]
 
 
+@pytest.mark.parametrize("bias", [False, True], ids=["bias-free", "biased"])
 @pytest.mark.parametrize("cls", listed("attention"), ids=lambda cls: cls.__name__)
-def test_listed_attention_steps_like_its_own_forward(cls):
+def test_listed_attention_steps_like_its_own_forward(cls, bias):
     config = config_of(cls, hidden_size=256, num_attention_heads=8, num_key_value_heads=2, head_dim=32,
-                       num_hidden_layers=1, attention_bias=False, attention_dropout=0.0)
-    config._attn_implementation = "sdpa"
+                       num_hidden_layers=1, attention_bias=bias, attention_dropout=0.0)
     torch.manual_seed(2)
-    module = cls(config, 0).to(torch.bfloat16).eval()
-    assert families.is_llama_attention(module), "bias-free, it qualifies"
+    module = cls(config, 0)
+    sinks = getattr(module, "sinks", None)
+    # GPT-OSS's sinks are computed by its eager function only (its SDPA would drop them): the native
+    # step then rounds as that function does
+    config._attn_implementation = "eager" if sinks is not None else "sdpa"
+    with torch.no_grad():
+        if sinks is not None:
+            sinks.normal_(0, 2)
+        for proj in (module.q_proj, module.k_proj, module.v_proj, module.o_proj):
+            if proj.bias is not None:
+                proj.bias.normal_(0, 0.5)
+    module = module.to(torch.bfloat16).eval()
+    assert families.is_llama_attention(module), "it qualifies, biased or not"
     rotary_module = next(v for v in vars(inspect.getmodule(cls)).values()
                          if isinstance(v, type) and v.__name__.endswith("RotaryEmbedding"))(config)
 

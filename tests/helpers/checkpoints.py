@@ -46,6 +46,7 @@ FAMILIES: dict[str, dict] = {
     "gpt_oss": dict(  # fused, transposed, interleaved gate/up, biased experts
         model_type="gpt_oss", hidden_size=32, intermediate_size=24, num_hidden_layers=2, num_attention_heads=4,
         num_key_value_heads=2, num_local_experts=8, num_experts_per_tok=2, head_dim=8,
+        sliding_window=16,  # the sliding layer's cache drops positions within a test's replies
     ),
 }
 

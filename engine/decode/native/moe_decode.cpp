@@ -609,13 +609,18 @@ void qkv_rope_into(const AttentionWeights& a, const bf16* x, const bf16* cos, co
 
 // Returns q [1, heads, 1, d], k and v [1, kv_heads, 1, d], as the attention module hands them to
 // the KV cache.
+// `biases`: none, or the q, k and v projections' (bf16, added before the rounding as F.linear does).
 std::vector<torch::Tensor> qkv_rope(const torch::Tensor& x, const Weight& wq, const Weight& wk,
                                     const Weight& wv, const c10::optional<torch::Tensor>& q_norm,
                                     const c10::optional<torch::Tensor>& k_norm, double eps, const torch::Tensor& cos,
-                                    const torch::Tensor& sin, int64_t head_dim) {
+                                    const torch::Tensor& sin, int64_t head_dim,
+                                    const std::vector<torch::Tensor>& biases) {
   TORCH_CHECK(x.scalar_type() == torch::kBFloat16, "qkv_rope: one bf16 row of the projections' width");
-  const AttentionWeights a = attention_weights(wq, wk, wv, q_norm, k_norm, eps, head_dim, x.numel());
+  AttentionWeights a = attention_weights(wq, wk, wv, q_norm, k_norm, eps, head_dim, x.numel());
   TORCH_CHECK(!a.full_norm, "qkv_rope: q/k norms over one head only");
+  TORCH_CHECK(biases.empty() || biases.size() == 3, "qkv_rope: no biases, or one each for q, k and v");
+  const int64_t bias_rows[3] = {a.wq.rows, a.wk.rows, a.wv.rows};
+  for (size_t m = 0; m < biases.size(); ++m) check_vector(a.bias[m] = biases[m].contiguous(), bias_rows[m], "q/k/v bias");
   TORCH_CHECK(cos.numel() == head_dim && sin.numel() == head_dim && cos.scalar_type() == torch::kBFloat16 &&
                   sin.scalar_type() == torch::kBFloat16,
               "qkv_rope: one bf16 cos and sin row of the head size");
@@ -780,30 +785,54 @@ inline float key_scores(const bf16* q, int64_t d, const bf16* keys, int64_t stri
   return top;
 }
 
+// What some families add to plain softmax attention: an attention sink per query head (GPT-OSS: a
+// logit that joins the softmax's denominator only), and the roundings of an eager attention
+// function, whose ops run in bf16 (the scores, their scaling, the shift by the maximum, the
+// probabilities), so near-ties fall as they fall in the model's own code.
+struct AttendExtras {
+  const bf16* sinks = nullptr;  // [heads] or none
+  bool eager_rounding = false;
+};
+
 void attend_head(const bf16* q, int64_t d, int64_t g, CacheView keys, CacheView values, int64_t len, float scale,
-                 float* scores, float* acc, bf16* out) {
-  const float top = key_scores(q, d, keys.data + g * keys.head_stride, keys.position_stride, len, scale, scores);
-  const float total = exp_shifted(scores, len, top);
-  for (int64_t t = 0; t < len; ++t) scores[t] /= total;
+                 float* scores, float* acc, bf16* out, const AttendExtras& extras = {}, int64_t h = 0) {
+  const bool eager = extras.eager_rounding;
+  float top = key_scores(q, d, keys.data + g * keys.head_stride, keys.position_stride, len, eager ? 1.f : scale,
+                         scores);
+  if (eager) {
+    top = -INFINITY;
+    for (int64_t t = 0; t < len; ++t) top = std::max(top, scores[t] = round_bf16(round_bf16(scores[t]) * scale));
+  }
+  float sink = extras.sinks != nullptr ? to_float(extras.sinks[h]) : -INFINITY;
+  top = std::max(top, sink);
+  if (eager) {  // the shift rounded too; the exponentials then start from the shifted values
+    for (int64_t t = 0; t < len; ++t) scores[t] = round_bf16(scores[t] - top);
+    sink = round_bf16(sink - top);
+    top = 0.f;
+  }
+  const float total = exp_shifted(scores, len, top) + (extras.sinks != nullptr ? std::exp(sink - top) : 0.f);
+  for (int64_t t = 0; t < len; ++t) scores[t] = eager ? round_bf16(scores[t] / total) : scores[t] / total;
   weighted_rows(scores, values.data + g * values.head_stride, values.position_stride, len, d, acc);
   for (int64_t i = 0; i < d; ++i) out[i] = to_bf16(acc[i]);
 }
 
 void attend_into(const bf16* q, int64_t heads, int64_t d, int64_t kv_heads, CacheView keys, CacheView values,
-                 int64_t len, float scale, bf16* out) {
+                 int64_t len, float scale, bf16* out, const AttendExtras& extras) {
   const int64_t group = heads / kv_heads;
   // splitting heads across threads costs a wake-up: not worth it for the first few positions
   const int64_t grain = heads * len * d >= (1 << 15) ? 1 : heads;
   at::parallel_for(0, heads, grain, [&](int64_t first, int64_t last) {
     std::vector<float> scores(len), acc(d);
     for (int64_t h = first; h < last; ++h)
-      attend_head(q + h * d, d, h / group, keys, values, len, scale, scores.data(), acc.data(), out + h * d);
+      attend_head(q + h * d, d, h / group, keys, values, len, scale, scores.data(), acc.data(), out + h * d, extras, h);
   });
 }
 
 // One query [1, heads, 1, d] over cached keys and values ([1, kv_heads, T, d], any strides with
 // contiguous rows); returns [1, 1, heads * d] (what o_proj takes).
-torch::Tensor attend(const torch::Tensor& q, const torch::Tensor& keys, const torch::Tensor& values, double scale) {
+// `sinks`: one bf16 logit per query head (GPT-OSS), or none; `eager_rounding`: see AttendExtras.
+torch::Tensor attend(const torch::Tensor& q, const torch::Tensor& keys, const torch::Tensor& values, double scale,
+                     const c10::optional<torch::Tensor>& sinks, bool eager_rounding) {
   TORCH_CHECK(q.dim() == 4 && keys.dim() == 4 && values.dim() == 4 && q.size(0) == 1 && q.size(2) == 1,
               "attend: one query [1, heads, 1, d] and keys/values [1, kv_heads, T, d]");
   const int64_t heads = q.size(1), d = q.size(3), kv_heads = keys.size(1), len = keys.size(2);
@@ -813,10 +842,17 @@ torch::Tensor attend(const torch::Tensor& q, const torch::Tensor& keys, const to
   for (const auto* t : {&q, &keys, &values})
     TORCH_CHECK(t->scalar_type() == torch::kBFloat16 && t->device().is_cpu(), "attend: bf16 CPU tensors");
   const torch::Tensor qc = q.contiguous();
+  AttendExtras extras;
+  extras.eager_rounding = eager_rounding;
+  torch::Tensor sink_row;
+  if (sinks.has_value()) {
+    check_vector(sink_row = sinks->contiguous(), heads, "sinks");
+    extras.sinks = bf16_data(sink_row);
+  }
   torch::Tensor out = torch::empty({1, 1, heads * d}, q.options());
   attend_into(bf16_data(qc), heads, d, kv_heads, {bf16_data(keys), keys.stride(1), keys.stride(2)},
               {bf16_data(values), values.stride(1), values.stride(2)}, len, static_cast<float>(scale),
-              bf16_data(out));
+              bf16_data(out), extras);
   return out;
 }
 
@@ -1283,8 +1319,13 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "block types with an integer kernel use it (default) or the reference-exact float loops");
   m.def("dequantize", &dequantize, "a weight matrix as bf16, the reference dequantizer's values");
   m.def("rms_norm", &rms_norm, "RMSNorm of a few bf16 rows");
-  m.def("qkv_rope", &qkv_rope, "one token's q, k, v: projections, optional q/k norms, rotary embedding");
-  m.def("attend", &attend, "one query's attention over cached keys and values");
+  m.def("qkv_rope", &qkv_rope, "one token's q, k, v: projections (optional biases), optional q/k norms, rotary embedding",
+        pybind11::arg("x"), pybind11::arg("wq"), pybind11::arg("wk"), pybind11::arg("wv"), pybind11::arg("q_norm"),
+        pybind11::arg("k_norm"), pybind11::arg("eps"), pybind11::arg("cos"), pybind11::arg("sin"),
+        pybind11::arg("head_dim"), pybind11::arg("biases") = std::vector<torch::Tensor>());
+  m.def("attend", &attend, "one query's attention over cached keys and values (optional sinks, eager roundings)",
+        pybind11::arg("q"), pybind11::arg("keys"), pybind11::arg("values"), pybind11::arg("scale"),
+        pybind11::arg("sinks") = pybind11::none(), pybind11::arg("eager_rounding") = false);
   m.def("latent_attend", &latent_attend, "one query's multi-head latent attention, up-projection absorbed");
   pybind11::class_<GateRecipe>(m, "GateRecipe", "how an expert's gate/up projection becomes its activation")
       .def(pybind11::init<bool, bool, double, double>(), pybind11::arg("interleaved") = false,

@@ -17,16 +17,28 @@ from __future__ import annotations
 import importlib
 from dataclasses import dataclass
 from functools import cache
+from typing import NamedTuple
 
 import torch
 
 from engine.model.dense_formats import QuantizedLinear
 
-# After the router's linear: (always renormalise the top-k weights, cast them back to the logits'
-# dtype). Qwen3-MoE's routers renormalise when `norm_topk_prob` and cast back; Mixtral's always
-# renormalise and keep float32 weights.
-QWEN3_ROUTER = (False, True)
-MIXTRAL_ROUTER = (True, False)
+
+class RouterRecipe(NamedTuple):
+    """What a top-k router computes after its linear."""
+
+    always_normalize: bool  # renormalise the top-k weights (else only when the router's `norm_topk_prob`)
+    cast_back: bool  # the weights in the logits' dtype (else float32)
+    # top-k of the biased logits, then a softmax over those k in the logits' dtype (GPT-OSS), instead
+    # of a float32 softmax over all experts, then top-k
+    softmax_of_top: bool = False
+
+
+# Qwen3-MoE's routers renormalise when `norm_topk_prob` and cast back; Mixtral's always renormalise
+# and keep float32 weights; GPT-OSS's take the top k of the biased logits, then their softmax.
+QWEN3_ROUTER = RouterRecipe(False, True)
+MIXTRAL_ROUTER = RouterRecipe(True, False)
+GPT_OSS_ROUTER = RouterRecipe(True, True, softmax_of_top=True)
 
 
 @dataclass(frozen=True)
@@ -36,7 +48,7 @@ class Family:
     module: str  # transformers.models.<module>.modeling_<module>
     norms: tuple[str, ...] = ()  # Llama-style RMSNorm classes
     attention: tuple[str, ...] = ()  # Llama-style attention classes
-    routers: tuple[tuple[str, tuple[bool, bool]], ...] = ()  # top-k router classes and their recipe
+    routers: tuple[tuple[str, RouterRecipe], ...] = ()  # top-k router classes and their recipe
     # the whole-token step: (causal LM, decoder, decoder layer, sparse MoE block) classes; a block
     # with a `shared_expert` adds it, scaled by sigmoid(`shared_expert_gate`) where it has one
     whole_token: tuple[str, str, str, str] | None = None
@@ -59,6 +71,8 @@ FAMILIES = (
     Family("olmoe", ("OlmoeRMSNorm",), (), (("OlmoeTopKRouter", QWEN3_ROUTER),),
            ("OlmoeForCausalLM", "OlmoeModel", "OlmoeDecoderLayer", "OlmoeSparseMoeBlock"),
            whole_token_attention=("OlmoeAttention",)),
+    # attention with sinks and biased projections, per layer only (its norm rounds once: not Llama's)
+    Family("gpt_oss", (), ("GptOssAttention",), (("GptOssTopKRouter", GPT_OSS_ROUTER),)),
     Family("qwen3_next", (), (), (("Qwen3NextTopKRouter", QWEN3_ROUTER),)),
     Family("qwen4_exp", (), (), (("Qwen4ExpTextTopKRouter", QWEN3_ROUTER),)),
     Family("flex_olmo", (), (), (("FlexOlmoTopKRouter", QWEN3_ROUTER),)),
@@ -133,7 +147,7 @@ def latent_attention_classes() -> frozenset[type]:
 
 
 @cache
-def router_recipes() -> dict[type, tuple[bool, bool]]:
+def router_recipes() -> dict[type, RouterRecipe]:
     return {cls: recipe for f in FAMILIES for (name, recipe) in f.routers for cls in _classes(f, (name,))}
 
 
@@ -163,17 +177,21 @@ def is_llama_rms_norm(module: torch.nn.Module) -> bool:
 
 
 def is_llama_attention(module: torch.nn.Module, whole_token: bool = False) -> bool:
-    """Llama-style attention with bias-free projections and q/k norms (if any) over one head with
-    one epsilon; with `whole_token`, also the listed classes only the whole-token step computes,
+    """Llama-style attention (projections with or without biases, attention sinks where GPT-OSS has
+    them) and q/k norms (if any) over one head with one epsilon; with `whole_token`, the classes the
+    whole-token step computes: no o_proj bias and no sinks, plus the listed classes only it computes,
     whose q/k/v carry biases (Qwen2-MoE) or whose q/k norms span the whole projection (OLMoE)."""
     listed = attention_classes() | (whole_token_attention_classes() if whole_token else frozenset())
     if own_class(module) not in listed:
         return False
     projections = [getattr(module, name, None) for name in ("q_proj", "k_proj", "v_proj", "o_proj")]
-    if not all(is_linear(proj) for proj in projections) or module.o_proj.bias is not None:
+    if not all(is_linear(proj) for proj in projections):
         return False
-    if not whole_token and any(proj.bias is not None for proj in projections):
+    if whole_token and (module.o_proj.bias is not None or getattr(module, "sinks", None) is not None):
         return False
+    biases = [proj.bias for proj in projections[:3]]
+    if any(b is None for b in biases) and any(b is not None for b in biases):
+        return False  # the kernel takes biases for all three or none
     if getattr(getattr(module, "config", None), "clip_qkv", None) is not None:
         return False  # OLMoE's optional clamp of q/k/v
     head_dim = getattr(module, "head_dim", 0)
@@ -198,12 +216,16 @@ def is_linear(module: torch.nn.Module | None) -> bool:
     return isinstance(module, torch.nn.Linear | QuantizedLinear)
 
 
-def router_recipe(module: torch.nn.Module) -> tuple[bool, bool] | None:
-    """(always renormalise, cast back) for a listed top-k router with a plain 2-D weight; else None."""
+def router_recipe(module: torch.nn.Module) -> RouterRecipe | None:
+    """The recipe of a listed top-k router with a plain 2-D weight (and, where its recipe adds one,
+    a bias); else None."""
     weight = getattr(module, "weight", None)
     if not isinstance(weight, torch.nn.Parameter) or weight.dim() != 2 or not hasattr(module, "top_k"):
         return None
-    return router_recipes().get(own_class(module))
+    recipe = router_recipes().get(own_class(module))
+    if recipe is not None and recipe.softmax_of_top != isinstance(getattr(module, "bias", None), torch.nn.Parameter):
+        return None  # GPT-OSS's recipe adds its bias; the others have none
+    return recipe
 
 
 def whole_token_part(module: torch.nn.Module | None, part: str) -> bool:

@@ -99,35 +99,58 @@ def _fast_rms_norm_forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
 
 def _fast_attention_forward(self, hidden_states: torch.Tensor, position_embeddings: tuple[torch.Tensor, torch.Tensor],
                             attention_mask: torch.Tensor | None, *args, **kwargs):
-    """One token of Llama-style attention in three native calls (q/k/v with norms and rotary, the
-    attention over the cache, o_proj); anything else takes the module's own forward."""
+    """One token of Llama-style attention in three native calls (q/k/v with biases, norms and rotary,
+    the attention over the cache with GPT-OSS's sinks, o_proj); anything else takes the module's own
+    forward. A mask must allow every cached position: a sliding window's cache layer keeps only the
+    window's positions, and any other mask (padding, a window over a full cache) is the own forward's."""
     kernels = _native_kernels(self, hidden_states, hidden_states)  # projections in bf16 or blocks alike
     cos, sin = position_embeddings
     kv = cache_from_call(args, kwargs)
-    if (kernels is None or attention_mask is not None or kv is None
-            or hidden_states.numel() != hidden_states.shape[-1] or cos.numel() != self.head_dim
-            or cos.dtype != torch.bfloat16):
+    if cos.shape[-1] * 2 == self.head_dim and cos.dtype == torch.bfloat16:
+        # GPT-OSS's rotary rows cover one half of a head; its halves-rotation rounds as rotate_half does
+        cos, sin = torch.cat((cos, cos), dim=-1), torch.cat((sin, sin), dim=-1)
+    sinks = getattr(self, "sinks", None)
+    if (kernels is None or kv is None or hidden_states.numel() != hidden_states.shape[-1]
+            or cos.numel() != self.head_dim or cos.dtype != torch.bfloat16 or not _allows_all(attention_mask)
+            or (sinks is not None and sinks.dtype != torch.bfloat16)):
         return self._plain_forward(hidden_states, position_embeddings, attention_mask, *args, **kwargs)
     q_norm, k_norm = getattr(self, "q_norm", None), getattr(self, "k_norm", None)
     eps = next((norm.variance_epsilon for norm in (q_norm, k_norm) if norm is not None), 0.0)  # one for both
-    q, k, v = (linear_weight(kernels, proj) for proj in (self.q_proj, self.k_proj, self.v_proj))
+    projections = (self.q_proj, self.k_proj, self.v_proj)
+    q, k, v = (linear_weight(kernels, proj) for proj in projections)
+    biases = [proj.bias for proj in projections] if self.q_proj.bias is not None else []
     query, key, value = kernels.qkv_rope(
         hidden_states, q, k, v,
         None if q_norm is None else q_norm.weight, None if k_norm is None else k_norm.weight, eps, cos, sin,
-        self.head_dim)
+        self.head_dim, biases)
     key, value = kv.update(key, value, self.layer_idx)
-    out = kernels.attend(query, key, value, self.scaling)
+    eager = self.config._attn_implementation in ("eager", one_query_attention.EAGER_NAME)
+    out = kernels.attend(query, key, value, self.scaling, sinks, eager)
     return self.o_proj(out.view(*hidden_states.shape[:-1], -1)), None
+
+
+def _allows_all(mask: torch.Tensor | None) -> bool:
+    """No mask, or one query's mask that allows every position (boolean True, additive 0)."""
+    if mask is None:
+        return True
+    if mask.shape[-2] != 1 or mask.shape[0] != 1:
+        return False
+    return bool(mask.all()) if mask.dtype == torch.bool else not bool(mask.any())
 
 
 def _fast_router_forward(self, hidden_states: torch.Tensor):
     """A top-k router whose one-token linear is the native GEMV (torch's bf16 kernel without oneDNN
     took most of a layer's routing time); softmax and top-k stay torch's."""
     kernels = _native_kernels(self, hidden_states, self.weight)
-    if kernels is None or hidden_states.numel() != self.weight.shape[1]:
+    recipe = self._moescope_recipe
+    bias = self.bias if recipe.softmax_of_top else None
+    if kernels is None or hidden_states.numel() != self.weight.shape[1] or not _bf16_bias(bias):
         return self._plain_forward(hidden_states)
-    always_normalize, cast_back = self._moescope_recipe
-    logits = kernels.gemv(linear_weight(kernels, self), hidden_states.reshape(1, -1))
+    always_normalize, cast_back, softmax_of_top = recipe
+    logits = kernels.gemv(linear_weight(kernels, self), hidden_states.reshape(1, -1), bias)
+    if softmax_of_top:
+        top_value, top_index = torch.topk(logits, self.top_k, dim=-1)
+        return logits, torch.softmax(top_value, dim=1, dtype=top_value.dtype), top_index
     top_value, top_index = torch.topk(torch.softmax(logits, dim=-1, dtype=torch.float), self.top_k, dim=-1)
     if always_normalize or getattr(self, "norm_topk_prob", False):
         top_value /= top_value.sum(dim=-1, keepdim=True)

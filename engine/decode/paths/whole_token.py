@@ -86,12 +86,10 @@ def _layer_problem(layer: torch.nn.Module) -> str:
     if not is_llama_attention(attention, whole_token=True) or not all(
             _linear_ok(getattr(attention, name), bias=name != "o_proj") for name in ("q_proj", "k_proj", "v_proj", "o_proj")):
         return "its attention is not Llama-style in bf16"
-    biases = [getattr(attention, name).bias for name in ("q_proj", "k_proj", "v_proj")]
-    if any(b is None for b in biases) and any(b is not None for b in biases):
-        return "some of its q/k/v projections have biases, some not"
     if (problem := _shared_expert_problem(block)):
         return problem
-    if router_recipe(block.gate) is None or not _matrix(block.gate.weight):
+    recipe = router_recipe(block.gate)
+    if recipe is None or recipe.softmax_of_top or not _matrix(block.gate.weight):
         return "its router is not a known top-k router"
     recipe = experts_recipe(block.experts)
     if isinstance(recipe, str):
@@ -123,7 +121,7 @@ class FusedDecoder:
     def __init__(self, model: torch.nn.Module, cache, kernels) -> None:
         inner = model.model
         gate = inner.layers[0].mlp.gate
-        always_normalize, cast_back = router_recipe(gate)
+        always_normalize, cast_back, _ = router_recipe(gate)
         self.model, self.cache = model, cache
         self.layers = len(inner.layers)
         self.kernels = kernels
