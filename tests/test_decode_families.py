@@ -39,7 +39,7 @@ PINNED = {
     "olmoe": (WHOLE, {"norm", "router"}),  # per layer, its full-width q/k norms keep their own code
     "deepseek_v3": (LAYERS, {"norm", "attention"}),  # MLA attention absorbed per layer; grouped routing
     "glm4_moe": (LAYERS, {"norm"}),  # partial rotary, biased q/k/v, grouped sigmoid routing
-    "gpt_oss": (LAYERS, {"attention", "router"}),  # per layer: sinks, biased interleaved experts, its own norm
+    "gpt_oss": (LAYERS, {"norm", "attention", "router"}),  # per layer: sinks, biased interleaved experts
 }
 # Families whose experts are gated MLPs: the native experts kernel computes them in the per-layer path
 # (engine.decode.paths.expert_recipe), whatever the rest of the decoder takes.
@@ -71,9 +71,14 @@ def test_listed_norms_compute_what_the_native_norm_computes(kernels, cls):
     norm = cls(64, eps=1e-5).to(torch.bfloat16)
     with torch.no_grad():
         norm.weight.uniform_(0.5, 1.5)
-    assert families.is_llama_rms_norm(norm)
+    once = families.norm_rounds_once(norm)
+    assert families.is_llama_rms_norm(norm, rounding_once=True)
+    assert families.is_llama_rms_norm(norm) != once  # the whole-token step computes Llama's rounding only
     x = (torch.randn(1, 3, 64) * 3).to(torch.bfloat16)
-    close(kernels.rms_norm(x, norm.weight, norm.variance_epsilon), norm(x), cls.__name__)
+    ours, reference = kernels.rms_norm(x, norm.weight, norm.variance_epsilon, once), norm(x)
+    close(ours, reference, cls.__name__)
+    # the same roundings: all but the odd element (the mean of squares is summed in another order)
+    assert (ours == reference).float().mean() >= 0.95, cls.__name__
 
 
 @pytest.mark.parametrize("cls", listed("router"), ids=lambda cls: cls.__name__)
@@ -222,7 +227,8 @@ def native_kinds(runtime: MoERuntime) -> set[str]:
         cls = type(module)
         if cls is native_layers.FastLinear or not getattr(cls, "_moescope_plain", None):
             continue
-        kinds |= {kind for kind, test in (("norm", families.is_llama_rms_norm), ("attention", native_attention),
+        kinds |= {kind for kind, test in (("norm", lambda m: families.is_llama_rms_norm(m, rounding_once=True)),
+                                          ("attention", native_attention),
                                           ("router", lambda m: families.router_recipe(m) is not None)) if test(module)}
     return kinds
 

@@ -491,16 +491,21 @@ torch::Tensor moe_decode(const torch::Tensor& x, const std::vector<Weight>& gate
 
 // Llama's RMSNorm of one row of n: float32 statistics, the normalized row rounded to bf16, then
 // times the bf16 weight (rounded again).
-inline void rms_norm_row(const bf16* in, const bf16* weight, int64_t n, float eps, bf16* out) {
+// Llama's RMSNorm rounds the normalized row to bf16 before the weight multiplies it; `round_once`:
+// GPT-OSS's multiplies in float32 and rounds the product only.
+inline void rms_norm_row(const bf16* in, const bf16* weight, int64_t n, float eps, bf16* out, bool round_once = false) {
   float squares = 0.f;
   for (int64_t i = 0; i < n; ++i) squares += to_float(in[i]) * to_float(in[i]);
   const float scale = 1.f / std::sqrt(squares / static_cast<float>(n) + eps);
-  for (int64_t i = 0; i < n; ++i) out[i] = to_bf16(to_float(weight[i]) * round_bf16(to_float(in[i]) * scale));
+  for (int64_t i = 0; i < n; ++i) {
+    const float normed = to_float(in[i]) * scale;
+    out[i] = to_bf16(to_float(weight[i]) * (round_once ? normed : round_bf16(normed)));
+  }
 }
 
 // RMSNorm over the last dimension of a few rows (a decode step's hidden state, or its heads for
 // q/k norms). One call instead of transformers' eight small ops.
-torch::Tensor rms_norm(const torch::Tensor& x, const torch::Tensor& weight, double eps) {
+torch::Tensor rms_norm(const torch::Tensor& x, const torch::Tensor& weight, double eps, bool round_once) {
   const int64_t n = weight.numel();
   TORCH_CHECK(x.scalar_type() == torch::kBFloat16 && weight.scalar_type() == torch::kBFloat16 && n > 0 &&
                   x.size(-1) == n,
@@ -508,7 +513,8 @@ torch::Tensor rms_norm(const torch::Tensor& x, const torch::Tensor& weight, doub
   const torch::Tensor xc = x.contiguous(), wc = weight.contiguous();
   torch::Tensor y = torch::empty_like(xc);
   for (int64_t row = 0; row < xc.numel() / n; ++row)
-    rms_norm_row(bf16_data(xc) + row * n, bf16_data(wc), n, static_cast<float>(eps), bf16_data(y) + row * n);
+    rms_norm_row(bf16_data(xc) + row * n, bf16_data(wc), n, static_cast<float>(eps), bf16_data(y) + row * n,
+                 round_once);
   return y;
 }
 
@@ -1318,7 +1324,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("set_integer_dots", [](bool on) { integer_dots_enabled() = on; },
         "block types with an integer kernel use it (default) or the reference-exact float loops");
   m.def("dequantize", &dequantize, "a weight matrix as bf16, the reference dequantizer's values");
-  m.def("rms_norm", &rms_norm, "RMSNorm of a few bf16 rows");
+  m.def("rms_norm", &rms_norm, "RMSNorm of a few bf16 rows", pybind11::arg("x"), pybind11::arg("weight"),
+        pybind11::arg("eps"), pybind11::arg("round_once") = false);
   m.def("qkv_rope", &qkv_rope, "one token's q, k, v: projections (optional biases), optional q/k norms, rotary embedding",
         pybind11::arg("x"), pybind11::arg("wq"), pybind11::arg("wk"), pybind11::arg("wv"), pybind11::arg("q_norm"),
         pybind11::arg("k_norm"), pybind11::arg("eps"), pybind11::arg("cos"), pybind11::arg("sin"),

@@ -58,6 +58,8 @@ class Family:
     # DeepSeek-V3-style multi-head latent attention whose cache holds the compressed latents: one-query
     # steps attend over the latents with kv_b_proj absorbed (engine.decode.paths.latent_attention)
     latent_attention: tuple[str, ...] = ()
+    # the family's norms multiply by their weight in float32 and round once (GPT-OSS), not Llama's way
+    norms_round_once: bool = False
 
 
 FAMILIES = (
@@ -71,8 +73,9 @@ FAMILIES = (
     Family("olmoe", ("OlmoeRMSNorm",), (), (("OlmoeTopKRouter", QWEN3_ROUTER),),
            ("OlmoeForCausalLM", "OlmoeModel", "OlmoeDecoderLayer", "OlmoeSparseMoeBlock"),
            whole_token_attention=("OlmoeAttention",)),
-    # attention with sinks and biased projections, per layer only (its norm rounds once: not Llama's)
-    Family("gpt_oss", (), ("GptOssAttention",), (("GptOssTopKRouter", GPT_OSS_ROUTER),)),
+    # attention with sinks and biased projections, per layer only
+    Family("gpt_oss", ("GptOssRMSNorm",), ("GptOssAttention",), (("GptOssTopKRouter", GPT_OSS_ROUTER),),
+           norms_round_once=True),
     Family("qwen3_next", (), (), (("Qwen3NextTopKRouter", QWEN3_ROUTER),)),
     Family("qwen4_exp", (), (), (("Qwen4ExpTextTopKRouter", QWEN3_ROUTER),)),
     Family("flex_olmo", (), (), (("FlexOlmoTopKRouter", QWEN3_ROUTER),)),
@@ -132,6 +135,11 @@ def norm_classes() -> frozenset[type]:
 
 
 @cache
+def norms_rounding_once() -> frozenset[type]:
+    return frozenset(cls for f in FAMILIES if f.norms_round_once for cls in _classes(f, f.norms))
+
+
+@cache
 def attention_classes() -> frozenset[type]:
     return frozenset(cls for f in FAMILIES for cls in _classes(f, f.attention))
 
@@ -169,11 +177,17 @@ def own_class(module: torch.nn.Module) -> type:
     return getattr(cls, "_moescope_plain", cls)
 
 
-def is_llama_rms_norm(module: torch.nn.Module) -> bool:
+def is_llama_rms_norm(module: torch.nn.Module, rounding_once: bool = False) -> bool:
     """A Llama-style RMSNorm (x * rsqrt(mean(x^2) + eps) * weight), as most MoE families copy it;
-    Gemma-style (1 + weight) norms and others are not listed."""
-    return (own_class(module) in norm_classes() and isinstance(getattr(module, "weight", None), torch.nn.Parameter)
-            and hasattr(module, "variance_epsilon"))
+    with `rounding_once`, also those that round only the weighted product (GPT-OSS's). Gemma-style
+    (1 + weight) norms and others are not listed."""
+    cls = own_class(module)
+    return (cls in norm_classes() and (rounding_once or cls not in norms_rounding_once())
+            and isinstance(getattr(module, "weight", None), torch.nn.Parameter) and hasattr(module, "variance_epsilon"))
+
+
+def norm_rounds_once(module: torch.nn.Module) -> bool:
+    return own_class(module) in norms_rounding_once()
 
 
 def is_llama_attention(module: torch.nn.Module, whole_token: bool = False) -> bool:

@@ -30,7 +30,13 @@ from engine.decode.native import kernels as native
 from engine.decode.paths import one_query_attention
 from engine.decode.paths.base import DecodePath, Step
 from engine.decode.paths.expert_recipe import ExpertsRecipe, experts_recipe
-from engine.decode.paths.families import is_latent_attention, is_llama_attention, is_llama_rms_norm, router_recipe
+from engine.decode.paths.families import (
+    is_latent_attention,
+    is_llama_attention,
+    is_llama_rms_norm,
+    norm_rounds_once,
+    router_recipe,
+)
 from engine.decode.paths.latent_attention import latent_attention_forward
 from engine.decode.paths.switch import SWITCH_ATTR, NativeSwitch
 from engine.decode.paths.transformers_path import model_forward
@@ -94,7 +100,7 @@ def _fast_rms_norm_forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
     kernels = _native_kernels(self, hidden_states, self.weight)
     if kernels is None:
         return self._plain_forward(hidden_states)
-    return kernels.rms_norm(hidden_states, self.weight, self.variance_epsilon)
+    return kernels.rms_norm(hidden_states, self.weight, self.variance_epsilon, norm_rounds_once(self))
 
 
 def _fast_attention_forward(self, hidden_states: torch.Tensor, position_embeddings: tuple[torch.Tensor, torch.Tensor],
@@ -179,7 +185,7 @@ def patch_module(module: torch.nn.Module, switch: NativeSwitch) -> bool:
         module.__class__ = FastLinear
     elif cls is QuantizedLinear:
         module.__class__ = FastQuantizedLinear
-    elif is_llama_rms_norm(module):
+    elif is_llama_rms_norm(module, rounding_once=True):
         module.__class__ = _fast_class(cls, _fast_rms_norm_forward)
     elif is_llama_attention(module):
         module.__class__ = _fast_class(cls, _fast_attention_forward)
