@@ -490,9 +490,8 @@ torch::Tensor moe_decode(const torch::Tensor& x, const std::vector<Weight>& gate
 }
 
 // Llama's RMSNorm of one row of n: float32 statistics, the normalized row rounded to bf16, then
-// times the bf16 weight (rounded again).
-// Llama's RMSNorm rounds the normalized row to bf16 before the weight multiplies it; `round_once`:
-// GPT-OSS's multiplies in float32 and rounds the product only.
+// times the bf16 weight (rounded again); `round_once`: GPT-OSS's, which multiplies the normalized
+// row by the weight in float32 and rounds the product only.
 inline void rms_norm_row(const bf16* in, const bf16* weight, int64_t n, float eps, bf16* out, bool round_once = false) {
   float squares = 0.f;
   for (int64_t i = 0; i < n; ++i) squares += to_float(in[i]) * to_float(in[i]);

@@ -270,7 +270,8 @@ inline __m256i q2_q3_k_group_levels(const uint8_t* b, int g, bool three) {
 #endif
 
 #if defined(MOESCOPE_AVX512BF16)
-// 32 levels of group g as two vectors of 16 int32 (elements 0-15, 16-31).
+// 32 levels of group g as two vectors of 16 int32 (elements 0-15, 16-31); MXFP4 has its own
+// bf16 table (mxfp4_block_bf16).
 inline void group_levels_avx512(int32_t type, const uint8_t* b, int g, __m512i& lo, __m512i& hi) {
   switch (type) {
     case kQ8_0: {
@@ -291,13 +292,6 @@ inline void group_levels_avx512(int32_t type, const uint8_t* b, int g, __m512i& 
       const __m256i nib = _mm256_and_si256(g % 2 ? _mm256_srli_epi16(bytes, 4) : bytes, _mm256_set1_epi8(0x0F));
       lo = _mm512_cvtepu8_epi32(_mm256_castsi256_si128(nib));
       hi = _mm512_cvtepu8_epi32(_mm256_extracti128_si256(nib, 1));
-      return;
-    }
-    case kMXFP4: {
-      const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 1));
-      const __m128i table = _mm_loadu_si128(reinterpret_cast<const __m128i*>(kMxfp4Values)), mask = _mm_set1_epi8(0x0F);
-      lo = _mm512_cvtepi8_epi32(_mm_shuffle_epi8(table, _mm_and_si128(bytes, mask)));
-      hi = _mm512_cvtepi8_epi32(_mm_shuffle_epi8(table, _mm_and_si128(_mm_srli_epi16(bytes, 4), mask)));
       return;
     }
     case kQ6_K:
