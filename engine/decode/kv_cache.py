@@ -1,52 +1,74 @@
 """A key/value cache that grows in blocks instead of re-concatenating every step.
 
 transformers' `DynamicLayer` builds new key and value tensors with `torch.cat` at every token,
-copying the whole history (two allocations + copies per layer and token). `BlockLayer` keeps
-them in a buffer with room for `BLOCK` more tokens and hands out views of its filled part; the
-values are the same, only their storage differs, so attention computes the same result.
+copying the whole history (two allocations + copies per layer and token), and its
+`DynamicSlidingWindowLayer` does the same before cutting the result back to the window.
+`BlockLayer` and `BlockSlidingLayer` keep the positions in a buffer with room for `BLOCK` more and
+hand out views of the cached part (a sliding window's view moves along the buffer; when the buffer
+is full, the window is copied to the front of a new one). The values are the same, only their
+storage differs, so attention computes the same result.
 """
 
 from __future__ import annotations
 
 import torch
 from transformers import DynamicCache
-from transformers.cache_utils import DynamicLayer
+from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer
 
 BLOCK = 256  # tokens of headroom per growth: at most this much unused memory per layer
 
 
-def _room(buffer: torch.Tensor | None, filled: torch.Tensor, like: torch.Tensor, m: int) -> torch.Tensor:
-    """A buffer holding `filled` (n positions) in its first n, with room for `m` more."""
-    n = filled.shape[-2] if filled.dim() == 4 else 0
-    reusable = (buffer is not None and buffer.shape[:-2] == like.shape[:-2] and buffer.shape[-2] >= n + m
-                and (n == 0 or filled.data_ptr() == buffer.data_ptr()))  # `filled` may have been replaced (crop, beams)
-    if not reusable:
+def _length(rows: torch.Tensor | None) -> int:
+    return rows.shape[-2] if rows is not None and rows.dim() == 4 else 0
+
+
+def _start_in(buffer: torch.Tensor | None, rows: torch.Tensor) -> int | None:
+    """The buffer position where `rows` begin, if they are a run of `buffer`'s positions; else None
+    (they were replaced: a crop, beams, another cache's tensors)."""
+    if buffer is None or rows.shape[:-2] != buffer.shape[:-2] or rows.stride() != buffer.stride():
+        return None
+    start, off = divmod(rows.data_ptr() - buffer.data_ptr(), buffer.stride(-2) * buffer.element_size())
+    return start if off == 0 and start >= 0 and start + rows.shape[-2] <= buffer.shape[-2] else None
+
+
+def _room(buffer: torch.Tensor | None, filled: torch.Tensor | None, like: torch.Tensor, m: int,
+          start: int | None) -> tuple[torch.Tensor, int]:
+    """(a buffer holding `filled` (n positions) at [start, start + n), with room behind them for `m`
+    more, start): the given buffer where `filled` already lies in it at `start` with that room, else
+    a new one with `filled` copied to its front."""
+    n = _length(filled)
+    if n == 0:
+        start = 0
+    if (buffer is None or start is None or buffer.shape[:-2] != like.shape[:-2] or buffer.dtype != like.dtype
+            or buffer.shape[-2] < start + n + m):
         capacity = -(-(n + m + BLOCK) // BLOCK) * BLOCK
-        buffer = like.new_empty((*like.shape[:-2], capacity, like.shape[-1]))
+        buffer, start = like.new_empty((*like.shape[:-2], capacity, like.shape[-1])), 0
         if n:
             buffer[..., :n, :].copy_(filled)
-    return buffer
+    return buffer, start
 
 
-def _append(buffer: torch.Tensor | None, filled: torch.Tensor, new: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(buffer, view of its first n + m positions) after writing `new` behind the n in `filled`."""
-    n = filled.shape[-2] if filled.dim() == 4 else 0
-    m = new.shape[-2]
-    buffer = _room(buffer, filled, new, m)
-    buffer[..., n : n + m, :].copy_(new)
-    return buffer, buffer[..., : n + m, :]
+class _BufferedLayer:
+    """Keys and values as views of growing buffers, for the cache layers below: the cached positions
+    are [_start, _start + length) of `_key_buffer` and `_value_buffer`.
 
+    The views are made when someone looks (the per-layer path, transformers' cache methods): a
+    native decode step only counts the positions it wrote (`grow_by_one`), instead of slicing two
+    tensors per layer and token. Views set from outside (a crop, beams) are taken as they are; the
+    next growth copies them into a buffer again.
+    """
 
-class BlockLayer(DynamicLayer):
-    def __init__(self) -> None:
-        self._grown = 0  # positions a native step wrote behind `_keys`/`_values`, not yet in the views
-        super().__init__()
+    def _init_buffers(self) -> None:
+        self._grown = 0  # positions a native step wrote behind the views, not yet in them
+        self._start: int | None = None  # where the views begin in the buffers; None: unknown
+        self._keys = self._values = None
         self._key_buffer: torch.Tensor | None = None
         self._value_buffer: torch.Tensor | None = None
 
-    # The views are made when someone looks (the per-layer path, transformers' cache methods): a
-    # native decode step only counts the positions it wrote (`grow_by_one`), instead of slicing two
-    # tensors per layer and token.
+    def _keep(self, n: int) -> int:
+        """Of n positions in the buffers, how many the cache keeps (the last ones)."""
+        return n
+
     @property
     def keys(self) -> torch.Tensor | None:
         self._settle()
@@ -55,7 +77,7 @@ class BlockLayer(DynamicLayer):
     @keys.setter
     def keys(self, value: torch.Tensor | None) -> None:
         self._settle()
-        self._keys = value
+        self._keys, self._start = value, None
 
     @property
     def values(self) -> torch.Tensor | None:
@@ -65,50 +87,122 @@ class BlockLayer(DynamicLayer):
     @values.setter
     def values(self, value: torch.Tensor | None) -> None:
         self._settle()
-        self._values = value
+        self._values, self._start = value, None
 
     def _settle(self) -> None:
         if self._grown:
-            n = self._keys.shape[-2] + self._grown
+            end = self._start + _length(self._keys) + self._grown
+            begin = end - self._keep(end - self._start)
             self._grown = 0
-            self._keys, self._values = self._key_buffer[..., :n, :], self._value_buffer[..., :n, :]
+            self._keys, self._values = self._key_buffer[..., begin:end, :], self._value_buffer[..., begin:end, :]
+            self._start = begin
 
-    def get_seq_length(self) -> int:
-        if not self.is_initialized or self._keys is None or self._keys.dim() != 4:
-            return self._grown
-        return self._keys.shape[-2] + self._grown
+    def _append(self, keys: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Write `keys`/`values` behind the cached positions; returns the views of all of them,
+        and keeps (as the cache) the last `_keep` of them."""
+        self._settle()
+        n, m = _length(self._keys), keys.shape[-2]
+        start = self._where()
+        self._key_buffer, start_k = _room(self._key_buffer, self._keys, keys, m, start)
+        self._value_buffer, start_v = _room(self._value_buffer, self._values, values, m, start)
+        assert start_k == start_v  # both moved, or neither: they were checked together
+        end = start_k + n + m
+        self._key_buffer[..., start_k + n : end, :].copy_(keys)
+        self._value_buffer[..., start_k + n : end, :].copy_(values)
+        full_keys, full_values = self._key_buffer[..., start_k:end, :], self._value_buffer[..., start_k:end, :]
+        begin = end - self._keep(n + m)
+        self._keys, self._values = self._key_buffer[..., begin:end, :], self._value_buffer[..., begin:end, :]
+        self._start = begin
+        return full_keys, full_values
 
-    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
-        if not self.is_initialized:
-            self.lazy_initialization(key_states, value_states)
-        self._key_buffer, self.keys = _append(self._key_buffer, self.keys, key_states)
-        self._value_buffer, self.values = _append(self._value_buffer, self.values, value_states)
-        return self.keys, self.values
+    def _where(self) -> int | None:
+        """Where the views begin in both buffers (None unless both are runs of them, at one place)."""
+        if self._start is not None:
+            return self._start
+        if _length(self._keys) == 0:
+            return 0
+        start = _start_in(self._key_buffer, self._keys)
+        return start if start is not None and start == _start_in(self._value_buffer, self._values) else None
 
-    def reserve_next(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """The key and value buffers, with room for one more position behind the filled ones (for a
-        native decode step that writes it in place, then calls `grow_by_one`)."""
-        keys, values = self._key_buffer, self._value_buffer
-        fits = (keys is not None and values is not None and keys.shape[-2] > self.get_seq_length()
-                and self._keys.data_ptr() == keys.data_ptr() and self._values.data_ptr() == values.data_ptr())
-        if not fits:  # full, or the views were replaced (crop, beams): a new buffer, filled part copied
-            self._key_buffer = _room(keys, self.keys, self.keys, 1)
-            self._value_buffer = _room(values, self.values, self.values, 1)
-        return self._key_buffer, self._value_buffer
+    def reserve_next(self) -> tuple[torch.Tensor, torch.Tensor, int, int]:
+        """(key buffer, value buffer, start, length): positions [start, start + length) of the
+        buffers are the ones a new token attends to besides itself, and there is room right behind
+        them for that token's key and value, which a native decode step writes there and then
+        counts with `grow_by_one`. Only for a cache that holds a prompt already."""
+        n = _length(self._keys) + self._grown
+        start = self._start
+        if start is None or self._key_buffer is None or self._key_buffer.shape[-2] <= start + n:
+            # full, or the views were replaced: into a buffer with room, the kept positions at its front
+            self._settle()
+            n = _length(self._keys)
+            assert n, "reserve_next: the cache holds no positions yet"
+            where = self._where()
+            self._key_buffer, start = _room(self._key_buffer, self._keys, self._keys, 1, where)
+            self._value_buffer, _ = _room(self._value_buffer, self._values, self._values, 1, where)
+            self._keys = self._key_buffer[..., start : start + n, :]
+            self._values = self._value_buffer[..., start : start + n, :]
+            self._start = start
+        kept = self._keep(n)
+        return self._key_buffer, self._value_buffer, start + n - kept, kept
 
     def grow_by_one(self) -> None:
         """One more position of the buffers (written by the caller) is part of the cache now."""
         self._grown += 1
 
+
+class BlockLayer(_BufferedLayer, DynamicLayer):
+    """transformers' `DynamicLayer` (every position) in growing buffers."""
+
+    def __init__(self) -> None:
+        self._init_buffers()
+        super().__init__()
+
+    def get_seq_length(self) -> int:
+        if not self.is_initialized:
+            return self._grown
+        return _length(self._keys) + self._grown
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        return self._append(key_states, value_states)
+
     def reset(self) -> None:
-        self._grown = 0
-        self._key_buffer = self._value_buffer = None
+        self._init_buffers()
+        super().reset()
+
+
+class BlockSlidingLayer(_BufferedLayer, DynamicSlidingWindowLayer):
+    """transformers' `DynamicSlidingWindowLayer` (the last window - 1 positions) in growing buffers.
+    While it records its past for a later crop (assisted decoding), it is transformers' own."""
+
+    def __init__(self, sliding_window: int, **kwargs) -> None:
+        self._init_buffers()
+        super().__init__(sliding_window, **kwargs)
+
+    def _keep(self, n: int) -> int:
+        return min(n, self.sliding_window - 1)
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        if self.record_past:
+            return super().update(key_states, value_states, *args, **kwargs)
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        self.cumulative_length += key_states.shape[-2]
+        return self._append(key_states, value_states)
+
+    def grow_by_one(self) -> None:
+        super().grow_by_one()
+        self.cumulative_length += 1
+
+    def reset(self) -> None:
+        self._init_buffers()
         super().reset()
 
 
 def new_cache(model: torch.nn.Module) -> DynamicCache | None:
-    """transformers' dynamic cache for `model`, its plain layers replaced by block-growing ones
-    (sliding-window and other special layers stay as they are). None for a model with a cache class
+    """transformers' dynamic cache for `model`, its plain and sliding-window layers replaced by
+    block-growing ones (other special layers stay as they are). None for a model with a cache class
     of its own (MiniMax's lightning-attention state): as in transformers' `generate`, the model makes
     it on the first forward and returns it (`cache_argument.cache_from_output`)."""
     supports = getattr(model, "_supports_default_dynamic_cache", None)
@@ -118,4 +212,6 @@ def new_cache(model: torch.nn.Module) -> DynamicCache | None:
     for index, layer in enumerate(cache.layers):
         if type(layer) is DynamicLayer:
             cache.layers[index] = BlockLayer()
+        elif type(layer) is DynamicSlidingWindowLayer:
+            cache.layers[index] = BlockSlidingLayer(layer.sliding_window)
     return cache
