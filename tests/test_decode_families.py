@@ -29,7 +29,7 @@ pytestmark = pytest.mark.usefixtures("kernels")
 
 WHOLE = "fast: whole token in one native call"
 LAYERS = "fast: native kernels, layer by layer"
-NOT_THESE = "the whole-token step runs Qwen3-MoE, Qwen2-MoE, OLMoE and Mixtral decoders only"
+NOT_THESE = "the whole-token step runs Qwen3-MoE, Qwen2-MoE, OLMoE, Mixtral and GPT-OSS decoders only"
 
 # family -> (the path a decode token takes at budget all, which module kinds run natively)
 PINNED = {
@@ -39,7 +39,7 @@ PINNED = {
     "olmoe": (WHOLE, {"norm", "router"}),  # per layer, its full-width q/k norms keep their own code
     "deepseek_v3": (LAYERS, {"norm", "attention"}),  # MLA attention absorbed per layer; grouped routing
     "glm4_moe": (LAYERS, {"norm"}),  # partial rotary, biased q/k/v, grouped sigmoid routing
-    "gpt_oss": (LAYERS, {"norm", "attention", "router"}),  # per layer: sinks, biased interleaved experts
+    "gpt_oss": (WHOLE, {"norm", "attention", "router"}),  # sinks, biases, windows, interleaved experts
 }
 # Families whose experts are gated MLPs: the native experts kernel computes them in the per-layer path
 # (engine.decode.paths.expert_recipe), whatever the rest of the decoder takes.

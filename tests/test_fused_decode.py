@@ -1,5 +1,5 @@
 """--fast-decode's whole-token path (engine.decode.paths.whole_token): with every expert resident, a
-Qwen3-MoE, Qwen2-MoE, OLMoE or Mixtral decode token runs in one native call. It must give the very logits of the
+Qwen3-MoE, Qwen2-MoE, OLMoE, Mixtral or GPT-OSS decode token runs in one native call. It must give the very logits of the
 native per-layer path (same kernels, same order), leave the same trail in the counters the panels
 draw from, and step aside, saying why, whenever something needs a layer's routing as it happens."""
 
@@ -214,7 +214,40 @@ def test_attention_and_shared_experts_only_the_step_computes(tiny_checkpoints, f
         runtime.close()
 
 
-@pytest.mark.parametrize("family", ["deepseek_v3", "glm4_moe", "gpt_oss"])
+def gpt_oss_checkpoint(kind: str, tiny_checkpoints, folder) -> str:
+    from tests.helpers.gguf_writer import save_tiny_hf, write_gguf
+    from tests.helpers.quantized_checkpoints import save_mxfp4_gpt_oss
+
+    if kind == "bf16":
+        return str(tiny_checkpoints["gpt_oss"])
+    if kind == "mxfp4":
+        return str(save_mxfp4_gpt_oss(folder / "mxfp4"))
+    write_gguf(save_tiny_hf("gpt_oss", folder / "hf"), folder / "model.gguf", experts="MXFP4", dense="Q8_0")
+    return str(folder / "model.gguf")
+
+
+# bf16: transposed [in, out] expert matrices; MXFP4 (as published) and a GGUF file as llama.cpp's
+# MXFP4_MOE writes it: experts in MXFP4 blocks, and in the GGUF the dense weights in Q8_0 too
+@pytest.mark.parametrize("kind", ["bf16", "mxfp4", "gguf"])
+def test_gpt_oss_past_its_sliding_window(tiny_checkpoints, tmp_path, kind):
+    # GPT-OSS: attention sinks, biased q/k/v/o projections, eager attention's roundings, a sliding
+    # window on every other layer, a router that soft-maxes its biased top k, clamped SwiGLU experts
+    # with biases, and norms that round once. The tiny checkpoints' windows are 8-16 positions: the
+    # reply runs well past them, so the sliding layers' caches drop positions while the step writes.
+    runtime = fast_runtime(gpt_oss_checkpoint(kind, tiny_checkpoints, tmp_path))
+    try:
+        assert recognise(runtime.model) == ""
+        window = runtime.model.config.sliding_window
+        assert {type(layer).__name__ for layer in new_cache(runtime.model).layers} == {"BlockSlidingLayer", "BlockLayer"}
+        assert_steps_match_the_module_path(runtime, PROMPT, 2 * window)
+        reply = Generator(runtime).generate(PROMPT, SamplingSettings(temperature=0, max_new_tokens=window + 4))
+        assert len(reply.token_ids) > 1  # (a tiny random model may reach its end-of-text token early)
+        assert runtime.decode_path == "fast: whole token in one native call"
+    finally:
+        runtime.close()
+
+
+@pytest.mark.parametrize("family", ["deepseek_v3", "glm4_moe"])
 def test_other_families_are_not_taken_for_it(tiny_checkpoints, family):
     runtime = fast_runtime(str(tiny_checkpoints[family]))
     try:

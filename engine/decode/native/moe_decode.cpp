@@ -922,11 +922,15 @@ inline void add_rows(const bf16* a, const bf16* b, int64_t n, bf16* out) {
 // bookkeeping afterwards from the picks it returns.
 class DecodeStep {
  public:
+  // `softmax_of_top`: the routers take the top k of their (biased) logits, then a softmax over those
+  // k in bf16 (GPT-OSS), instead of a float32 softmax over all experts, then the top k.
+  // `norms_round_once`: the RMSNorms multiply by their weight in float32 and round once (GPT-OSS).
   DecodeStep(torch::Tensor embed, torch::Tensor final_norm, double final_eps, const Weight& lm_head, int64_t top_k,
-             bool normalize, bool cast_back)
+             bool normalize, bool cast_back, bool softmax_of_top, bool norms_round_once)
       : embed_(std::move(embed)), final_norm_(std::move(final_norm)), lm_head_tensor_(lm_head.tensor),
         lm_head_(matrix_of(lm_head, "lm_head")), final_eps_(static_cast<float>(final_eps)), top_k_(top_k),
-        normalize_(normalize), cast_back_(cast_back) {
+        normalize_(normalize), cast_back_(cast_back), softmax_of_top_(softmax_of_top),
+        norms_round_once_(norms_round_once) {
     check_matrix(embed_, "embed_tokens");
     hidden_ = embed_.size(1);
     check_vector(final_norm_, hidden_, "norm");
@@ -936,8 +940,7 @@ class DecodeStep {
   void add_layer(const torch::Tensor& input_norm, double input_eps, const Weight& wq, const Weight& wk,
                  const Weight& wv, const c10::optional<torch::Tensor>& q_norm,
                  const c10::optional<torch::Tensor>& k_norm, double qk_eps, int64_t head_dim, double scale,
-                 const Weight& wo, const torch::Tensor& post_norm, double post_eps, const torch::Tensor& router,
-                 const std::vector<Weight>& gate_up, const std::vector<Weight>& down) {
+                 const Weight& wo, const torch::Tensor& post_norm, double post_eps, const torch::Tensor& router) {
     Layer layer{attention_weights(wq, wk, wv, q_norm, k_norm, qk_eps, head_dim, hidden_)};
     check_vector(layer.input_norm = input_norm.contiguous(), hidden_, "input_layernorm");
     check_vector(layer.post_norm = post_norm.contiguous(), hidden_, "post_attention_layernorm");
@@ -952,20 +955,30 @@ class DecodeStep {
     layer.input_eps = static_cast<float>(input_eps);
     layer.post_eps = static_cast<float>(post_eps);
     layer.scale = static_cast<float>(scale);
-    layers_.push_back(std::move(layer));
-    set_experts(static_cast<int64_t>(layers_.size()) - 1, gate_up, down);
+    layers_.push_back(std::move(layer));  // its experts come with set_experts
   }
 
-  // Every expert of `layer`, by expert id (they move when the cache re-plans its slots).
-  void set_experts(int64_t layer, const std::vector<Weight>& gate_up, const std::vector<Weight>& down) {
+  // Every expert of `layer`, by expert id (they move when the cache re-plans its slots); optionally
+  // their biases (one each or none), read as x @ W (`transposed`), and gated by `recipe`.
+  void set_experts(int64_t layer, const std::vector<Weight>& gate_up, const std::vector<Weight>& down,
+                   const std::vector<torch::Tensor>& gate_up_bias, const std::vector<torch::Tensor>& down_bias,
+                   bool transposed, const GateRecipe& recipe) {
     TORCH_CHECK(layer >= 0 && layer < static_cast<int64_t>(layers_.size()), "set_experts: no such layer");
     Layer& l = layers_[layer];
     TORCH_CHECK(static_cast<int64_t>(gate_up.size()) == l.router.rows && down.size() == gate_up.size(),
                 "set_experts: one gate_up and one down for every expert the router scores");
+    TORCH_CHECK((gate_up_bias.empty() || gate_up_bias.size() == gate_up.size()) &&
+                    (down_bias.empty() || down_bias.size() == gate_up.size()),
+                "set_experts: one gate_up and one down bias per expert, or none");
     l.experts.clear();
     l.expert_tensors.clear();
+    l.gate = recipe;
     for (size_t e = 0; e < gate_up.size(); ++e) {
-      l.experts.push_back(expert_weights(gate_up[e], down[e], hidden_));
+      l.experts.push_back(expert_weights(gate_up[e], down[e], hidden_, transposed,
+                                         gate_up_bias.empty() ? nullptr : &gate_up_bias[e],
+                                         down_bias.empty() ? nullptr : &down_bias[e]));
+      if (!gate_up_bias.empty()) l.expert_tensors.push_back(gate_up_bias[e]);
+      if (!down_bias.empty()) l.expert_tensors.push_back(down_bias[e]);
       TORCH_CHECK(l.experts.back().inter == l.experts[0].inter,
                   "set_experts: every expert of one intermediate size");
       l.expert_tensors.push_back(gate_up[e].tensor);  // keeps the slot memory alive while referenced
@@ -981,6 +994,29 @@ class DecodeStep {
     const torch::Tensor* in[3] = {&q, &k, &v};
     const int64_t rows[3] = {a.wq.rows, a.wk.rows, a.wv.rows};
     for (int m = 0; m < 3; ++m) check_vector(a.bias[m] = in[m]->contiguous(), rows[m], "q/k/v bias");
+  }
+
+  // What `layer`'s attention adds to Llama's (GPT-OSS): a sink logit per query head, an eager
+  // attention function's roundings (AttendExtras), and o_proj's bias.
+  void set_attention_extras(int64_t layer, const c10::optional<torch::Tensor>& sinks, bool eager_rounding,
+                            const c10::optional<torch::Tensor>& o_bias) {
+    TORCH_CHECK(layer >= 0 && layer < static_cast<int64_t>(layers_.size()), "set_attention_extras: no such layer");
+    Layer& l = layers_[layer];
+    l.extras.eager_rounding = eager_rounding;
+    l.extras.sinks = nullptr;
+    if (sinks.has_value()) {
+      check_vector(l.sinks = sinks->contiguous(), l.attention.wq.rows / l.attention.head_dim, "sinks");
+      l.extras.sinks = bf16_data(l.sinks);
+    }
+    l.o_bias = torch::Tensor();
+    if (o_bias.has_value()) check_vector(l.o_bias = o_bias->contiguous(), hidden_, "o_proj bias");
+  }
+
+  // `layer`'s router bias [experts], added to its logits before their rounding (GPT-OSS).
+  void set_router_bias(int64_t layer, const torch::Tensor& bias) {
+    TORCH_CHECK(layer >= 0 && layer < static_cast<int64_t>(layers_.size()), "set_router_bias: no such layer");
+    Layer& l = layers_[layer];
+    check_vector(l.router_bias = bias.contiguous(), l.router.rows, "router bias");
   }
 
   // A shared expert beside `layer`'s routed experts, optionally gated by sigmoid(gate . x).
@@ -1006,35 +1042,43 @@ class DecodeStep {
     l.shared = true;
   }
 
-  // One token at `position` (the number of cached positions before it). keys/values: each layer's
-  // cache buffer [1, kv_heads, capacity > position, d]; this token's key and value are written at
-  // `position`. cos/sin: the rotary rows for `position`. picks: int64 [layers, top_k], filled
-  // with each layer's experts in router order. Returns the logits [1, 1, vocab] in bf16.
+  // One token. keys/values: each layer's cache buffer [1, kv_heads, capacity, d], whose positions
+  // [starts[i], starts[i] + lengths[i]) are the ones this token attends to besides itself (all
+  // cached positions, or a sliding window's); its key and value are written right behind them.
+  // cos/sin: the rotary rows for the token's position. picks: int64 [layers, top_k], filled with
+  // each layer's experts in router order. Returns the logits [1, 1, vocab] in bf16.
   torch::Tensor run(int64_t token, const torch::Tensor& cos, const torch::Tensor& sin,
                     const std::vector<torch::Tensor>& keys, const std::vector<torch::Tensor>& values,
-                    int64_t position, torch::Tensor picks) {
+                    const std::vector<int64_t>& starts, const std::vector<int64_t>& lengths, torch::Tensor picks) {
     const int64_t layers = static_cast<int64_t>(layers_.size());
     TORCH_CHECK(token >= 0 && token < embed_.size(0), "run: token id outside the vocabulary");
-    TORCH_CHECK(static_cast<int64_t>(keys.size()) == layers && static_cast<int64_t>(values.size()) == layers,
-                "run: one key and one value buffer per layer");
+    TORCH_CHECK(static_cast<int64_t>(keys.size()) == layers && static_cast<int64_t>(values.size()) == layers &&
+                    static_cast<int64_t>(starts.size()) == layers && static_cast<int64_t>(lengths.size()) == layers,
+                "run: one key and one value buffer, start and length per layer");
     TORCH_CHECK(picks.scalar_type() == torch::kLong && picks.is_contiguous() && picks.numel() == layers * top_k_,
                 "run: picks must be a contiguous int64 [layers, top_k] tensor");
     // Every check before the parallel region: nothing may throw inside it.
     std::vector<CacheView> key_views, value_views;
-    int64_t widest = 0, widest_inter = 0;
+    int64_t widest = 0, widest_inter = 0, longest = 0;
     for (int64_t i = 0; i < layers; ++i) {
       const AttentionWeights& a = layers_[i].attention;
       const int64_t d = a.head_dim, kv_heads = a.wk.rows / d;
       TORCH_CHECK(cos.numel() == d && sin.numel() == d && cos.scalar_type() == torch::kBFloat16 &&
                       sin.scalar_type() == torch::kBFloat16 && cos.is_contiguous() && sin.is_contiguous(),
                   "run: one bf16 cos and sin row of the head size");
+      TORCH_CHECK(starts[i] >= 0 && lengths[i] >= 0, "run: starts and lengths are positions");
       for (const auto* t : {&keys[i], &values[i]})
-        TORCH_CHECK(t->dim() == 4 && t->size(0) == 1 && t->size(1) == kv_heads && t->size(2) > position &&
-                        t->size(3) == d && t->stride(3) == 1 && t->scalar_type() == torch::kBFloat16,
-                    "run: key/value buffers [1, kv_heads, capacity > position, head_dim] in bf16");
-      key_views.push_back({bf16_data(keys[i]), keys[i].stride(1), keys[i].stride(2)});
-      value_views.push_back({bf16_data(values[i]), values[i].stride(1), values[i].stride(2)});
+        TORCH_CHECK(t->dim() == 4 && t->size(0) == 1 && t->size(1) == kv_heads &&
+                        t->size(2) > starts[i] + lengths[i] && t->size(3) == d && t->stride(3) == 1 &&
+                        t->scalar_type() == torch::kBFloat16,
+                    "run: key/value buffers [1, kv_heads, capacity > start + length, head_dim] in bf16");
+      // the views begin at the first position attended to
+      key_views.push_back({bf16_data(keys[i]) + starts[i] * keys[i].stride(2), keys[i].stride(1), keys[i].stride(2)});
+      value_views.push_back(
+          {bf16_data(values[i]) + starts[i] * values[i].stride(2), values[i].stride(1), values[i].stride(2)});
+      longest = std::max(longest, lengths[i]);
       widest = std::max<int64_t>(widest, a.wq.rows + 2 * a.wk.rows);
+      TORCH_CHECK(!layers_[i].experts.empty(), "run: set_experts was not called for layer ", i);
       widest_inter = std::max<int64_t>(widest_inter, layers_[i].inter);
     }
     scratch_.resize(std::max<int64_t>({widest, hidden_, lm_head_.rows}));
@@ -1055,10 +1099,11 @@ class DecodeStep {
     if (router_in_.numel() != router_width) {
       router_in_ = torch::empty({router_width}, torch::kFloat32);
       router_probs_ = torch::empty({router_width}, torch::kFloat32);
+      router_logits_ = torch::empty({router_width}, torch::kBFloat16);
     }
     torch::Tensor logits = torch::empty({1, 1, lm_head_.rows}, embed_.options());
-    Shared shared{token, position, picks.data_ptr<int64_t>(), bf16_data(cos), bf16_data(sin), key_views.data(),
-                  value_views.data(), bf16_data(logits)};
+    Shared shared{token, longest, lengths.data(), picks.data_ptr<int64_t>(), bf16_data(cos), bf16_data(sin),
+                  key_views.data(), value_views.data(), bf16_data(logits)};
     const int threads = std::max(1, at::get_num_threads());
     SpinBarrier barrier;
 #pragma omp parallel num_threads(threads)
@@ -1104,6 +1149,9 @@ class DecodeStep {
     torch::Tensor input_norm, post_norm, router_tensor;
     Matrix wo, router;
     float input_eps = 0.f, post_eps = 0.f, scale = 1.f;
+    AttendExtras extras;
+    torch::Tensor sinks, o_bias, router_bias;  // undefined where the model has none
+    GateRecipe gate;
     std::vector<ExpertWeights> experts;
     std::vector<torch::Tensor> expert_tensors;
     int64_t inter = 0;
@@ -1122,7 +1170,14 @@ class DecodeStep {
     const int64_t experts = l.router.rows;
     std::vector<float> acc(experts);
     std::vector<bf16> logits(experts);
-    gemv_into(l.router, x, acc.data(), logits.data());
+    if (l.router_bias.defined()) {  // added to the float32 sums before the one rounding, as F.linear does
+      gemv_range(l.router, x, 0, experts, acc.data());
+      const bf16* b = bf16_data(l.router_bias);
+      for (int64_t e = 0; e < experts; ++e) logits[e] = to_bf16(acc[e] + to_float(b[e]));
+    } else {
+      gemv_into(l.router, x, acc.data(), logits.data());
+    }
+    if (softmax_of_top_) return route_softmax_of_top(logits.data(), experts, picked, weights);
     // softmax(bf16 logits, dtype=float32) is ATen's _softmax of the logits converted to float32;
     // called on buffers of our own, without the dispatch of the conversion and the allocations
     torch::Tensor in = router_in_.size(0) == experts ? router_in_ : router_in_.narrow(0, 0, experts);
@@ -1144,9 +1199,25 @@ class DecodeStep {
     }
   }
 
+  // GPT-OSS's routing: torch's own top-k of the bf16 logits (its order among ties), then torch's
+  // bf16 softmax over those k, as the router module calls them.
+  void route_softmax_of_top(const bf16* logits, int64_t experts, int64_t* picked, float* weights) {
+    torch::Tensor row = router_logits_.size(0) == experts ? router_logits_ : router_logits_.narrow(0, 0, experts);
+    std::memcpy(bf16_data(row), logits, experts * sizeof(bf16));
+    const auto [top, index] = at::topk(row.view({1, experts}), top_k_, -1);
+    const torch::Tensor probs = at::_softmax(top, 1, false);
+    const bf16* p = bf16_data(probs);
+    const int64_t* ids = index.data_ptr<int64_t>();
+    for (int64_t j = 0; j < top_k_; ++j) {
+      picked[j] = ids[j];
+      weights[j] = to_float(p[j]);
+    }
+  }
+
   // What one step's threads share: inputs, and where they write.
   struct Shared {
-    int64_t token, position;
+    int64_t token, longest;  // the longest of `lengths`
+    const int64_t* lengths;  // per layer, the cached positions attended to besides the token's own
     int64_t* picked;
     const bf16 *cos, *sin;
     const CacheView *keys, *values;
@@ -1163,17 +1234,18 @@ class DecodeStep {
     std::vector<bf16> x(bf16_data(embed_) + in.token * embed_.stride(0),
                         bf16_data(embed_) + in.token * embed_.stride(0) + hidden_);
     std::vector<bf16> normed(hidden_), head_scratch(hidden_);
-    std::vector<float> scores(in.position + 1), sums(hidden_);
+    std::vector<float> scores(in.longest + 1), sums(hidden_);
     auto share = [&](int64_t n) { return thread_share(n, tid, team); };
-    const int64_t len = in.position + 1;
+    const bool round_once = norms_round_once_;
     for (size_t i = 0; i < layers_.size(); ++i) {
       const Layer& l = layers_[i];
       const AttentionWeights& a = l.attention;
       const int64_t d = a.head_dim, heads = a.wq.rows / d, kv_heads = a.wk.rows / d, group = heads / kv_heads;
       const CacheView keys = in.keys[i], values = in.values[i];
-      bf16* key_rows = const_cast<bf16*>(keys.data) + in.position * keys.position_stride;
-      bf16* value_rows = const_cast<bf16*>(values.data) + in.position * values.position_stride;
-      rms_norm_row(x.data(), bf16_data(l.input_norm), hidden_, l.input_eps, normed.data());
+      const int64_t len = in.lengths[i] + 1;
+      bf16* key_rows = const_cast<bf16*>(keys.data) + in.lengths[i] * keys.position_stride;
+      bf16* value_rows = const_cast<bf16*>(values.data) + in.lengths[i] * values.position_stride;
+      rms_norm_row(x.data(), bf16_data(l.input_norm), hidden_, l.input_eps, normed.data(), round_once);
       clock.lap(kNorms);
       if (kv_heads % team == 0 && !a.full_norm) {
         // Each thread its own kv heads and the query heads sharing them: projections (one stream
@@ -1190,7 +1262,7 @@ class DecodeStep {
         }
         for (int64_t h = first * group; h < last * group; ++h)
           attend_head(query_.data() + h * d, d, h / group, keys, values, len, l.scale, scores.data(), sums.data(),
-                      attended_.data() + h * d);
+                      attended_.data() + h * d, l.extras, h);
       } else {
         // Too few kv heads to share out: projections by heads, then attention by query heads.
         const auto [first, last] = share(heads + 2 * kv_heads);
@@ -1222,15 +1294,16 @@ class DecodeStep {
         const auto [q_first, q_last] = share(heads);
         for (int64_t h = q_first; h < q_last; ++h)
           attend_head(query_.data() + h * d, d, h / group, keys, values, len, l.scale, scores.data(), sums.data(),
-                      attended_.data() + h * d);
+                      attended_.data() + h * d, l.extras, h);
       }
       barrier.wait();
       clock.lap(kAttention);
-      rows_of(l.wo, attended_.data(), share(hidden_), delta_.data());
+      rows_of(l.wo, attended_.data(), share(hidden_), delta_.data(),
+              l.o_bias.defined() ? bf16_data(l.o_bias) : nullptr);
       barrier.wait();
       add_rows(x.data(), delta_.data(), hidden_, x.data());
       clock.lap(kOutProj);
-      rms_norm_row(x.data(), bf16_data(l.post_norm), hidden_, l.post_eps, normed.data());
+      rms_norm_row(x.data(), bf16_data(l.post_norm), hidden_, l.post_eps, normed.data(), round_once);
       clock.lap(kNorms);
       if (tid == 0) {
         route(l, normed.data(), in.picked + i * top_k_, route_.data());
@@ -1239,7 +1312,7 @@ class DecodeStep {
       if (l.shared) shared_activation(l, normed.data(), share(l.shared_gate_proj.rows), tid);
       barrier.wait();
       clock.lap(kRouter);
-      experts_part(GateRecipe(), normed.data(), hidden_, l.inter, chosen_.data(), top_k_, projected_.data(), activation_.data(),
+      experts_part(l.gate, normed.data(), hidden_, l.inter, chosen_.data(), top_k_, projected_.data(), activation_.data(),
                    expert_out_.data(), barrier, tid, team);
       barrier.wait();
       const auto [j_first, j_last] = share(hidden_);  // the weighted sum by slices of the row
@@ -1250,7 +1323,7 @@ class DecodeStep {
       add_rows(x.data(), delta_.data(), hidden_, x.data());
       clock.lap(kExperts);
     }
-    rms_norm_row(x.data(), bf16_data(final_norm_), hidden_, final_eps_, normed.data());
+    rms_norm_row(x.data(), bf16_data(final_norm_), hidden_, final_eps_, normed.data(), round_once);
     clock.lap(kNorms);
     rows_of(lm_head_, normed.data(), share(lm_head_.rows), in.logits);
     barrier.wait();
@@ -1288,23 +1361,27 @@ class DecodeStep {
     }
   }
 
-  // out[rows) = W[rows) x, rounded to bf16 (this thread's rows of a projection).
-  void rows_of(const Matrix& w, const bf16* x, std::pair<int64_t, int64_t> rows, bf16* out) {
+  // out[rows) = W[rows) x (+ bias, before the one rounding as F.linear adds it), rounded to bf16
+  // (this thread's rows of a projection).
+  void rows_of(const Matrix& w, const bf16* x, std::pair<int64_t, int64_t> rows, bf16* out,
+               const bf16* bias = nullptr) {
     gemv_range(w, x, rows.first, rows.second, scratch_.data());
-    for (int64_t n = rows.first; n < rows.second; ++n) out[n] = to_bf16(scratch_[n]);
+    for (int64_t n = rows.first; n < rows.second; ++n)
+      out[n] = to_bf16(bias == nullptr ? scratch_[n] : scratch_[n] + to_float(bias[n]));
   }
 
   torch::Tensor embed_, final_norm_, lm_head_tensor_;
   Matrix lm_head_;
   float final_eps_;
   int64_t top_k_, hidden_ = 0;
-  bool normalize_, cast_back_;
+  bool normalize_, cast_back_, softmax_of_top_, norms_round_once_;
   std::vector<Layer> layers_;
   // buffers the threads share within a step (each writes its own part)
   std::vector<float> scratch_, projected_, expert_out_, route_, shared_acc_;
   std::vector<bf16> shared_act_;  // a shared expert's activation
   float shared_scale_ = 1.f;  // its gate's sigmoid this layer
   torch::Tensor router_in_, router_probs_;  // the router's float32 logits and probabilities
+  torch::Tensor router_logits_;  // its bf16 logits (softmax_of_top)
   std::vector<bf16> query_, attended_, delta_, activation_;
   std::vector<const ExpertWeights*> chosen_;  // this layer's picked experts, in pick order
   std::array<double, kPhases> phase_seconds_{};
@@ -1344,10 +1421,18 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         pybind11::arg("down_bias") = std::vector<torch::Tensor>(), pybind11::arg("transposed") = false,
         pybind11::arg("recipe") = GateRecipe());
   pybind11::class_<DecodeStep>(m, "DecodeStep", "a whole decode step of a Llama-style MoE decoder")
-      .def(pybind11::init<torch::Tensor, torch::Tensor, double, const Weight&, int64_t, bool, bool>())
+      .def(pybind11::init<torch::Tensor, torch::Tensor, double, const Weight&, int64_t, bool, bool, bool, bool>(),
+           pybind11::arg("embed"), pybind11::arg("final_norm"), pybind11::arg("final_eps"), pybind11::arg("lm_head"),
+           pybind11::arg("top_k"), pybind11::arg("normalize"), pybind11::arg("cast_back"),
+           pybind11::arg("softmax_of_top") = false, pybind11::arg("norms_round_once") = false)
       .def("add_layer", &DecodeStep::add_layer)
-      .def("set_experts", &DecodeStep::set_experts)
+      .def("set_experts", &DecodeStep::set_experts, pybind11::arg("layer"), pybind11::arg("gate_up"),
+           pybind11::arg("down"), pybind11::arg("gate_up_bias") = std::vector<torch::Tensor>(),
+           pybind11::arg("down_bias") = std::vector<torch::Tensor>(), pybind11::arg("transposed") = false,
+           pybind11::arg("recipe") = GateRecipe())
       .def("set_attention_biases", &DecodeStep::set_attention_biases)
+      .def("set_attention_extras", &DecodeStep::set_attention_extras)
+      .def("set_router_bias", &DecodeStep::set_router_bias)
       .def("set_shared_expert", &DecodeStep::set_shared_expert)
       .def("run", &DecodeStep::run)
       .def("phase_seconds", &DecodeStep::phase_seconds);

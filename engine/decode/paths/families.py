@@ -50,7 +50,8 @@ class Family:
     attention: tuple[str, ...] = ()  # Llama-style attention classes
     routers: tuple[tuple[str, RouterRecipe], ...] = ()  # top-k router classes and their recipe
     # the whole-token step: (causal LM, decoder, decoder layer, sparse MoE block) classes; a block
-    # with a `shared_expert` adds it, scaled by sigmoid(`shared_expert_gate`) where it has one
+    # with a `shared_expert` adds it, scaled by sigmoid(`shared_expert_gate`) where it has one; the
+    # block's router is its `gate` or `router`
     whole_token: tuple[str, str, str, str] | None = None
     # Llama-style attention that only the whole-token step computes: q/k/v projections with biases
     # (Qwen2-MoE), or q/k norms over the whole projection before the rotary embedding (OLMoE)
@@ -73,9 +74,9 @@ FAMILIES = (
     Family("olmoe", ("OlmoeRMSNorm",), (), (("OlmoeTopKRouter", QWEN3_ROUTER),),
            ("OlmoeForCausalLM", "OlmoeModel", "OlmoeDecoderLayer", "OlmoeSparseMoeBlock"),
            whole_token_attention=("OlmoeAttention",)),
-    # attention with sinks and biased projections, per layer only
+    # attention with sinks and biased projections, experts with biases and a clamped SwiGLU
     Family("gpt_oss", ("GptOssRMSNorm",), ("GptOssAttention",), (("GptOssTopKRouter", GPT_OSS_ROUTER),),
-           norms_round_once=True),
+           ("GptOssForCausalLM", "GptOssModel", "GptOssDecoderLayer", "GptOssMLP"), norms_round_once=True),
     Family("qwen3_next", (), (), (("Qwen3NextTopKRouter", QWEN3_ROUTER),)),
     Family("qwen4_exp", (), (), (("Qwen4ExpTextTopKRouter", QWEN3_ROUTER),)),
     Family("flex_olmo", (), (), (("FlexOlmoTopKRouter", QWEN3_ROUTER),)),
@@ -192,16 +193,14 @@ def norm_rounds_once(module: torch.nn.Module) -> bool:
 
 def is_llama_attention(module: torch.nn.Module, whole_token: bool = False) -> bool:
     """Llama-style attention (projections with or without biases, attention sinks where GPT-OSS has
-    them) and q/k norms (if any) over one head with one epsilon; with `whole_token`, the classes the
-    whole-token step computes: no o_proj bias and no sinks, plus the listed classes only it computes,
-    whose q/k/v carry biases (Qwen2-MoE) or whose q/k norms span the whole projection (OLMoE)."""
+    them) and q/k norms (if any) over one head with one epsilon; with `whole_token`, also the listed
+    classes only the whole-token step computes, whose q/k/v carry biases (Qwen2-MoE) or whose q/k
+    norms span the whole projection (OLMoE)."""
     listed = attention_classes() | (whole_token_attention_classes() if whole_token else frozenset())
     if own_class(module) not in listed:
         return False
     projections = [getattr(module, name, None) for name in ("q_proj", "k_proj", "v_proj", "o_proj")]
     if not all(is_linear(proj) for proj in projections):
-        return False
-    if whole_token and (module.o_proj.bias is not None or getattr(module, "sinks", None) is not None):
         return False
     biases = [proj.bias for proj in projections[:3]]
     if any(b is None for b in biases) and any(b is not None for b in biases):

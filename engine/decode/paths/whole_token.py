@@ -5,8 +5,10 @@ to the memory bandwidth, but a Qwen3-MoE-shaped token still spent about a third 
 Python and small torch ops between those kernels (decoder-layer calls, residual adds, the rotary table, the
 mask, module lookups, the router's softmax and top-k as separate ops). For the decoders whose
 every piece the native kernels compute (engine.decode.paths.families: Qwen3-MoE, Qwen2-MoE
-with its biased q/k/v and gated shared expert, OLMoE with its full-width q/k norms, and Mixtral as transformers writes them, bf16 on
-the CPU), `FusedDecoder.step` runs the embedding, every layer
+with its biased q/k/v and gated shared expert, OLMoE with its full-width q/k norms, Mixtral, and
+GPT-OSS with its attention sinks, biases, sliding windows, clamped SwiGLU experts and its own
+router and norms, as transformers writes them, bf16 or block formats on the CPU),
+`FusedDecoder.step` runs the embedding, every layer
 and the lm_head in one call (`DecodeStep` in engine/decode/native/moe_decode.cpp), with the same
 kernels in the same order; the expert cache then records the token from the picks it returns,
 through the same `record` the per-layer path uses.
@@ -23,14 +25,16 @@ from functools import partial
 import torch
 
 from engine.accounting.routing import RoutingStep
-from engine.decode.kv_cache import BlockLayer
+from engine.decode.kv_cache import BlockLayer, BlockSlidingLayer
 from engine.decode.native import kernels as native
+from engine.decode.paths import one_query_attention
 from engine.decode.paths.base import DecodePath, Step
 from engine.decode.paths.expert_recipe import experts_recipe
 from engine.decode.paths.families import (
     is_linear,
     is_llama_attention,
     is_llama_rms_norm,
+    norm_rounds_once,
     router_recipe,
     whole_token_part,
 )
@@ -52,16 +56,27 @@ def _linear_ok(module: torch.nn.Module, bias: bool = False) -> bool:
     return isinstance(module, torch.nn.Linear) and _matrix(module.weight)
 
 
+FAMILIES_NAMED = "Qwen3-MoE, Qwen2-MoE, OLMoE, Mixtral and GPT-OSS"
+
+
+def _router(block: torch.nn.Module) -> torch.nn.Module | None:
+    """The MoE block's router (`gate` in most families, `router` in GPT-OSS)."""
+    return getattr(block, "gate", None) or getattr(block, "router", None)
+
+
 def recognise(model: torch.nn.Module) -> str:
     """Why the whole-token step cannot run this model ("" when it can), from its modules' classes."""
     inner = getattr(model, "model", None)
     if not whole_token_part(model, "causal_lm") or not whole_token_part(inner, "model"):
-        return "the whole-token step runs Qwen3-MoE, Qwen2-MoE, OLMoE and Mixtral decoders only"
+        return f"the whole-token step runs {FAMILIES_NAMED} decoders only"
     embed, head = getattr(inner, "embed_tokens", None), getattr(model, "lm_head", None)
     if type(embed) is not torch.nn.Embedding or not is_linear(head) or head.bias is not None:
         return "the embedding or lm_head is not plain"
-    if not (_matrix(embed.weight) and _linear_ok(head)) or not is_llama_rms_norm(inner.norm):
+    if not (_matrix(embed.weight) and _linear_ok(head)) or not is_llama_rms_norm(inner.norm, rounding_once=True):
         return "weights are not bf16 on the CPU, or the final norm is not Llama's"
+    norms = [inner.norm, *(n for layer in inner.layers for n in (layer.input_layernorm, layer.post_attention_layernorm))]
+    if len({norm_rounds_once(norm) for norm in norms}) > 1:
+        return "its norms round in different ways"
     rope_type = getattr(inner.rotary_emb, "rope_type", "default")
     if "dynamic" in rope_type or "longrope" in rope_type:
         return f"{rope_type} rotary embeddings change with the length"
@@ -76,27 +91,32 @@ def recognise(model: torch.nn.Module) -> str:
 
 def _layer_problem(layer: torch.nn.Module) -> str:
     if not whole_token_part(layer, "layer"):
-        return "not a Qwen3-MoE, Qwen2-MoE, OLMoE or Mixtral decoder layer"
+        return f"not a {FAMILIES_NAMED} decoder layer"
     block = getattr(layer, "mlp", None)
     if not whole_token_part(block, "block"):
         return "a dense MLP or another MoE block"
-    if not all(is_llama_rms_norm(norm) for norm in (layer.input_layernorm, layer.post_attention_layernorm)):
+    if not all(is_llama_rms_norm(norm, rounding_once=True) for norm in (layer.input_layernorm, layer.post_attention_layernorm)):
         return "its norms are not Llama's RMSNorm"
     attention = layer.self_attn
+    sinks = getattr(attention, "sinks", None)
     if not is_llama_attention(attention, whole_token=True) or not all(
-            _linear_ok(getattr(attention, name), bias=name != "o_proj") for name in ("q_proj", "k_proj", "v_proj", "o_proj")):
+            _linear_ok(getattr(attention, name), bias=True) for name in ("q_proj", "k_proj", "v_proj", "o_proj")) \
+            or (sinks is not None and not _vector(sinks)):
         return "its attention is not Llama-style in bf16"
     if (problem := _shared_expert_problem(block)):
         return problem
-    recipe = router_recipe(block.gate)
-    if recipe is None or recipe.softmax_of_top or not _matrix(block.gate.weight):
+    router = _router(block)
+    recipe = router_recipe(router) if router is not None else None
+    if recipe is None or not _matrix(router.weight) or (recipe.softmax_of_top and not _vector(router.bias)):
         return "its router is not a known top-k router"
     recipe = experts_recipe(block.experts)
     if isinstance(recipe, str):
         return recipe
-    if not recipe.plain:
-        return "its experts have biases, interleaved or transposed matrices (the per-layer kernel computes them)"
     return ""
+
+
+def _vector(t: torch.Tensor | None) -> bool:
+    return t is not None and t.dtype == torch.bfloat16 and t.device.type == "cpu" and t.dim() == 1
 
 
 def _shared_expert_problem(block: torch.nn.Module) -> str:
@@ -120,17 +140,20 @@ class FusedDecoder:
 
     def __init__(self, model: torch.nn.Module, cache, kernels) -> None:
         inner = model.model
-        gate = inner.layers[0].mlp.gate
-        always_normalize, cast_back, _ = router_recipe(gate)
+        gate = _router(inner.layers[0].mlp)
+        always_normalize, cast_back, softmax_of_top = router_recipe(gate)
         self.model, self.cache = model, cache
         self.layers = len(inner.layers)
         self.kernels = kernels
+        self._gates: dict = {}
         matrix = partial(linear_weight, kernels)
         self._native = kernels.DecodeStep(
             inner.embed_tokens.weight, inner.norm.weight, inner.norm.variance_epsilon, matrix(model.lm_head),
-            gate.top_k, bool(always_normalize or getattr(gate, "norm_topk_prob", False)), cast_back)
+            gate.top_k, bool(always_normalize or getattr(gate, "norm_topk_prob", False)), cast_back,
+            softmax_of_top, norm_rounds_once(inner.norm))
         for index, layer in enumerate(inner.layers):
             attention, block = layer.self_attn, layer.mlp
+            router = _router(block)
             q_norm, k_norm = getattr(attention, "q_norm", None), getattr(attention, "k_norm", None)
             eps = next((norm.variance_epsilon for norm in (q_norm, k_norm) if norm is not None), 0.0)
             self._native.add_layer(
@@ -139,10 +162,17 @@ class FusedDecoder:
                 None if q_norm is None else q_norm.weight, None if k_norm is None else k_norm.weight, eps,
                 attention.head_dim, attention.scaling, matrix(attention.o_proj),
                 layer.post_attention_layernorm.weight, layer.post_attention_layernorm.variance_epsilon,
-                block.gate.weight, *self._experts(index))
+                router.weight)
+            self._native.set_experts(index, *self._experts(index))
             if attention.q_proj.bias is not None:
                 self._native.set_attention_biases(index, attention.q_proj.bias, attention.k_proj.bias,
                                                   attention.v_proj.bias)
+            sinks = getattr(attention, "sinks", None)
+            eager = attention.config._attn_implementation in ("eager", one_query_attention.EAGER_NAME)
+            if sinks is not None or attention.o_proj.bias is not None:
+                self._native.set_attention_extras(index, sinks, eager and sinks is not None, attention.o_proj.bias)
+            if softmax_of_top:
+                self._native.set_router_bias(index, router.bias)
             if (shared := getattr(block, "shared_expert", None)) is not None:
                 gate_row = getattr(block, "shared_expert_gate", None)
                 self._native.set_shared_expert(index, matrix(shared.gate_proj), matrix(shared.up_proj),
@@ -154,10 +184,23 @@ class FusedDecoder:
         self._rotary_rows = RotaryRows(inner.rotary_emb, inner.embed_tokens.weight[:1].unsqueeze(0),
                                        inner.layers[0].self_attn.head_dim)
 
-    def _experts(self, layer: int) -> tuple[list, list]:
-        """Every expert's (gate_up, down) of `layer`, by expert id, read in place from its slot."""
+
+    def _experts(self, layer: int) -> tuple:
+        """`set_experts`' arguments for `layer`: every expert's gate_up and down by expert id, read
+        in place from its slot, their biases, their layout and their gate."""
         slot_of, slots = self.cache.directory.slot_of[layer], self.cache.slot_views[layer]
-        return expert_weights(self.kernels, self.cache.reader, [slots[slot_of[e]] for e in range(len(slot_of))])
+        chosen = [slots[slot_of[e]] for e in range(len(slot_of))]
+        reader = self.cache.reader
+        recipe = experts_recipe(self.model.model.layers[layer].mlp.experts)
+        gate = self._gates.get(recipe)
+        if gate is None:
+            gate = self._gates[recipe] = self.kernels.GateRecipe(recipe.interleaved, recipe.clamped_swiglu,
+                                                                 recipe.alpha, recipe.limit)
+        biases = ([w["gate_up_proj_bias"] for w in chosen], [w["down_proj_bias"] for w in chosen]) if recipe.bias \
+            else ([], [])
+        # quantized slots hold [out, in] blocks whatever the module's layout (engine.model.layout)
+        return (*expert_weights(self.kernels, reader, chosen), *biases, recipe.transposed and not reader.quantized,
+                gate)
 
     def step(self, token: int, past_key_values) -> torch.Tensor:
         """Logits [1, 1, vocab] for `token` at the next position; the KV cache grows by it and the
@@ -169,9 +212,8 @@ class FusedDecoder:
             self._placed = (cache.slot_views, cache.directory.changes)
         position = past_key_values.get_seq_length()
         cos, sin = self._rotary(position)
-        buffers = [layer.reserve_next() for layer in past_key_values.layers]
-        logits = self._native.run(token, cos, sin, [k for k, _ in buffers], [v for _, v in buffers], position,
-                                  self._picks)
+        keys, values, starts, lengths = zip(*(layer.reserve_next() for layer in past_key_values.layers), strict=True)
+        logits = self._native.run(token, cos, sin, keys, values, starts, lengths, self._picks)
         for layer in past_key_values.layers:
             layer.grow_by_one()
         cache.record(RoutingStep.of_token(self._picks.numpy()))
@@ -193,7 +235,7 @@ class WholeTokenPath(DecodePath):
         self.runtime = runtime
         self._problem: str | None = None  # why this model has no whole-token step ("" = it has one)
         self._decoder: FusedDecoder | None = None
-        self._window: float | None = None  # the narrowest sliding window of the model's attention
+        self._windows: list[int | None] = []  # each layer's attention window, if it slides
 
     def unavailable(self, step: Step) -> str | None:
         runtime = self.runtime
@@ -201,21 +243,16 @@ class WholeTokenPath(DecodePath):
         if problem is not None:
             return problem
         if self._problem is None:
-            self._problem = recognise(runtime.model)
+            self._problem = recognise(runtime.model) or _slots_problem(runtime.model, runtime.cache.reader)
+            if not self._problem:
+                self._windows = [getattr(layer.self_attn, "sliding_window", None) for layer in runtime.model.model.layers]
         if self._problem:
             return self._problem
         if runtime.routing_restricted:
             return "the policy restricts routing to resident experts, layer by layer"
         if problem := runtime.cache.whole_token_problem():
             return problem
-        if any(type(layer) is not BlockLayer for layer in step.kv.layers):
-            return "the KV cache has layers of another kind"
-        window = self._window
-        if window is None:
-            window = self._window = _narrowest_window(runtime.model)
-        if step.position + 1 > window:
-            return "the reply reached the attention's sliding window"
-        return None
+        return _cache_problem(step.kv.layers, self._windows, step.position)
 
     def run(self, step: Step) -> torch.Tensor:
         return self.decoder.step(step.last_token, step.kv)
@@ -228,12 +265,32 @@ class WholeTokenPath(DecodePath):
         return self._decoder
 
 
-def _narrowest_window(model: torch.nn.Module) -> float:
-    """The narrowest sliding window of the decoder's attention layers (inf when none slides): the
-    window each attention module was given, not the config's field (Qwen2-MoE keeps one there with
-    `use_sliding_window` off)."""
-    windows = [getattr(layer.self_attn, "sliding_window", None) for layer in model.model.layers]
-    return min((w for w in windows if w), default=float("inf"))
+def _slots_problem(model: torch.nn.Module, reader) -> str:
+    """Why the step cannot read this model's expert slots ("" when it can)."""
+    recipe = experts_recipe(model.model.layers[0].mlp.experts)
+    if recipe.transposed and 0 < len(reader.quantized) < 2:
+        return "one of the experts' matrices is quantized and the other transposed"
+    return ""
+
+
+def _cache_problem(layers, windows: list[int | None], position: int) -> str | None:
+    """Why the step cannot attend over these KV cache layers at `position` (None when it can). A
+    layer's attention window (the window each attention module was given, not the config's field:
+    Qwen2-MoE keeps one there with `use_sliding_window` off) must be its cache layer's, which then
+    keeps just the window's positions; over a cache layer that keeps everything, the step runs until
+    the reply reaches the window."""
+    for layer, window in zip(layers, windows, strict=True):
+        kind = type(layer)
+        if kind is BlockSlidingLayer:
+            if layer.record_past:
+                return "the KV cache keeps past positions for a rollback"
+            if layer.sliding_window != window:
+                return "a sliding-window KV cache layer under attention of another window"
+        elif kind is not BlockLayer:
+            return "the KV cache has layers of another kind"
+        elif window and position + 1 > window:
+            return "the reply reached the attention's sliding window"
+    return None
 
 
 class RotaryRows:
@@ -253,6 +310,8 @@ class RotaryRows:
 
     def __init__(self, rotary: torch.nn.Module, like: torch.Tensor, head_dim: int) -> None:
         self.rotary, self.like = rotary, like
+        # GPT-OSS's rows cover half a head; its halves-rotation rounds as rotate_half does with them twice
+        self.doubled = rotary(like, position_ids=torch.tensor([[0]]))[0].shape[-1] * 2 == head_dim
         self.rows = self.BLOCK_ELEMENTS // head_dim if head_dim % 32 == 0 else 0
         self._block, self._cached = -1, ([], [])
         if self.rows and any(_bits(self.at(p)) != _bits(self._single(p)) for p in (0, 1, 3, self.rows - 1)):
@@ -264,13 +323,18 @@ class RotaryRows:
         block, row = divmod(position, self.rows)
         if block != self._block:
             start = block * self.rows
-            cos, sin = self.rotary(self.like, position_ids=torch.arange(start, start + self.rows).unsqueeze(0))
+            cos, sin = self._doubled(*self.rotary(self.like, position_ids=torch.arange(start, start + self.rows).unsqueeze(0)))
             self._block, self._cached = block, (cos[0].unbind(0), sin[0].unbind(0))
         return self._cached[0][row], self._cached[1][row]
 
     def _single(self, position: int) -> tuple[torch.Tensor, torch.Tensor]:
-        cos, sin = self.rotary(self.like, position_ids=torch.tensor([[position]]))
+        cos, sin = self._doubled(*self.rotary(self.like, position_ids=torch.tensor([[position]])))
         return cos.reshape(-1), sin.reshape(-1)
+
+    def _doubled(self, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.doubled:
+            return torch.cat((cos, cos), dim=-1), torch.cat((sin, sin), dim=-1)
+        return cos, sin
 
 
 def _bits(rows: tuple[torch.Tensor, torch.Tensor]) -> tuple[bytes, ...]:
