@@ -21,6 +21,7 @@ is touched.
 
 from __future__ import annotations
 
+from functools import cache
 from types import ModuleType
 
 import torch
@@ -206,26 +207,38 @@ class NativeExperts:
 
     def __init__(self, kernels: ModuleType) -> None:
         self.kernels = kernels
-        self._gates: dict[ExpertsRecipe, object] = {}
 
     def __call__(self, module: torch.nn.Module, hidden: torch.Tensor, chosen: list[dict[str, torch.Tensor]],
                  weights: torch.Tensor, out_dtype: torch.dtype, reader: SlotReader) -> torch.Tensor:
         recipe = experts_recipe(module)
-        # quantized slots hold [out, in] blocks whatever the module's layout (engine.model.layout)
-        mixed = isinstance(recipe, ExpertsRecipe) and recipe.transposed and 0 < len(reader.quantized) < 2
-        if isinstance(recipe, str) or mixed or reader.packed or hidden.dtype != torch.bfloat16:
+        if isinstance(recipe, str) or mixed_layout(recipe, reader) or reader.packed or hidden.dtype != torch.bfloat16:
             return torch_one_token(module, hidden, chosen, weights, out_dtype, reader)
         gate_up, down = expert_weights(self.kernels, reader, chosen)
         if recipe.plain:
             return self.kernels.moe_decode(hidden, gate_up, down, weights)
-        gate = self._gates.get(recipe)
-        if gate is None:
-            gate = self._gates[recipe] = self.kernels.GateRecipe(recipe.interleaved, recipe.clamped_swiglu,
-                                                                 recipe.alpha, recipe.limit)
-        biases = ([w["gate_up_proj_bias"] for w in chosen], [w["down_proj_bias"] for w in chosen]) if recipe.bias \
-            else ([], [])
-        return self.kernels.moe_decode(hidden, gate_up, down, weights, *biases,
-                                       recipe.transposed and not reader.quantized, gate)
+        return self.kernels.moe_decode(hidden, gate_up, down, weights, *expert_extras(self.kernels, reader, chosen, recipe))
+
+
+def mixed_layout(recipe: ExpertsRecipe, reader: SlotReader) -> bool:
+    """One of a transposed module's matrices is quantized and the other not: quantized slots hold
+    [out, in] blocks whatever the module's layout (engine.model.layout), so the two would need two
+    layouts in one call."""
+    return recipe.transposed and 0 < len(reader.quantized) < 2
+
+
+def expert_extras(kernels: ModuleType, reader: SlotReader, chosen: list[dict[str, torch.Tensor]],
+                  recipe: ExpertsRecipe) -> tuple[list, list, bool, object]:
+    """What the kernels take beside the matrices of the experts in `chosen`: their gate_up and down
+    biases (or none), whether the matrices are read as x @ W, and their gate."""
+    biases = ([w["gate_up_proj_bias"] for w in chosen], [w["down_proj_bias"] for w in chosen]) if recipe.bias \
+        else ([], [])
+    # quantized slots hold [out, in] blocks whatever the module's layout (engine.model.layout)
+    return *biases, recipe.transposed and not reader.quantized, _gate(kernels, recipe)
+
+
+@cache
+def _gate(kernels: ModuleType, recipe: ExpertsRecipe):
+    return kernels.GateRecipe(recipe.interleaved, recipe.clamped_swiglu, recipe.alpha, recipe.limit)
 
 
 def expert_weights(kernels: ModuleType, reader: SlotReader, chosen: list[dict[str, torch.Tensor]]) -> tuple[list, list]:

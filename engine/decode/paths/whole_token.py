@@ -38,7 +38,13 @@ from engine.decode.paths.families import (
     router_recipe,
     whole_token_part,
 )
-from engine.decode.paths.native_layers import expert_weights, linear_weight, native_problem
+from engine.decode.paths.native_layers import (
+    expert_extras,
+    expert_weights,
+    linear_weight,
+    mixed_layout,
+    native_problem,
+)
 from engine.model.dense_formats import QuantizedLinear
 
 
@@ -61,7 +67,8 @@ FAMILIES_NAMED = "Qwen3-MoE, Qwen2-MoE, OLMoE, Mixtral and GPT-OSS"
 
 def _router(block: torch.nn.Module) -> torch.nn.Module | None:
     """The MoE block's router (`gate` in most families, `router` in GPT-OSS)."""
-    return getattr(block, "gate", None) or getattr(block, "router", None)
+    gate = getattr(block, "gate", None)
+    return gate if gate is not None else getattr(block, "router", None)
 
 
 def recognise(model: torch.nn.Module) -> str:
@@ -145,7 +152,6 @@ class FusedDecoder:
         self.model, self.cache = model, cache
         self.layers = len(inner.layers)
         self.kernels = kernels
-        self._gates: dict = {}
         matrix = partial(linear_weight, kernels)
         self._native = kernels.DecodeStep(
             inner.embed_tokens.weight, inner.norm.weight, inner.norm.variance_epsilon, matrix(model.lm_head),
@@ -184,23 +190,14 @@ class FusedDecoder:
         self._rotary_rows = RotaryRows(inner.rotary_emb, inner.embed_tokens.weight[:1].unsqueeze(0),
                                        inner.layers[0].self_attn.head_dim)
 
-
     def _experts(self, layer: int) -> tuple:
         """`set_experts`' arguments for `layer`: every expert's gate_up and down by expert id, read
         in place from its slot, their biases, their layout and their gate."""
         slot_of, slots = self.cache.directory.slot_of[layer], self.cache.slot_views[layer]
         chosen = [slots[slot_of[e]] for e in range(len(slot_of))]
-        reader = self.cache.reader
         recipe = experts_recipe(self.model.model.layers[layer].mlp.experts)
-        gate = self._gates.get(recipe)
-        if gate is None:
-            gate = self._gates[recipe] = self.kernels.GateRecipe(recipe.interleaved, recipe.clamped_swiglu,
-                                                                 recipe.alpha, recipe.limit)
-        biases = ([w["gate_up_proj_bias"] for w in chosen], [w["down_proj_bias"] for w in chosen]) if recipe.bias \
-            else ([], [])
-        # quantized slots hold [out, in] blocks whatever the module's layout (engine.model.layout)
-        return (*expert_weights(self.kernels, reader, chosen), *biases, recipe.transposed and not reader.quantized,
-                gate)
+        reader = self.cache.reader
+        return *expert_weights(self.kernels, reader, chosen), *expert_extras(self.kernels, reader, chosen, recipe)
 
     def step(self, token: int, past_key_values) -> torch.Tensor:
         """Logits [1, 1, vocab] for `token` at the next position; the KV cache grows by it and the
@@ -267,8 +264,7 @@ class WholeTokenPath(DecodePath):
 
 def _slots_problem(model: torch.nn.Module, reader) -> str:
     """Why the step cannot read this model's expert slots ("" when it can)."""
-    recipe = experts_recipe(model.model.layers[0].mlp.experts)
-    if recipe.transposed and 0 < len(reader.quantized) < 2:
+    if mixed_layout(experts_recipe(model.model.layers[0].mlp.experts), reader):
         return "one of the experts' matrices is quantized and the other transposed"
     return ""
 
