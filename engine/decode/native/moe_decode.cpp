@@ -185,10 +185,11 @@ Matrix matrix_of(const Weight& w, const char* name) {
 
 Weight plain(const torch::Tensor& t) { return {t, kBF16, t.dim() == 2 ? t.size(1) : 0}; }
 
-// acc = W x over all rows of W, split across threads; then rounded to bf16 into `out`.
-void gemv_into(const Matrix& w, const bf16* x, float* acc, bf16* out) {
+// acc = W x over all rows of W, split across threads; then, plus the bias if any (added to the
+// float32 sums before the one rounding, as F.linear adds it), rounded to bf16 into `out`.
+void gemv_into(const Matrix& w, const bf16* x, float* acc, bf16* out, const bf16* bias = nullptr) {
   at::parallel_for(0, w.rows, kGrain, [&](int64_t begin, int64_t end) { gemv_range(w, x, begin, end, acc); });
-  for (int64_t i = 0; i < w.rows; ++i) out[i] = to_bf16(acc[i]);
+  for (int64_t i = 0; i < w.rows; ++i) out[i] = to_bf16(bias == nullptr ? acc[i] : acc[i] + to_float(bias[i]));
 }
 
 // y = W x (+ bias) for one row x (any leading shape of size 1), as F.linear: the bias is added to
@@ -201,14 +202,8 @@ torch::Tensor gemv(const Weight& weight, const torch::Tensor& x, const c10::opti
   auto sizes = x.sizes().vec();
   sizes.back() = w.rows;
   torch::Tensor y = torch::empty(sizes, x.options());
-  at::parallel_for(0, w.rows, kGrain, [&](int64_t begin, int64_t end) { gemv_range(w, bf16_data(xc), begin, end, acc.data()); });
-  if (bias.has_value()) {
-    check_vector(*bias, w.rows, "bias");
-    const bf16* b = bf16_data(*bias);
-    for (int64_t i = 0; i < w.rows; ++i) acc[i] += to_float(b[i]);
-  }
-  bf16* out = bf16_data(y);
-  for (int64_t i = 0; i < w.rows; ++i) out[i] = to_bf16(acc[i]);
+  if (bias.has_value()) check_vector(*bias, w.rows, "bias");
+  gemv_into(w, bf16_data(xc), acc.data(), bf16_data(y), bias.has_value() ? bf16_data(*bias) : nullptr);
   return y;
 }
 
@@ -463,24 +458,34 @@ void moe_experts(const GateRecipe& r, const bf16* x, int64_t hidden, int64_t int
   weighted_sum_rows(outputs.data(), route, k, hidden, 0, hidden, round_products, out);
 }
 
-// gate_up_bias/down_bias: one per expert or none; `transposed`: the matrices are [in, out].
+// Experts of one intermediate size from their matrices and optional biases (one each, or none);
+// `transposed`: the matrices are [in, out]. The tensors stay the caller's to keep alive.
+std::vector<ExpertWeights> expert_list(const std::vector<Weight>& gate_up, const std::vector<Weight>& down,
+                                       const std::vector<torch::Tensor>& gate_up_bias,
+                                       const std::vector<torch::Tensor>& down_bias, int64_t hidden, bool transposed) {
+  const size_t experts = gate_up.size();
+  TORCH_CHECK(experts > 0 && down.size() == experts, "one gate_up and one down per expert");
+  TORCH_CHECK((gate_up_bias.empty() || gate_up_bias.size() == experts) &&
+                  (down_bias.empty() || down_bias.size() == experts),
+              "one gate_up and one down bias per expert, or none");
+  std::vector<ExpertWeights> out;
+  for (size_t e = 0; e < experts; ++e) {
+    out.push_back(expert_weights(gate_up[e], down[e], hidden, transposed,
+                                 gate_up_bias.empty() ? nullptr : &gate_up_bias[e],
+                                 down_bias.empty() ? nullptr : &down_bias[e]));
+    TORCH_CHECK(out.back().inter == out[0].inter, "every expert of one intermediate size");
+  }
+  return out;
+}
+
 torch::Tensor moe_decode(const torch::Tensor& x, const std::vector<Weight>& gate_up, const std::vector<Weight>& down,
                          const torch::Tensor& weights, const std::vector<torch::Tensor>& gate_up_bias,
                          const std::vector<torch::Tensor>& down_bias, bool transposed, const GateRecipe& recipe) {
-  const int64_t experts = static_cast<int64_t>(gate_up.size());
-  TORCH_CHECK(experts > 0 && static_cast<int64_t>(down.size()) == experts, "one gate_up and one down per expert");
-  TORCH_CHECK(weights.numel() == experts, "one routing weight per expert");
-  TORCH_CHECK(gate_up_bias.empty() || static_cast<int64_t>(gate_up_bias.size()) == experts, "one gate_up bias per expert");
-  TORCH_CHECK(down_bias.empty() || static_cast<int64_t>(down_bias.size()) == experts, "one down bias per expert");
+  TORCH_CHECK(weights.numel() == static_cast<int64_t>(gate_up.size()), "one routing weight per expert");
   TORCH_CHECK(x.scalar_type() == torch::kBFloat16, "x: a bf16 row");
   const int64_t hidden = x.numel();
-  std::vector<ExpertWeights> picked;
-  for (int64_t e = 0; e < experts; ++e)
-    picked.push_back(expert_weights(gate_up[e], down[e], hidden, transposed,
-                                    gate_up_bias.empty() ? nullptr : &gate_up_bias[e],
-                                    down_bias.empty() ? nullptr : &down_bias[e]));
+  const std::vector<ExpertWeights> picked = expert_list(gate_up, down, gate_up_bias, down_bias, hidden, transposed);
   const int64_t inter = picked[0].inter;
-  for (const ExpertWeights& w : picked) TORCH_CHECK(w.inter == inter, "down: every expert of one intermediate size");
   const torch::Tensor xc = x.contiguous();
   const torch::Tensor wf = weights.to(torch::kFloat32).contiguous();
   torch::Tensor y = torch::empty_like(xc);
@@ -537,6 +542,24 @@ inline void rope_head(bf16* x, const bf16* cos, const bf16* sin, int64_t d) {
     x[i] = to_bf16(round_bf16(in[i] * to_float(cos[i])) + round_bf16(rotated * to_float(sin[i])));
   }
 }
+
+// A token's cos and sin rows for heads of d, as rope_head reads them: rows of d values, or rows
+// of half a head (GPT-OSS's rotary module), whose two halves rotate by the same angles (rotate_half's
+// roundings are then the same), doubled here.
+struct RotaryRows {
+  std::vector<bf16> cos, sin;
+  RotaryRows(const torch::Tensor& c, const torch::Tensor& s, int64_t d, const char* who) : cos(d), sin(d) {
+    const int64_t n = c.numel();
+    TORCH_CHECK((n == d || 2 * n == d) && s.numel() == n && c.scalar_type() == torch::kBFloat16 &&
+                    s.scalar_type() == torch::kBFloat16,
+                who, ": one bf16 cos and sin row of the head size (or of half of it)");
+    const torch::Tensor cc = c.contiguous(), sc = s.contiguous();
+    for (int64_t i = 0; i < d; ++i) {
+      cos[i] = bf16_data(cc)[i % n];
+      sin[i] = bf16_data(sc)[i % n];
+    }
+  }
+};
 
 // The weights of one layer's Llama-style attention (no biases), checked once.
 struct AttentionWeights {
@@ -626,17 +649,15 @@ std::vector<torch::Tensor> qkv_rope(const torch::Tensor& x, const Weight& wq, co
   TORCH_CHECK(biases.empty() || biases.size() == 3, "qkv_rope: no biases, or one each for q, k and v");
   const int64_t bias_rows[3] = {a.wq.rows, a.wk.rows, a.wv.rows};
   for (size_t m = 0; m < biases.size(); ++m) check_vector(a.bias[m] = biases[m].contiguous(), bias_rows[m], "q/k/v bias");
-  TORCH_CHECK(cos.numel() == head_dim && sin.numel() == head_dim && cos.scalar_type() == torch::kBFloat16 &&
-                  sin.scalar_type() == torch::kBFloat16,
-              "qkv_rope: one bf16 cos and sin row of the head size");
-  const torch::Tensor xc = x.contiguous(), cc = cos.contiguous(), sc = sin.contiguous();
+  const RotaryRows rows(cos, sin, head_dim, "qkv_rope");
+  const torch::Tensor xc = x.contiguous();
   const int64_t nq = a.wq.rows, nk = a.wk.rows;
   std::vector<float> acc(nq + 2 * nk);
   auto opts = x.options();
   torch::Tensor q = torch::empty({1, nq / head_dim, 1, head_dim}, opts);
   torch::Tensor k = torch::empty({1, nk / head_dim, 1, head_dim}, opts);
   torch::Tensor v = torch::empty({1, nk / head_dim, 1, head_dim}, opts);
-  qkv_rope_into(a, bf16_data(xc), bf16_data(cc), bf16_data(sc), acc.data(), bf16_data(q), bf16_data(k),
+  qkv_rope_into(a, bf16_data(xc), rows.cos.data(), rows.sin.data(), acc.data(), bf16_data(q), bf16_data(k),
                 bf16_data(v));
   return {q, k, v};
 }
@@ -965,23 +986,15 @@ class DecodeStep {
                    bool transposed, const GateRecipe& recipe) {
     TORCH_CHECK(layer >= 0 && layer < static_cast<int64_t>(layers_.size()), "set_experts: no such layer");
     Layer& l = layers_[layer];
-    TORCH_CHECK(static_cast<int64_t>(gate_up.size()) == l.router.rows && down.size() == gate_up.size(),
+    TORCH_CHECK(static_cast<int64_t>(gate_up.size()) == l.router.rows,
                 "set_experts: one gate_up and one down for every expert the router scores");
-    TORCH_CHECK((gate_up_bias.empty() || gate_up_bias.size() == gate_up.size()) &&
-                    (down_bias.empty() || down_bias.size() == gate_up.size()),
-                "set_experts: one gate_up and one down bias per expert, or none");
-    l.experts.clear();
-    l.expert_tensors.clear();
+    l.experts = expert_list(gate_up, down, gate_up_bias, down_bias, hidden_, transposed);
     l.gate = recipe;
+    // keeps the slot memory alive while referenced
+    l.expert_tensors.assign(gate_up_bias.begin(), gate_up_bias.end());
+    l.expert_tensors.insert(l.expert_tensors.end(), down_bias.begin(), down_bias.end());
     for (size_t e = 0; e < gate_up.size(); ++e) {
-      l.experts.push_back(expert_weights(gate_up[e], down[e], hidden_, transposed,
-                                         gate_up_bias.empty() ? nullptr : &gate_up_bias[e],
-                                         down_bias.empty() ? nullptr : &down_bias[e]));
-      if (!gate_up_bias.empty()) l.expert_tensors.push_back(gate_up_bias[e]);
-      if (!down_bias.empty()) l.expert_tensors.push_back(down_bias[e]);
-      TORCH_CHECK(l.experts.back().inter == l.experts[0].inter,
-                  "set_experts: every expert of one intermediate size");
-      l.expert_tensors.push_back(gate_up[e].tensor);  // keeps the slot memory alive while referenced
+      l.expert_tensors.push_back(gate_up[e].tensor);
       l.expert_tensors.push_back(down[e].tensor);
     }
     l.inter = l.experts[0].inter;
@@ -1060,12 +1073,12 @@ class DecodeStep {
     // Every check before the parallel region: nothing may throw inside it.
     std::vector<CacheView> key_views, value_views;
     int64_t widest = 0, widest_inter = 0, longest = 0;
+    TORCH_CHECK(layers > 0, "run: add_layer was not called");
+    const RotaryRows rotary(cos, sin, layers_[0].attention.head_dim, "run");
     for (int64_t i = 0; i < layers; ++i) {
       const AttentionWeights& a = layers_[i].attention;
       const int64_t d = a.head_dim, kv_heads = a.wk.rows / d;
-      TORCH_CHECK(cos.numel() == d && sin.numel() == d && cos.scalar_type() == torch::kBFloat16 &&
-                      sin.scalar_type() == torch::kBFloat16 && cos.is_contiguous() && sin.is_contiguous(),
-                  "run: one bf16 cos and sin row of the head size");
+      TORCH_CHECK(d == layers_[0].attention.head_dim, "run: every layer of one head size");
       TORCH_CHECK(starts[i] >= 0 && lengths[i] >= 0, "run: starts and lengths are positions");
       for (const auto* t : {&keys[i], &values[i]})
         TORCH_CHECK(t->dim() == 4 && t->size(0) == 1 && t->size(1) == kv_heads &&
@@ -1102,7 +1115,7 @@ class DecodeStep {
       router_logits_ = torch::empty({router_width}, torch::kBFloat16);
     }
     torch::Tensor logits = torch::empty({1, 1, lm_head_.rows}, embed_.options());
-    Shared shared{token, longest, lengths.data(), picks.data_ptr<int64_t>(), bf16_data(cos), bf16_data(sin),
+    Shared shared{token, longest, lengths.data(), picks.data_ptr<int64_t>(), rotary.cos.data(), rotary.sin.data(),
                   key_views.data(), value_views.data(), bf16_data(logits)};
     const int threads = std::max(1, at::get_num_threads());
     SpinBarrier barrier;
@@ -1170,13 +1183,7 @@ class DecodeStep {
     const int64_t experts = l.router.rows;
     std::vector<float> acc(experts);
     std::vector<bf16> logits(experts);
-    if (l.router_bias.defined()) {  // added to the float32 sums before the one rounding, as F.linear does
-      gemv_range(l.router, x, 0, experts, acc.data());
-      const bf16* b = bf16_data(l.router_bias);
-      for (int64_t e = 0; e < experts; ++e) logits[e] = to_bf16(acc[e] + to_float(b[e]));
-    } else {
-      gemv_into(l.router, x, acc.data(), logits.data());
-    }
+    gemv_into(l.router, x, acc.data(), logits.data(), l.router_bias.defined() ? bf16_data(l.router_bias) : nullptr);
     if (softmax_of_top_) return route_softmax_of_top(logits.data(), experts, picked, weights);
     // softmax(bf16 logits, dtype=float32) is ATen's _softmax of the logits converted to float32;
     // called on buffers of our own, without the dispatch of the conversion and the allocations

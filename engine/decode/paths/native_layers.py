@@ -113,12 +113,11 @@ def _fast_attention_forward(self, hidden_states: torch.Tensor, position_embeddin
     kernels = _native_kernels(self, hidden_states, hidden_states)  # projections in bf16 or blocks alike
     cos, sin = position_embeddings
     kv = cache_from_call(args, kwargs)
-    if cos.shape[-1] * 2 == self.head_dim and cos.dtype == torch.bfloat16:
-        # GPT-OSS's rotary rows cover one half of a head; its halves-rotation rounds as rotate_half does
-        cos, sin = torch.cat((cos, cos), dim=-1), torch.cat((sin, sin), dim=-1)
     sinks = getattr(self, "sinks", None)
+    # rotary rows of a head, or of half of one (GPT-OSS's, which the kernel doubles)
     if (kernels is None or kv is None or hidden_states.numel() != hidden_states.shape[-1]
-            or cos.numel() != self.head_dim or cos.dtype != torch.bfloat16 or not _allows_all(attention_mask)
+            or cos.numel() not in (self.head_dim, self.head_dim // 2) or cos.dtype != torch.bfloat16
+            or not _allows_all(attention_mask)
             or (sinks is not None and sinks.dtype != torch.bfloat16)):
         return self._plain_forward(hidden_states, position_embeddings, attention_mask, *args, **kwargs)
     q_norm, k_norm = getattr(self, "q_norm", None), getattr(self, "k_norm", None)

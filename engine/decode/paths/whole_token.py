@@ -175,8 +175,8 @@ class FusedDecoder:
                                                   attention.v_proj.bias)
             sinks = getattr(attention, "sinks", None)
             eager = attention.config._attn_implementation in ("eager", one_query_attention.EAGER_NAME)
-            if sinks is not None or attention.o_proj.bias is not None:
-                self._native.set_attention_extras(index, sinks, eager and sinks is not None, attention.o_proj.bias)
+            if sinks is not None or eager or attention.o_proj.bias is not None:
+                self._native.set_attention_extras(index, sinks, eager, attention.o_proj.bias)
             if softmax_of_top:
                 self._native.set_router_bias(index, router.bias)
             if (shared := getattr(block, "shared_expert", None)) is not None:
@@ -306,8 +306,6 @@ class RotaryRows:
 
     def __init__(self, rotary: torch.nn.Module, like: torch.Tensor, head_dim: int) -> None:
         self.rotary, self.like = rotary, like
-        # GPT-OSS's rows cover half a head; its halves-rotation rounds as rotate_half does with them twice
-        self.doubled = rotary(like, position_ids=torch.tensor([[0]]))[0].shape[-1] * 2 == head_dim
         self.rows = self.BLOCK_ELEMENTS // head_dim if head_dim % 32 == 0 else 0
         self._block, self._cached = -1, ([], [])
         if self.rows and any(_bits(self.at(p)) != _bits(self._single(p)) for p in (0, 1, 3, self.rows - 1)):
@@ -319,18 +317,13 @@ class RotaryRows:
         block, row = divmod(position, self.rows)
         if block != self._block:
             start = block * self.rows
-            cos, sin = self._doubled(*self.rotary(self.like, position_ids=torch.arange(start, start + self.rows).unsqueeze(0)))
+            cos, sin = self.rotary(self.like, position_ids=torch.arange(start, start + self.rows).unsqueeze(0))
             self._block, self._cached = block, (cos[0].unbind(0), sin[0].unbind(0))
         return self._cached[0][row], self._cached[1][row]
 
     def _single(self, position: int) -> tuple[torch.Tensor, torch.Tensor]:
-        cos, sin = self._doubled(*self.rotary(self.like, position_ids=torch.tensor([[position]])))
+        cos, sin = self.rotary(self.like, position_ids=torch.tensor([[position]]))
         return cos.reshape(-1), sin.reshape(-1)
-
-    def _doubled(self, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        if self.doubled:
-            return torch.cat((cos, cos), dim=-1), torch.cat((sin, sin), dim=-1)
-        return cos, sin
 
 
 def _bits(rows: tuple[torch.Tensor, torch.Tensor]) -> tuple[bytes, ...]:
