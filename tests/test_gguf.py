@@ -12,11 +12,13 @@ from pathlib import Path
 import gguf
 import numpy as np
 import pytest
+import torch
 
 from engine.cli.main import main as moescope
 from engine.decode.runtime import MoERuntime
 from engine.model.dense_formats import QuantizedLinear
 from engine.model.gguf_convert import converted_root
+from engine.offload.store import DiskStore
 from engine.protocol import LoadModel
 from tests.helpers.checkpoints import greedy_reply, tree_snapshot
 from tests.helpers.gguf_writer import gguf_reference_generate, save_tiny_hf, write_gguf
@@ -143,22 +145,30 @@ def test_a_quant_type_without_a_kernel_is_converted_once_and_said(models, tmp_pa
     assert all(p.file.parent.parent == converted_root() for e in runtime.layout.pieces[0] for p in e)
 
 
-def test_layers_in_different_types_share_the_highest_and_keep_the_rest_in_the_file(models, tmp_path):
-    # llama.cpp's Q4_K_M gives some layers' ffn_down_exps Q6_K: those stay in the file, the others convert
+def test_layers_in_different_types_keep_each_its_own_type(models, tmp_path):
+    # llama.cpp's Q4_K_M gives some layers' ffn_down_exps Q6_K and the others Q4_K: every layer is
+    # read from the file in its own type (slots sized for the widest), nothing is converted
+    hf = models["hf"]["mixtral"]
     path = tmp_path / "mixed.gguf"
-    write_gguf(models["hf"]["mixtral"], path, experts=["Q4_K", "Q6_K", "Q4_K"])
+    weights = write_gguf(hf, path, experts=["Q4_K", "Q6_K", "Q4_K"])
+    expected = gguf_reference_generate(hf, weights, PROMPT, NEW_TOKENS)
     seen: list[str] = []
-    tokens, runtime = generate(path, progress=lambda f, what: seen.append(what))
-    assert len(tokens) == NEW_TOKENS
-    formats = {p.name: p.fmt.name for p in runtime.layout.params}
-    assert formats == {"gate_up_proj": "q4_k", "down_proj": "q6_k"}
-    files = [{p.file for e in per_layer for p in e if p.param == "down_proj"} for per_layer in runtime.layout.pieces]
-    assert files[1] == {path} and files[0] != {path} and files[2] != {path}
-    assert sum("converting blk." in line for line in seen) == 2
-    assert runtime.format_notes == [
-        f"2 expert tensors converted once from Q4_K to Q6_K (its layers come in Q4_K and Q6_K and a slot holds one "
-        f"format per matrix) into {files[0].pop().parent}, e.g. 'blk.0.ffn_down_exps.weight'"]
-    assert runtime.format_notes[0] in runtime.load_notes()  # what the window's System panel shows
+    for budget, store in (("1", "disk"), ("30%", "ram"), ("all", "ram")):
+        tokens, runtime = generate(path, progress=lambda f, what: seen.append(what), budget=budget, store=store)
+        assert tokens == expected, (budget, store)
+    layout = runtime.layout
+    down = [next(p for p in layout.params_at(layer) if p.name == "down_proj") for layer in range(layout.num_layers)]
+    assert [p.fmt.name for p in down] == ["q4_k", "q6_k", "q4_k"]
+    assert down[0].nbytes < down[1].nbytes and down[1].nbytes == next(p.nbytes for p in layout.params
+                                                                        if p.name == "down_proj")
+    assert {p.fmt.name for p in layout.params} == {"q4_k", "q6_k"}  # the slot: the widest of each
+    assert {piece.file for per_layer in layout.pieces for e in per_layer for piece in e} == {path}
+    assert not any("converting" in line for line in seen) and runtime.format_notes == []
+    # a miss moves the layer's own bytes: the Q4_K layer's expert is the smaller one
+    gate_up = next(p.nbytes for p in layout.params if p.name == "gate_up_proj")
+    disk = DiskStore(layout)
+    assert disk.fill(0, 0, torch.empty(layout.slot_bytes, dtype=torch.uint8)) == gate_up + down[0].nbytes
+    disk.close()
 
 
 def _write_minimal(path: Path, arch: str, **arch_values) -> Path:

@@ -2,17 +2,19 @@
 
 The routed experts sit in llama.cpp's fused tensors, `blk.N.ffn_{gate,up,down}_exps.weight` of
 [experts, rows, row bytes]: one expert is a contiguous run of each, so the store reads it straight
-from the file at its offset. The experts' quant type is kept where MoEScope has a kernel for it
-(`engine.formats.blocks.FORMATS`: the same bytes); a slot holds one format per matrix, so a matrix
-whose layers come in several types (llama.cpp's Q4_K_M gives some layers' `ffn_down_exps` Q6_K) or
-in a type without a kernel is converted once, per tensor, to the nearest format with a kernel
-(`gguf_convert`). Dense tensors are named by the `gguf` package's own tensor-name map.
+from the file at its offset. The experts' quant type is kept, layer by layer, where MoEScope has a
+kernel for it (`engine.formats.blocks.FORMATS`: the same bytes): llama.cpp's Q4_K_M gives some
+layers' `ffn_down_exps` Q6_K and the others Q4_K, and each layer keeps its own (the slots are sized
+for the widest, `MoELayout.layer_params` says what each layer holds). A tensor in a type without a
+kernel, a layer whose gate and up come in two types, or float experts beside quantized layers are
+converted once, per tensor, to the nearest format with a kernel (`gguf_convert`). Dense tensors are
+named by the `gguf` package's own tensor-name map.
 """
 
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -71,25 +73,33 @@ def nearest_format(type_name: str, columns: int) -> BlockFormat | None:
     return format_for(kernel, columns)
 
 
-def _choose(param: str, tensors: list[GGUFTensor], columns: int) -> tuple[BlockFormat | None, dict[str, str]]:
-    """One format for a matrix over every layer, and why each other tensor must be converted."""
-    types = sorted({t.type_name for t in tensors})
-    if len(types) == 1 and (types[0] in FLOAT_TYPES or types[0].lower() in FORMATS):
-        return nearest_format(types[0], columns), {}
-    if all(t in FLOAT_TYPES for t in types):
-        raise CheckpointError(f"the experts' '{param}' come in {' and '.join(types)} in different layers; "
-                              "MoEScope reads float experts of one type only — convert the GGUF again")
-    candidates = [nearest_format(t, columns) or FORMATS["q8_0"] for t in types]
-    target = max(candidates, key=lambda f: f.bits)
-    why = {}
-    for t in types:
-        if t.lower() == target.name:
-            continue
-        if t.lower() in FORMATS or t in FLOAT_TYPES:
-            why[t] = f"its layers come in {' and '.join(types)} and a slot holds one format per matrix"
-        else:
-            why[t] = f"MoEScope has no kernel for {t}"
-    return target, why
+def _choose(param: str, by_layer: list[list[GGUFTensor]], columns: int) -> tuple[list[BlockFormat | None], dict[str, str]]:
+    """The format each layer keeps `param` in (None: floats, read as they are), and why each tensor
+    that is not kept in its own type must be converted (by tensor name)."""
+    every = sorted({t.type_name for tensors in by_layer for t in tensors})
+    if all(t in FLOAT_TYPES for t in every):
+        if len(every) > 1:
+            raise CheckpointError(f"the experts' '{param}' come in {' and '.join(every)} in different layers; "
+                                  "MoEScope reads float experts of one type only — convert the GGUF again")
+        return [None] * len(by_layer), {}
+    kernel = {t: nearest_format(t, columns) for t in every if t not in FLOAT_TYPES}
+    widest = max(kernel.values(), key=lambda f: f.bits)
+    formats: list[BlockFormat | None] = []
+    why: dict[str, str] = {}
+    for tensors in by_layer:
+        types = sorted({t.type_name for t in tensors})
+        fmt = max((kernel.get(t, widest) for t in types), key=lambda f: f.bits)  # float layers take the widest
+        formats.append(fmt)
+        for t in tensors:
+            if t.type_name.lower() == fmt.name:
+                continue
+            if t.type_name in FLOAT_TYPES:
+                why[t.name] = f"its layers come in {' and '.join(every)} and a slot holds blocks or floats, not both"
+            elif t.type_name.lower() not in FORMATS:
+                why[t.name] = f"MoEScope has no kernel for {t.type_name}"
+            else:
+                why[t.name] = f"one layer's gate and up come in {' and '.join(types)} and a slot holds one format per matrix"
+    return formats, why
 
 
 def build_gguf_layout(model: torch.nn.Module, gguf_model: GGUFModel,
@@ -114,25 +124,36 @@ def build_gguf_layout(model: torch.nn.Module, gguf_model: GGUFModel,
         return found
 
     params: list[ExpertParam] = []
+    formats: dict[str, list[BlockFormat | None]] = {}  # param -> the format each layer keeps it in
     why_of: dict[str, str] = {}  # tensor name -> why it is converted
     offset = 0
     for mp in model_params:
         rows, columns = mp.rows_columns if len(mp.shape) == 2 else (mp.shape[0], None)
-        every = [t for block in blocks for t in sources(mp.name, block)]
-        for t in every:
+        by_layer = [sources(mp.name, block) for block in blocks]
+        for t in (t for tensors in by_layer for t in tensors):
             if t.shape[0] != num_experts or t.shape[1] * len(EXPERT_SOURCES[mp.name]) != rows \
                     or (columns is not None and t.shape[-1] != columns):
                 raise CheckpointError(f"{name}: tensor '{t.name}' has shape {list(t.shape)}, which does not fit "
                                       f"{num_experts} experts of '{mp.name}' {list(mp.shape)}")
-        fmt, why = _choose(mp.name, every, columns or 1)
-        why_of.update({t.name: why[t.type_name] for t in every if t.type_name in why})
-        if fmt is None or columns is None:
+        per_layer, why = _choose(mp.name, by_layer, columns or 1)
+        why_of.update(why)
+        widest = max((f for f in per_layer if f is not None), key=lambda f: f.bits, default=None)
+        if widest is None or columns is None:
             param = ExpertParam(mp.name, mp.shape, compute_dtype, offset, mp.nbytes, transposed=mp.transposed)
+            per_layer = [None] * len(blocks)
         else:
-            param = ExpertParam(mp.name, mp.shape, torch.uint8, offset, fmt.packed_bytes((rows, columns)), fmt,
+            param = ExpertParam(mp.name, mp.shape, torch.uint8, offset, widest.packed_bytes((rows, columns)), widest,
                                 mp.transposed)
+        formats[mp.name] = per_layer
         params.append(param)
         offset += aligned(param.nbytes)
+    layer_params = {}
+    for layer in range(len(blocks)):
+        own = [p if formats[p.name][layer] in (None, p.fmt) else
+               replace(p, fmt=formats[p.name][layer], nbytes=formats[p.name][layer].packed_bytes(p.rows_columns))
+               for p in params]
+        if own != params:
+            layer_params[layer] = own
 
     pieces: list[list[list[ExpertPiece]]] = [[[] for _ in range(num_experts)] for _ in module_paths]
     conversions: list[Conversion] = []
@@ -153,9 +174,9 @@ def build_gguf_layout(model: torch.nn.Module, gguf_model: GGUFModel,
                 expert_disk += tensor.nbytes
                 per_expert = tensor.nbytes // num_experts
                 if tensor.name in why_of:  # its pieces will point into the converted file (gguf_convert)
-                    conversions.append(Conversion(tensor, param.fmt, why_of[tensor.name], layer, param.name, dst,
-                                                  weave_dim))
-                    dst += param.fmt.row_bytes(tensor.shape[-1]) * tensor.shape[1]
+                    fmt = formats[param.name][layer]
+                    conversions.append(Conversion(tensor, fmt, why_of[tensor.name], layer, param.name, dst, weave_dim))
+                    dst += fmt.row_bytes(tensor.shape[-1]) * tensor.shape[1]
                     continue
                 src_dtype = FLOAT_TYPES.get(tensor.type_name, torch.uint8)
                 for e in range(num_experts):
@@ -177,6 +198,7 @@ def build_gguf_layout(model: torch.nn.Module, gguf_model: GGUFModel,
         expert_bytes_on_disk=expert_disk,
         compute_dtype=compute_dtype,
         expert_format=next((p.fmt for p in params if p.fmt is not None), None),
+        layer_params=layer_params,
     )
     return layout, conversions
 

@@ -104,10 +104,18 @@ class MoELayout:
     expert_bytes_on_disk: int = 0
     compute_dtype: torch.dtype = torch.float32
     expert_format: BlockFormat | None = None  # the block format the experts are stored in; None: compute dtype
+    # MoE layers whose experts are stored in other block formats than `params` say (a GGUF's
+    # Q4_K_M gives some layers' down projections Q6_K, the others Q4_K): their own params, in
+    # `params`' order and at its offsets, none larger. `params` (and `slot_bytes`) are the widest.
+    layer_params: dict[int, list[ExpertParam]] = field(default_factory=dict)
 
     @property
     def quantized(self) -> bool:
         return self.expert_format is not None
+
+    def params_at(self, layer: int) -> list[ExpertParam]:
+        """The experts' params as MoE layer `layer` stores them."""
+        return self.layer_params.get(layer, self.params)
 
     @property
     def num_layers(self) -> int:

@@ -137,7 +137,7 @@ class ExpertCache:
         self._packed = bool(self.packed_params)
         self._pool_params, self._pool_slot_bytes = self._pool_layout()
         self.pools = [self._alloc(n) for n in slots_per_layer]
-        self.views = [self._typed_views(pool) for pool in self.pools]
+        self.views = [self._typed_views(pool, layer) for layer, pool in enumerate(self.pools)]
         self.slot_views = [self._per_slot(views, n) for views, n in zip(self.views, slots_per_layer, strict=True)]
         self.predictor = predictor
         self.tracer = None  # engine.traces.trace.TraceWriter while a trace is being recorded
@@ -155,12 +155,15 @@ class ExpertCache:
             and not layout.quantized
         self._dequantizer: Dequantizer = reference_dequantizer
         self.reader = SlotReader(self._pool_params, layout.compute_dtype, packed=self._packed)
+        self._layer_readers = self._readers_by_layer()
         self._one_token: OneTokenExperts = torch_one_token  # a decode path may bring its own (`experts_kernel`)
 
     def use_dequantizer(self, dequantizer: Dequantizer) -> None:
         """Quantized slots are expanded with `dequantizer` from now on (one giving the reference's
         values: what runs on them does not change, only how fast they are expanded)."""
         self._dequantizer = self.reader.dequantizer = dequantizer
+        for reader in self._layer_readers.values():
+            reader.dequantizer = dequantizer
 
     # ----- memory -----
     @property
@@ -192,12 +195,18 @@ class ExpertCache:
             return huge_pages.empty(shape, torch.uint8)  # decode streams these: fewer TLB misses
         return torch.empty(shape, dtype=torch.uint8, device=self.device)
 
-    def _typed_views(self, pool: torch.Tensor) -> dict[str, torch.Tensor]:
+    def _typed_views(self, pool: torch.Tensor, layer: int) -> dict[str, torch.Tensor]:
         n = pool.shape[0]
-        return {
-            p.name: pool[:, p.offset : p.offset + p.nbytes].view(p.dtype).view(n, *p.slot_shape)
-            for p in self._pool_params
-        }
+        params = self._pool_params if self._packed else self.layout.params_at(layer)  # packed: never per layer
+        return {p.name: pool[:, p.offset : p.offset + p.nbytes].view(p.dtype).view(n, *p.slot_shape) for p in params}
+
+    def _readers_by_layer(self) -> dict[int, SlotReader]:
+        """A reader for each layer whose experts are stored in other formats than the widest."""
+        return {layer: self.reader.with_params(params) for layer, params in self.layout.layer_params.items()}
+
+    def reader_at(self, layer: int) -> SlotReader:
+        """How MoE layer `layer`'s slots are read (its own block formats)."""
+        return self._layer_readers.get(layer, self.reader)
 
     @staticmethod
     def _per_slot(views: dict[str, torch.Tensor], count: int) -> list[dict[str, torch.Tensor]]:
@@ -234,7 +243,7 @@ class ExpertCache:
                 new[dst] = old[src]
             old_slots = self.slot_views[layer]
             self.pools[layer] = new
-            self.views[layer] = self._typed_views(new)
+            self.views[layer] = self._typed_views(new, layer)
             self.slot_views[layer] = self._per_slot(self.views[layer], count)
             for source, target in move.items():  # packed matrices move by reference
                 for name in self.packed_params & old_slots[source].keys():
@@ -258,7 +267,8 @@ class ExpertCache:
         self.packed_params, self._packed = frozenset(), False
         self._pool_params, self._pool_slot_bytes = list(full), self.layout.slot_bytes
         self.reader = SlotReader(self._pool_params, self.layout.compute_dtype, dequantizer=self._dequantizer)
-        self.views = [self._typed_views(pool) for pool in self.pools]
+        self._layer_readers = self._readers_by_layer()
+        self.views = [self._typed_views(pool, layer) for layer, pool in enumerate(self.pools)]
         self.slot_views = [self._per_slot(views, pool.shape[0]) for views, pool in zip(self.views, self.pools, strict=True)]
         self._grouped = grouped_available(self.pools[0]) if self.pools else False
 
@@ -283,7 +293,7 @@ class ExpertCache:
     @torch.inference_mode()  # pools made by a resize during generation are inference tensors
     def _move_chunk(self, job: LoadJob, chunk: int) -> int:
         """One weight matrix of `job`'s expert into its slot (runs on a load thread)."""
-        p = self.layout.params[chunk]
+        p = self.layout.params_at(job.layer)[chunk]
         target = self.pools[job.layer][job.slot]  # pools are replaced only after `settle`
         if not self._cuda and not self._packed:
             return self.store.fill_param(job.layer, job.expert, p.name, target)
@@ -445,7 +455,7 @@ class ExpertCache:
                 self._prefetch(layer, set(routing.needed))
             slot_of, slots = self.directory.slot_of[layer], self.slot_views[layer]
             chosen = [slots[slot_of[e]] for e in routing.picks]
-            return self._one_token(module, hidden_states, chosen, weights, out_dtype, self.reader)
+            return self._one_token(module, hidden_states, chosen, weights, out_dtype, self.reader_at(layer))
         plan = self._plan_loads(layer, found, routing)
         return self._compute(layer, module, hidden_states, routing, plan, weights, out_dtype)
 
@@ -480,6 +490,7 @@ class ExpertCache:
         # (advanced indexing per expert cost more than a small expert's matmuls).
         by_expert: list[torch.Tensor] = []  # rows, routing weights and outputs in that order
         computed: list[slice] = []  # parts of the sorted order whose outputs are in by_expert[2]
+        reader = self.reader_at(layer)
 
         def compute(expert: int) -> None:
             order, bounds = routing.by_expert()  # made once per layer step
@@ -488,7 +499,7 @@ class ExpertCache:
             rows, routing_weights, outputs = by_expert
             slot = self.directory.slot_of[layer][expert]
             part = slice(bounds[expert], bounds[expert + 1])
-            y = expert_mlp(module, rows[part], self.reader.plain(self.slot_views[layer][slot]), self._packed)
+            y = expert_mlp(module, rows[part], reader.plain(self.slot_views[layer][slot]), self._packed)
             torch.mul(y, routing_weights[part], out=outputs[part])
             computed.append(part)
 

@@ -61,10 +61,15 @@ class SlotReader:
     dequantized (engine.formats.dequantize), one expert at a time."""
 
     def __init__(self, params: list[ExpertParam], dtype: torch.dtype, packed: bool = False,
-                 dequantizer: Dequantizer = reference_dequantizer) -> None:
+                 dequantizer: Dequantizer = reference_dequantizer,
+                 scratch: dict[str, torch.Tensor] | None = None) -> None:
         self.dtype, self.packed, self.dequantizer = dtype, packed, dequantizer
         self.quantized = {p.name: p for p in params if p.fmt is not None}
-        self._scratch: dict[str, torch.Tensor] = {}
+        self._scratch: dict[str, torch.Tensor] = {} if scratch is None else scratch
+
+    def with_params(self, params: list[ExpertParam]) -> SlotReader:
+        """A reader of slots holding `params` (another layer's formats), sharing this one's scratch."""
+        return SlotReader(params, self.dtype, self.packed, self.dequantizer, self._scratch)
 
     def plain(self, weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """The expert's weights as its module reads them. Quantized ones are valid until the next call."""

@@ -39,7 +39,7 @@ class ExpertStore(ABC):
 
     def fill_param(self, layer: int, expert: int, param_name: str, slot: torch.Tensor) -> int:
         """Write one weight matrix of an expert into its place in `slot` (loads move in such chunks)."""
-        p = next(p for p in self.layout.params if p.name == param_name)
+        p = next(p for p in self.layout.params_at(layer) if p.name == param_name)
         host = self.host_view(layer, expert)
         if host is None:
             raise NotImplementedError(f"{type(self).__name__} cannot fill one parameter at a time")

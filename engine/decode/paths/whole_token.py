@@ -196,7 +196,7 @@ class FusedDecoder:
         slot_of, slots = self.cache.directory.slot_of[layer], self.cache.slot_views[layer]
         chosen = [slots[slot_of[e]] for e in range(len(slot_of))]
         recipe = experts_recipe(self.model.model.layers[layer].mlp.experts)
-        reader = self.cache.reader
+        reader = self.cache.reader_at(layer)
         return *expert_weights(self.kernels, reader, chosen), *expert_extras(self.kernels, reader, chosen, recipe)
 
     def step(self, token: int, past_key_values) -> torch.Tensor:
