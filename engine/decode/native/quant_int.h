@@ -133,8 +133,8 @@ inline float hsum_ps(__m256 v) {
 inline __m256i load32(const void* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); }
 
 // acc + the int16 products of a and b summed in pairs (vpmaddwd then vpaddd): one VNNI instruction
-// (vpdpwssd) where the CPU has it. The kernels are bound by their vector instructions, not by memory,
-// on short expert rows, so the fused form is a few percent faster (bench.quant_gemv).
+// (vpdpwssd) where the CPU has it. On a cache-resident matrix the K-quant dots are bound by their
+// vector instructions; the fused form measured a few percent faster there (one thread, interleaved).
 inline __m256i madd_acc(__m256i acc, __m256i a, __m256i b) {
 #if defined(__AVX512VNNI__) && defined(__AVX512VL__)
   return _mm256_dpwssd_epi32(acc, a, b);
