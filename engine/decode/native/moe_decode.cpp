@@ -185,11 +185,16 @@ Matrix matrix_of(const Weight& w, const char* name) {
 
 Weight plain(const torch::Tensor& t) { return {t, kBF16, t.dim() == 2 ? t.size(1) : 0}; }
 
-// acc = W x over all rows of W, split across threads; then, plus the bias if any (added to the
-// float32 sums before the one rounding, as F.linear adds it), rounded to bf16 into `out`.
+// n outputs of a linear layer as F.linear gives them: the float32 sums plus the bias if any, rounded
+// to bf16 once.
+inline void round_linear(const float* acc, const bf16* bias, int64_t n, bf16* out) {
+  for (int64_t i = 0; i < n; ++i) out[i] = to_bf16(bias == nullptr ? acc[i] : acc[i] + to_float(bias[i]));
+}
+
+// acc = W x over all rows of W, split across threads; then, plus the bias, rounded into `out`.
 void gemv_into(const Matrix& w, const bf16* x, float* acc, bf16* out, const bf16* bias = nullptr) {
   at::parallel_for(0, w.rows, kGrain, [&](int64_t begin, int64_t end) { gemv_range(w, x, begin, end, acc); });
-  for (int64_t i = 0; i < w.rows; ++i) out[i] = to_bf16(bias == nullptr ? acc[i] : acc[i] + to_float(bias[i]));
+  round_linear(acc, bias, w.rows, out);
 }
 
 // y = W x (+ bias) for one row x (any leading shape of size 1), as F.linear: the bias is added to
@@ -561,15 +566,21 @@ struct RotaryRows {
   }
 };
 
-// The weights of one layer's Llama-style attention (no biases), checked once.
+// The weights of one layer's Llama-style attention, checked once.
 struct AttentionWeights {
   Matrix wq, wk, wv;
   torch::Tensor q_norm, k_norm;  // undefined where the model has none
   std::vector<torch::Tensor> keep;  // the projections' tensors, alive while referenced
   int64_t head_dim;
   float eps;
-  torch::Tensor bias[3];  // q/k/v projections' biases (Qwen2-MoE); undefined where the model has none
+  torch::Tensor bias[3];  // q/k/v projections' biases (Qwen2-MoE, GPT-OSS); undefined where the model has none
   bool full_norm = false;  // q/k norms over the whole projection (OLMoE), before the rotary embedding
+
+  void set_biases(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v) {
+    const torch::Tensor* in[3] = {&q, &k, &v};
+    const int64_t rows[3] = {wq.rows, wk.rows, wv.rows};
+    for (int m = 0; m < 3; ++m) check_vector(bias[m] = in[m]->contiguous(), rows[m], "q/k/v bias");
+  }
 };
 
 AttentionWeights attention_weights(const Weight& q_proj, const Weight& k_proj, const Weight& v_proj,
@@ -602,11 +613,7 @@ void project_head(const AttentionWeights& a, int m, int64_t h, const bf16* x, co
   const int64_t d = a.head_dim;
   const Matrix& w = m == 0 ? a.wq : m == 1 ? a.wk : a.wv;
   gemv_rows(w, x, h * d, (h + 1) * d, rows);
-  if (a.bias[m].defined()) {  // added before the one rounding, as F.linear does
-    const bf16* b = bf16_data(a.bias[m]) + h * d;
-    for (int64_t i = 0; i < d; ++i) rows[i] += to_float(b[i]);
-  }
-  for (int64_t i = 0; i < d; ++i) out[i] = to_bf16(rows[i]);
+  round_linear(rows, a.bias[m].defined() ? bf16_data(a.bias[m]) + h * d : nullptr, d, out);
   if (m == 2 || a.full_norm) return;  // values are neither normed nor rotated; full-width norms come later
   const torch::Tensor& norm = m == 0 ? a.q_norm : a.k_norm;
   if (norm.defined()) {
@@ -647,8 +654,7 @@ std::vector<torch::Tensor> qkv_rope(const torch::Tensor& x, const Weight& wq, co
   AttentionWeights a = attention_weights(wq, wk, wv, q_norm, k_norm, eps, head_dim, x.numel());
   TORCH_CHECK(!a.full_norm, "qkv_rope: q/k norms over one head only");
   TORCH_CHECK(biases.empty() || biases.size() == 3, "qkv_rope: no biases, or one each for q, k and v");
-  const int64_t bias_rows[3] = {a.wq.rows, a.wk.rows, a.wv.rows};
-  for (size_t m = 0; m < biases.size(); ++m) check_vector(a.bias[m] = biases[m].contiguous(), bias_rows[m], "q/k/v bias");
+  if (!biases.empty()) a.set_biases(biases[0], biases[1], biases[2]);
   const RotaryRows rows(cos, sin, head_dim, "qkv_rope");
   const torch::Tensor xc = x.contiguous();
   const int64_t nq = a.wq.rows, nk = a.wk.rows;
@@ -1003,10 +1009,7 @@ class DecodeStep {
   // The q/k/v projections' biases of `layer` (each [rows of its projection]).
   void set_attention_biases(int64_t layer, const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v) {
     TORCH_CHECK(layer >= 0 && layer < static_cast<int64_t>(layers_.size()), "set_attention_biases: no such layer");
-    AttentionWeights& a = layers_[layer].attention;
-    const torch::Tensor* in[3] = {&q, &k, &v};
-    const int64_t rows[3] = {a.wq.rows, a.wk.rows, a.wv.rows};
-    for (int m = 0; m < 3; ++m) check_vector(a.bias[m] = in[m]->contiguous(), rows[m], "q/k/v bias");
+    layers_[layer].attention.set_biases(q, k, v);
   }
 
   // What `layer`'s attention adds to Llama's (GPT-OSS): a sink logit per query head, an eager
@@ -1373,8 +1376,8 @@ class DecodeStep {
   void rows_of(const Matrix& w, const bf16* x, std::pair<int64_t, int64_t> rows, bf16* out,
                const bf16* bias = nullptr) {
     gemv_range(w, x, rows.first, rows.second, scratch_.data());
-    for (int64_t n = rows.first; n < rows.second; ++n)
-      out[n] = to_bf16(bias == nullptr ? scratch_[n] : scratch_[n] + to_float(bias[n]));
+    round_linear(scratch_.data() + rows.first, bias == nullptr ? nullptr : bias + rows.first,
+                 rows.second - rows.first, out + rows.first);
   }
 
   torch::Tensor embed_, final_norm_, lm_head_tensor_;

@@ -130,8 +130,7 @@ def _fast_attention_forward(self, hidden_states: torch.Tensor, position_embeddin
         None if q_norm is None else q_norm.weight, None if k_norm is None else k_norm.weight, eps, cos, sin,
         self.head_dim, biases)
     key, value = kv.update(key, value, self.layer_idx)
-    eager = self.config._attn_implementation in ("eager", one_query_attention.EAGER_NAME)
-    out = kernels.attend(query, key, value, self.scaling, sinks, eager)
+    out = kernels.attend(query, key, value, self.scaling, sinks, one_query_attention.is_eager(self.config))
     return self.o_proj(out.view(*hidden_states.shape[:-1], -1)), None
 
 

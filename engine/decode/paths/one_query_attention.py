@@ -22,6 +22,12 @@ SDPA_NAME = "moescope_sdpa"
 EAGER_NAME = "moescope_eager"
 
 
+def is_eager(config) -> bool:
+    """The model attends with transformers' eager function (or our one-query version of it), whose
+    bf16 ops round where the native kernels must round too."""
+    return config._attn_implementation in ("eager", EAGER_NAME)
+
+
 def one_query(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scaling: float | None,
               mask: torch.Tensor | None = None, sinks: torch.Tensor | None = None,
               eager_rounding: bool = False) -> torch.Tensor:

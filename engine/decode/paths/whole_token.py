@@ -174,7 +174,7 @@ class FusedDecoder:
                 self._native.set_attention_biases(index, attention.q_proj.bias, attention.k_proj.bias,
                                                   attention.v_proj.bias)
             sinks = getattr(attention, "sinks", None)
-            eager = attention.config._attn_implementation in ("eager", one_query_attention.EAGER_NAME)
+            eager = one_query_attention.is_eager(attention.config)
             if sinks is not None or eager or attention.o_proj.bias is not None:
                 self._native.set_attention_extras(index, sinks, eager, attention.o_proj.bias)
             if softmax_of_top:
