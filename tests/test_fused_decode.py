@@ -1,5 +1,5 @@
 """--fast-decode's whole-token path (engine.decode.paths.whole_token): with every expert resident, a
-Qwen3-MoE, Qwen2-MoE, OLMoE, Mixtral or GPT-OSS decode token runs in one native call. It must give the very logits of the
+Qwen3-MoE, Qwen2-MoE, OLMoE, Mixtral, GPT-OSS, DeepSeek-V3 or GLM-4.7-Flash decode token runs in one native call. It must give the very logits of the
 native per-layer path (same kernels, same order), leave the same trail in the counters the panels
 draw from, and step aside, saying why, whenever something needs a layer's routing as it happens."""
 
@@ -247,7 +247,39 @@ def test_gpt_oss_past_its_sliding_window(tiny_checkpoints, tmp_path, kind):
         runtime.close()
 
 
-@pytest.mark.parametrize("family", ["deepseek_v3", "glm4_moe"])
+def latent_checkpoint(family: str, folder, **overrides) -> str:
+    """A tiny checkpoint of a DeepSeek-V3-shaped family (the test suite's DeepSeek-V3 sizes)."""
+    from tests.helpers.checkpoints import FAMILIES
+
+    sizes = {k: v for k, v in FAMILIES["deepseek_v3"].items() if k != "model_type"}
+    return str(save_tiny_checkpoint(family, folder / family, **(sizes | overrides)))
+
+
+# DeepSeek-V3: multi-head latent attention (q through its LoRA and norm, or one q_proj; rotary pairs
+# interleaved or in halves), grouped sigmoid routing with a correction bias and scaled weights, a
+# shared expert beside the routed ones, and a dense first layer; GLM-4.7-Flash (glm4_moe_lite) the same
+@pytest.mark.parametrize(("family", "overrides"), [
+    ("deepseek_v3", {}),
+    ("deepseek_v3", {"q_lora_rank": None, "rope_interleave": False, "norm_topk_prob": False}),
+    ("glm4_moe_lite", {}),
+], ids=["deepseek_v3", "deepseek_v3-no-q-lora", "glm4_moe_lite"])
+def test_latent_attention_grouped_routing_and_dense_layers(tmp_path, family, overrides):
+    runtime = fast_runtime(latent_checkpoint(family, tmp_path, **overrides))
+    try:
+        assert recognise(runtime.model) == ""
+        with torch.no_grad():  # a correction bias that changes which experts are chosen
+            for layer in runtime.model.model.layers[1:]:
+                layer.mlp.gate.e_score_correction_bias.normal_(0, 0.5)
+        # the latents and rotary keys it writes are the cache's keys and values
+        assert_steps_match_the_module_path(runtime, PROMPT, 6)
+        reply = Generator(runtime).generate(PROMPT, SamplingSettings(temperature=0, max_new_tokens=6))
+        assert len(reply.token_ids) > 1
+        assert runtime.decode_path == "fast: whole token in one native call"
+    finally:
+        runtime.close()
+
+
+@pytest.mark.parametrize("family", ["glm4_moe"])
 def test_other_families_are_not_taken_for_it(tiny_checkpoints, family):
     runtime = fast_runtime(str(tiny_checkpoints[family]))
     try:

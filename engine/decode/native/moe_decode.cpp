@@ -137,6 +137,22 @@ inline float dot_row(const bf16* w, const bf16* x, int64_t k) {
 
 #include "quant.h"  // Matrix: bf16 or block-quantized weights, and gemv_range over it
 
+// A float32 weight row with a bf16 x widened to float32, length k (a router kept in float32).
+inline float dot_f32_bf16(const float* w, const bf16* x, int64_t k) {
+  int64_t i = 0;
+  float sum = 0.f;
+#if defined(MOESCOPE_AVX512BF16) || defined(MOESCOPE_AVX512F)
+  __m512 a0 = _mm512_setzero_ps(), a1 = a0;
+  for (; i + 32 <= k; i += 32) {
+    a0 = _mm512_fmadd_ps(_mm512_loadu_ps(w + i), widen_bf16(x + i), a0);
+    a1 = _mm512_fmadd_ps(_mm512_loadu_ps(w + i + 16), widen_bf16(x + i + 16), a1);
+  }
+  sum = _mm512_reduce_add_ps(_mm512_add_ps(a0, a1));
+#endif
+  for (; i < k; ++i) sum += w[i] * to_float(x[i]);
+  return sum;
+}
+
 inline const bf16* bf16_data(const torch::Tensor& t) { return reinterpret_cast<const bf16*>(t.data_ptr()); }
 inline bf16* bf16_data(torch::Tensor& t) { return reinterpret_cast<bf16*>(t.data_ptr()); }
 
@@ -548,6 +564,20 @@ inline void rope_head(bf16* x, const bf16* cos, const bf16* sin, int64_t d) {
   }
 }
 
+// DeepSeek's interleaved rotary embedding (apply_rotary_pos_emb_interleave): the pairs (x0, x1),
+// (x2, x3), ... each turn by one angle, and the head comes out de-interleaved. The same roundings
+// as rope_head on the de-interleaved head (transformers' comment says its version is
+// bit-identical to that one).
+inline void rope_head_interleaved(bf16* x, const bf16* cos, const bf16* sin, int64_t d) {
+  thread_local std::vector<bf16> pairs;
+  pairs.assign(x, x + d);
+  for (int64_t i = 0; i < d / 2; ++i) {
+    x[i] = pairs[2 * i];
+    x[d / 2 + i] = pairs[2 * i + 1];
+  }
+  rope_head(x, cos, sin, d);
+}
+
 // A token's cos and sin rows for heads of d, as rope_head reads them: rows of d values, or rows
 // of half a head (GPT-OSS's rotary module), whose two halves rotate by the same angles (rotate_half's
 // roundings are then the same), doubled here.
@@ -571,8 +601,8 @@ struct AttentionWeights {
   Matrix wq, wk, wv;
   torch::Tensor q_norm, k_norm;  // undefined where the model has none
   std::vector<torch::Tensor> keep;  // the projections' tensors, alive while referenced
-  int64_t head_dim;
-  float eps;
+  int64_t head_dim = 0;
+  float eps = 0.f;
   torch::Tensor bias[3];  // q/k/v projections' biases (Qwen2-MoE, GPT-OSS); undefined where the model has none
   bool full_norm = false;  // q/k norms over the whole projection (OLMoE), before the rotary embedding
 
@@ -888,49 +918,72 @@ torch::Tensor attend(const torch::Tensor& q, const torch::Tensor& keys, const to
   return out;
 }
 
-// One query of multi-head latent attention (DeepSeek-V2/V3's MLA) over cached latents, with the
-// up-projection absorbed (engine/decode/paths/latent_attention.py says why and writes it in torch).
-// `up` is kv_b_proj's weight [heads * (nope + v), rank]: per head, W_uk [nope, rank] then W_uv
-// [v, rank]. Per head h, rounded where the torch version rounds:
+// The sizes of one layer's multi-head latent attention (DeepSeek-V2/V3's MLA).
+struct LatentShape {
+  int64_t heads = 0, nope = 0, rope = 0, v_dim = 0, rank = 0;
+};
+
+// One thread's scratch for latent_head, for up to `len` positions.
+struct LatentScratch {
+  std::vector<float> q, acc, scores, rot;
+  std::vector<bf16> absorbed, context;
+  void fit(const LatentShape& s, int64_t len) {
+    q.resize(s.nope);
+    acc.resize(s.rank);
+    scores.resize(len);
+    rot.resize(len);
+    absorbed.resize(s.rank);
+    context.resize(s.rank);
+  }
+};
+
+// Head h of one query of MLA over cached latents, with the up-projection absorbed
+// (engine/decode/paths/latent_attention.py says why and writes it in torch). `up` is kv_b_proj's
+// weight [heads * (nope + v), rank]: per head, W_uk [nope, rank] then W_uv [v, rank], read in place.
+// Rounded where the torch version rounds:
 //   a = q_nope W_uk (bf16)   s_t = (a . c_t + q_rot . k_rot_t) * scale   p = softmax(s)
-//   ctx = sum_t p_t c_t (bf16)   out_h = W_uv ctx (bf16)
-// The halves of `up` are read in place, where the torch version copied each per token.
+//   ctx = sum_t p_t c_t (bf16)   out = W_uv ctx (bf16, v values)
+inline void latent_head(const bf16* up, const LatentShape& s, int64_t h, const bf16* q_nope, const bf16* q_rot,
+                        const bf16* latents, int64_t lat_stride, const bf16* k_rot, int64_t rot_stride, int64_t len,
+                        float scale, LatentScratch& w, bf16* out) {
+  const bf16* w_uk = up + h * (s.nope + s.v_dim) * s.rank;
+  for (int64_t i = 0; i < s.nope; ++i) w.q[i] = to_float(q_nope[i]);
+  weighted_rows(w.q.data(), w_uk, s.rank, s.nope, s.rank, w.acc.data());
+  for (int64_t c = 0; c < s.rank; ++c) w.absorbed[c] = to_bf16(w.acc[c]);
+  key_scores(w.absorbed.data(), s.rank, latents, lat_stride, len, 1.f, w.scores.data());
+  key_scores(q_rot, s.rope, k_rot, rot_stride, len, 1.f, w.rot.data());
+  float top = -INFINITY;
+  for (int64_t t = 0; t < len; ++t) top = std::max(top, w.scores[t] = (w.scores[t] + w.rot[t]) * scale);
+  const float total = exp_shifted(w.scores.data(), len, top);
+  for (int64_t t = 0; t < len; ++t) w.scores[t] /= total;
+  weighted_rows(w.scores.data(), latents, lat_stride, len, s.rank, w.acc.data());
+  for (int64_t c = 0; c < s.rank; ++c) w.context[c] = to_bf16(w.acc[c]);
+  const bf16* w_uv = w_uk + s.nope * s.rank;
+  for (int64_t r = 0; r < s.v_dim; ++r) out[r] = to_bf16(dot_row(w_uv + r * s.rank, w.context.data(), s.rank));
+}
+
+// One query of MLA over `latents` [positions, rank] and `k_rot` [positions, rope], every head.
 torch::Tensor latent_attend(const torch::Tensor& up, const torch::Tensor& q_nope, const torch::Tensor& q_rot,
                             const torch::Tensor& latents, const torch::Tensor& k_rot, int64_t v_dim, double scale) {
   for (const auto* t : {&up, &q_nope, &q_rot, &latents, &k_rot})
     TORCH_CHECK(t->scalar_type() == torch::kBFloat16 && t->device().is_cpu(), "latent_attend: bf16 CPU tensors");
   TORCH_CHECK(up.dim() == 2 && up.is_contiguous() && q_nope.dim() == 2 && q_rot.dim() == 2 &&
                   q_rot.size(0) == q_nope.size(0), "latent_attend: up [heads * (nope + v), rank], q [heads, ...]");
-  const int64_t heads = q_nope.size(0), nope = q_nope.size(1), rope = q_rot.size(1), rank = up.size(1);
-  TORCH_CHECK(up.size(0) == heads * (nope + v_dim), "latent_attend: up's rows are heads * (nope + v)");
-  TORCH_CHECK(latents.dim() == 2 && k_rot.dim() == 2 && latents.size(1) == rank && k_rot.size(1) == rope &&
+  const LatentShape shape{q_nope.size(0), q_nope.size(1), q_rot.size(1), v_dim, up.size(1)};
+  TORCH_CHECK(up.size(0) == shape.heads * (shape.nope + v_dim), "latent_attend: up's rows are heads * (nope + v)");
+  TORCH_CHECK(latents.dim() == 2 && k_rot.dim() == 2 && latents.size(1) == shape.rank && k_rot.size(1) == shape.rope &&
                   latents.size(0) == k_rot.size(0) && latents.size(0) > 0 && latents.stride(1) == 1 &&
                   k_rot.stride(1) == 1, "latent_attend: latents [positions, rank], k_rot [positions, rope]");
   const torch::Tensor qn = q_nope.contiguous(), qr = q_rot.contiguous();
-  const int64_t len = latents.size(0), lat_stride = latents.stride(0), rot_stride = k_rot.stride(0);
-  const bf16 *w = bf16_data(up), *lat = bf16_data(latents), *kr = bf16_data(k_rot);
-  const float s = static_cast<float>(scale);
-  torch::Tensor out = torch::empty({1, 1, heads * v_dim}, up.options());
-  bf16* o = bf16_data(out);
-  at::parallel_for(0, heads, 1, [&](int64_t first, int64_t last) {
-    std::vector<float> q(nope), acc(rank), scores(len), rot(len);
-    std::vector<bf16> absorbed(rank), context(rank);
-    for (int64_t h = first; h < last; ++h) {
-      const bf16* w_uk = w + h * (nope + v_dim) * rank;
-      for (int64_t i = 0; i < nope; ++i) q[i] = to_float(bf16_data(qn)[h * nope + i]);
-      weighted_rows(q.data(), w_uk, rank, nope, rank, acc.data());
-      for (int64_t c = 0; c < rank; ++c) absorbed[c] = to_bf16(acc[c]);
-      key_scores(absorbed.data(), rank, lat, lat_stride, len, 1.f, scores.data());
-      key_scores(bf16_data(qr) + h * rope, rope, kr, rot_stride, len, 1.f, rot.data());
-      float top = -INFINITY;
-      for (int64_t t = 0; t < len; ++t) top = std::max(top, scores[t] = (scores[t] + rot[t]) * s);
-      const float total = exp_shifted(scores.data(), len, top);
-      for (int64_t t = 0; t < len; ++t) scores[t] /= total;
-      weighted_rows(scores.data(), lat, lat_stride, len, rank, acc.data());
-      for (int64_t c = 0; c < rank; ++c) context[c] = to_bf16(acc[c]);
-      const bf16* w_uv = w_uk + nope * rank;
-      for (int64_t r = 0; r < v_dim; ++r) o[h * v_dim + r] = to_bf16(dot_row(w_uv + r * rank, context.data(), rank));
-    }
+  const int64_t len = latents.size(0);
+  torch::Tensor out = torch::empty({1, 1, shape.heads * v_dim}, up.options());
+  at::parallel_for(0, shape.heads, 1, [&](int64_t first, int64_t last) {
+    LatentScratch scratch;
+    scratch.fit(shape, len);
+    for (int64_t h = first; h < last; ++h)
+      latent_head(bf16_data(up), shape, h, bf16_data(qn) + h * shape.nope, bf16_data(qr) + h * shape.rope,
+                  bf16_data(latents), latents.stride(0), bf16_data(k_rot), k_rot.stride(0), len,
+                  static_cast<float>(scale), scratch, bf16_data(out) + h * v_dim);
   });
   return out;
 }
@@ -964,25 +1017,106 @@ class DecodeStep {
     TORCH_CHECK(lm_head_.cols == hidden_ && top_k_ > 0, "lm_head: [vocab, hidden]; top_k > 0");
   }
 
-  void add_layer(const torch::Tensor& input_norm, double input_eps, const Weight& wq, const Weight& wk,
-                 const Weight& wv, const c10::optional<torch::Tensor>& q_norm,
-                 const c10::optional<torch::Tensor>& k_norm, double qk_eps, int64_t head_dim, double scale,
-                 const Weight& wo, const torch::Tensor& post_norm, double post_eps, const torch::Tensor& router) {
-    Layer layer{attention_weights(wq, wk, wv, q_norm, k_norm, qk_eps, head_dim, hidden_)};
+  // A decoder layer: its norms and o_proj; its attention comes with set_attention or
+  // set_latent_attention, its router with set_router or set_grouped_router (none: a dense MLP,
+  // given as a shared expert alone), its experts with set_experts.
+  void add_layer(const torch::Tensor& input_norm, double input_eps, const Weight& wo, const torch::Tensor& post_norm,
+                 double post_eps) {
+    Layer layer;
     check_vector(layer.input_norm = input_norm.contiguous(), hidden_, "input_layernorm");
     check_vector(layer.post_norm = post_norm.contiguous(), hidden_, "post_attention_layernorm");
-    check_matrix(router, "router");
     layer.wo = matrix_of(wo, "o_proj");
-    layer.attention.keep.push_back(wo.tensor);
-    TORCH_CHECK(layer.wo.rows == hidden_ && layer.wo.cols == layer.attention.wq.rows,
-                "o_proj: [hidden, heads * head_dim]");
-    TORCH_CHECK(router.size(1) == hidden_ && router.size(0) >= top_k_, "router: [experts >= top_k, hidden]");
-    layer.router_tensor = router;
-    layer.router = matrix_of(plain(router), "router");
+    layer.wo_tensor = wo.tensor;
+    TORCH_CHECK(layer.wo.rows == hidden_, "o_proj: [hidden, heads * head_dim]");
     layer.input_eps = static_cast<float>(input_eps);
     layer.post_eps = static_cast<float>(post_eps);
-    layer.scale = static_cast<float>(scale);
-    layers_.push_back(std::move(layer));  // its experts come with set_experts
+    layers_.push_back(std::move(layer));
+  }
+
+  // `layer`'s Llama-style attention: q/k/v projections, optional per-head (or whole) q/k norms.
+  void set_attention(int64_t layer, const Weight& wq, const Weight& wk, const Weight& wv,
+                     const c10::optional<torch::Tensor>& q_norm, const c10::optional<torch::Tensor>& k_norm,
+                     double qk_eps, int64_t head_dim, double scale) {
+    Layer& l = at_layer(layer, "set_attention");
+    l.attention = attention_weights(wq, wk, wv, q_norm, k_norm, qk_eps, head_dim, hidden_);
+    TORCH_CHECK(l.wo.cols == l.attention.wq.rows, "o_proj: [hidden, heads * head_dim]");
+    l.scale = static_cast<float>(scale);
+    l.latent = false;
+  }
+
+  // `layer`'s multi-head latent attention (DeepSeek-V3): q from q_b(RMSNorm(q_a x)) (or q_b x alone
+  // where the model has no q LoRA: its q_proj), the latent and rotary key from kv_a x, the cache
+  // holding latents [rank] as keys and rotary keys [rope] as values; kv_b_proj (`up`, bf16) absorbed.
+  void set_latent_attention(int64_t layer, const c10::optional<Weight>& q_a, const c10::optional<torch::Tensor>& q_a_norm,
+                            double q_a_eps, const Weight& q_b, const Weight& kv_a, const torch::Tensor& kv_a_norm,
+                            double kv_a_eps, const torch::Tensor& up, int64_t heads, int64_t nope, int64_t rope,
+                            int64_t v_dim, double scale, bool interleaved) {
+    Layer& l = at_layer(layer, "set_latent_attention");
+    LatentAttention& m = l.mla;
+    m.shape = LatentShape{heads, nope, rope, v_dim, kv_a_norm.numel()};
+    TORCH_CHECK(q_a.has_value() == q_a_norm.has_value(), "set_latent_attention: q_a_proj and its norm, or neither");
+    m.keep = {q_b.tensor, kv_a.tensor, up};
+    m.q_a = Matrix();
+    if (q_a.has_value()) {
+      m.q_a = matrix_of(*q_a, "q_a_proj");
+      check_vector(m.q_a_norm = q_a_norm->contiguous(), m.q_a.rows, "q_a_layernorm");
+      TORCH_CHECK(m.q_a.cols == hidden_, "q_a_proj: [q_lora_rank, hidden]");
+      m.keep.push_back(q_a->tensor);
+    }
+    m.q_b = matrix_of(q_b, "q_b_proj");
+    m.kv_a = matrix_of(kv_a, "kv_a_proj_with_mqa");
+    check_vector(m.kv_a_norm = kv_a_norm.contiguous(), m.shape.rank, "kv_a_layernorm");
+    check_matrix(up, "kv_b_proj");
+    TORCH_CHECK(heads > 0 && rope > 0 && rope % 2 == 0 && m.q_b.rows == heads * (nope + rope) &&
+                    m.q_b.cols == (q_a.has_value() ? m.q_a.rows : hidden_),
+                "q_b_proj: [heads * (nope + rope), q_lora_rank or hidden]");
+    TORCH_CHECK(m.kv_a.rows == m.shape.rank + rope && m.kv_a.cols == hidden_, "kv_a_proj_with_mqa: [rank + rope, hidden]");
+    TORCH_CHECK(up.is_contiguous() && up.size(0) == heads * (nope + v_dim) && up.size(1) == m.shape.rank,
+                "kv_b_proj: a contiguous [heads * (nope + v), rank] matrix");
+    TORCH_CHECK(l.wo.cols == heads * v_dim, "o_proj: [hidden, heads * v_head_dim]");
+    m.up = up;
+    m.q_a_eps = static_cast<float>(q_a_eps);
+    m.kv_a_eps = static_cast<float>(kv_a_eps);
+    m.interleaved = interleaved;
+    l.scale = static_cast<float>(scale);
+    l.latent = true;
+  }
+
+  // `layer`'s top-k router [experts, hidden] in bf16, scored as the constructor's recipe says.
+  void set_router(int64_t layer, const torch::Tensor& router) {
+    Layer& l = at_layer(layer, "set_router");
+    check_matrix(router, "router");
+    TORCH_CHECK(router.size(1) == hidden_ && router.size(0) >= top_k_, "router: [experts >= top_k, hidden]");
+    l.router_tensor = router;
+    l.router = matrix_of(plain(router), "router");
+    l.grouped = false;
+  }
+
+  // `layer`'s DeepSeek-V3-style router: float32 logits, sigmoid scores, plus `correction` to choose
+  // with; the best `top_groups` of `groups` equal groups of experts (a group scored by its two best),
+  // the top k within them, weighted by their scores (renormalised where the constructor says),
+  // times `routed_scale`.
+  void set_grouped_router(int64_t layer, const torch::Tensor& weight, const torch::Tensor& correction, int64_t groups,
+                          int64_t top_groups, double routed_scale) {
+    Layer& l = at_layer(layer, "set_grouped_router");
+    TORCH_CHECK(weight.scalar_type() == torch::kFloat32 && weight.dim() == 2 && weight.is_contiguous() &&
+                    weight.size(1) == hidden_ && weight.size(0) >= top_k_,
+                "grouped router: a contiguous float32 [experts >= top_k, hidden] weight");
+    const int64_t experts = weight.size(0);
+    TORCH_CHECK(correction.scalar_type() == torch::kFloat32 && correction.is_contiguous() &&
+                    correction.numel() == experts, "grouped router: a float32 correction bias per expert");
+    TORCH_CHECK(groups > 0 && experts % groups == 0 && experts / groups >= 2 && top_groups > 0 &&
+                    top_groups <= groups && top_groups * (experts / groups) >= top_k_,
+                "grouped router: groups of at least two experts, enough of them for the top k");
+    l.router_tensor = weight;
+    l.correction = correction;
+    l.router = Matrix();
+    l.router.rows = experts;
+    l.router.cols = hidden_;
+    l.groups = groups;
+    l.top_groups = top_groups;
+    l.routed_scale = static_cast<float>(routed_scale);
+    l.grouped = true;
   }
 
   // Every expert of `layer`, by expert id (they move when the cache re-plans its slots); optionally
@@ -990,8 +1124,7 @@ class DecodeStep {
   void set_experts(int64_t layer, const std::vector<Weight>& gate_up, const std::vector<Weight>& down,
                    const std::vector<torch::Tensor>& gate_up_bias, const std::vector<torch::Tensor>& down_bias,
                    bool transposed, const GateRecipe& recipe) {
-    TORCH_CHECK(layer >= 0 && layer < static_cast<int64_t>(layers_.size()), "set_experts: no such layer");
-    Layer& l = layers_[layer];
+    Layer& l = at_layer(layer, "set_experts");
     TORCH_CHECK(static_cast<int64_t>(gate_up.size()) == l.router.rows,
                 "set_experts: one gate_up and one down for every expert the router scores");
     l.experts = expert_list(gate_up, down, gate_up_bias, down_bias, hidden_, transposed);
@@ -1008,16 +1141,14 @@ class DecodeStep {
 
   // The q/k/v projections' biases of `layer` (each [rows of its projection]).
   void set_attention_biases(int64_t layer, const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v) {
-    TORCH_CHECK(layer >= 0 && layer < static_cast<int64_t>(layers_.size()), "set_attention_biases: no such layer");
-    layers_[layer].attention.set_biases(q, k, v);
+    at_layer(layer, "set_attention_biases").attention.set_biases(q, k, v);
   }
 
   // What `layer`'s attention adds to Llama's (GPT-OSS): a sink logit per query head, an eager
   // attention function's roundings (AttendExtras), and o_proj's bias.
   void set_attention_extras(int64_t layer, const c10::optional<torch::Tensor>& sinks, bool eager_rounding,
                             const c10::optional<torch::Tensor>& o_bias) {
-    TORCH_CHECK(layer >= 0 && layer < static_cast<int64_t>(layers_.size()), "set_attention_extras: no such layer");
-    Layer& l = layers_[layer];
+    Layer& l = at_layer(layer, "set_attention_extras");
     l.extras.eager_rounding = eager_rounding;
     l.extras.sinks = nullptr;
     if (sinks.has_value()) {
@@ -1030,16 +1161,14 @@ class DecodeStep {
 
   // `layer`'s router bias [experts], added to its logits before their rounding (GPT-OSS).
   void set_router_bias(int64_t layer, const torch::Tensor& bias) {
-    TORCH_CHECK(layer >= 0 && layer < static_cast<int64_t>(layers_.size()), "set_router_bias: no such layer");
-    Layer& l = layers_[layer];
+    Layer& l = at_layer(layer, "set_router_bias");
     check_vector(l.router_bias = bias.contiguous(), l.router.rows, "router bias");
   }
 
   // A shared expert beside `layer`'s routed experts, optionally gated by sigmoid(gate . x).
   void set_shared_expert(int64_t layer, const Weight& gate_proj, const Weight& up_proj, const Weight& down_proj,
                          const c10::optional<torch::Tensor>& gate) {
-    TORCH_CHECK(layer >= 0 && layer < static_cast<int64_t>(layers_.size()), "set_shared_expert: no such layer");
-    Layer& l = layers_[layer];
+    Layer& l = at_layer(layer, "set_shared_expert");
     l.shared_gate_proj = matrix_of(gate_proj, "shared gate_proj");
     l.shared_up_proj = matrix_of(up_proj, "shared up_proj");
     l.shared_down_proj = matrix_of(down_proj, "shared down_proj");
@@ -1058,11 +1187,12 @@ class DecodeStep {
     l.shared = true;
   }
 
-  // One token. keys/values: each layer's cache buffer [1, kv_heads, capacity, d], whose positions
-  // [starts[i], starts[i] + lengths[i]) are the ones this token attends to besides itself (all
-  // cached positions, or a sliding window's); its key and value are written right behind them.
-  // cos/sin: the rotary rows for the token's position. picks: int64 [layers, top_k], filled with
-  // each layer's experts in router order. Returns the logits [1, 1, vocab] in bf16.
+  // One token. keys/values: each layer's cache buffer [1, kv_heads, capacity, d] (for latent
+  // attention: latents [1, 1, capacity, rank] and rotary keys [1, 1, capacity, rope]), whose
+  // positions [starts[i], starts[i] + lengths[i]) are the ones this token attends to besides itself
+  // (all cached positions, or a sliding window's); its key and value are written right behind them.
+  // cos/sin: the rotary rows for the token's position. picks: int64 [MoE layers, top_k], filled
+  // with each MoE layer's experts in router order. Returns the logits [1, 1, vocab] in bf16.
   torch::Tensor run(int64_t token, const torch::Tensor& cos, const torch::Tensor& sin,
                     const std::vector<torch::Tensor>& keys, const std::vector<torch::Tensor>& values,
                     const std::vector<int64_t>& starts, const std::vector<int64_t>& lengths, torch::Tensor picks) {
@@ -1071,32 +1201,48 @@ class DecodeStep {
     TORCH_CHECK(static_cast<int64_t>(keys.size()) == layers && static_cast<int64_t>(values.size()) == layers &&
                     static_cast<int64_t>(starts.size()) == layers && static_cast<int64_t>(lengths.size()) == layers,
                 "run: one key and one value buffer, start and length per layer");
-    TORCH_CHECK(picks.scalar_type() == torch::kLong && picks.is_contiguous() && picks.numel() == layers * top_k_,
-                "run: picks must be a contiguous int64 [layers, top_k] tensor");
     // Every check before the parallel region: nothing may throw inside it.
     std::vector<CacheView> key_views, value_views;
-    int64_t widest = 0, widest_inter = 0, longest = 0;
+    int64_t widest = 0, widest_inter = 0, longest = 0, routed = 0, latent_in = 0;
     TORCH_CHECK(layers > 0, "run: add_layer was not called");
-    const RotaryRows rotary(cos, sin, layers_[0].attention.head_dim, "run");
+    const int64_t rotary_dim = layers_[0].rotary_dim();
+    const RotaryRows rotary(cos, sin, rotary_dim, "run");
     for (int64_t i = 0; i < layers; ++i) {
-      const AttentionWeights& a = layers_[i].attention;
-      const int64_t d = a.head_dim, kv_heads = a.wk.rows / d;
-      TORCH_CHECK(d == layers_[0].attention.head_dim, "run: every layer of one head size");
+      Layer& l = layers_[i];
+      TORCH_CHECK(l.rotary_dim() > 0, "run: layer ", i, " has no attention (set_attention or set_latent_attention)");
+      TORCH_CHECK(l.rotary_dim() == rotary_dim, "run: every layer of one rotary size");
       TORCH_CHECK(starts[i] >= 0 && lengths[i] >= 0, "run: starts and lengths are positions");
-      for (const auto* t : {&keys[i], &values[i]})
-        TORCH_CHECK(t->dim() == 4 && t->size(0) == 1 && t->size(1) == kv_heads &&
-                        t->size(2) > starts[i] + lengths[i] && t->size(3) == d && t->stride(3) == 1 &&
-                        t->scalar_type() == torch::kBFloat16,
-                    "run: key/value buffers [1, kv_heads, capacity > start + length, head_dim] in bf16");
+      // Llama-style: keys and values [1, kv_heads, capacity, d]; latent: latents [1, 1, capacity,
+      // rank] as keys and rotary keys [1, 1, capacity, rope] as values
+      const AttentionWeights& a = l.attention;
+      const int64_t kv_heads = l.latent ? 1 : a.wk.rows / a.head_dim;
+      const int64_t widths[2] = {l.latent ? l.mla.shape.rank : a.head_dim, l.latent ? l.mla.shape.rope : a.head_dim};
+      for (int m = 0; m < 2; ++m) {
+        const torch::Tensor& t = m == 0 ? keys[i] : values[i];
+        TORCH_CHECK(t.dim() == 4 && t.size(0) == 1 && t.size(1) == kv_heads && t.size(2) > starts[i] + lengths[i] &&
+                        t.size(3) == widths[m] && t.stride(3) == 1 && t.scalar_type() == torch::kBFloat16,
+                    "run: layer ", i, "'s key/value buffers [1, kv_heads, capacity > start + length, width] in bf16");
+      }
       // the views begin at the first position attended to
       key_views.push_back({bf16_data(keys[i]) + starts[i] * keys[i].stride(2), keys[i].stride(1), keys[i].stride(2)});
       value_views.push_back(
           {bf16_data(values[i]) + starts[i] * values[i].stride(2), values[i].stride(1), values[i].stride(2)});
       longest = std::max(longest, lengths[i]);
-      widest = std::max<int64_t>(widest, a.wq.rows + 2 * a.wk.rows);
-      TORCH_CHECK(!layers_[i].experts.empty(), "run: set_experts was not called for layer ", i);
-      widest_inter = std::max<int64_t>(widest_inter, layers_[i].inter);
+      if (l.latent) {
+        const LatentShape& m = l.mla.shape;
+        latent_in = std::max<int64_t>(latent_in, l.mla.q_a.rows + l.mla.kv_a.rows);
+        widest = std::max<int64_t>({widest, m.heads * (m.nope + m.rope), m.heads * m.v_dim, latent_in});
+      } else {
+        widest = std::max<int64_t>(widest, a.wq.rows + 2 * a.wk.rows);
+      }
+      l.moe_row = l.router.rows > 0 ? routed++ : -1;
+      TORCH_CHECK(l.router.rows == 0 || !l.experts.empty(), "run: set_experts was not called for layer ", i);
+      TORCH_CHECK(l.router.rows > 0 || l.shared, "run: layer ", i, " has neither a router nor an MLP");
+      widest_inter = std::max<int64_t>(widest_inter, l.inter);
     }
+    TORCH_CHECK(picks.scalar_type() == torch::kLong && picks.is_contiguous() && picks.numel() == routed * top_k_,
+                "run: picks must be a contiguous int64 [MoE layers, top_k] tensor");
+    latent_in_.resize(latent_in);
     scratch_.resize(std::max<int64_t>({widest, hidden_, lm_head_.rows}));
     query_.resize(widest);
     attended_.resize(widest);
@@ -1112,6 +1258,7 @@ class DecodeStep {
     chosen_.resize(top_k_);
     int64_t router_width = 0;
     for (const Layer& l : layers_) router_width = std::max<int64_t>(router_width, l.router.rows);
+    router_acc_.resize(router_width);
     if (router_in_.numel() != router_width) {
       router_in_ = torch::empty({router_width}, torch::kFloat32);
       router_probs_ = torch::empty({router_width}, torch::kFloat32);
@@ -1160,24 +1307,50 @@ class DecodeStep {
     std::chrono::steady_clock::time_point last;
   };
 
+  // A layer's multi-head latent attention (set_latent_attention).
+  struct LatentAttention {
+    LatentShape shape;
+    Matrix q_a, q_b, kv_a;  // q_a has no rows where q comes from q_b alone
+    torch::Tensor q_a_norm, kv_a_norm, up;
+    float q_a_eps = 0.f, kv_a_eps = 0.f;
+    bool interleaved = false;  // DeepSeek's interleaved rotary pairs
+    std::vector<torch::Tensor> keep;  // the projections' tensors, alive while referenced
+  };
+
   struct Layer {
     AttentionWeights attention;
-    torch::Tensor input_norm, post_norm, router_tensor;
-    Matrix wo, router;
+    bool latent = false;  // the attention is `mla`, not `attention`
+    LatentAttention mla;
+    torch::Tensor input_norm, post_norm, router_tensor, wo_tensor;
+    Matrix wo, router;  // router: no rows in a dense layer
     float input_eps = 0.f, post_eps = 0.f, scale = 1.f;
+    // a DeepSeek-V3-style router (set_grouped_router): router_tensor is its float32 weight
+    bool grouped = false;
+    torch::Tensor correction;
+    int64_t groups = 1, top_groups = 1;
+    float routed_scale = 1.f;
     AttendExtras extras;
     torch::Tensor sinks, o_bias, router_bias;  // undefined where the model has none
     GateRecipe gate;
     std::vector<ExpertWeights> experts;
     std::vector<torch::Tensor> expert_tensors;
     int64_t inter = 0;
-    // A shared expert beside the routed ones (Qwen2-MoE): SiLU-gated gate/up [Is, H], down
-    // [H, Is], its output scaled by sigmoid(shared_gate . x) where the model has that gate.
+    // A shared expert beside the routed ones (Qwen2-MoE, DeepSeek), or a dense layer's MLP alone:
+    // SiLU-gated gate/up [Is, H], down [H, Is], its output scaled by sigmoid(shared_gate . x) where
+    // the model has that gate.
     bool shared = false;
     Matrix shared_gate_proj, shared_up_proj, shared_down_proj, shared_gate;
     bool shared_gated = false;
     std::vector<torch::Tensor> shared_tensors;
+    int64_t moe_row = -1;  // its row of `picks` (-1: a dense layer), numbered by run
+
+    int64_t rotary_dim() const { return latent ? mla.shape.rope : attention.head_dim; }
   };
+
+  Layer& at_layer(int64_t layer, const char* who) {
+    TORCH_CHECK(layer >= 0 && layer < static_cast<int64_t>(layers_.size()), who, ": no such layer");
+    return layers_[layer];
+  }
 
   // The router's top-k experts (into `picked`, best first) and their weights, as transformers'
   // Qwen3 / Mixtral routers compute them: bf16 logits, softmax in float32 (torch's own kernel, so
@@ -1245,67 +1418,18 @@ class DecodeStep {
                         bf16_data(embed_) + in.token * embed_.stride(0) + hidden_);
     std::vector<bf16> normed(hidden_), head_scratch(hidden_);
     std::vector<float> scores(in.longest + 1), sums(hidden_);
+    std::vector<bf16> q_in(latent_in_.size());  // a latent layer's normed q_a rows
+    LatentScratch latent_scratch;
     auto share = [&](int64_t n) { return thread_share(n, tid, team); };
     const bool round_once = norms_round_once_;
     for (size_t i = 0; i < layers_.size(); ++i) {
       const Layer& l = layers_[i];
-      const AttentionWeights& a = l.attention;
-      const int64_t d = a.head_dim, heads = a.wq.rows / d, kv_heads = a.wk.rows / d, group = heads / kv_heads;
-      const CacheView keys = in.keys[i], values = in.values[i];
-      const int64_t len = in.lengths[i] + 1;
-      bf16* key_rows = const_cast<bf16*>(keys.data) + in.lengths[i] * keys.position_stride;
-      bf16* value_rows = const_cast<bf16*>(values.data) + in.lengths[i] * values.position_stride;
       rms_norm_row(x.data(), bf16_data(l.input_norm), hidden_, l.input_eps, normed.data(), round_once);
       clock.lap(kNorms);
-      if (kv_heads % team == 0 && !a.full_norm) {
-        // Each thread its own kv heads and the query heads sharing them: projections (one stream
-        // of rows per kv head), the KV write, then attention; nothing comes from another thread.
-        const auto [first, last] = share(kv_heads);
-        for (int64_t g = first; g < last; ++g) {
-          for (int64_t h = g * group; h < (g + 1) * group; ++h)
-            project_head(a, 0, h, normed.data(), in.cos, in.sin, scratch_.data() + h * d, head_scratch.data(),
-                         query_.data() + h * d);
-          float* rows = scratch_.data() + (heads + g) * d;
-          project_head(a, 1, g, normed.data(), in.cos, in.sin, rows, head_scratch.data(), key_rows + g * keys.head_stride);
-          project_head(a, 2, g, normed.data(), in.cos, in.sin, rows, head_scratch.data(),
-                       value_rows + g * values.head_stride);
-        }
-        for (int64_t h = first * group; h < last * group; ++h)
-          attend_head(query_.data() + h * d, d, h / group, keys, values, len, l.scale, scores.data(), sums.data(),
-                      attended_.data() + h * d, l.extras, h);
-      } else {
-        // Too few kv heads to share out: projections by heads, then attention by query heads.
-        const auto [first, last] = share(heads + 2 * kv_heads);
-        for (int64_t head = first; head < last; ++head) {
-          const int m = head < heads ? 0 : head < heads + kv_heads ? 1 : 2;
-          const int64_t h = m == 0 ? head : m == 1 ? head - heads : head - heads - kv_heads;
-          bf16* out = m == 0 ? query_.data() + h * d
-                      : m == 1 ? key_rows + h * keys.head_stride
-                               : value_rows + h * values.head_stride;
-          project_head(a, m, h, normed.data(), in.cos, in.sin, scratch_.data() + head * d, head_scratch.data(), out);
-        }
-        barrier.wait();
-        if (a.full_norm) {  // OLMoE: RMSNorm over all of q and all of k, then the rotary embedding
-          const float q_scale = rms_scale(query_.data(), d, heads, d, a.eps);
-          const float k_scale = rms_scale(key_rows, keys.head_stride, kv_heads, d, a.eps);
-          barrier.wait();  // every thread has read the rows before any is rewritten
-          const auto [n_first, n_last] = share(heads + kv_heads);
-          for (int64_t head = n_first; head < n_last; ++head) {
-            const bool q = head < heads;
-            const int64_t h = q ? head : head - heads;
-            bf16* row = q ? query_.data() + h * d : key_rows + h * keys.head_stride;
-            const bf16* weight = bf16_data(q ? a.q_norm : a.k_norm) + h * d;
-            const float scale = q ? q_scale : k_scale;
-            for (int64_t i = 0; i < d; ++i) row[i] = to_bf16(to_float(weight[i]) * round_bf16(to_float(row[i]) * scale));
-            rope_head(row, in.cos, in.sin, d);
-          }
-          barrier.wait();
-        }
-        const auto [q_first, q_last] = share(heads);
-        for (int64_t h = q_first; h < q_last; ++h)
-          attend_head(query_.data() + h * d, d, h / group, keys, values, len, l.scale, scores.data(), sums.data(),
-                      attended_.data() + h * d, l.extras, h);
-      }
+      if (l.latent)
+        latent_attention_part(l, normed.data(), in, i, barrier, tid, team, q_in.data(), latent_scratch);
+      else
+        attention_part(l, normed.data(), in, i, barrier, tid, team, head_scratch.data(), scores.data(), sums.data());
       barrier.wait();
       clock.lap(kAttention);
       rows_of(l.wo, attended_.data(), share(hidden_), delta_.data(),
@@ -1315,20 +1439,32 @@ class DecodeStep {
       clock.lap(kOutProj);
       rms_norm_row(x.data(), bf16_data(l.post_norm), hidden_, l.post_eps, normed.data(), round_once);
       clock.lap(kNorms);
-      if (tid == 0) {
-        route(l, normed.data(), in.picked + i * top_k_, route_.data());
-        for (int64_t e = 0; e < top_k_; ++e) chosen_[e] = &l.experts[in.picked[i * top_k_ + e]];
+      const bool routed = l.moe_row >= 0;
+      int64_t* picked = in.picked + std::max<int64_t>(l.moe_row, 0) * top_k_;
+      if (routed && l.grouped) {
+        const auto [first, last] = share(l.router.rows);
+        grouped_logits(l, normed.data(), first, last);
       }
       if (l.shared) shared_activation(l, normed.data(), share(l.shared_gate_proj.rows), tid);
+      if (routed && l.grouped) barrier.wait();  // every logit is in
+      if (routed && tid == 0) {
+        if (l.grouped)
+          route_grouped(l, picked, route_.data());
+        else
+          route(l, normed.data(), picked, route_.data());
+        for (int64_t e = 0; e < top_k_; ++e) chosen_[e] = &l.experts[picked[e]];
+      }
       barrier.wait();
       clock.lap(kRouter);
-      experts_part(l.gate, normed.data(), hidden_, l.inter, chosen_.data(), top_k_, projected_.data(), activation_.data(),
-                   expert_out_.data(), barrier, tid, team);
-      barrier.wait();
       const auto [j_first, j_last] = share(hidden_);  // the weighted sum by slices of the row
-      weighted_sum_rows(expert_out_.data(), route_.data(), top_k_, hidden_, j_first, j_last, cast_back_,
-                        delta_.data());
-      if (l.shared) add_shared_rows(l, j_first, j_last);
+      if (routed) {
+        experts_part(l.gate, normed.data(), hidden_, l.inter, chosen_.data(), top_k_, projected_.data(),
+                     activation_.data(), expert_out_.data(), barrier, tid, team);
+        barrier.wait();
+        weighted_sum_rows(expert_out_.data(), route_.data(), top_k_, hidden_, j_first, j_last, cast_back_,
+                          delta_.data());
+      }
+      if (l.shared) add_shared_rows(l, j_first, j_last, routed);
       barrier.wait();
       add_rows(x.data(), delta_.data(), hidden_, x.data());
       clock.lap(kExperts);
@@ -1338,6 +1474,161 @@ class DecodeStep {
     rows_of(lm_head_, normed.data(), share(lm_head_.rows), in.logits);
     barrier.wait();
     clock.lap(kLmHead);
+  }
+
+  // This thread's part of layer i's Llama-style attention: q/k/v, the KV write, attention by heads
+  // (into attended_). `head_scratch`: hidden bf16; `scores`: longest + 1 floats; `sums`: hidden floats.
+  void attention_part(const Layer& l, const bf16* normed, const Shared& in, size_t i, SpinBarrier& barrier, int tid,
+                      int team, bf16* head_scratch, float* scores, float* sums) {
+    auto share = [&](int64_t n) { return thread_share(n, tid, team); };
+    const AttentionWeights& a = l.attention;
+    const int64_t d = a.head_dim, heads = a.wq.rows / d, kv_heads = a.wk.rows / d, group = heads / kv_heads;
+    const CacheView keys = in.keys[i], values = in.values[i];
+    const int64_t len = in.lengths[i] + 1;
+    bf16* key_rows = const_cast<bf16*>(keys.data) + in.lengths[i] * keys.position_stride;
+    bf16* value_rows = const_cast<bf16*>(values.data) + in.lengths[i] * values.position_stride;
+    if (kv_heads % team == 0 && !a.full_norm) {
+      // Each thread its own kv heads and the query heads sharing them: projections (one stream
+      // of rows per kv head), the KV write, then attention; nothing comes from another thread.
+      const auto [first, last] = share(kv_heads);
+      for (int64_t g = first; g < last; ++g) {
+        for (int64_t h = g * group; h < (g + 1) * group; ++h)
+          project_head(a, 0, h, normed, in.cos, in.sin, scratch_.data() + h * d, head_scratch,
+                       query_.data() + h * d);
+        float* rows = scratch_.data() + (heads + g) * d;
+        project_head(a, 1, g, normed, in.cos, in.sin, rows, head_scratch, key_rows + g * keys.head_stride);
+        project_head(a, 2, g, normed, in.cos, in.sin, rows, head_scratch,
+                     value_rows + g * values.head_stride);
+      }
+      for (int64_t h = first * group; h < last * group; ++h)
+        attend_head(query_.data() + h * d, d, h / group, keys, values, len, l.scale, scores, sums,
+                    attended_.data() + h * d, l.extras, h);
+    } else {
+      // Too few kv heads to share out: projections by heads, then attention by query heads.
+      const auto [first, last] = share(heads + 2 * kv_heads);
+      for (int64_t head = first; head < last; ++head) {
+        const int m = head < heads ? 0 : head < heads + kv_heads ? 1 : 2;
+        const int64_t h = m == 0 ? head : m == 1 ? head - heads : head - heads - kv_heads;
+        bf16* out = m == 0 ? query_.data() + h * d
+                    : m == 1 ? key_rows + h * keys.head_stride
+                             : value_rows + h * values.head_stride;
+        project_head(a, m, h, normed, in.cos, in.sin, scratch_.data() + head * d, head_scratch, out);
+      }
+      barrier.wait();
+      if (a.full_norm) {  // OLMoE: RMSNorm over all of q and all of k, then the rotary embedding
+        const float q_scale = rms_scale(query_.data(), d, heads, d, a.eps);
+        const float k_scale = rms_scale(key_rows, keys.head_stride, kv_heads, d, a.eps);
+        barrier.wait();  // every thread has read the rows before any is rewritten
+        const auto [n_first, n_last] = share(heads + kv_heads);
+        for (int64_t head = n_first; head < n_last; ++head) {
+          const bool q = head < heads;
+          const int64_t h = q ? head : head - heads;
+          bf16* row = q ? query_.data() + h * d : key_rows + h * keys.head_stride;
+          const bf16* weight = bf16_data(q ? a.q_norm : a.k_norm) + h * d;
+          const float scale = q ? q_scale : k_scale;
+          for (int64_t c = 0; c < d; ++c) row[c] = to_bf16(to_float(weight[c]) * round_bf16(to_float(row[c]) * scale));
+          rope_head(row, in.cos, in.sin, d);
+        }
+        barrier.wait();
+      }
+      const auto [q_first, q_last] = share(heads);
+      for (int64_t h = q_first; h < q_last; ++h)
+        attend_head(query_.data() + h * d, d, h / group, keys, values, len, l.scale, scores, sums,
+                    attended_.data() + h * d, l.extras, h);
+    }
+  }
+
+  // This thread's part of layer i's multi-head latent attention (into attended_): q_a's and kv_a's
+  // rows shared out as one range; then q by heads, while the last thread writes the token's latent
+  // and rotary key to the cache; then attention by heads. `q_in`: q_a's rows of scratch.
+  void latent_attention_part(const Layer& l, const bf16* normed, const Shared& in, size_t i, SpinBarrier& barrier,
+                             int tid, int team, bf16* q_in, LatentScratch& scratch) {
+    const LatentAttention& m = l.mla;
+    const LatentShape& s = m.shape;
+    const int64_t qa = m.q_a.rows, kva = m.kv_a.rows, width = s.nope + s.rope, len = in.lengths[i] + 1;
+    const CacheView latents = in.keys[i], rotary = in.values[i];
+    auto rope = [&](bf16* head) {
+      if (m.interleaved)
+        rope_head_interleaved(head, in.cos, in.sin, s.rope);
+      else
+        rope_head(head, in.cos, in.sin, s.rope);
+    };
+    const auto [first, last] = thread_share(qa + kva, tid, team);
+    if (first < std::min(last, qa)) gemv_range(m.q_a, normed, first, std::min(last, qa), scratch_.data());
+    if (std::max(first, qa) < last) gemv_range(m.kv_a, normed, std::max(first, qa) - qa, last - qa, scratch_.data() + qa);
+    round_linear(scratch_.data() + first, nullptr, last - first, latent_in_.data() + first);
+    barrier.wait();
+    const bf16* q_from = normed;
+    if (qa > 0) {
+      rms_norm_row(latent_in_.data(), bf16_data(m.q_a_norm), qa, m.q_a_eps, q_in);
+      q_from = q_in;
+    }
+    const auto [h_first, h_last] = thread_share(s.heads, tid, team);
+    for (int64_t h = h_first; h < h_last; ++h) {
+      gemv_rows(m.q_b, q_from, h * width, (h + 1) * width, scratch_.data() + h * width);
+      round_linear(scratch_.data() + h * width, nullptr, width, query_.data() + h * width);
+      rope(query_.data() + h * width + s.nope);
+    }
+    if (tid == team - 1) {  // (the last thread's share of heads is never the larger one)
+      bf16* latent_row = const_cast<bf16*>(latents.data) + in.lengths[i] * latents.position_stride;
+      bf16* rotary_row = const_cast<bf16*>(rotary.data) + in.lengths[i] * rotary.position_stride;
+      rms_norm_row(latent_in_.data() + qa, bf16_data(m.kv_a_norm), s.rank, m.kv_a_eps, latent_row);
+      std::memcpy(rotary_row, latent_in_.data() + qa + s.rank, s.rope * sizeof(bf16));
+      rope(rotary_row);
+    }
+    barrier.wait();
+    scratch.fit(s, len);
+    for (int64_t h = h_first; h < h_last; ++h)
+      latent_head(bf16_data(m.up), s, h, query_.data() + h * width, query_.data() + h * width + s.nope, latents.data,
+                  latents.position_stride, rotary.data, rotary.position_stride, len, l.scale, scratch,
+                  attended_.data() + h * s.v_dim);
+  }
+
+  // Rows [first, last) of a grouped router's float32 logits (router_acc_): its float32 weight
+  // times the bf16 row widened, as the router's F.linear of x.float().
+  void grouped_logits(const Layer& l, const bf16* x, int64_t first, int64_t last) {
+    const float* w = l.router_tensor.data_ptr<float>();
+    for (int64_t e = first; e < last; ++e) router_acc_[e] = dot_f32_bf16(w + e * hidden_, x, hidden_);
+  }
+
+  // DeepSeek-V3's routing from the logits in router_acc_ (set_grouped_router says what it computes),
+  // as its router module writes it in float32; ties go to the lower index.
+  void route_grouped(const Layer& l, int64_t* picked, float* weights) {
+    const int64_t experts = l.router.rows, per_group = experts / l.groups;
+    std::vector<float> score(experts), choice(experts), group_score(l.groups);
+    const float* correction = l.correction.data_ptr<float>();
+    for (int64_t e = 0; e < experts; ++e) {
+      score[e] = 1.f / (1.f + std::exp(-router_acc_[e]));
+      choice[e] = score[e] + correction[e];
+    }
+    for (int64_t g = 0; g < l.groups; ++g) {  // a group's score: the sum of its two best choices
+      const float* c = choice.data() + g * per_group;
+      float best = -INFINITY, second = -INFINITY;
+      for (int64_t j = 0; j < per_group; ++j) {
+        if (c[j] > best) {
+          second = best;
+          best = c[j];
+        } else if (c[j] > second) {
+          second = c[j];
+        }
+      }
+      group_score[g] = best + second;
+    }
+    auto better = [](const std::vector<float>& v) {
+      return [&v](int64_t a, int64_t b) { return v[a] > v[b] || (v[a] == v[b] && a < b); };
+    };
+    std::vector<int64_t> groups(l.groups), candidates;
+    for (int64_t g = 0; g < l.groups; ++g) groups[g] = g;
+    std::partial_sort(groups.begin(), groups.begin() + l.top_groups, groups.end(), better(group_score));
+    for (int64_t n = 0; n < l.top_groups; ++n)
+      for (int64_t j = 0; j < per_group; ++j) candidates.push_back(groups[n] * per_group + j);
+    std::partial_sort(candidates.begin(), candidates.begin() + top_k_, candidates.end(), better(choice));
+    float total = 0.f;
+    for (int64_t j = 0; j < top_k_; ++j) total += (weights[j] = score[picked[j] = candidates[j]]);
+    for (int64_t j = 0; j < top_k_; ++j) {
+      if (normalize_) weights[j] /= total + 1e-20f;
+      weights[j] *= l.routed_scale;
+    }
   }
 
   // This thread's rows of a shared expert's activation, SiLU(gate x) * up x, rounded as transformers
@@ -1360,14 +1651,15 @@ class DecodeStep {
   }
 
   // delta[j) += the shared expert's down projection (times its gate) for this thread's rows,
-  // each step rounded to bf16 as transformers' ops are.
-  void add_shared_rows(const Layer& l, int64_t begin, int64_t end) {
+  // each step rounded to bf16 as transformers' ops are; where nothing was `routed` (a dense
+  // layer), delta[j) = the MLP's output.
+  void add_shared_rows(const Layer& l, int64_t begin, int64_t end, bool routed) {
     float* out = shared_acc_.data() + 2 * l.shared_gate_proj.rows;
     gemv_range(l.shared_down_proj, shared_act_.data(), begin, end, out);
     for (int64_t j = begin; j < end; ++j) {
       float v = round_bf16(out[j]);
       if (l.shared_gated) v = round_bf16(v * shared_scale_);
-      delta_[j] = to_bf16(to_float(delta_[j]) + v);
+      delta_[j] = routed ? to_bf16(to_float(delta_[j]) + v) : to_bf16(v);
     }
   }
 
@@ -1393,6 +1685,8 @@ class DecodeStep {
   torch::Tensor router_in_, router_probs_;  // the router's float32 logits and probabilities
   torch::Tensor router_logits_;  // its bf16 logits (softmax_of_top)
   std::vector<bf16> query_, attended_, delta_, activation_;
+  std::vector<bf16> latent_in_;  // a latent layer's q_a and kv_a rows, rounded
+  std::vector<float> router_acc_;  // a grouped router's float32 logits
   std::vector<const ExpertWeights*> chosen_;  // this layer's picked experts, in pick order
   std::array<double, kPhases> phase_seconds_{};
 };
@@ -1430,12 +1724,16 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         pybind11::arg("gate_up_bias") = std::vector<torch::Tensor>(),
         pybind11::arg("down_bias") = std::vector<torch::Tensor>(), pybind11::arg("transposed") = false,
         pybind11::arg("recipe") = GateRecipe());
-  pybind11::class_<DecodeStep>(m, "DecodeStep", "a whole decode step of a Llama-style MoE decoder")
+  pybind11::class_<DecodeStep>(m, "DecodeStep", "a whole decode step of a MoE decoder")
       .def(pybind11::init<torch::Tensor, torch::Tensor, double, const Weight&, int64_t, bool, bool, bool, bool>(),
            pybind11::arg("embed"), pybind11::arg("final_norm"), pybind11::arg("final_eps"), pybind11::arg("lm_head"),
            pybind11::arg("top_k"), pybind11::arg("normalize"), pybind11::arg("cast_back"),
            pybind11::arg("softmax_of_top") = false, pybind11::arg("norms_round_once") = false)
       .def("add_layer", &DecodeStep::add_layer)
+      .def("set_attention", &DecodeStep::set_attention)
+      .def("set_latent_attention", &DecodeStep::set_latent_attention)
+      .def("set_router", &DecodeStep::set_router)
+      .def("set_grouped_router", &DecodeStep::set_grouped_router)
       .def("set_experts", &DecodeStep::set_experts, pybind11::arg("layer"), pybind11::arg("gate_up"),
            pybind11::arg("down"), pybind11::arg("gate_up_bias") = std::vector<torch::Tensor>(),
            pybind11::arg("down_bias") = std::vector<torch::Tensor>(), pybind11::arg("transposed") = false,

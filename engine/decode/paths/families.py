@@ -50,8 +50,8 @@ class Family:
     attention: tuple[str, ...] = ()  # Llama-style attention classes
     routers: tuple[tuple[str, RouterRecipe], ...] = ()  # top-k router classes and their recipe
     # the whole-token step: (causal LM, decoder, decoder layer, sparse MoE block) classes; a block
-    # with a `shared_expert` adds it, scaled by sigmoid(`shared_expert_gate`) where it has one; the
-    # block's router is its `gate` or `router`
+    # with a `shared_expert` (or `shared_experts`) adds it, scaled by sigmoid(`shared_expert_gate`)
+    # where it has one; the block's router is its `gate` or `router`
     whole_token: tuple[str, str, str, str] | None = None
     # Llama-style attention that only the whole-token step computes: q/k/v projections with biases
     # (Qwen2-MoE), or q/k norms over the whole projection before the rotary embedding (OLMoE)
@@ -61,6 +61,11 @@ class Family:
     latent_attention: tuple[str, ...] = ()
     # the family's norms multiply by their weight in float32 and round once (GPT-OSS), not Llama's way
     norms_round_once: bool = False
+    # DeepSeek-V3-style routers only the whole-token step computes: float32 logits, sigmoid scores plus
+    # a correction bias, the best groups of experts, then the top k within them
+    grouped_routers: tuple[str, ...] = ()
+    # SiLU-gated dense MLPs the whole-token step runs in place of an MoE block (DeepSeek's first layers)
+    dense_mlps: tuple[str, ...] = ()
 
 
 FAMILIES = (
@@ -89,10 +94,15 @@ FAMILIES = (
     Family("solar_open", ("SolarOpenRMSNorm",), ("SolarOpenAttention",)),
     Family("phimoe", (), ("PhimoeAttention",)),
     Family("deepseek_v2", ("DeepseekV2RMSNorm",), latent_attention=("DeepseekV2Attention",)),
-    Family("deepseek_v3", ("DeepseekV3RMSNorm",), latent_attention=("DeepseekV3Attention",)),
+    # MLA attention, grouped sigmoid routers, shared experts and dense first layers
+    Family("deepseek_v3", ("DeepseekV3RMSNorm",), latent_attention=("DeepseekV3Attention",),
+           whole_token=("DeepseekV3ForCausalLM", "DeepseekV3Model", "DeepseekV3DecoderLayer", "DeepseekV3MoE"),
+           grouped_routers=("DeepseekV3TopkRouter",), dense_mlps=("DeepseekV3MLP",)),
     Family("deepseek_v32", ("DeepseekV32RMSNorm",)),
     Family("glm4_moe", ("Glm4MoeRMSNorm",)),
-    Family("glm4_moe_lite", ("Glm4MoeLiteRMSNorm",), latent_attention=("Glm4MoeLiteAttention",)),
+    Family("glm4_moe_lite", ("Glm4MoeLiteRMSNorm",), latent_attention=("Glm4MoeLiteAttention",),
+           whole_token=("Glm4MoeLiteForCausalLM", "Glm4MoeLiteModel", "Glm4MoeLiteDecoderLayer", "Glm4MoeLiteMoE"),
+           grouped_routers=("Glm4MoeLiteTopkRouter",), dense_mlps=("Glm4MoeLiteMLP",)),
     Family("glm_moe_dsa", ("GlmMoeDsaRMSNorm",)),
     Family("ernie4_5_moe", ("Ernie4_5_MoeRMSNorm",)),
     Family("dots3_note", ("Dots3NoteRMSNorm",)),
@@ -153,6 +163,16 @@ def whole_token_attention_classes() -> frozenset[type]:
 @cache
 def latent_attention_classes() -> frozenset[type]:
     return frozenset(cls for f in FAMILIES for cls in _classes(f, f.latent_attention))
+
+
+@cache
+def grouped_router_classes() -> frozenset[type]:
+    return frozenset(cls for f in FAMILIES for cls in _classes(f, f.grouped_routers))
+
+
+@cache
+def dense_mlp_classes() -> frozenset[type]:
+    return frozenset(cls for f in FAMILIES for cls in _classes(f, f.dense_mlps))
 
 
 @cache

@@ -5,9 +5,11 @@ to the memory bandwidth, but a Qwen3-MoE-shaped token still spent about a third 
 Python and small torch ops between those kernels (decoder-layer calls, residual adds, the rotary table, the
 mask, module lookups, the router's softmax and top-k as separate ops). For the decoders whose
 every piece the native kernels compute (engine.decode.paths.families: Qwen3-MoE, Qwen2-MoE
-with its biased q/k/v and gated shared expert, OLMoE with its full-width q/k norms, Mixtral, and
+with its biased q/k/v and gated shared expert, OLMoE with its full-width q/k norms, Mixtral,
 GPT-OSS with its attention sinks, biases, sliding windows, clamped SwiGLU experts and its own
-router and norms, as transformers writes them, bf16 or block formats on the CPU),
+router and norms, and DeepSeek-V3 / GLM-4.7-Flash with their latent attention (absorbed, as the
+per-layer path computes it), grouped sigmoid routers, shared experts and dense first layers, as
+transformers writes them, bf16 or block formats on the CPU),
 `FusedDecoder.step` runs the embedding, every layer
 and the lm_head in one call (`DecodeStep` in engine/decode/native/moe_decode.cpp), with the same
 kernels in the same order; the expert cache then records the token from the picks it returns,
@@ -31,10 +33,14 @@ from engine.decode.paths import one_query_attention
 from engine.decode.paths.base import DecodePath, Step
 from engine.decode.paths.expert_recipe import experts_recipe
 from engine.decode.paths.families import (
+    dense_mlp_classes,
+    grouped_router_classes,
+    is_latent_attention,
     is_linear,
     is_llama_attention,
     is_llama_rms_norm,
     norm_rounds_once,
+    own_class,
     router_recipe,
     whole_token_part,
 )
@@ -62,13 +68,32 @@ def _linear_ok(module: torch.nn.Module, bias: bool = False) -> bool:
     return isinstance(module, torch.nn.Linear) and _matrix(module.weight)
 
 
-FAMILIES_NAMED = "Qwen3-MoE, Qwen2-MoE, OLMoE, Mixtral and GPT-OSS"
+FAMILIES_NAMED = "Qwen3-MoE, Qwen2-MoE, OLMoE, Mixtral, GPT-OSS, DeepSeek-V3 and GLM-4.7-Flash"
 
 
 def _router(block: torch.nn.Module) -> torch.nn.Module | None:
     """The MoE block's router (`gate` in most families, `router` in GPT-OSS)."""
     gate = getattr(block, "gate", None)
     return gate if gate is not None else getattr(block, "router", None)
+
+
+def _shared(block: torch.nn.Module) -> torch.nn.Module | None:
+    """The MoE block's shared expert (`shared_expert` in Qwen2-MoE, `shared_experts` in DeepSeek)."""
+    shared = getattr(block, "shared_expert", None)
+    return shared if shared is not None else getattr(block, "shared_experts", None)
+
+
+def _dense(block: torch.nn.Module | None) -> bool:
+    """A listed dense MLP in place of an MoE block (DeepSeek's first layers)."""
+    return block is not None and own_class(block) in dense_mlp_classes()
+
+
+def _grouped(router: torch.nn.Module) -> bool:
+    """A listed DeepSeek-V3-style grouped sigmoid router with a plain weight and correction bias."""
+    weight, bias = getattr(router, "weight", None), getattr(router, "e_score_correction_bias", None)
+    return (own_class(router) in grouped_router_classes() and isinstance(weight, torch.Tensor) and weight.dim() == 2
+            and weight.device.type == "cpu" and weight.dtype in (torch.float32, torch.bfloat16)
+            and isinstance(bias, torch.Tensor) and bias.numel() == weight.shape[0])
 
 
 def recognise(model: torch.nn.Module) -> str:
@@ -89,10 +114,15 @@ def recognise(model: torch.nn.Module) -> str:
         return f"{rope_type} rotary embeddings change with the length"
     if len(inner.layers) != model.config.num_hidden_layers:
         return "the decoder runs a subset of its layers"
+    if all(_dense(layer.mlp) for layer in inner.layers):
+        return "no layer has experts"
     for index, layer in enumerate(inner.layers):
         problem = _layer_problem(layer)
         if problem:
             return f"layer {index}: {problem}"
+    routers = [_router(layer.mlp) for layer in inner.layers if not _dense(layer.mlp)]
+    if len({(type(r), r.top_k, bool(getattr(r, "norm_topk_prob", False))) for r in routers}) > 1:
+        return "its routers differ in kind, top k or normalisation"
     return ""
 
 
@@ -100,25 +130,56 @@ def _layer_problem(layer: torch.nn.Module) -> str:
     if not whole_token_part(layer, "layer"):
         return f"not a {FAMILIES_NAMED} decoder layer"
     block = getattr(layer, "mlp", None)
-    if not whole_token_part(block, "block"):
-        return "a dense MLP or another MoE block"
+    if not whole_token_part(block, "block") and not _dense(block):
+        return "another kind of MLP or MoE block"
     if not all(is_llama_rms_norm(norm, rounding_once=True) for norm in (layer.input_layernorm, layer.post_attention_layernorm)):
         return "its norms are not Llama's RMSNorm"
-    attention = layer.self_attn
+    if (problem := _attention_problem(layer.self_attn)):
+        return problem
+    if _dense(block):
+        return _gated_mlp_problem(block, "its dense MLP")
+    if (problem := _shared_expert_problem(block)):
+        return problem
+    router = _router(block)
+    if router is None or not (_grouped(router) or _softmax_router(router)):
+        return "its router is not a known top-k router"
+    recipe = experts_recipe(block.experts)
+    if isinstance(recipe, str):
+        return recipe
+    return ""
+
+
+def _softmax_router(router: torch.nn.Module) -> bool:
+    """A listed top-k router whose recipe the step computes, its weight (and bias, where its recipe
+    adds one) in bf16."""
+    recipe = router_recipe(router)
+    return recipe is not None and _matrix(router.weight) and (not recipe.softmax_of_top or _vector(router.bias))
+
+
+def _attention_problem(attention: torch.nn.Module) -> str:
+    """Why the step cannot compute this attention ("" when it can)."""
+    if is_latent_attention(attention):
+        return _latent_problem(attention)
     sinks = getattr(attention, "sinks", None)
     if not is_llama_attention(attention, whole_token=True) or not all(
             _linear_ok(getattr(attention, name), bias=True) for name in ("q_proj", "k_proj", "v_proj", "o_proj")) \
             or (sinks is not None and not _vector(sinks)):
         return "its attention is not Llama-style in bf16"
-    if (problem := _shared_expert_problem(block)):
-        return problem
-    router = _router(block)
-    recipe = router_recipe(router) if router is not None else None
-    if recipe is None or not _matrix(router.weight) or (recipe.softmax_of_top and not _vector(router.bias)):
-        return "its router is not a known top-k router"
-    recipe = experts_recipe(block.experts)
-    if isinstance(recipe, str):
-        return recipe
+    return ""
+
+
+def _latent_problem(attention: torch.nn.Module) -> str:
+    """Why the step cannot compute this latent attention ("" when it can): bias-free projections in
+    bf16 or blocks, Llama-style norms, kv_b_proj a plain bf16 matrix (read per head in place)."""
+    lora = attention.q_lora_rank is not None
+    names = ("q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "o_proj") if lora else ("q_proj", "kv_a_proj_with_mqa", "o_proj")
+    norms = (attention.kv_a_layernorm, *((attention.q_a_layernorm,) if lora else ()))
+    if not all(_linear_ok(getattr(attention, name, None)) for name in names) \
+            or not all(is_llama_rms_norm(norm) for norm in norms):
+        return "its latent attention's projections are not bias-free bf16 or block linears"
+    up = attention.kv_b_proj.weight
+    if not (_matrix(up) and up.is_contiguous()):
+        return "its latent attention's kv_b_proj is not a contiguous bf16 matrix"
     return ""
 
 
@@ -128,17 +189,24 @@ def _vector(t: torch.Tensor | None) -> bool:
 
 def _shared_expert_problem(block: torch.nn.Module) -> str:
     """Why the step cannot add this block's shared expert ("" when it can or there is none)."""
-    shared, gate = getattr(block, "shared_expert", None), getattr(block, "shared_expert_gate", None)
+    shared, gate = _shared(block), getattr(block, "shared_expert_gate", None)
     if shared is None:
         return "" if gate is None else "a shared-expert gate without a shared expert"
-    from transformers.activations import SiLUActivation
-
-    projections = [getattr(shared, name, None) for name in ("gate_proj", "up_proj", "down_proj")]
-    if not all(p is not None and _linear_ok(p) for p in projections) or not isinstance(
-            getattr(shared, "act_fn", None), SiLUActivation | torch.nn.SiLU):
-        return "its shared expert is not a SiLU-gated MLP of bias-free bf16 linears"
+    if (problem := _gated_mlp_problem(shared, "its shared expert")):
+        return problem
     if gate is not None and not (_linear_ok(gate) and gate.out_features == 1):
         return "its shared expert's gate is not one bias-free bf16 row"
+    return ""
+
+
+def _gated_mlp_problem(mlp: torch.nn.Module, what: str) -> str:
+    """Why the step cannot run `mlp` as down(SiLU(gate x) * up x) ("" when it can)."""
+    from transformers.activations import SiLUActivation
+
+    projections = [getattr(mlp, name, None) for name in ("gate_proj", "up_proj", "down_proj")]
+    if not all(p is not None and _linear_ok(p) for p in projections) or not isinstance(
+            getattr(mlp, "act_fn", None), SiLUActivation | torch.nn.SiLU):
+        return f"{what} is not a SiLU-gated MLP of bias-free bf16 linears"
     return ""
 
 
@@ -147,10 +215,11 @@ class FusedDecoder:
 
     def __init__(self, model: torch.nn.Module, cache, kernels) -> None:
         inner = model.model
-        gate = _router(inner.layers[0].mlp)
-        always_normalize, cast_back, softmax_of_top = router_recipe(gate)
+        # decoder layer of each MoE layer, in the expert cache's order; the others run a dense MLP
+        self.moe_layers = [index for index, layer in enumerate(inner.layers) if not _dense(layer.mlp)]
+        gate = _router(inner.layers[self.moe_layers[0]].mlp)
+        always_normalize, cast_back, softmax_of_top = (False, False, False) if _grouped(gate) else router_recipe(gate)
         self.model, self.cache = model, cache
-        self.layers = len(inner.layers)
         self.kernels = kernels
         matrix = partial(linear_weight, kernels)
         self._native = kernels.DecodeStep(
@@ -159,43 +228,70 @@ class FusedDecoder:
             softmax_of_top, norm_rounds_once(inner.norm))
         for index, layer in enumerate(inner.layers):
             attention, block = layer.self_attn, layer.mlp
+            self._native.add_layer(layer.input_layernorm.weight, layer.input_layernorm.variance_epsilon,
+                                   matrix(attention.o_proj), layer.post_attention_layernorm.weight,
+                                   layer.post_attention_layernorm.variance_epsilon)
+            if is_latent_attention(attention):
+                self._add_latent_attention(index, attention, matrix)
+            else:
+                self._add_attention(index, attention, matrix)
+            if _dense(block):
+                self._native.set_shared_expert(index, matrix(block.gate_proj), matrix(block.up_proj),
+                                               matrix(block.down_proj), None)
+                continue
             router = _router(block)
-            q_norm, k_norm = getattr(attention, "q_norm", None), getattr(attention, "k_norm", None)
-            eps = next((norm.variance_epsilon for norm in (q_norm, k_norm) if norm is not None), 0.0)
-            self._native.add_layer(
-                layer.input_layernorm.weight, layer.input_layernorm.variance_epsilon,
-                matrix(attention.q_proj), matrix(attention.k_proj), matrix(attention.v_proj),
-                None if q_norm is None else q_norm.weight, None if k_norm is None else k_norm.weight, eps,
-                attention.head_dim, attention.scaling, matrix(attention.o_proj),
-                layer.post_attention_layernorm.weight, layer.post_attention_layernorm.variance_epsilon,
-                router.weight)
-            self._native.set_experts(index, *self._experts(index))
-            if attention.q_proj.bias is not None:
-                self._native.set_attention_biases(index, attention.q_proj.bias, attention.k_proj.bias,
-                                                  attention.v_proj.bias)
-            sinks = getattr(attention, "sinks", None)
-            eager = one_query_attention.is_eager(attention.config)
-            if sinks is not None or eager or attention.o_proj.bias is not None:
-                self._native.set_attention_extras(index, sinks, eager, attention.o_proj.bias)
+            if _grouped(router):
+                self._native.set_grouped_router(
+                    index, router.weight.float().contiguous(), router.e_score_correction_bias.float().contiguous(),
+                    router.num_group, router.topk_group, router.routed_scaling_factor)
+            else:
+                self._native.set_router(index, router.weight)
             if softmax_of_top:
                 self._native.set_router_bias(index, router.bias)
-            if (shared := getattr(block, "shared_expert", None)) is not None:
+            self._native.set_experts(index, *self._experts(self.moe_layers.index(index)))
+            if (shared := _shared(block)) is not None:
                 gate_row = getattr(block, "shared_expert_gate", None)
                 self._native.set_shared_expert(index, matrix(shared.gate_proj), matrix(shared.up_proj),
                                                matrix(shared.down_proj),
                                                None if gate_row is None else gate_row.weight.reshape(-1))
         self._placed = (cache.slot_views, cache.directory.changes)
-        self._picks = torch.empty((self.layers, gate.top_k), dtype=torch.long)
+        self._picks = torch.empty((len(self.moe_layers), gate.top_k), dtype=torch.long)
         # the rotary call reads the embedding row's dtype only
         self._rotary_rows = RotaryRows(inner.rotary_emb, inner.embed_tokens.weight[:1].unsqueeze(0),
-                                       inner.layers[0].self_attn.head_dim)
+                                       _rotary_dim(inner.layers[0].self_attn))
+
+    def _add_attention(self, index: int, attention: torch.nn.Module, matrix) -> None:
+        q_norm, k_norm = getattr(attention, "q_norm", None), getattr(attention, "k_norm", None)
+        eps = next((norm.variance_epsilon for norm in (q_norm, k_norm) if norm is not None), 0.0)
+        self._native.set_attention(
+            index, matrix(attention.q_proj), matrix(attention.k_proj), matrix(attention.v_proj),
+            None if q_norm is None else q_norm.weight, None if k_norm is None else k_norm.weight, eps,
+            attention.head_dim, attention.scaling)
+        if attention.q_proj.bias is not None:
+            self._native.set_attention_biases(index, attention.q_proj.bias, attention.k_proj.bias,
+                                              attention.v_proj.bias)
+        sinks = getattr(attention, "sinks", None)
+        eager = one_query_attention.is_eager(attention.config)
+        if sinks is not None or eager or attention.o_proj.bias is not None:
+            self._native.set_attention_extras(index, sinks, eager, attention.o_proj.bias)
+
+    def _add_latent_attention(self, index: int, attention: torch.nn.Module, matrix) -> None:
+        lora = attention.q_lora_rank is not None
+        kv_norm = attention.kv_a_layernorm
+        self._native.set_latent_attention(
+            index, matrix(attention.q_a_proj) if lora else None, attention.q_a_layernorm.weight if lora else None,
+            attention.q_a_layernorm.variance_epsilon if lora else 0.0,
+            matrix(attention.q_b_proj if lora else attention.q_proj), matrix(attention.kv_a_proj_with_mqa),
+            kv_norm.weight, kv_norm.variance_epsilon, attention.kv_b_proj.weight, attention.num_heads,
+            attention.qk_nope_head_dim, attention.qk_rope_head_dim, attention.v_head_dim, attention.scaling,
+            bool(getattr(attention.config, "rope_interleave", False)))
 
     def _experts(self, layer: int) -> tuple:
-        """`set_experts`' arguments for `layer`: every expert's gate_up and down by expert id, read
-        in place from its slot, their biases, their layout and their gate."""
+        """`set_experts`' arguments for MoE layer `layer`: every expert's gate_up and down by expert
+        id, read in place from its slot, their biases, their layout and their gate."""
         slot_of, slots = self.cache.directory.slot_of[layer], self.cache.slot_views[layer]
         chosen = [slots[slot_of[e]] for e in range(len(slot_of))]
-        recipe = experts_recipe(self.model.model.layers[layer].mlp.experts)
+        recipe = experts_recipe(self.model.model.layers[self.moe_layers[layer]].mlp.experts)
         reader = self.cache.reader_at(layer)
         return *expert_weights(self.kernels, reader, chosen), *expert_extras(self.kernels, reader, chosen, recipe)
 
@@ -204,8 +300,8 @@ class FusedDecoder:
         expert cache records the token's routing. Call only when `WholeTokenPath` allows it."""
         cache = self.cache
         if self._placed != (cache.slot_views, cache.directory.changes):  # experts moved (a re-plan)
-            for layer in range(self.layers):
-                self._native.set_experts(layer, *self._experts(layer))
+            for layer, index in enumerate(self.moe_layers):
+                self._native.set_experts(index, *self._experts(layer))
             self._placed = (cache.slot_views, cache.directory.changes)
         position = past_key_values.get_seq_length()
         cos, sin = self._rotary(position)
@@ -262,9 +358,15 @@ class WholeTokenPath(DecodePath):
         return self._decoder
 
 
+def _rotary_dim(attention: torch.nn.Module) -> int:
+    """The size of the rows the attention rotates: a head, or MLA's rotary part of one."""
+    return attention.qk_rope_head_dim if is_latent_attention(attention) else attention.head_dim
+
+
 def _slots_problem(model: torch.nn.Module, reader) -> str:
     """Why the step cannot read this model's expert slots ("" when it can)."""
-    if mixed_layout(experts_recipe(model.model.layers[0].mlp.experts), reader):
+    first = next(layer.mlp for layer in model.model.layers if not _dense(layer.mlp))
+    if mixed_layout(experts_recipe(first.experts), reader):
         return "one of the experts' matrices is quantized and the other transposed"
     return ""
 
