@@ -29,8 +29,8 @@ pytestmark = pytest.mark.usefixtures("kernels")
 
 WHOLE = "fast: whole token in one native call"
 LAYERS = "fast: native kernels, layer by layer"
-NOT_THESE = ("the whole-token step runs Qwen3-MoE, Qwen2-MoE, OLMoE, Mixtral, GPT-OSS, DeepSeek-V3 and "
-             "GLM-4.7-Flash decoders only")
+NOT_THESE = ("the whole-token step runs Qwen3-MoE, Qwen2-MoE, OLMoE, Mixtral, GPT-OSS, DeepSeek-V3, GLM-4.5 "
+             "and GLM-4.7-Flash decoders only")
 
 # family -> (the path a decode token takes at budget all, which module kinds run natively)
 PINNED = {
@@ -39,7 +39,7 @@ PINNED = {
     "qwen2_moe": (WHOLE, {"norm", "router"}),  # per layer, its biased q/k/v keep their own code
     "olmoe": (WHOLE, {"norm", "router"}),  # per layer, its full-width q/k norms keep their own code
     "deepseek_v3": (WHOLE, {"norm", "attention"}),  # MLA absorbed; grouped routing only in the step
-    "glm4_moe": (LAYERS, {"norm"}),  # partial rotary, biased q/k/v, grouped sigmoid routing
+    "glm4_moe": (WHOLE, {"norm"}),  # partial rotary, biased q/k/v, grouped routing: only in the step
     "gpt_oss": (WHOLE, {"norm", "attention", "router"}),  # sinks, biases, windows, interleaved experts
 }
 # Families whose experts are gated MLPs: the native experts kernel computes them in the per-layer path

@@ -1,5 +1,6 @@
 """--fast-decode's whole-token path (engine.decode.paths.whole_token): with every expert resident, a
-Qwen3-MoE, Qwen2-MoE, OLMoE, Mixtral, GPT-OSS, DeepSeek-V3 or GLM-4.7-Flash decode token runs in one native call. It must give the very logits of the
+Qwen3-MoE, Qwen2-MoE, OLMoE, Mixtral, GPT-OSS, DeepSeek-V3, GLM-4.5 or GLM-4.7-Flash decode token runs in one
+native call. It must give the very logits of the
 native per-layer path (same kernels, same order), leave the same trail in the counters the panels
 draw from, and step aside, saying why, whenever something needs a layer's routing as it happens."""
 
@@ -189,11 +190,13 @@ def test_lookahead_policies_keep_the_per_layer_path(tiny_checkpoints):
         runtime.close()
 
 
-@pytest.mark.parametrize("family", ["qwen2_moe", "olmoe"])
+@pytest.mark.parametrize("family", ["qwen2_moe", "olmoe", "glm4_moe"])
 def test_attention_and_shared_experts_only_the_step_computes(tiny_checkpoints, family):
     # Qwen2-MoE: biased q/k/v and a sigmoid-gated shared expert beside the routed ones; OLMoE: q/k
-    # norms over the whole projection. Their per-layer path keeps transformers' attention (another
-    # summation order), so the two paths agree to bf16 rounding rather than bit for bit.
+    # norms over the whole projection; GLM-4-MoE: biased q/k/v, a rotary embedding over half of each
+    # head, grouped sigmoid routing, a shared expert and a dense first layer. Their per-layer path
+    # keeps transformers' attention (another summation order), so the two paths agree to bf16
+    # rounding rather than bit for bit.
     from tests.helpers.numerics import close
 
     runtime = fast_runtime(str(tiny_checkpoints[family]))
@@ -279,12 +282,12 @@ def test_latent_attention_grouped_routing_and_dense_layers(tmp_path, family, ove
         runtime.close()
 
 
-@pytest.mark.parametrize("family", ["glm4_moe"])
-def test_other_families_are_not_taken_for_it(tiny_checkpoints, family):
-    runtime = fast_runtime(str(tiny_checkpoints[family]))
+def test_what_it_does_not_compute_is_declined_with_a_reason(tmp_path):
+    # DeepSeek-V3 with biases on its attention's projections: the step's latent attention has none
+    runtime = fast_runtime(latent_checkpoint("deepseek_v3", tmp_path, attention_bias=True))
     try:
         reason = recognise(runtime.model)  # a reason, in words
-        assert reason
+        assert reason == "layer 0: its latent attention's projections are not bias-free bf16 or block linears"
         Generator(runtime).generate(PROMPT, SamplingSettings(temperature=0, max_new_tokens=3))
         assert runtime.decode_path_reason == reason
     finally:

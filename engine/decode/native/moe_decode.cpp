@@ -602,6 +602,7 @@ struct AttentionWeights {
   torch::Tensor q_norm, k_norm;  // undefined where the model has none
   std::vector<torch::Tensor> keep;  // the projections' tensors, alive while referenced
   int64_t head_dim = 0;
+  int64_t rotary_dim = 0;  // the first rotary_dim values of a q/k head turn (GLM-4-MoE: part of it); the rest pass
   float eps = 0.f;
   torch::Tensor bias[3];  // q/k/v projections' biases (Qwen2-MoE, GPT-OSS); undefined where the model has none
   bool full_norm = false;  // q/k norms over the whole projection (OLMoE), before the rotary embedding
@@ -624,7 +625,7 @@ AttentionWeights attention_weights(const Weight& q_proj, const Weight& k_proj, c
                   wv.rows == wk.rows && wk.rows > 0 && (wq.rows / head_dim) % (wk.rows / head_dim) == 0,
               "qkv_rope: projections of whole heads, as many value heads as key heads, whole groups of query heads");
   AttentionWeights out{wq, wk, wv, torch::Tensor(), torch::Tensor(),
-                       {q_proj.tensor, k_proj.tensor, v_proj.tensor}, head_dim, static_cast<float>(eps)};
+                       {q_proj.tensor, k_proj.tensor, v_proj.tensor}, head_dim, head_dim, static_cast<float>(eps)};
   // q/k norms over one head, or (OLMoE) over the whole projection: then both are
   out.full_norm = q_norm.has_value() && q_norm->numel() != head_dim;
   if (q_norm.has_value())
@@ -650,7 +651,7 @@ void project_head(const AttentionWeights& a, int m, int64_t h, const bf16* x, co
     rms_norm_row(out, bf16_data(norm), d, a.eps, normed);
     std::memcpy(out, normed, d * sizeof(bf16));
   }
-  rope_head(out, cos, sin, d);
+  rope_head(out, cos, sin, a.rotary_dim);
 }
 
 // One token's query (into q), key and value (into k, v) for a layer of Llama-style attention.
@@ -1033,12 +1034,16 @@ class DecodeStep {
     layers_.push_back(std::move(layer));
   }
 
-  // `layer`'s Llama-style attention: q/k/v projections, optional per-head (or whole) q/k norms.
+  // `layer`'s Llama-style attention: q/k/v projections, optional per-head (or whole) q/k norms, the
+  // rotary embedding over the first `rotary_dim` values of each head (all of it but in GLM-4-MoE).
   void set_attention(int64_t layer, const Weight& wq, const Weight& wk, const Weight& wv,
                      const c10::optional<torch::Tensor>& q_norm, const c10::optional<torch::Tensor>& k_norm,
-                     double qk_eps, int64_t head_dim, double scale) {
+                     double qk_eps, int64_t head_dim, double scale, int64_t rotary_dim) {
     Layer& l = at_layer(layer, "set_attention");
     l.attention = attention_weights(wq, wk, wv, q_norm, k_norm, qk_eps, head_dim, hidden_);
+    TORCH_CHECK(rotary_dim > 0 && rotary_dim % 2 == 0 && rotary_dim <= head_dim,
+                "set_attention: an even rotary size of at most the head size");
+    l.attention.rotary_dim = rotary_dim;
     TORCH_CHECK(l.wo.cols == l.attention.wq.rows, "o_proj: [hidden, heads * head_dim]");
     l.scale = static_cast<float>(scale);
     l.latent = false;
@@ -1344,7 +1349,7 @@ class DecodeStep {
     std::vector<torch::Tensor> shared_tensors;
     int64_t moe_row = -1;  // its row of `picks` (-1: a dense layer), numbered by run
 
-    int64_t rotary_dim() const { return latent ? mla.shape.rope : attention.head_dim; }
+    int64_t rotary_dim() const { return latent ? mla.shape.rope : attention.rotary_dim; }
   };
 
   Layer& at_layer(int64_t layer, const char* who) {
@@ -1527,7 +1532,7 @@ class DecodeStep {
           const bf16* weight = bf16_data(q ? a.q_norm : a.k_norm) + h * d;
           const float scale = q ? q_scale : k_scale;
           for (int64_t c = 0; c < d; ++c) row[c] = to_bf16(to_float(weight[c]) * round_bf16(to_float(row[c]) * scale));
-          rope_head(row, in.cos, in.sin, d);
+          rope_head(row, in.cos, in.sin, a.rotary_dim);
         }
         barrier.wait();
       }

@@ -54,7 +54,8 @@ class Family:
     # where it has one; the block's router is its `gate` or `router`
     whole_token: tuple[str, str, str, str] | None = None
     # Llama-style attention that only the whole-token step computes: q/k/v projections with biases
-    # (Qwen2-MoE), or q/k norms over the whole projection before the rotary embedding (OLMoE)
+    # (Qwen2-MoE), q/k norms over the whole projection before the rotary embedding (OLMoE), or a
+    # rotary embedding over part of each head (GLM-4-MoE)
     whole_token_attention: tuple[str, ...] = ()
     # DeepSeek-V3-style multi-head latent attention whose cache holds the compressed latents: one-query
     # steps attend over the latents with kv_b_proj absorbed (engine.decode.paths.latent_attention)
@@ -99,7 +100,11 @@ FAMILIES = (
            whole_token=("DeepseekV3ForCausalLM", "DeepseekV3Model", "DeepseekV3DecoderLayer", "DeepseekV3MoE"),
            grouped_routers=("DeepseekV3TopkRouter",), dense_mlps=("DeepseekV3MLP",)),
     Family("deepseek_v32", ("DeepseekV32RMSNorm",)),
-    Family("glm4_moe", ("Glm4MoeRMSNorm",)),
+    # partial rotary and biased q/k/v (whole-token step only), grouped routers, shared experts, dense layers
+    Family("glm4_moe", ("Glm4MoeRMSNorm",),
+           whole_token=("Glm4MoeForCausalLM", "Glm4MoeModel", "Glm4MoeDecoderLayer", "Glm4MoeMoE"),
+           whole_token_attention=("Glm4MoeAttention",), grouped_routers=("Glm4MoeTopkRouter",),
+           dense_mlps=("Glm4MoeMLP",)),
     Family("glm4_moe_lite", ("Glm4MoeLiteRMSNorm",), latent_attention=("Glm4MoeLiteAttention",),
            whole_token=("Glm4MoeLiteForCausalLM", "Glm4MoeLiteModel", "Glm4MoeLiteDecoderLayer", "Glm4MoeLiteMoE"),
            grouped_routers=("Glm4MoeLiteTopkRouter",), dense_mlps=("Glm4MoeLiteMLP",)),

@@ -7,9 +7,10 @@ mask, module lookups, the router's softmax and top-k as separate ops). For the d
 every piece the native kernels compute (engine.decode.paths.families: Qwen3-MoE, Qwen2-MoE
 with its biased q/k/v and gated shared expert, OLMoE with its full-width q/k norms, Mixtral,
 GPT-OSS with its attention sinks, biases, sliding windows, clamped SwiGLU experts and its own
-router and norms, and DeepSeek-V3 / GLM-4.7-Flash with their latent attention (absorbed, as the
-per-layer path computes it), grouped sigmoid routers, shared experts and dense first layers, as
-transformers writes them, bf16 or block formats on the CPU),
+router and norms, DeepSeek-V3 / GLM-4.7-Flash with their latent attention (absorbed, as the
+per-layer path computes it), and GLM-4.5 (glm4_moe) with its partial rotary embedding; the last
+three with grouped sigmoid routers, shared experts and dense first layers; as transformers writes
+them, bf16 or block formats on the CPU),
 `FusedDecoder.step` runs the embedding, every layer
 and the lm_head in one call (`DecodeStep` in engine/decode/native/moe_decode.cpp), with the same
 kernels in the same order; the expert cache then records the token from the picks it returns,
@@ -68,7 +69,7 @@ def _linear_ok(module: torch.nn.Module, bias: bool = False) -> bool:
     return isinstance(module, torch.nn.Linear) and _matrix(module.weight)
 
 
-FAMILIES_NAMED = "Qwen3-MoE, Qwen2-MoE, OLMoE, Mixtral, GPT-OSS, DeepSeek-V3 and GLM-4.7-Flash"
+FAMILIES_NAMED = "Qwen3-MoE, Qwen2-MoE, OLMoE, Mixtral, GPT-OSS, DeepSeek-V3, GLM-4.5 and GLM-4.7-Flash"
 
 
 def _router(block: torch.nn.Module) -> torch.nn.Module | None:
@@ -109,6 +110,8 @@ def recognise(model: torch.nn.Module) -> str:
     norms = [inner.norm, *(n for layer in inner.layers for n in (layer.input_layernorm, layer.post_attention_layernorm))]
     if len({norm_rounds_once(norm) for norm in norms}) > 1:
         return "its norms round in different ways"
+    if not isinstance(getattr(inner.rotary_emb, "inv_freq", None), torch.Tensor):
+        return "its rotary embedding has no frequencies to read"
     rope_type = getattr(inner.rotary_emb, "rope_type", "default")
     if "dynamic" in rope_type or "longrope" in rope_type:
         return f"{rope_type} rotary embeddings change with the length"
@@ -221,6 +224,7 @@ class FusedDecoder:
         always_normalize, cast_back, softmax_of_top = (False, False, False) if _grouped(gate) else router_recipe(gate)
         self.model, self.cache = model, cache
         self.kernels = kernels
+        self._rotary_dim = _rotary_dim(inner.rotary_emb)
         matrix = partial(linear_weight, kernels)
         self._native = kernels.DecodeStep(
             inner.embed_tokens.weight, inner.norm.weight, inner.norm.variance_epsilon, matrix(model.lm_head),
@@ -258,7 +262,7 @@ class FusedDecoder:
         self._picks = torch.empty((len(self.moe_layers), gate.top_k), dtype=torch.long)
         # the rotary call reads the embedding row's dtype only
         self._rotary_rows = RotaryRows(inner.rotary_emb, inner.embed_tokens.weight[:1].unsqueeze(0),
-                                       _rotary_dim(inner.layers[0].self_attn))
+                                       self._rotary_dim)
 
     def _add_attention(self, index: int, attention: torch.nn.Module, matrix) -> None:
         q_norm, k_norm = getattr(attention, "q_norm", None), getattr(attention, "k_norm", None)
@@ -266,7 +270,7 @@ class FusedDecoder:
         self._native.set_attention(
             index, matrix(attention.q_proj), matrix(attention.k_proj), matrix(attention.v_proj),
             None if q_norm is None else q_norm.weight, None if k_norm is None else k_norm.weight, eps,
-            attention.head_dim, attention.scaling)
+            attention.head_dim, attention.scaling, self._rotary_dim)
         if attention.q_proj.bias is not None:
             self._native.set_attention_biases(index, attention.q_proj.bias, attention.k_proj.bias,
                                               attention.v_proj.bias)
@@ -358,9 +362,10 @@ class WholeTokenPath(DecodePath):
         return self._decoder
 
 
-def _rotary_dim(attention: torch.nn.Module) -> int:
-    """The size of the rows the attention rotates: a head, or MLA's rotary part of one."""
-    return attention.qk_rope_head_dim if is_latent_attention(attention) else attention.head_dim
+def _rotary_dim(rotary: torch.nn.Module) -> int:
+    """How many values of a head the rotary embedding turns: a head, part of one (GLM-4-MoE's partial
+    rotary), MLA's rotary part; two per frequency of the model's rotary module."""
+    return 2 * rotary.inv_freq.numel()
 
 
 def _slots_problem(model: torch.nn.Module, reader) -> str:
