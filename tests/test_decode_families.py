@@ -48,7 +48,7 @@ GATED_EXPERTS = ["mixtral", "qwen2_moe", "olmoe", "deepseek_v3", "glm4_moe", "gp
 
 
 def listed(kind: str) -> list[type]:
-    return sorted({"norm": families.norm_classes(), "attention": families.attention_classes(),
+    return sorted({"norm": families.listed("norms"), "attention": families.listed("attention"),
                    "router": families.router_recipes()}[kind], key=lambda cls: cls.__name__)
 
 
@@ -195,7 +195,7 @@ def test_one_query_eager_attention_with_sinks_and_mask_is_the_familys_own(window
 
 @pytest.mark.parametrize("in_torch", [False, True], ids=["native", "torch"])
 @pytest.mark.parametrize("q_lora_rank", [48, None])
-@pytest.mark.parametrize("cls", sorted(families.latent_attention_classes(), key=lambda c: c.__name__),
+@pytest.mark.parametrize("cls", sorted(families.listed("latent_attention"), key=lambda c: c.__name__),
                          ids=lambda cls: cls.__name__)
 def test_listed_latent_attention_steps_like_its_own_forward(kernels, monkeypatch, cls, q_lora_rank, in_torch):
     # MLA with kv_b_proj absorbed gives what the module's own forward gives after expanding the

@@ -1327,7 +1327,8 @@ class DecodeStep {
     bool latent = false;  // the attention is `mla`, not `attention`
     LatentAttention mla;
     torch::Tensor input_norm, post_norm, router_tensor, wo_tensor;
-    Matrix wo, router;  // router: no rows in a dense layer
+    // router: no rows in a dense layer; a grouped router's only counts its experts (the weight is router_tensor)
+    Matrix wo, router;
     float input_eps = 0.f, post_eps = 0.f, scale = 1.f;
     // a DeepSeek-V3-style router (set_grouped_router): router_tensor is its float32 weight
     bool grouped = false;

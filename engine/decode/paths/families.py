@@ -146,38 +146,15 @@ def _classes(family: Family, names) -> list[type]:
 
 
 @cache
-def norm_classes() -> frozenset[type]:
-    return frozenset(cls for f in FAMILIES for cls in _classes(f, f.norms))
+def listed(kind: str) -> frozenset[type]:
+    """The classes every family names in its field `kind` ("norms", "attention", "latent_attention",
+    "whole_token_attention", "grouped_routers", "dense_mlps")."""
+    return frozenset(cls for f in FAMILIES for cls in _classes(f, getattr(f, kind)))
 
 
 @cache
 def norms_rounding_once() -> frozenset[type]:
     return frozenset(cls for f in FAMILIES if f.norms_round_once for cls in _classes(f, f.norms))
-
-
-@cache
-def attention_classes() -> frozenset[type]:
-    return frozenset(cls for f in FAMILIES for cls in _classes(f, f.attention))
-
-
-@cache
-def whole_token_attention_classes() -> frozenset[type]:
-    return frozenset(cls for f in FAMILIES for cls in _classes(f, f.whole_token_attention))
-
-
-@cache
-def latent_attention_classes() -> frozenset[type]:
-    return frozenset(cls for f in FAMILIES for cls in _classes(f, f.latent_attention))
-
-
-@cache
-def grouped_router_classes() -> frozenset[type]:
-    return frozenset(cls for f in FAMILIES for cls in _classes(f, f.grouped_routers))
-
-
-@cache
-def dense_mlp_classes() -> frozenset[type]:
-    return frozenset(cls for f in FAMILIES for cls in _classes(f, f.dense_mlps))
 
 
 @cache
@@ -208,7 +185,7 @@ def is_llama_rms_norm(module: torch.nn.Module, rounding_once: bool = False) -> b
     with `rounding_once`, also those that round only the weighted product (GPT-OSS's). Gemma-style
     (1 + weight) norms and others are not listed."""
     cls = own_class(module)
-    return (cls in norm_classes() and (rounding_once or cls not in norms_rounding_once())
+    return (cls in listed("norms") and (rounding_once or cls not in norms_rounding_once())
             and isinstance(getattr(module, "weight", None), torch.nn.Parameter) and hasattr(module, "variance_epsilon"))
 
 
@@ -221,8 +198,8 @@ def is_llama_attention(module: torch.nn.Module, whole_token: bool = False) -> bo
     them) and q/k norms (if any) over one head with one epsilon; with `whole_token`, also the listed
     classes only the whole-token step computes, whose q/k/v carry biases (Qwen2-MoE) or whose q/k
     norms span the whole projection (OLMoE)."""
-    listed = attention_classes() | (whole_token_attention_classes() if whole_token else frozenset())
-    if own_class(module) not in listed:
+    classes = listed("attention") | (listed("whole_token_attention") if whole_token else frozenset())
+    if own_class(module) not in classes:
         return False
     projections = [getattr(module, name, None) for name in ("q_proj", "k_proj", "v_proj", "o_proj")]
     if not all(is_linear(proj) for proj in projections):
@@ -245,7 +222,7 @@ def is_llama_attention(module: torch.nn.Module, whole_token: bool = False) -> bo
 def is_latent_attention(module: torch.nn.Module) -> bool:
     """A listed MLA attention whose kv_b_proj is a plain bias-free linear (its weight is split per head)."""
     up = getattr(module, "kv_b_proj", None)
-    return (own_class(module) in latent_attention_classes() and isinstance(up, torch.nn.Linear)
+    return (own_class(module) in listed("latent_attention") and isinstance(up, torch.nn.Linear)
             and up.bias is None and is_linear(getattr(module, "o_proj", None)))
 
 

@@ -34,12 +34,11 @@ from engine.decode.paths import one_query_attention
 from engine.decode.paths.base import DecodePath, Step
 from engine.decode.paths.expert_recipe import experts_recipe
 from engine.decode.paths.families import (
-    dense_mlp_classes,
-    grouped_router_classes,
     is_latent_attention,
     is_linear,
     is_llama_attention,
     is_llama_rms_norm,
+    listed,
     norm_rounds_once,
     own_class,
     router_recipe,
@@ -86,13 +85,13 @@ def _shared(block: torch.nn.Module) -> torch.nn.Module | None:
 
 def _dense(block: torch.nn.Module | None) -> bool:
     """A listed dense MLP in place of an MoE block (DeepSeek's first layers)."""
-    return block is not None and own_class(block) in dense_mlp_classes()
+    return block is not None and own_class(block) in listed("dense_mlps")
 
 
 def _grouped(router: torch.nn.Module) -> bool:
     """A listed DeepSeek-V3-style grouped sigmoid router with a plain weight and correction bias."""
     weight, bias = getattr(router, "weight", None), getattr(router, "e_score_correction_bias", None)
-    return (own_class(router) in grouped_router_classes() and isinstance(weight, torch.Tensor) and weight.dim() == 2
+    return (own_class(router) in listed("grouped_routers") and isinstance(weight, torch.Tensor) and weight.dim() == 2
             and weight.device.type == "cpu" and weight.dtype in (torch.float32, torch.bfloat16)
             and isinstance(bias, torch.Tensor) and bias.numel() == weight.shape[0])
 
@@ -230,6 +229,7 @@ class FusedDecoder:
             inner.embed_tokens.weight, inner.norm.weight, inner.norm.variance_epsilon, matrix(model.lm_head),
             gate.top_k, bool(always_normalize or getattr(gate, "norm_topk_prob", False)), cast_back,
             softmax_of_top, norm_rounds_once(inner.norm))
+        cache_layer = {index: layer for layer, index in enumerate(self.moe_layers)}  # its expert cache layer
         for index, layer in enumerate(inner.layers):
             attention, block = layer.self_attn, layer.mlp
             self._native.add_layer(layer.input_layernorm.weight, layer.input_layernorm.variance_epsilon,
@@ -252,7 +252,7 @@ class FusedDecoder:
                 self._native.set_router(index, router.weight)
             if softmax_of_top:
                 self._native.set_router_bias(index, router.bias)
-            self._native.set_experts(index, *self._experts(self.moe_layers.index(index)))
+            self._native.set_experts(index, *self._experts(cache_layer[index]))
             if (shared := _shared(block)) is not None:
                 gate_row = getattr(block, "shared_expert_gate", None)
                 self._native.set_shared_expert(index, matrix(shared.gate_proj), matrix(shared.up_proj),
