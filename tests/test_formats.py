@@ -9,7 +9,7 @@ import pytest
 import torch
 from gguf import GGMLQuantizationType, quants
 
-from engine.formats.blocks import FORMATS, format_for, formats_that_fit, parse_format
+from engine.formats.blocks import FORMATS, QK_K, format_for, formats_that_fit, parse_format
 from engine.formats.dequantize import dequantize
 from engine.formats.quantize import quantize
 
@@ -42,6 +42,16 @@ def test_dequantize_is_the_reference_dequantizer_bit_for_bit(name):
     # and into the compute dtype: the same values, rounded once
     bf16 = dequantize(torch.from_numpy(packed), fmt, x.shape[1], torch.bfloat16)
     assert torch.equal(bf16, torch.from_numpy(reference).to(torch.bfloat16))
+
+
+@pytest.mark.parametrize("name", sorted(FORMATS))
+def test_slots_are_dequantized_on_their_own_device(name):
+    # A GPU's cache dequantizes its slots where they are: no constant may be made on the CPU. The meta
+    # device stands in for the GPU here (it refuses CPU operands just as CUDA does).
+    fmt = FORMATS[name]
+    packed = torch.zeros((3, fmt.row_bytes(2 * QK_K)), dtype=torch.uint8, device="meta")
+    out = dequantize(packed, fmt, 2 * QK_K, torch.bfloat16)
+    assert out.device.type == "meta" and out.shape == (3, 2 * QK_K)
 
 
 @pytest.mark.parametrize("name", sorted(FORMATS))

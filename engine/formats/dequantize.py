@@ -38,6 +38,11 @@ def reference_dequantizer(packed: torch.Tensor, fmt: BlockFormat, columns: int, 
     dequantize(packed, fmt, columns, out=out)
 
 
+def _shifts(values: tuple[int, ...], like: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
+    """Bit shifts as a uint8 tensor on `like`'s device (a GPU's slots are dequantized where they are)."""
+    return torch.tensor(values, dtype=torch.uint8, device=like.device).reshape(shape)
+
+
 def _half(blocks: torch.Tensor, start: int) -> torch.Tensor:
     """The fp16 at byte `start` of each block, as float32 [n, 1]."""
     return blocks[:, start : start + 2].contiguous().view(torch.float16).float()
@@ -61,7 +66,7 @@ def _q4_0(blocks: torch.Tensor) -> torch.Tensor:
 def _q5_0(blocks: torch.Tensor) -> torch.Tensor:
     d = _half(blocks, 0)
     qh = blocks[:, 2:6].contiguous().view(torch.int32).long() & 0xFFFFFFFF  # 32 high bits, little-endian
-    high = ((qh >> torch.arange(32).reshape(1, 32)) & 1).to(torch.uint8)
+    high = ((qh >> torch.arange(32, device=qh.device).reshape(1, 32)) & 1).to(torch.uint8)
     q = (_nibbles(blocks[:, 6:22]) | (high << 4)).to(torch.int8) - 16
     return d * q.float()
 
@@ -83,7 +88,7 @@ def _q4_k(blocks: torch.Tensor) -> torch.Tensor:
 def _levels_2bit(qs: torch.Tensor) -> torch.Tensor:
     """[n, 64] bytes as [n, 256] levels 0..3 (GGUF's order: within each 128, 4 shifts of 32 bytes)."""
     n = qs.shape[0]
-    shifts = torch.tensor([0, 2, 4, 6], dtype=torch.uint8).reshape(1, 1, 4, 1)
+    shifts = _shifts((0, 2, 4, 6), qs, (1, 1, 4, 1))
     return ((qs.reshape(n, 2, 1, 32) >> shifts) & 3).reshape(n, QK_K)
 
 
@@ -101,11 +106,11 @@ def _q3_k(blocks: torch.Tensor) -> torch.Tensor:
     n = blocks.shape[0]
     hmask, qs, scales = blocks[:, 0:32], blocks[:, 32:96], blocks[:, 96:108]
     d = _half(blocks, 108)
-    low = (scales[:, 0:8].reshape(n, 1, 8) >> torch.tensor([0, 4], dtype=torch.uint8).reshape(1, 2, 1)).reshape(n, 16)
-    high = (scales[:, 8:12].reshape(n, 1, 4) >> torch.tensor([0, 2, 4, 6], dtype=torch.uint8).reshape(1, 4, 1)).reshape(n, 16)
+    low = (scales[:, 0:8].reshape(n, 1, 8) >> _shifts((0, 4), blocks, (1, 2, 1))).reshape(n, 16)
+    high = (scales[:, 8:12].reshape(n, 1, 4) >> _shifts((0, 2, 4, 6), blocks, (1, 4, 1))).reshape(n, 16)
     sc = ((low & 0x0F) | ((high & 0x03) << 4)).to(torch.int8) - 32
     step = (d * sc.float()).reshape(n, 16, 1)
-    bits = torch.arange(8, dtype=torch.uint8).reshape(1, 8, 1)
+    bits = torch.arange(8, dtype=torch.uint8, device=blocks.device).reshape(1, 8, 1)
     h = ((hmask.reshape(n, 1, 32) >> bits) & 1).reshape(n, QK_K) ^ 1  # a set bit means no offset
     q = (_levels_2bit(qs).to(torch.int8) - (h << 2).to(torch.int8)).reshape(n, 16, 16).float()
     return (step * q).reshape(n, QK_K)
@@ -118,9 +123,9 @@ def _q6_k(blocks: torch.Tensor) -> torch.Tensor:
     step = (d * scales.contiguous().view(torch.int8).float()).reshape(n, 16, 1)
     # Within each half of 128: elements 32j..32j+31 are ql bytes 0..31 (j = 0, 2) or 32..63 (j = 1, 3),
     # low nibbles for j < 2 and high ones for j >= 2; qh holds their top two bits at shift 2j.
-    low = ((ql.reshape(n, 2, 1, 64) >> torch.tensor([0, 4], dtype=torch.uint8).reshape(1, 1, 2, 1)) & 0x0F)
+    low = ((ql.reshape(n, 2, 1, 64) >> _shifts((0, 4), blocks, (1, 1, 2, 1))) & 0x0F)
     low = low.reshape(n, 2, 4, 32)
-    high = ((qh.reshape(n, 2, 1, 32) >> torch.tensor([0, 2, 4, 6], dtype=torch.uint8).reshape(1, 1, 4, 1)) & 0x03)
+    high = ((qh.reshape(n, 2, 1, 32) >> _shifts((0, 2, 4, 6), blocks, (1, 1, 4, 1))) & 0x03)
     q = ((low | (high << 4)).to(torch.int8) - 32).reshape(n, 16, 16).float()
     return (step * q).reshape(n, QK_K)
 
