@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # The checks that need a CUDA GPU, in one go: the engine's tests with the GPU as the default
-# device (every `--device auto` test then runs its cache on CUDA), and the GPU benchmark
-# (bench.run --device cuda). Usage: bash bench/cuda_run.sh OUT_DIR [TEST_SECONDS] [BENCH_SECONDS]
+# device (every `--device auto` test then runs its cache on CUDA), then the GPU benchmark
+# (bench.run --device cuda; budgets 100 and 25 % so both fit one 10-minute device call after the tests).
+# Usage: bash bench/cuda_run.sh OUT_DIR [TEST_SECONDS] [BENCH_SECONDS]
+# Tests run on pytest-xdist workers where it is installed (WORKERS, default 8).
 set -uo pipefail
 out=${1:?output folder}
 mkdir -p "$out"
@@ -10,8 +12,11 @@ export HF_HUB_OFFLINE=1 PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHO
 { nvidia-smi -L; "$python" -c "import torch, transformers; print('torch', torch.__version__, 'transformers',
 transformers.__version__, 'cuda', torch.cuda.is_available(), torch.cuda.get_device_name(0))"; lscpu | grep 'Model name'; } \
   2>&1 | tee "$out/machine.txt"
-timeout "${3:-330}" "$python" -m bench.run --device cuda --models qwen3moe-64e --budgets 25,50,100 --prompts 128 \
+workers=()  # xdist workers get 2 torch threads each, or they oversubscribe the cores
+"$python" -c "import xdist" 2>/dev/null && workers=(-n "${WORKERS:-8}") && export OMP_NUM_THREADS=${OMP_NUM_THREADS:-2}
+timeout "${2:-230}" "$python" -m pytest -p no:cacheprovider -q -rfEs "${workers[@]}" --junitxml "$out/tests.xml" \
+  tests/test_exactness.py tests/test_quantized_experts.py tests/test_quantized_checkpoints.py tests/test_gguf.py \
+  tests/test_policies.py tests/test_live_budget.py tests/test_memory.py tests/test_decode_families.py \
+  tests/test_formats.py tests/test_kv_cache.py 2>&1 | tee "$out/tests.log" | tail -60
+timeout "${3:-320}" "$python" -m bench.run --device cuda --models qwen3moe-64e --budgets 25,100 --prompts 128 \
   --routings trace --decode 64 --accelerate-decode 16 --threads 8 --label cuda --out "$out" 2>&1 | tee "$out/bench.log"
-timeout "${2:-240}" "$python" -m pytest -p no:cacheprovider -q -rfEs --junitxml "$out/tests.xml" \
-  tests/test_exactness.py tests/test_quantized_experts.py tests/test_policies.py tests/test_live_budget.py \
-  tests/test_memory.py tests/test_decode_families.py 2>&1 | tee "$out/tests.log" | tail -40

@@ -237,7 +237,8 @@ def native_kinds(runtime: MoERuntime) -> set[str]:
 @pytest.mark.parametrize("family", sorted(PINNED))
 def test_each_family_takes_its_pinned_path(tiny_checkpoints, family):
     path = "demo" if family == "demo" else str(tiny_checkpoints[family])
-    runtime = MoERuntime(LoadModel(path=path, budget="all", store="ram", dtype="bfloat16", fast_decode=True))
+    runtime = MoERuntime(LoadModel(path=path, budget="all", store="ram", device="cpu", dtype="bfloat16",
+                                   fast_decode=True))
     try:
         kv = new_cache(runtime.model)
         prompt = torch.tensor([[5, 17, 33, 8, 61]])
@@ -257,7 +258,9 @@ def test_each_family_takes_its_pinned_path(tiny_checkpoints, family):
 
 
 def fast_runtime(path) -> MoERuntime:
-    return MoERuntime(LoadModel(path=str(path), budget="all", store="ram", dtype="bfloat16", fast_decode=True))
+    """Budget all with the native kernels, which are the CPU's (on a GPU machine too)."""
+    return MoERuntime(LoadModel(path=str(path), budget="all", store="ram", device="cpu", dtype="bfloat16",
+                                   fast_decode=True))
 
 
 def experts_modules(runtime: MoERuntime) -> list[torch.nn.Module]:

@@ -47,6 +47,25 @@ def test_greedy_generation_matches_transformers(capsys, tiny_checkpoints, refere
         assert stats["misses"] > 0 and stats["bytes_loaded"] > 0
 
 
+@pytest.mark.parametrize("family", ["mixtral", "gpt_oss", "qwen2_moe"])
+def test_decode_tokens_through_the_grouped_experts_stay_exact(tiny_checkpoints, references, family):
+    # On a GPU a decode token's resident experts run as grouped matmuls (fewer kernel launches); that path
+    # is device-agnostic, so it is held to transformers here too, biases (gpt-oss) and shared experts included.
+    from engine.decode.generation import Generator
+    from engine.decode.runtime import MoERuntime
+    from engine.protocol import LoadModel, SamplingSettings
+
+    runtime = MoERuntime(LoadModel(path=str(tiny_checkpoints[family]), budget="all", store="ram", device="cpu",
+                                   fast_decode=False))
+    try:
+        assert not runtime.cache.decode_grouped  # on a CPU, one-row matmuls straight from the slots
+        runtime.cache.decode_grouped = True
+        reply = Generator(runtime).generate(PROMPT, SamplingSettings(temperature=0, max_new_tokens=NEW_TOKENS))
+        assert reply.token_ids == references[family]
+    finally:
+        runtime.close()
+
+
 def test_json_has_the_promised_stats(capsys, mixtral_checkpoint):
     stats = run_generate(capsys, mixtral_checkpoint, "30%", "disk")["stats"]
     for key in ("prefill_tokens", "decode_tokens", "ttft_s", "decode_tokens_per_s", "hit_rate", "bytes_loaded",
@@ -115,7 +134,8 @@ def test_bf16_packed_experts_stay_exact_across_budget_changes(demo_chats):
 
     chats = demo_chats[:4]
     stock = [reference_generate(DEMO_MODEL_DIR, ids, 32, dtype=torch.bfloat16) for ids in chats]
-    runtime = MoERuntime(LoadModel(path="demo", budget="all", store="disk", dtype="bfloat16", fast_decode=False))
+    runtime = MoERuntime(LoadModel(path="demo", budget="all", store="disk", device="cpu", dtype="bfloat16",
+                                   fast_decode=False))
     try:
         assert runtime.cache.packed_params == {"gate_up_proj", "down_proj"}
         generator = Generator(runtime)
@@ -142,7 +162,8 @@ def test_bf16_switching_exact_off_unpacks_experts_and_keeps_answers(demo_chats):
     chats = demo_chats[:4]
     stock = [reference_generate(DEMO_MODEL_DIR, ids, 32, dtype=torch.bfloat16) for ids in chats]
     decode_kernels.wait(timeout=600)
-    runtime = MoERuntime(LoadModel(path="demo", budget="all", store="ram", dtype="bfloat16", fast_decode=False))
+    runtime = MoERuntime(LoadModel(path="demo", budget="all", store="ram", device="cpu", dtype="bfloat16",
+                                   fast_decode=False))
     try:
         assert runtime.cache.packed_params
         assert runtime.set_fast_decode(True)

@@ -204,8 +204,8 @@ def test_expanding_slots_natively_changes_no_bit_of_the_exact_path(wide, kernels
     from engine.formats.dequantize import reference_dequantizer
     from engine.model.dense_formats import QuantizedLinear
 
-    runtime = MoERuntime(LoadModel(path=str(wide["qwen2_moe"]), budget="30%", store="ram", dtype="bfloat16",
-                                   expert_format="q4_k", dense_format="q6_k"))
+    runtime = MoERuntime(LoadModel(path=str(wide["qwen2_moe"]), budget="30%", store="ram", device="cpu",
+                                   dtype="bfloat16", expert_format="q4_k", dense_format="q6_k"))
     prompt = torch.tensor([PROMPT])
     try:
         with torch.inference_mode():

@@ -153,6 +153,10 @@ class ExpertCache:
         # Quantized experts are dequantized one at a time into a scratch, so they do not run grouped.
         self._grouped = (grouped_available(self.pools[0]) if self.pools else False) and not self._packed \
             and not layout.quantized
+        # A decode token's resident experts: on a GPU each kernel launch costs more than a small
+        # expert's matmul, so they run grouped (a few launches a layer, not a few per expert); on a
+        # CPU one-row matmuls straight from the slots skip the grouped path's gathers and scatters.
+        self.decode_grouped = self._grouped and self._cuda
         self._dequantizer: Dequantizer = reference_dequantizer
         self.reader = SlotReader(self._pool_params, layout.compute_dtype, packed=self._packed)
         self._layer_readers = self._readers_by_layer()
@@ -450,7 +454,8 @@ class ExpertCache:
             self._observe_routing(layer, hidden_states, top_k_index, top_k_weights)
         weights = top_k_weights.reshape(-1)
         out_dtype = torch.promote_types(self.layout.compute_dtype, weights.dtype)
-        if routing.picks is not None and len(found.ready) == routing.top_k:  # a decode token, every pick resident
+        if routing.picks is not None and len(found.ready) == routing.top_k and not self.decode_grouped:
+            # a decode token, every pick resident
             if self.policy.prefetches:
                 self._prefetch(layer, set(routing.needed))
             slot_of, slots = self.directory.slot_of[layer], self.slot_views[layer]
