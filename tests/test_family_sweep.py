@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import datetime
 import json
+import sys
 
 import pytest
 
@@ -26,14 +27,13 @@ FAILURE_CLASSES = {
     "mistral4": "the causal-LM class is missing from the auto mapping; config.json's architectures names it",
     "minimax": "a cache class of its own (lightning-attention state)",
     "qwen3_vl_moe": "multimodal: text through the conditional-generation class; fused experts stored transposed",
+    "dots3_note": "a vision tower with experts of another shape: they stay in memory, on transformers' forward",
 }
 # Families that cannot run exactly yet, and why: the sweep lists them with that reason.
 KNOWN_FAILURES = {
     "openai_privacy_filter": "a token classifier: transformers has no class that generates text for it",
-    "inkling": "its model code needs scipy, which MoEScope does not depend on",
     "diffusion_gemma": "a block-diffusion model: stock generate does not run it as a causal LM",
     "qwen3_omni_moe": "stock generate of the whole Omni model fails on a text-only tiny checkpoint",
-    "dots3_note": "its vision tower has experts of another shape than the text model's",
     "ernie4_5_vl_moe": "one checkpoint list of experts split into text and vision experts modules",
     "inkling2_loop": "its expert converter dequantizes (Inkling2LoopDequantizeExperts), not a slicing rule",
 }  # (an older transformers may lack some of these families)
@@ -126,3 +126,33 @@ def test_names_that_match_no_weight_are_not_blamed_on_the_download(tmp_path, cap
     assert code != 0
     assert "model.norm.weight" in err and "model.final_layernorm.weight" in err
     assert "do not match" in err and "incomplete" not in err
+
+
+def test_a_package_the_models_code_needs_is_named(tmp_path, capsys, monkeypatch):
+    # Inkling's vision tower imports scipy, which transformers does not require: a machine without it
+    # gets one line naming the package, and the chat runs once it is installed.
+    path = save_family_checkpoint(ALL["inkling"], tmp_path / "inkling").path
+    monkeypatch.setitem(sys.modules, "scipy.optimize", None)  # as if scipy were not installed
+    assert moescope(["info", "--model", str(path)]) != 0
+    err = capsys.readouterr().err.strip()
+    assert "needs the Python package 'scipy'" in err and "pip install scipy" in err and "\n" not in err
+    monkeypatch.delitem(sys.modules, "scipy.optimize")
+    assert moescope(["info", "--model", str(path)]) == 0
+
+
+def test_a_towers_experts_of_another_shape_stay_in_memory(tmp_path):
+    # Dots3's vision tower has experts of its own shape: the cache takes the text stack's experts, and the
+    # tower's are loaded with the dense weights (counted there), so text chat runs and the budget is honest.
+    import torch
+
+    from engine.model.loader import build_model
+
+    path = save_family_checkpoint(ALL["dots3_note"], tmp_path / "dots3_note").path
+    loaded = build_model(path, device=torch.device("cpu"))
+    offloaded = set(loaded.layout.module_paths)
+    experts = [name for name, m in loaded.model.named_modules() if hasattr(m, "_is_expert_parallel")]
+    towers = [name for name in experts if name not in offloaded]
+    assert towers and all("vision" in name for name in towers)
+    assert {name for name in experts if "language_model" in name} <= offloaded
+    resident = [p for name in towers for p in loaded.model.get_submodule(name).parameters(recurse=False)]
+    assert resident and all(p.device.type == "cpu" for p in resident)  # real weights, not the store's placeholders

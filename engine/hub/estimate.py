@@ -98,12 +98,12 @@ def estimate_from_config(config: dict, *, weight_file_bytes: int | None = None) 
     """Sizes from a config.json dict; `weight_file_bytes` (the safetensors files' total) when known."""
     from engine.accounting.sizes import format_bytes
     from engine.model.dtypes import resolve_dtype
-    from engine.model.layout import SLOT_ALIGN, is_experts_module, top_k_of
+    from engine.model.layout import SLOT_ALIGN, offloaded_experts, top_k_of
 
     model, cfg = _meta_model(config)
     dtype = resolve_dtype("auto", config)
     itemsize = dtype.itemsize
-    named_experts = [(name, m) for name, m in model.named_modules() if is_experts_module(m)]
+    named_experts = offloaded_experts(model)
     experts = [m for _, m in named_experts]
     total = sum(p.numel() for p in model.parameters())  # tied weights counted once
     expert_params = sum(p.numel() for m in experts for p in m.parameters(recurse=False))

@@ -140,6 +140,20 @@ def is_experts_module(module: torch.nn.Module) -> bool:
     return hasattr(module, "is_concatenated") and hasattr(module, "_is_expert_parallel")
 
 
+def offloaded_experts(model: torch.nn.Module) -> list[tuple[str, torch.nn.Module]]:
+    """The experts modules MoEScope offloads (paths, in model order): those of the model's main stack,
+    the largest group of one shape. Experts of another shape (a vision tower's) stay in memory with the
+    dense weights and run on transformers' own forward (engine.model.experts_registry)."""
+    groups: dict[tuple, list[tuple[str, torch.nn.Module]]] = {}
+    for path, m in model.named_modules():
+        if is_experts_module(m):
+            shapes = tuple((n, tuple(p.shape)) for n, p in m.named_parameters(recurse=False))
+            groups.setdefault((getattr(m, "num_experts", None), shapes), []).append((path, m))
+    if not groups:
+        return []
+    return max(groups.values(), key=lambda g: sum(p.numel() for _, m in g for p in m.parameters(recurse=False)))
+
+
 def _router(model: torch.nn.Module, experts_path: str, num_experts: int) -> tuple[torch.nn.Module, int] | None:
     """The router (gate) of the MoE block whose experts module is at `experts_path`, a sibling named
     `gate` or `router` with a [experts, hidden] matrix (its own or a projection's), and the hidden size."""
@@ -200,7 +214,7 @@ def expert_modules(model: torch.nn.Module, compute_dtype: torch.dtype, name: str
                    arch: str) -> tuple[list[str], int, list[ExpertParam]]:
     """The experts modules (paths, in model order), the number of experts, and one expert's
     parameters laid out in a slot in `compute_dtype`; a dense model is refused."""
-    experts = [(path, m) for path, m in model.named_modules() if is_experts_module(m)]
+    experts = offloaded_experts(model)
     if not experts:
         raise NotMoEError(
             f"'{name}' ({arch}) is a dense model, not a mixture-of-experts model; "
@@ -216,10 +230,6 @@ def expert_modules(model: torch.nn.Module, compute_dtype: torch.dtype, name: str
         nbytes = p[0].numel() * compute_dtype.itemsize
         params.append(ExpertParam(pname, shape, compute_dtype, offset, nbytes, transposed=transposed and len(shape) == 2))
         offset += aligned(nbytes)
-    for path, m in experts[1:]:
-        other = [(n, tuple(p.shape[1:])) for n, p in m.named_parameters(recurse=False)]
-        if other != [(p.name, p.shape) for p in params] or m.num_experts != num_experts:
-            raise CheckpointError(f"experts of '{path}' differ in shape from the first MoE layer; not supported yet")
     return [path for path, _ in experts], num_experts, params
 
 

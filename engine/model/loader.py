@@ -86,6 +86,11 @@ def build_model(
                 model = chosen.cls._from_config(config, **kwargs)
         except ValueError as exc:
             raise CheckpointError(f"transformers cannot build '{files.root.name}' as a causal LM: {exc}") from None
+        except ModuleNotFoundError as exc:  # a family's model code may import what transformers does not require
+            package = (exc.name or "?").split(".")[0]
+            raise CheckpointError(f"transformers' code for '{files.root.name}' ({type(config).__name__}) needs the "
+                                  f"Python package '{package}', which is not installed; install it "
+                                  f"(pip install {package}) and load again") from None
     if (files.root / "generation_config.json").is_file():
         from transformers import GenerationConfig
 
