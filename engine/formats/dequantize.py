@@ -9,6 +9,7 @@ the model whose weights are these values rounded once to the compute dtype.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 
 import torch
@@ -38,9 +39,16 @@ def reference_dequantizer(packed: torch.Tensor, fmt: BlockFormat, columns: int, 
     dequantize(packed, fmt, columns, out=out)
 
 
+@functools.cache
+def _constant(values: tuple[float, ...], dtype: torch.dtype, device: torch.device,
+              shape: tuple[int, ...]) -> torch.Tensor:
+    """A small table (bit shifts, code values) on the blocks' device, made once per device: a GPU's
+    slots are dequantized where they are, one expert at a time. Read only."""
+    return torch.tensor(values, dtype=dtype, device=device).reshape(shape)
+
+
 def _shifts(values: tuple[int, ...], like: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
-    """Bit shifts as a uint8 tensor on `like`'s device (a GPU's slots are dequantized where they are)."""
-    return torch.tensor(values, dtype=torch.uint8, device=like.device).reshape(shape)
+    return _constant(values, torch.uint8, like.device, shape)
 
 
 def _half(blocks: torch.Tensor, start: int) -> torch.Tensor:
@@ -66,7 +74,7 @@ def _q4_0(blocks: torch.Tensor) -> torch.Tensor:
 def _q5_0(blocks: torch.Tensor) -> torch.Tensor:
     d = _half(blocks, 0)
     qh = blocks[:, 2:6].contiguous().view(torch.int32).long() & 0xFFFFFFFF  # 32 high bits, little-endian
-    high = ((qh >> torch.arange(32, device=qh.device).reshape(1, 32)) & 1).to(torch.uint8)
+    high = ((qh >> _constant(tuple(range(32)), torch.int64, qh.device, (1, 32))) & 1).to(torch.uint8)
     q = (_nibbles(blocks[:, 6:22]) | (high << 4)).to(torch.int8) - 16
     return d * q.float()
 
@@ -110,7 +118,7 @@ def _q3_k(blocks: torch.Tensor) -> torch.Tensor:
     high = (scales[:, 8:12].reshape(n, 1, 4) >> _shifts((0, 2, 4, 6), blocks, (1, 4, 1))).reshape(n, 16)
     sc = ((low & 0x0F) | ((high & 0x03) << 4)).to(torch.int8) - 32
     step = (d * sc.float()).reshape(n, 16, 1)
-    bits = torch.arange(8, dtype=torch.uint8, device=blocks.device).reshape(1, 8, 1)
+    bits = _shifts(tuple(range(8)), blocks, (1, 8, 1))
     h = ((hmask.reshape(n, 1, 32) >> bits) & 1).reshape(n, QK_K) ^ 1  # a set bit means no offset
     q = (_levels_2bit(qs).to(torch.int8) - (h << 2).to(torch.int8)).reshape(n, 16, 16).float()
     return (step * q).reshape(n, QK_K)
@@ -143,7 +151,7 @@ def e8m0_half(exponents: torch.Tensor) -> torch.Tensor:
 
 def _mxfp4(blocks: torch.Tensor) -> torch.Tensor:
     d = e8m0_half(blocks[:, 0:1])
-    table = torch.tensor(MXFP4_VALUES, dtype=torch.float32, device=blocks.device)
+    table = _constant(MXFP4_VALUES, torch.float32, blocks.device, (16,))
     return table[_nibbles(blocks[:, 1:17]).long()] * d
 
 
