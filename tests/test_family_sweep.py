@@ -145,12 +145,13 @@ def test_a_towers_experts_of_another_shape_stay_in_memory(tmp_path):
     # tower's are loaded with the dense weights (counted there), so text chat runs and the budget is honest.
     import torch
 
+    from engine.model.layout import is_experts_module
     from engine.model.loader import build_model
 
     path = save_family_checkpoint(ALL["dots3_note"], tmp_path / "dots3_note").path
     loaded = build_model(path, device=torch.device("cpu"))
     offloaded = set(loaded.layout.module_paths)
-    experts = [name for name, m in loaded.model.named_modules() if hasattr(m, "_is_expert_parallel")]
+    experts = [name for name, m in loaded.model.named_modules() if is_experts_module(m)]
     towers = [name for name in experts if name not in offloaded]
     assert towers and all("vision" in name for name in towers)
     assert {name for name in experts if "language_model" in name} <= offloaded

@@ -39,7 +39,8 @@ def moescope(*args: str) -> dict:
 def test_peak_rss_stays_within_dense_plus_budget(large_checkpoint, capsys):
     info = moescope("info", "--model", str(large_checkpoint), "--json")
     assert info["all_expert_bytes"] >= 2**30
-    result = moescope("generate", "--device", "cpu", "--model", str(large_checkpoint), "--store", "disk", "--budget", "128MiB",
+    result = moescope("generate", "--device", "cpu", "--model", str(large_checkpoint),
+                      "--store", "disk", "--budget", "128MiB",
                       "--prompt-ids", "1,5,9,200,33,7,80,12", "--raw", "--max-new-tokens", "4", "--json")
     stats = result["stats"]
     limit = info["dense_bytes"] + BUDGET + SLACK
@@ -60,7 +61,8 @@ def test_an_mxfp4_checkpoint_is_budgeted_in_its_own_bytes(tmp_path, capsys):
     path = write_large_mxfp4_gpt_oss(tmp_path / "gpt-oss-mxfp4", layers=4)
     info = moescope("info", "--model", str(path), "--json")
     assert info["expert_format"] == "mxfp4" and info["all_expert_bytes"] < 0.45 * 2**30
-    result = moescope("generate", "--device", "cpu", "--model", str(path), "--store", "disk", "--budget", "25%",
+    result = moescope("generate", "--device", "cpu", "--model", str(path),
+                      "--store", "disk", "--budget", "25%",
                       "--prompt-ids", "1,5,9,200,33,7,80,12", "--raw", "--max-new-tokens", "4", "--json")
     stats = result["stats"]
     limit = info["dense_bytes"] + stats["budget_bytes"] + SLACK
