@@ -75,15 +75,19 @@ OVERRIDES: dict[str, dict] = {
                                              moe_intermediate_size=32)),
     # sliding-window attention's head size must be the MLA query's (nope + rope = 8 + 8)
     "dots3_note": dict(text_config=dict(head_dim=16)),
-    # the rotary sections default to a 128-wide head; the tiny head has 4 frequencies (h = w, then t)
+    # the rotary sections default to a 128-wide head; the tiny head has 4 frequencies (h = w, then t);
+    # text experts wider than the vision ones, as in the released models (1536 and 512)
     "ernie4_5_vl_moe": dict(text_config=dict(rope_parameters=dict(rope_theta=500000.0, rope_type="default",
-                                                                  mrope_section=[1, 1, 2]))),
+                                                                  mrope_section=[1, 1, 2]),
+                                             moe_intermediate_size=[48, 16])),
     # the default config has sparse-attention layers but leaves their indexer unset
     "qwen4_exp": dict(text_config=dict(indexer_n_heads=2, indexer_kv_heads=1, indexer_head_dim=8, indexer_budget=16,
                                        indexer_compress_ratio=4)),
     # the default talker config lacks a field its shared expert reads
     "qwen3_omni_moe": dict(talker_config=dict(spatial_merge_size=2,
-                                              text_config=dict(shared_expert_intermediate_size=32))),
+                                              text_config=dict(shared_expert_intermediate_size=32)),
+                           # the released config.json names the vision start token, which the rotary index reads
+                           thinker_config=dict(vision_start_token_id=3)),
 }
 
 

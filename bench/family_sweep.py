@@ -56,11 +56,16 @@ def _one_line(exc: BaseException) -> str:
 
 
 def reference_tokens(family: Family, path: Path) -> list[int]:
-    """Stock transformers, everything in memory, greedy, with the family's own class."""
-    model = family.model_class.from_pretrained(path, dtype=torch.float32)
+    """Stock transformers, everything in memory, greedy, with the family's own class (or, where that class
+    only orchestrates submodules, the one that writes text: Qwen3-Omni's own generate(return_audio=False)
+    calls its thinker's generate)."""
+    from engine.model.model_class import text_generator
+
+    _, model = text_generator(family.model_class.from_pretrained(path, dtype=torch.float32))
     ids = torch.tensor([PROMPT])
     out = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=NEW_TOKENS,
                          pad_token_id=0)
+    out = getattr(out, "sequences", out)  # a block-diffusion model's generate returns an output object
     return out[0, len(PROMPT):].tolist()
 
 

@@ -42,6 +42,14 @@ class CheckpointFiles:
     def files(self) -> list[Path]:
         return sorted({t.file for t in self.tensors.values()})
 
+    def under(self, prefix: str) -> CheckpointFiles:
+        """The tensors of one submodule (`prefix` without its dot), named as that submodule names them."""
+        if not prefix:
+            return self
+        head = prefix + "."
+        return CheckpointFiles(self.root, self.config,
+                               {key[len(head):]: t for key, t in self.tensors.items() if key.startswith(head)})
+
 
 def read_safetensors_header(path: Path) -> dict[str, TensorRecord]:
     """Read one file's header and check that the file really holds every byte it promises.

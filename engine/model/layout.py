@@ -18,7 +18,7 @@ from transformers.core_model_loading import Transpose, WeightConverter, WeightRe
 from engine.errors import CheckpointError, NotMoEError
 from engine.formats.blocks import BlockFormat, format_for, formats_that_fit
 from engine.model.checkpoint import CheckpointFiles, TensorRecord
-from engine.model.conversions import DenseConversion, ExpertSource, expert_source
+from engine.model.conversions import DenseConversion, ExpertSource, expert_source, split_expert_list
 from engine.model.dtypes import torch_dtype
 from engine.model.prequantized import CheckpointQuantization, checkpoint_quantization
 
@@ -277,12 +277,13 @@ def build_layout(model: torch.nn.Module, files: CheckpointFiles, compute_dtype: 
             # `.norm.` -> `.kv_norm.` on the final norm) leaves the original name, which the model has
             model_key, src_pattern = rename_source_key(key, [], [], model.base_model_prefix, meta_state)
             converter = None
+        model_key, listed_expert, converter = split_expert_list(converter, model_key, key, num_experts)
         owner, _, pname = model_key.rpartition(".")
         if owner in module_index and pname in param_by_name and scale is not None:
             expert_disk += record.nbytes + scale.nbytes
             relayed.add(pname)
             _add_relayed(pieces[module_index[owner]], quant, key, record, scale, param_by_name[pname], num_experts,
-                         expert_source(converter, src_pattern, key))
+                         expert_source(converter, src_pattern, key), listed_expert)
         elif owner in module_index and pname in param_by_name:
             expert_disk += record.nbytes
             layer = module_index[owner]
@@ -315,7 +316,7 @@ def build_layout(model: torch.nn.Module, files: CheckpointFiles, compute_dtype: 
                         record.file, record.offset + e * per_expert, per_expert, src_dtype, pname,
                         source.part * per_expert, source.interleave_dim))
             else:  # one tensor per expert
-                expert = _expert_index(key)
+                expert = _expert_index(key) if listed_expert is None else listed_expert
                 if expert >= num_experts:
                     raise CheckpointError(f"tensor '{key}' is expert {expert}, and the model has {num_experts}")
                 pieces[layer][expert].append(ExpertPiece(
@@ -368,7 +369,8 @@ def build_layout(model: torch.nn.Module, files: CheckpointFiles, compute_dtype: 
 
 
 def _add_relayed(pieces: list[list[ExpertPiece]], quant: CheckpointQuantization, key: str, record: TensorRecord,
-                 scale: TensorRecord, target: ExpertParam, num_experts: int, source: ExpertSource) -> None:
+                 scale: TensorRecord, target: ExpertParam, num_experts: int, source: ExpertSource,
+                 listed_expert: int | None = None) -> None:
     """One quantized checkpoint tensor (and its scale) as pieces of a layer's experts, laid into
     `quant.fmt`'s blocks when read: the fused [E, ...] tensor of all experts, or one expert's part."""
     data_dtype, scale_dtype = ("U8", "U8") if quant.method == "mxfp4" else ("F8_E4M3", "F32")
@@ -387,7 +389,7 @@ def _add_relayed(pieces: list[list[ExpertPiece]], quant: CheckpointQuantization,
         indices = range(num_experts)
     else:
         part, n_parts = source.part, source.parts
-        experts, indices = 1, [_expert_index(key)]
+        experts, indices = 1, [_expert_index(key) if listed_expert is None else listed_expert]
         if len(shape) != 2 or shape[0] * n_parts != rows or shape[1] != columns or indices[0] >= num_experts:
             raise CheckpointError(f"tensor '{key}' does not fit expert parameter '{target.name}' {target.shape}")
     if not quant.fmt.fits(columns):

@@ -22,7 +22,7 @@ from engine.model.checkpoint import CheckpointFiles, TensorRecord, open_checkpoi
 from engine.model.dtypes import resolve_dtype
 from engine.model.gguf_file import GGUFModel, is_gguf
 from engine.model.layout import MoELayout, build_layout
-from engine.model.model_class import model_class
+from engine.model.model_class import model_class, text_generator
 from engine.model.prequantized import dequantize_tensor
 from engine.system import huge_pages
 
@@ -91,6 +91,8 @@ def build_model(
             raise CheckpointError(f"transformers' code for '{files.root.name}' ({type(config).__name__}) needs the "
                                   f"Python package '{package}', which is not installed; install it "
                                   f"(pip install {package}) and load again") from None
+    prefix, model = text_generator(model)
+    files = files.under(prefix)
     if (files.root / "generation_config.json").is_file():
         from transformers import GenerationConfig
 

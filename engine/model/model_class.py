@@ -12,6 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import transformers
+import torch
 from transformers.models.auto import modeling_auto
 
 from engine.errors import CheckpointError
@@ -35,11 +36,22 @@ def _generates(cls: type | None, config, *, own_config: bool = True) -> bool:
             and (not own_config or config_class is None or isinstance(config, config_class)))
 
 
+def _one_token_at_a_time(cls: type) -> type:
+    """`cls`, or a clear refusal where it writes text otherwise than token by token, as MoEScope's loop does."""
+    if "Diffusion" in cls.__name__:  # DiffusionGemmaForBlockDiffusion: transformers' block-diffusion models
+        raise CheckpointError(
+            f"{cls.__name__} is a block-diffusion model: it writes blocks of tokens by denoising them together, "
+            "and MoEScope generates one token at a time, so it cannot run this model yet")
+    return cls
+
+
 def model_class(config) -> ModelClass:
     """The class that generates text for `config`: the one its `architectures` names if transformers
     has it, else the auto mapping for causal LMs, then the image-and-text ones."""
     for name in getattr(config, "architectures", None) or []:
         cls = getattr(transformers, name, None)
+        if isinstance(cls, type):
+            _one_token_at_a_time(cls)
         if _generates(cls, config):
             return ModelClass(cls, _multimodal(cls))
     mappings = (modeling_auto.MODEL_FOR_CAUSAL_LM_MAPPING, modeling_auto.MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING,
@@ -51,9 +63,22 @@ def model_class(config) -> ModelClass:
             continue
         # the auto mapping may give a family another's class (Sarvam-MoE runs as GLM-4-MoE)
         if _generates(cls, config, own_config=False):
-            return ModelClass(cls, _multimodal(cls))
+            return ModelClass(_one_token_at_a_time(cls), _multimodal(cls))
     named = ", ".join(getattr(config, "architectures", None) or []) or "none"
     raise CheckpointError(
         f"transformers {transformers.__version__} has no class that generates text for model type "
         f"'{config.model_type}' (config.json's architectures: {named}); a newer transformers may have one"
     )
+
+
+def text_generator(model: torch.nn.Module) -> tuple[str, torch.nn.Module]:
+    """The module that writes text and its path in `model`: `model` itself (path ''), or, where the
+    class has no forward of its own, its child that generates (what the class's own generate calls
+    for text only). Speech and other outputs are not run, nor their weights loaded."""
+    if type(model).forward is not torch.nn.Module.forward:
+        return "", model
+    for name, child in model.named_children():
+        if _generates(type(child), child.config) and type(child).forward is not torch.nn.Module.forward:
+            return name, child
+    raise CheckpointError(f"{type(model).__name__} has no forward and no submodule that generates text; "
+                          "MoEScope cannot chat with it")

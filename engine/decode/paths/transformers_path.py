@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import functools
+import inspect
+
 import torch
 
 from engine.decode.paths.base import DecodePath, Step
@@ -18,13 +21,23 @@ def last_position(input_ids: torch.Tensor) -> torch.Tensor:
     return torch.tensor([input_ids.shape[1] - 1], device=input_ids.device)
 
 
+@functools.cache
+def _takes_position_ids(model_class: type) -> bool:
+    return "position_ids" in inspect.signature(model_class.forward).parameters
+
+
 def model_forward(model: torch.nn.Module, step: Step) -> torch.Tensor:
     """The model's forward over the step's tokens, extending its KV cache; last position's logits.
-    A step without a cache gets the one the model makes (a cache class of its own, `kv_cache.new_cache`)."""
+    A step without a cache gets the one the model makes (a cache class of its own, `kv_cache.new_cache`).
+    Positions are passed as `generate` passes them: a model may derive wrong ones from the mask alone
+    (Qwen3-Omni's thinker takes every masked position as the new tokens' while decoding)."""
     ids = step.input_ids
     attention = torch.ones((1, step.position + ids.shape[1]), dtype=torch.long, device=ids.device)
+    positions = {}
+    if _takes_position_ids(type(model)):
+        positions["position_ids"] = torch.arange(step.position, step.position + ids.shape[1], device=ids.device)[None]
     output = model(input_ids=ids, attention_mask=attention, **cache_argument(model, step.kv), use_cache=True,
-                   logits_to_keep=last_position(ids))
+                   logits_to_keep=last_position(ids), **positions)
     if step.kv is None:
         step.kv = cache_from_output(output)
     return output.logits
