@@ -11,8 +11,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import transformers
 import torch
+import transformers
 from transformers.models.auto import modeling_auto
 
 from engine.errors import CheckpointError
