@@ -102,6 +102,23 @@ def test_quantized_gemv_is_the_dequantized_bf16_product(flavour, name, integer):
     assert (ours.double() - exact).abs().max() <= 0.01 * exact.abs().max()
 
 
+@pytest.mark.parametrize("name", KERNEL_FORMATS)
+def test_rows_times_a_quantized_matrix_is_the_dequantized_bf16_product(flavour, name):
+    # a prompt's rows through one expert matrix (linear_rows): tiles of the matrix expanded in L1,
+    # any number of rows and a matrix height that is no multiple of the tile
+    packed, reference = quantized(name, rows=258, columns=512, seed=3)
+    weight = native.weight(flavour, packed, checkpoint_format(name), 512)
+    bias = (torch.randn(258) * 0.1).to(torch.bfloat16)
+    for rows in (1, 5, 16):
+        x = (torch.randn(rows, 512) * 0.5).to(torch.bfloat16)
+        ours = flavour.linear_rows(weight, x)
+        assert ours.shape == (rows, 258) and ours.dtype == torch.bfloat16
+        close(ours, F.linear(x, reference), f"{name} x {rows} rows")
+        exact = x.double() @ reference.double().t()
+        assert (ours.double() - exact).abs().max() <= 0.01 * exact.abs().max()
+        close(flavour.linear_rows(weight, x, bias), F.linear(x, reference, bias), f"{name} with a bias")
+
+
 @pytest.mark.parametrize("name", ["q8_0", "q4_k", "q6_k", "q3_k", "q2_k", "q5_0", "mxfp4", "fp8"])
 @pytest.mark.parametrize("seed", [0, 4])
 def test_quantized_experts_in_one_call(flavour, name, seed):

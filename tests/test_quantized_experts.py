@@ -218,3 +218,38 @@ def test_expanding_slots_natively_changes_no_bit_of_the_exact_path(wide, kernels
     finally:
         runtime.close()
     assert dense and torch.equal(native, reference)
+
+
+@pytest.mark.parametrize("family", ["mixtral", "qwen2_moe", "gpt_oss", "deepseek_v3"])
+def test_a_prompt_multiplies_quantized_experts_in_their_blocks(wide, kernels, monkeypatch, family):
+    """With fast decode, a prompt's quantized experts are multiplied tile by tile on the native kernels
+    (never expanded whole into a scratch): the logits equal the exact path's to bf16 summation order."""
+    import torch
+
+    calls = []
+    linear_rows = kernels.linear_rows
+    monkeypatch.setattr(kernels, "linear_rows", lambda *args: calls.append(1) or linear_rows(*args))
+
+    from engine.decode.kv_cache import new_cache
+    from engine.decode.paths.base import Step
+    from engine.decode.paths.native_layers import NativePromptPath
+    from tests.helpers.numerics import close
+
+    runtime = MoERuntime(LoadModel(path=str(wide[family]), budget="all", store="ram", device="cpu",
+                                   dtype="bfloat16", expert_format="q4_k", fast_decode=True))
+    prompt = torch.tensor([PROMPT])
+    try:
+        with torch.inference_mode():
+            logits = {}
+            for fast in (True, False):
+                runtime.set_fast_decode(fast)
+                step = Step(prompt, new_cache(runtime.model), 0)
+                path, _ = runtime.paths.choose(step)
+                assert (path.label == NativePromptPath.label) == fast, path.label
+                calls.clear()
+                logits[fast] = path.run(step)
+                assert bool(calls) == fast  # the exact path expands the slots for transformers' kernels
+    finally:
+        runtime.close()
+    close(logits[True], logits[False], family)
+    assert logits[True].argmax() == logits[False].argmax()

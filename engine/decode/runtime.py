@@ -16,7 +16,7 @@ from engine.accounting.policies.base import CachePolicy
 from engine.accounting.sizes import BudgetSpec, parse_budget
 from engine.decode.native import kernels as native
 from engine.decode.paths.base import PathChooser
-from engine.decode.paths.native_layers import NativeLayersPath
+from engine.decode.paths.native_layers import NativeLayersPath, NativePromptPath
 from engine.decode.paths.transformers_path import TransformersPath, last_position
 from engine.decode.paths.whole_token import WholeTokenPath
 from engine.decode.routers import RouterTaps, RoutingRestriction
@@ -119,7 +119,8 @@ class MoERuntime:
         self._restriction: RoutingRestriction | None = None
         self.native_layers = NativeLayersPath(self)
         self.whole_token = WholeTokenPath(self)
-        self.paths = PathChooser([self.whole_token, self.native_layers, TransformersPath(self.model)])
+        self.paths = PathChooser([self.whole_token, self.native_layers, NativePromptPath(self),
+                                  TransformersPath(self.model)])
         self.decode_path = ""  # how the last decode token ran, in words (a DecodePath's label)
         self.decode_path_reason = ""  # why the next faster path did not run it
         self.profile_note = ""

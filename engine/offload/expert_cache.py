@@ -43,6 +43,7 @@ from engine.formats.dequantize import Dequantizer, reference_dequantizer
 from engine.model.layout import ExpertParam, MoELayout, aligned
 from engine.offload.expert_compute import (
     OneTokenExperts,
+    QuantizedProduct,
     SlotReader,
     expert_mlp,
     grouped_available,
@@ -161,6 +162,7 @@ class ExpertCache:
         self.reader = SlotReader(self._pool_params, layout.compute_dtype, packed=self._packed)
         self._layer_readers = self._readers_by_layer()
         self._one_token: OneTokenExperts = torch_one_token  # a decode path may bring its own (`experts_kernel`)
+        self._product: QuantizedProduct | None = None  # a prompt path may multiply quantized slots directly
 
     def use_dequantizer(self, dequantizer: Dequantizer) -> None:
         """Quantized slots are expanded with `dequantizer` from now on (one giving the reference's
@@ -207,6 +209,11 @@ class ExpertCache:
     def _readers_by_layer(self) -> dict[int, SlotReader]:
         """A reader for each layer whose experts are stored in other formats than the widest."""
         return {layer: self.reader.with_params(params) for layer, params in self.layout.layer_params.items()}
+
+    @property
+    def quantized_slots(self) -> bool:
+        """Some layer's experts are stored in a block format."""
+        return bool(self.reader.quantized) or any(r.quantized for r in self._layer_readers.values())
 
     def reader_at(self, layer: int) -> SlotReader:
         """How MoE layer `layer`'s slots are read (its own block formats)."""
@@ -437,6 +444,16 @@ class ExpertCache:
         finally:
             self._one_token = previous
 
+    @contextmanager
+    def quantized_products(self, product: QuantizedProduct) -> Iterator[None]:
+        """Within the block, many-row steps multiply quantized slots with `product` instead of
+        expanding each expert into a scratch for torch's kernels."""
+        previous, self._product = self._product, product
+        try:
+            yield
+        finally:
+            self._product = previous
+
     def run_layer(
         self,
         layer: int,
@@ -504,7 +521,7 @@ class ExpertCache:
             rows, routing_weights, outputs = by_expert
             slot = self.directory.slot_of[layer][expert]
             part = slice(bounds[expert], bounds[expert + 1])
-            y = expert_mlp(module, rows[part], reader.plain(self.slot_views[layer][slot]), self._packed)
+            y = expert_mlp(module, rows[part], reader.plain(self.slot_views[layer][slot], self._product), self._packed)
             torch.mul(y, routing_weights[part], out=outputs[part])
             computed.append(part)
 

@@ -7,6 +7,8 @@ grouped/batched implementations do, so the result matches the stock model.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Protocol
 
 import torch
@@ -16,9 +18,29 @@ from engine.formats.dequantize import Dequantizer, reference_dequantizer
 from engine.model.layout import ExpertParam
 from engine.offload import packed_linear
 
+# x [n, in] times a quantized slot's matrix [out, in] (its blocks, format and input features):
+# F.linear on the dequantized matrix, within float32 summation order.
+QuantizedProduct = Callable[[torch.Tensor, torch.Tensor, object, int], torch.Tensor]
 
-def _linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, transposed: bool,
+
+@dataclass(frozen=True)
+class QuantizedMatrix:
+    """A quantized slot's matrix left in its blocks, for a kernel that multiplies them directly."""
+
+    blocks: torch.Tensor  # uint8 [out, row bytes], [out, in] whatever the module's layout
+    fmt: object  # engine.formats BlockFormat
+    columns: int
+    dtype: torch.dtype  # of the products: the model's compute dtype
+    product: QuantizedProduct
+
+    def linear(self, x: torch.Tensor) -> torch.Tensor:
+        return self.product(x.to(self.dtype), self.blocks, self.fmt, self.columns)
+
+
+def _linear(x: torch.Tensor, weight: torch.Tensor | QuantizedMatrix, bias: torch.Tensor | None, transposed: bool,
             packed: bool = False) -> torch.Tensor:
+    if isinstance(weight, QuantizedMatrix):  # the bias after the product's rounding, as the torch path adds it
+        return _with_bias(weight.linear(x), bias)
     if packed:  # pre-arranged for oneDNN when loaded (engine.offload.packed_linear): the same bits as F.linear
         return _with_bias(packed_linear.linear(x, weight), bias)
     return _with_bias(x @ weight if transposed else F.linear(x, weight), bias)
@@ -71,12 +93,17 @@ class SlotReader:
         """A reader of slots holding `params` (another layer's formats), sharing this one's scratch."""
         return SlotReader(params, self.dtype, self.packed, self.dequantizer, self._scratch)
 
-    def plain(self, weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        """The expert's weights as its module reads them. Quantized ones are valid until the next call."""
+    def plain(self, weights: dict[str, torch.Tensor],
+              product: QuantizedProduct | None = None) -> dict[str, torch.Tensor | QuantizedMatrix]:
+        """The expert's weights as its module reads them. Quantized ones are valid until the next call;
+        with a `product`, they stay in their blocks and `product` multiplies them (expert_mlp)."""
         if not self.quantized:
             return weights
         plain = dict(weights)
         for name, p in self.quantized.items():
+            if product is not None:
+                plain[name] = QuantizedMatrix(weights[name], p.fmt, p.rows_columns[1], self.dtype, product)
+                continue
             rows, columns = p.rows_columns
             buffer = self._scratch.get(name)
             if buffer is None or buffer.device != weights[name].device:

@@ -237,6 +237,77 @@ void dequantize(const Weight& weight, torch::Tensor out) {
   at::parallel_for(0, w.rows, 16, [&](int64_t begin, int64_t end) { dequantize_rows(w, begin, end, o); });
 }
 
+// A prompt's rows through one weight matrix (x W^T for x [m, cols]). Each tile of kTile rows of W is
+// dequantized once into a buffer that stays in L1 and multiplied by every row of x, so a quantized
+// expert is never expanded in memory (the exact path expands it into a scratch, then oneDNN reads
+// that back and re-packs it on every call).
+constexpr int64_t kTile = 4;
+
+// sums[i * ld + r] = x_i . w_r for 4 rows of x and 4 of W (k a multiple of 32): 16 accumulators,
+// each weight and input vector loaded once per 4 products.
+inline void dot_tile(const bf16* const* w, const bf16* const* x, int64_t k, float* sums, int64_t ld) {
+#if defined(MOESCOPE_AVX512BF16)
+  __m512 acc[kTile][kTile];
+  for (auto& row : acc)
+    for (auto& a : row) a = _mm512_setzero_ps();
+  for (int64_t p = 0; p < k; p += 32) {
+    __m512bh wv[kTile];
+    for (int r = 0; r < kTile; ++r) wv[r] = (__m512bh)_mm512_loadu_si512(w[r] + p);
+    for (int i = 0; i < kTile; ++i) {
+      const __m512bh xv = (__m512bh)_mm512_loadu_si512(x[i] + p);
+      for (int r = 0; r < kTile; ++r) acc[i][r] = _mm512_dpbf16_ps(acc[i][r], xv, wv[r]);
+    }
+  }
+  for (int i = 0; i < kTile; ++i)
+    for (int r = 0; r < kTile; ++r) sums[i * ld + r] = _mm512_reduce_add_ps(acc[i][r]);
+#else
+  for (int i = 0; i < kTile; ++i)
+    for (int r = 0; r < kTile; ++r) sums[i * ld + r] = dot_row(w[r], x[i], k);
+#endif
+}
+
+// y = x W^T (+ bias) for bf16 rows x [m, cols] and a bf16 or block-quantized W [rows, cols]: what
+// F.linear gives on the dequantized W (float32 sums of bf16 products, the bias added, one rounding),
+// within float32 summation order.
+torch::Tensor linear_rows(const Weight& weight, const torch::Tensor& x, const c10::optional<torch::Tensor>& bias) {
+  const Matrix w = matrix_of(weight, "weight");
+  TORCH_CHECK(x.dim() == 2 && x.size(1) == w.cols && x.scalar_type() == torch::kBFloat16,
+              "x: bf16 rows of the weight's width needed");
+  TORCH_CHECK(w.cols % 32 == 0, "linear_rows: a multiple of 32 columns is needed");
+  if (bias.has_value()) check_vector(*bias, w.rows, "bias");
+  const torch::Tensor xc = x.contiguous();
+  const int64_t m = xc.size(0), n = w.rows, k = w.cols;
+  torch::Tensor y = torch::empty({m, n}, x.options());
+  const bf16* xs = bf16_data(xc);
+  const bf16* b = bias.has_value() ? bf16_data(*bias) : nullptr;
+  bf16* out = bf16_data(y);
+  const int64_t tiles = (n + kTile - 1) / kTile;
+  at::parallel_for(0, tiles, 1, [&](int64_t first_tile, int64_t last_tile) {
+    std::vector<bf16> expanded(w.type == kBF16 ? 0 : kTile * k);
+    std::vector<float> sums(kTile * kTile);
+    for (int64_t t = first_tile; t < last_tile; ++t) {
+      const int64_t r0 = t * kTile, r1 = std::min(n, r0 + kTile);
+      if (w.type != kBF16) dequantize_rows(w, r0, r1, expanded.data(), r0);
+      const bf16* rows[kTile];
+      for (int64_t r = 0; r < kTile; ++r) {  // past the last row: the last again, its sums unused
+        const int64_t at = std::min(r0 + r, r1 - 1);
+        rows[r] = w.type == kBF16 ? reinterpret_cast<const bf16*>(w.row(at)) : expanded.data() + (at - r0) * k;
+      }
+      for (int64_t i0 = 0; i0 < m; i0 += kTile) {
+        const bf16* inputs[kTile];
+        for (int64_t i = 0; i < kTile; ++i) inputs[i] = xs + std::min(i0 + i, m - 1) * k;
+        dot_tile(rows, inputs, k, sums.data(), kTile);
+        for (int64_t i = i0; i < std::min(m, i0 + kTile); ++i)
+          for (int64_t r = r0; r < r1; ++r) {
+            const float sum = sums[(i - i0) * kTile + (r - r0)];
+            out[i * n + r] = to_bf16(b == nullptr ? sum : sum + to_float(b[r]));
+          }
+      }
+    }
+  });
+  return y;
+}
+
 // How an expert's gate/up projection becomes its activation, as the experts module computes it
 // (engine/decode/paths/expert_recipe.py recognises which): gate and up as two halves (gate first)
 // or interleaved (gate at even rows, GPT-OSS), and SiLU(gate) * up or GPT-OSS's clamped SwiGLU,
@@ -1710,6 +1781,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("set_integer_dots", [](bool on) { integer_dots_enabled() = on; },
         "block types with an integer kernel use it (default) or the reference-exact float loops");
   m.def("dequantize", &dequantize, "a weight matrix as bf16, the reference dequantizer's values");
+  m.def("linear_rows", &linear_rows, "bf16 rows times a weight matrix's transpose (plus a bias), as F.linear",
+        pybind11::arg("weight"), pybind11::arg("x"), pybind11::arg("bias") = pybind11::none());
   m.def("rms_norm", &rms_norm, "RMSNorm of a few bf16 rows", pybind11::arg("x"), pybind11::arg("weight"),
         pybind11::arg("eps"), pybind11::arg("round_once") = false);
   m.def("qkv_rope", &qkv_rope, "one token's q, k, v: projections (optional biases), optional q/k norms, rotary embedding",

@@ -593,12 +593,41 @@ inline void gemv_rows(const Matrix& m, const bf16* x, int64_t begin, int64_t end
   gemv_into_rows(m, x, begin, end, out, begin);
 }
 
-// Rows [begin, end) of W dequantized to bf16 into out (row-major, cols per row): the reference's values.
-inline void dequantize_rows(const Matrix& m, int64_t begin, int64_t end, bf16* out) {
+#if defined(MOESCOPE_AVX512BF16)
+// One Q4_K row as bf16 weights: per sub-block a table of its 16 weights (as qdot_row_q4_k builds it,
+// the values group_weights_avx512 computes) looked up for 32 nibbles at once.
+inline void dequantize_row_q4_k(const uint8_t* row, int64_t blocks, bf16* w) {
+  const __m256i nibble = _mm256_set1_epi8(0x0F);
+  BlockScales s;
+  for (int64_t blk = 0; blk < blocks; ++blk, w += 256) {
+    const uint8_t* b = row + blk * 144;
+    block_scales(kQ4_K, b, s);
+    for (int c = 0; c < 4; ++c) {
+      const __m256i bytes = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 16 + 32 * c));
+      const __m512i lo = _mm512_cvtepu8_epi16(_mm256_and_si256(bytes, nibble));
+      const __m512i hi = _mm512_cvtepu8_epi16(_mm256_and_si256(_mm256_srli_epi16(bytes, 4), nibble));
+      _mm512_storeu_si512(w + 64 * c, _mm512_permutexvar_epi16(lo, level_table(s.scale[4 * c], s.min[4 * c])));
+      _mm512_storeu_si512(w + 64 * c + 32,
+                          _mm512_permutexvar_epi16(hi, level_table(s.scale[4 * c + 2], s.min[4 * c + 2])));
+    }
+  }
+}
+#endif
+
+// Rows [begin, end) of W dequantized to bf16 into out (row-major, cols per row; row n at out's row
+// n - first): the reference's values.
+inline void dequantize_rows(const Matrix& m, int64_t begin, int64_t end, bf16* out, int64_t first = 0) {
+  out -= first * m.cols;
   if (m.type == kBF16) {
     for (int64_t n = begin; n < end; ++n) std::memcpy(out + n * m.cols, m.row(n), m.cols * sizeof(bf16));
     return;
   }
+#if defined(MOESCOPE_AVX512BF16)
+  if (m.type == kQ4_K) {
+    for (int64_t n = begin; n < end; ++n) dequantize_row_q4_k(m.row(n), m.cols / 256, out + n * m.cols);
+    return;
+  }
+#endif
   const int64_t be = block_elements(m.type), bb = block_bytes(m.type), blocks = m.cols / be;
   const int groups = static_cast<int>(be / 32);
   BlockScales s;

@@ -43,7 +43,7 @@ from engine.decode.paths.switch import SWITCH_ATTR, NativeSwitch
 from engine.decode.paths.transformers_path import model_forward
 from engine.model.cache_argument import cache_from_call
 from engine.model.dense_formats import QuantizedLinear
-from engine.offload.expert_compute import SlotReader, torch_one_token
+from engine.offload.expert_compute import QuantizedProduct, SlotReader, torch_one_token
 
 
 def _native_kernels(module: torch.nn.Module, x: torch.Tensor, weight: torch.Tensor) -> ModuleType | None:
@@ -278,6 +278,44 @@ def native_problem(runtime, step: Step) -> str | None:
     if runtime.cache.packed_params:
         return "the expert matrices are packed for oneDNN (they are unpacked when the Exact switch is turned off)"
     return None
+
+
+def quantized_product(kernels: ModuleType) -> QuantizedProduct:
+    """Rows times a quantized slot's matrix on the native kernels: each tile of the matrix is expanded
+    once in L1 and multiplied by all rows (`linear_rows`), never the whole expert into a scratch."""
+
+    def product(x: torch.Tensor, blocks: torch.Tensor, fmt, columns: int) -> torch.Tensor:
+        return kernels.linear_rows(native.weight(kernels, blocks, fmt, columns), x)
+
+    return product
+
+
+class NativePromptPath(DecodePath):
+    """A prompt's forward on transformers' kernels, with quantized experts multiplied in their blocks
+    by the native kernels (the exact path expands each into a scratch for oneDNN, which re-packs it)."""
+
+    label = "fast: prompt's quantized experts on the native kernels"
+
+    def __init__(self, runtime) -> None:
+        self.runtime = runtime
+
+    def unavailable(self, step: Step) -> str | None:
+        runtime = self.runtime
+        if not step.prefill:
+            return "one-token steps take the decode paths"
+        if not runtime.fast_decode:
+            return "exact kernels were asked for (--exact, or the System panel's Exact switch)"
+        if runtime.device.type != "cpu" or runtime.dtype != torch.bfloat16:
+            return "the native kernels multiply bf16 rows on the CPU"
+        if not runtime.cache.quantized_slots:
+            return "the experts are not quantized: transformers' kernels run the prompt"
+        if native.ready() is None:
+            return native.status()
+        return None
+
+    def run(self, step: Step) -> torch.Tensor:
+        with self.runtime.cache.quantized_products(quantized_product(native.ready())):
+            return model_forward(self.runtime.model, step)
 
 
 class NativeLayersPath(DecodePath):
