@@ -36,13 +36,12 @@ def _generates(cls: type | None, config, *, own_config: bool = True) -> bool:
             and (not own_config or config_class is None or isinstance(config, config_class)))
 
 
-def _one_token_at_a_time(cls: type) -> type:
-    """`cls`, or a clear refusal where it writes text otherwise than token by token, as MoEScope's loop does."""
-    if "Diffusion" in cls.__name__:  # DiffusionGemmaForBlockDiffusion: transformers' block-diffusion models
+def _refuse_block_diffusion(cls: type | None) -> None:
+    """A clear refusal of a class that writes text otherwise than token by token, as MoEScope's loop does."""
+    if isinstance(cls, type) and "Diffusion" in cls.__name__:  # DiffusionGemmaForBlockDiffusion: transformers' block-diffusion models
         raise CheckpointError(
             f"{cls.__name__} is a block-diffusion model: it writes blocks of tokens by denoising them together, "
             "and MoEScope generates one token at a time, so it cannot run this model yet")
-    return cls
 
 
 def model_class(config) -> ModelClass:
@@ -50,8 +49,7 @@ def model_class(config) -> ModelClass:
     has it, else the auto mapping for causal LMs, then the image-and-text ones."""
     for name in getattr(config, "architectures", None) or []:
         cls = getattr(transformers, name, None)
-        if isinstance(cls, type):
-            _one_token_at_a_time(cls)
+        _refuse_block_diffusion(cls)
         if _generates(cls, config):
             return ModelClass(cls, _multimodal(cls))
     mappings = (modeling_auto.MODEL_FOR_CAUSAL_LM_MAPPING, modeling_auto.MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING,
@@ -62,8 +60,9 @@ def model_class(config) -> ModelClass:
         except (KeyError, ValueError):
             continue
         # the auto mapping may give a family another's class (Sarvam-MoE runs as GLM-4-MoE)
+        _refuse_block_diffusion(cls)
         if _generates(cls, config, own_config=False):
-            return ModelClass(_one_token_at_a_time(cls), _multimodal(cls))
+            return ModelClass(cls, _multimodal(cls))
     named = ", ".join(getattr(config, "architectures", None) or []) or "none"
     raise CheckpointError(
         f"transformers {transformers.__version__} has no class that generates text for model type "

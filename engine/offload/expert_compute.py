@@ -14,13 +14,14 @@ from typing import Protocol
 import torch
 import torch.nn.functional as F
 
+from engine.formats.blocks import BlockFormat
 from engine.formats.dequantize import Dequantizer, reference_dequantizer
 from engine.model.layout import ExpertParam
 from engine.offload import packed_linear
 
 # x [n, in] times a quantized slot's matrix [out, in] (its blocks, format and input features):
 # F.linear on the dequantized matrix, within float32 summation order.
-QuantizedProduct = Callable[[torch.Tensor, torch.Tensor, object, int], torch.Tensor]
+QuantizedProduct = Callable[[torch.Tensor, torch.Tensor, BlockFormat, int], torch.Tensor]
 
 
 @dataclass(frozen=True)
@@ -28,7 +29,7 @@ class QuantizedMatrix:
     """A quantized slot's matrix left in its blocks, for a kernel that multiplies them directly."""
 
     blocks: torch.Tensor  # uint8 [out, row bytes], [out, in] whatever the module's layout
-    fmt: object  # engine.formats BlockFormat
+    fmt: BlockFormat
     columns: int
     dtype: torch.dtype  # of the products: the model's compute dtype
     product: QuantizedProduct

@@ -411,9 +411,18 @@ inline void group_weights_avx512(int32_t type, const uint8_t* b, const BlockScal
 
 // Q4_K: per 64 weights, one 32-byte load gives two sub-blocks' nibbles; each sub-block's 16
 // possible weights are computed once (a table) and looked up, so no level is converted to float.
+// Chunk c (elements 64c..64c+63) of block b as bf16 weights: sub-block 2c in lo, 2c + 1 in hi.
+inline void q4_k_chunk_bf16(const uint8_t* b, const BlockScales& s, int c, __m512i& lo, __m512i& hi) {
+  const __m256i nibble = _mm256_set1_epi8(0x0F);
+  const __m256i bytes = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 16 + 32 * c));
+  lo = _mm512_permutexvar_epi16(_mm512_cvtepu8_epi16(_mm256_and_si256(bytes, nibble)),
+                                level_table(s.scale[4 * c], s.min[4 * c]));
+  hi = _mm512_permutexvar_epi16(_mm512_cvtepu8_epi16(_mm256_and_si256(_mm256_srli_epi16(bytes, 4), nibble)),
+                                level_table(s.scale[4 * c + 2], s.min[4 * c + 2]));
+}
+
 inline float qdot_row_q4_k(const uint8_t* row, int64_t blocks, const bf16* x) {
   __m512 acc0 = _mm512_setzero_ps(), acc1 = acc0;
-  const __m256i nibble = _mm256_set1_epi8(0x0F);
   BlockScales s;
   for (int64_t blk = 0; blk < blocks; ++blk) {
     const uint8_t* b = row + blk * 144;
@@ -421,11 +430,8 @@ inline float qdot_row_q4_k(const uint8_t* row, int64_t blocks, const bf16* x) {
     block_scales(kQ4_K, b, s);
     const bf16* xb = x + blk * 256;
     for (int c = 0; c < 4; ++c) {
-      const __m256i bytes = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 16 + 32 * c));
-      const __m512i lo = _mm512_cvtepu8_epi16(_mm256_and_si256(bytes, nibble));
-      const __m512i hi = _mm512_cvtepu8_epi16(_mm256_and_si256(_mm256_srli_epi16(bytes, 4), nibble));
-      const __m512i w_lo = _mm512_permutexvar_epi16(lo, level_table(s.scale[4 * c], s.min[4 * c]));
-      const __m512i w_hi = _mm512_permutexvar_epi16(hi, level_table(s.scale[4 * c + 2], s.min[4 * c + 2]));
+      __m512i w_lo, w_hi;
+      q4_k_chunk_bf16(b, s, c, w_lo, w_hi);
       acc0 = _mm512_dpbf16_ps(acc0, (__m512bh)w_lo, x32(xb + 64 * c));
       acc1 = _mm512_dpbf16_ps(acc1, (__m512bh)w_hi, x32(xb + 64 * c + 32));
     }
@@ -594,21 +600,17 @@ inline void gemv_rows(const Matrix& m, const bf16* x, int64_t begin, int64_t end
 }
 
 #if defined(MOESCOPE_AVX512BF16)
-// One Q4_K row as bf16 weights: per sub-block a table of its 16 weights (as qdot_row_q4_k builds it,
-// the values group_weights_avx512 computes) looked up for 32 nibbles at once.
+// One Q4_K row as bf16 weights, through qdot_row_q4_k's tables (the values group_weights_avx512 computes).
 inline void dequantize_row_q4_k(const uint8_t* row, int64_t blocks, bf16* w) {
-  const __m256i nibble = _mm256_set1_epi8(0x0F);
   BlockScales s;
   for (int64_t blk = 0; blk < blocks; ++blk, w += 256) {
     const uint8_t* b = row + blk * 144;
     block_scales(kQ4_K, b, s);
     for (int c = 0; c < 4; ++c) {
-      const __m256i bytes = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 16 + 32 * c));
-      const __m512i lo = _mm512_cvtepu8_epi16(_mm256_and_si256(bytes, nibble));
-      const __m512i hi = _mm512_cvtepu8_epi16(_mm256_and_si256(_mm256_srli_epi16(bytes, 4), nibble));
-      _mm512_storeu_si512(w + 64 * c, _mm512_permutexvar_epi16(lo, level_table(s.scale[4 * c], s.min[4 * c])));
-      _mm512_storeu_si512(w + 64 * c + 32,
-                          _mm512_permutexvar_epi16(hi, level_table(s.scale[4 * c + 2], s.min[4 * c + 2])));
+      __m512i lo, hi;
+      q4_k_chunk_bf16(b, s, c, lo, hi);
+      _mm512_storeu_si512(w + 64 * c, lo);
+      _mm512_storeu_si512(w + 64 * c + 32, hi);
     }
   }
 }

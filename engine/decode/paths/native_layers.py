@@ -41,6 +41,7 @@ from engine.decode.paths.families import (
 from engine.decode.paths.latent_attention import latent_attention_forward
 from engine.decode.paths.switch import SWITCH_ATTR, NativeSwitch
 from engine.decode.paths.transformers_path import model_forward
+from engine.formats.blocks import BlockFormat
 from engine.model.cache_argument import cache_from_call
 from engine.model.dense_formats import QuantizedLinear
 from engine.offload.expert_compute import QuantizedProduct, SlotReader, torch_one_token
@@ -263,18 +264,25 @@ def install(model: torch.nn.Module) -> NativeSwitch:
     return switch
 
 
-def native_problem(runtime, step: Step) -> str | None:
-    """Why no native kernel can run `step` (shared by both native paths); None when they can."""
+def kernels_problem(runtime) -> str | None:
+    """Why the native kernels cannot run for this runtime now (every native path asks); None when they can."""
     if not runtime.fast_decode:
         return "exact kernels were asked for (--exact, or the System panel's Exact switch)"
-    if step.prefill:
-        return "prompts (prefill) run on transformers' kernels"
     if runtime.device.type != "cpu":
         return "the native kernels run on the CPU"
     if runtime.dtype != torch.bfloat16:
         return f"the native kernels compute bf16 weights; this model runs in {str(runtime.dtype).removeprefix('torch.')}"
     if native.ready() is None:
         return native.status()
+    return None
+
+
+def native_problem(runtime, step: Step) -> str | None:
+    """Why no native kernel can run `step` (shared by both native decode paths); None when they can."""
+    if step.prefill and runtime.fast_decode:
+        return "prompts (prefill) run on transformers' kernels"
+    if problem := kernels_problem(runtime):
+        return problem
     if runtime.cache.packed_params:
         return "the expert matrices are packed for oneDNN (they are unpacked when the Exact switch is turned off)"
     return None
@@ -284,7 +292,7 @@ def quantized_product(kernels: ModuleType) -> QuantizedProduct:
     """Rows times a quantized slot's matrix on the native kernels: each tile of the matrix is expanded
     once in L1 and multiplied by all rows (`linear_rows`), never the whole expert into a scratch."""
 
-    def product(x: torch.Tensor, blocks: torch.Tensor, fmt, columns: int) -> torch.Tensor:
+    def product(x: torch.Tensor, blocks: torch.Tensor, fmt: BlockFormat, columns: int) -> torch.Tensor:
         return kernels.linear_rows(native.weight(kernels, blocks, fmt, columns), x)
 
     return product
@@ -300,17 +308,12 @@ class NativePromptPath(DecodePath):
         self.runtime = runtime
 
     def unavailable(self, step: Step) -> str | None:
-        runtime = self.runtime
         if not step.prefill:
             return "one-token steps take the decode paths"
-        if not runtime.fast_decode:
-            return "exact kernels were asked for (--exact, or the System panel's Exact switch)"
-        if runtime.device.type != "cpu" or runtime.dtype != torch.bfloat16:
-            return "the native kernels multiply bf16 rows on the CPU"
-        if not runtime.cache.quantized_slots:
+        if problem := kernels_problem(self.runtime):
+            return problem
+        if not self.runtime.cache.quantized_slots:
             return "the experts are not quantized: transformers' kernels run the prompt"
-        if native.ready() is None:
-            return native.status()
         return None
 
     def run(self, step: Step) -> torch.Tensor:
