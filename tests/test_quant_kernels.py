@@ -209,3 +209,60 @@ def test_gpt_oss_experts_in_one_call(flavour):
     close(ours, reference, "gpt-oss experts")
     ours_int = NativeExperts(flavour)(module, x, chosen, route, torch.bfloat16, reader)
     assert (ours_int.float() - reference.float()).abs().max() <= 0.05 * reference.float().abs().max()
+
+
+@pytest.mark.parametrize(("family", "name"), [("qwen3_moe", "q4_k"), ("qwen3_moe", "q8_0"), ("qwen3_moe", "q6_k"),
+                                              ("qwen3_moe", "original"), ("gpt_oss", "mxfp4")])
+def test_a_prompts_rows_through_a_layers_experts_in_one_call(flavour, family, name):
+    # A prompt's rows sorted by expert (as the expert cache gathers them) through a layer's resident
+    # experts in one native call (moe_prompt): every expert's rows equal transformers' recipe on the
+    # same weights dequantized to bf16, to summation order; experts with 0, 1 and a count that is no
+    # multiple of the kernel's 4-row tiles; gpt-oss's biases, interleaved gate/up and clamped SwiGLU.
+    from transformers import GptOssConfig, Qwen3MoeConfig
+    from transformers.models.gpt_oss.modeling_gpt_oss import GptOssExperts
+    from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeExperts
+
+    from engine.decode.paths.native_layers import NativePromptExperts
+    from engine.model.layout import ExpertParam
+    from engine.offload.expert_compute import SlotReader, expert_mlp
+
+    # an odd width on bf16 weights: a lone last gate/up pair, and sums past the last 32 columns
+    hidden, inter = 256, {"original": 97, "q8_0": 96, "mxfp4": 96}.get(name, 256)
+    counts = [5, 0, 16, 1, 7, 3]
+    if family == "gpt_oss":
+        module = GptOssExperts(GptOssConfig(hidden_size=hidden, intermediate_size=inter, num_local_experts=6,
+                                            num_experts_per_tok=2))
+    else:
+        module = Qwen3MoeExperts(Qwen3MoeConfig(hidden_size=hidden, moe_intermediate_size=inter, num_experts=6,
+                                                num_experts_per_tok=2))
+    module = module.to(torch.bfloat16)
+    generator = torch.Generator().manual_seed(5)
+    fmt = None if name == "original" else checkpoint_format(name)
+    chosen = []
+    for e in range(len(counts)):
+        if fmt is None:
+            expert = {"gate_up_proj": (torch.randn(2 * inter, hidden, generator=generator) * 0.05).to(torch.bfloat16),
+                      "down_proj": (torch.randn(hidden, inter, generator=generator) * 0.05).to(torch.bfloat16)}
+        else:
+            expert = {"gate_up_proj": quantized(name, 2 * inter, hidden, seed=50 + e)[0],
+                      "down_proj": quantized(name, hidden, inter, seed=60 + e)[0]}
+        if module.has_bias:
+            expert["gate_up_proj_bias"] = (torch.randn(2 * inter, generator=generator) * 0.1).to(torch.bfloat16)
+            expert["down_proj_bias"] = (torch.randn(hidden, generator=generator) * 0.1).to(torch.bfloat16)
+        chosen.append(expert)
+    transposed = module.is_transposed  # gpt-oss reads x @ W; its quantized slots still hold [out, in] blocks
+    shapes = ((hidden, 2 * inter), (inter, hidden)) if transposed else ((2 * inter, hidden), (hidden, inter))
+    params = [] if fmt is None else [
+        ExpertParam("gate_up_proj", shapes[0], torch.uint8, 0, 0, fmt, transposed),
+        ExpertParam("down_proj", shapes[1], torch.uint8, 0, 0, fmt, transposed)]
+    reader = SlotReader(params, torch.bfloat16)
+    rows = (torch.randn(sum(counts), hidden, generator=generator) * 2).to(torch.bfloat16)
+    start = [sum(counts[:e]) for e in range(len(counts))]
+    ours = NativePromptExperts(flavour)(module, rows, start, counts, chosen, reader)
+    assert ours is not None and ours.shape == rows.shape and ours.dtype == torch.bfloat16
+    for e, (first, count) in enumerate(zip(start, counts, strict=True)):
+        if count == 0:
+            continue
+        part = slice(first, first + count)
+        reference = expert_mlp(module, rows[part], reader.plain(chosen[e]))
+        close(ours[part], reference, f"{family} {name} expert {e} ({count} rows)")

@@ -222,13 +222,14 @@ def test_expanding_slots_natively_changes_no_bit_of_the_exact_path(wide, kernels
 
 @pytest.mark.parametrize("family", ["mixtral", "qwen2_moe", "gpt_oss", "deepseek_v3"])
 def test_a_prompt_multiplies_quantized_experts_in_their_blocks(wide, kernels, monkeypatch, family):
-    """With fast decode, a prompt's quantized experts are multiplied tile by tile on the native kernels
-    (never expanded whole into a scratch): the logits equal the exact path's to bf16 summation order."""
+    """With fast decode, a prompt's quantized experts of a layer are multiplied tile by tile in one
+    native call (never expanded whole into a scratch): the logits equal the exact path's to bf16
+    summation order."""
     import torch
 
     calls = []
-    linear_rows = kernels.linear_rows
-    monkeypatch.setattr(kernels, "linear_rows", lambda *args: calls.append(1) or linear_rows(*args))
+    moe_prompt = kernels.moe_prompt
+    monkeypatch.setattr(kernels, "moe_prompt", lambda *args: calls.append(1) or moe_prompt(*args))
 
     from engine.decode.kv_cache import new_cache
     from engine.decode.paths.base import Step

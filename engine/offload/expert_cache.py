@@ -43,7 +43,7 @@ from engine.formats.dequantize import Dequantizer, reference_dequantizer
 from engine.model.layout import ExpertParam, MoELayout, aligned
 from engine.offload.expert_compute import (
     OneTokenExperts,
-    QuantizedProduct,
+    PromptKernels,
     SlotReader,
     expert_mlp,
     grouped_available,
@@ -162,7 +162,7 @@ class ExpertCache:
         self.reader = SlotReader(self._pool_params, layout.compute_dtype, packed=self._packed)
         self._layer_readers = self._readers_by_layer()
         self._one_token: OneTokenExperts = torch_one_token  # a decode path may bring its own (`experts_kernel`)
-        self._product: QuantizedProduct | None = None  # a prompt path may multiply quantized slots directly
+        self._prompt: PromptKernels | None = None  # a prompt path may bring its own (`prompt_kernels`)
 
     def use_dequantizer(self, dequantizer: Dequantizer) -> None:
         """Quantized slots are expanded with `dequantizer` from now on (one giving the reference's
@@ -445,14 +445,15 @@ class ExpertCache:
             self._one_token = previous
 
     @contextmanager
-    def quantized_products(self, product: QuantizedProduct) -> Iterator[None]:
-        """Within the block, many-row steps multiply quantized slots with `product` instead of
-        expanding each expert into a scratch for torch's kernels."""
-        previous, self._product = self._product, product
+    def prompt_kernels(self, kernels: PromptKernels) -> Iterator[None]:
+        """Within the block, many-row steps run a layer's resident experts with `kernels.layer` and
+        multiply the others' quantized slots with `kernels.product` instead of expanding each expert
+        into a scratch for torch's kernels."""
+        previous, self._prompt = self._prompt, kernels
         try:
             yield
         finally:
-            self._product = previous
+            self._prompt = previous
 
     def run_layer(
         self,
@@ -514,20 +515,45 @@ class ExpertCache:
         computed: list[slice] = []  # parts of the sorted order whose outputs are in by_expert[2]
         reader = self.reader_at(layer)
 
-        def compute(expert: int) -> None:
+        def sorted_rows() -> list[int]:
+            """Where each expert's rows start in by_expert's order (filled on first use)."""
             order, bounds = routing.by_expert()  # made once per layer step
             if not by_expert:
                 by_expert.extend((hidden_states[order // top_k], weights[order].unsqueeze(-1), torch.empty_like(out)))
+            return bounds
+
+        def compute(expert: int) -> None:
+            bounds = sorted_rows()
             rows, routing_weights, outputs = by_expert
             slot = self.directory.slot_of[layer][expert]
             part = slice(bounds[expert], bounds[expert + 1])
-            y = expert_mlp(module, rows[part], reader.plain(self.slot_views[layer][slot], self._product), self._packed)
+            product = self._prompt.product if self._prompt is not None else None
+            y = expert_mlp(module, rows[part], reader.plain(self.slot_views[layer][slot], product), self._packed)
             torch.mul(y, routing_weights[part], out=outputs[part])
             computed.append(part)
 
+        def compute_in_one_call(experts: list[int]) -> bool:
+            """`experts` on the prompt path's layer kernel; False where it does not compute this module."""
+            bounds = sorted_rows()
+            rows, routing_weights, outputs = by_expert
+            slot_of, slots = self.directory.slot_of[layer], self.slot_views[layer]
+            start = [int(bounds[e]) for e in experts]
+            count = [int(bounds[e + 1] - bounds[e]) for e in experts]
+            y = self._prompt.layer(module, rows, start, count, [slots[slot_of[e]] for e in experts], reader)
+            if y is None:
+                return False
+            parts = [slice(s, s + c) for s, c in zip(start, count, strict=True) if c]
+            if sum(count) == rows.shape[0]:  # every row: one weighting
+                torch.mul(y, routing_weights, out=outputs)
+            else:
+                for part in parts:
+                    torch.mul(y[part], routing_weights[part], out=outputs[part])
+            computed.extend(parts)
+            return True
+
         if self._grouped and len(plan.ready) > 1:  # resident experts run while the misses load
             self._compute_grouped(layer, module, hidden_states, routing.flat_host, plan.ready, top_k, weights, out)
-        else:
+        elif not (self._prompt is not None and plan.ready and compute_in_one_call(plan.ready)):
             for expert in plan.ready:
                 compute(expert)
         for expert in plan.on_cpu:

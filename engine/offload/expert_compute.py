@@ -124,6 +124,27 @@ class OneTokenExperts(Protocol):
                  weights: torch.Tensor, out_dtype: torch.dtype, reader: SlotReader) -> torch.Tensor: ...
 
 
+class LayerExperts(Protocol):
+    """How a step's resident experts of one layer run on many rows at once (a prompt): `rows`
+    [n, hidden] sorted by expert, expert i of `chosen` (its weights, views of its slot read through
+    `reader`) taking rows [start[i], start[i] + count[i]). Returns [n, hidden] with those rows
+    holding each expert's output before its routing weight, or None where it does not compute this
+    module (the expert cache then runs the experts one by one)."""
+
+    def __call__(self, module: torch.nn.Module, rows: torch.Tensor, start: list[int], count: list[int],
+                 chosen: list[dict[str, torch.Tensor]], reader: SlotReader) -> torch.Tensor | None: ...
+
+
+@dataclass(frozen=True)
+class PromptKernels:
+    """What a prompt path brings to the expert cache: a layer's resident experts in one call, and
+    for the experts that call leaves (and those computed as their bytes arrive) the product that
+    multiplies a quantized slot's matrix in its blocks."""
+
+    layer: LayerExperts
+    product: QuantizedProduct
+
+
 def torch_one_token(module: torch.nn.Module, hidden: torch.Tensor, chosen: list[dict[str, torch.Tensor]],
                     weights: torch.Tensor, out_dtype: torch.dtype, reader: SlotReader) -> torch.Tensor:
     """Each expert straight from its slot, in pick order: one-row `F.linear`s give the same bits as

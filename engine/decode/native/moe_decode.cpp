@@ -243,27 +243,67 @@ void dequantize(const Weight& weight, torch::Tensor out) {
 // that back and re-packs it on every call).
 constexpr int64_t kTile = 4;
 
-// sums[i * ld + r] = x_i . w_r for 4 rows of x and 4 of W (k a multiple of 32): 16 accumulators,
-// each weight and input vector loaded once per 4 products.
-inline void dot_tile(const bf16* const* w, const bf16* const* x, int64_t k, float* sums, int64_t ld) {
 #if defined(MOESCOPE_AVX512BF16)
+// The lane sums of 16 vectors as one vector (out[j] = sum of v[j]'s lanes): a transposing add tree,
+// ~3 instructions a vector where a reduction each takes ~8 and waits on itself.
+inline __m512 sum_lanes_16(__m512* v) {
+  __m512 w[8], x[4];
+  for (int i = 0; i < 8; ++i)
+    w[i] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]), _mm512_unpackhi_ps(v[2 * i], v[2 * i + 1]));
+  for (int i = 0; i < 4; ++i)
+    x[i] = _mm512_add_ps(_mm512_shuffle_ps(w[2 * i], w[2 * i + 1], _MM_SHUFFLE(1, 0, 1, 0)),
+                         _mm512_shuffle_ps(w[2 * i], w[2 * i + 1], _MM_SHUFFLE(3, 2, 3, 2)));
+  // x[i]'s 128-bit lane L holds lane L's sums of v[4i .. 4i+3]; add the four lanes up
+  const __m512 z0 = _mm512_add_ps(_mm512_shuffle_f32x4(x[0], x[1], _MM_SHUFFLE(2, 0, 2, 0)),
+                                  _mm512_shuffle_f32x4(x[0], x[1], _MM_SHUFFLE(3, 1, 3, 1)));
+  const __m512 z1 = _mm512_add_ps(_mm512_shuffle_f32x4(x[2], x[3], _MM_SHUFFLE(2, 0, 2, 0)),
+                                  _mm512_shuffle_f32x4(x[2], x[3], _MM_SHUFFLE(3, 1, 3, 1)));
+  return _mm512_add_ps(_mm512_shuffle_f32x4(z0, z1, _MM_SHUFFLE(2, 0, 2, 0)),
+                       _mm512_shuffle_f32x4(z0, z1, _MM_SHUFFLE(3, 1, 3, 1)));
+}
+#endif
+
+// sums[i * ld + r] = x_i . w_r for N (<= 4) rows of x and 4 of W: 4N accumulators, each weight
+// and input vector loaded once per 4 (N) products. N is a template parameter so that an expert's
+// last rows of x (a prompt's count per expert is rarely a multiple of 4) cost only their own products.
+template <int N>
+inline void dot_tile_n(const bf16* const* w, const bf16* const* x, int64_t k, float* sums, int64_t ld) {
+#if defined(MOESCOPE_AVX512BF16)
+  static_assert(kTile * kTile == 16 && N <= kTile, "one lane sum per accumulator");
   __m512 acc[kTile][kTile];
   for (auto& row : acc)
     for (auto& a : row) a = _mm512_setzero_ps();
-  for (int64_t p = 0; p < k; p += 32) {
+  int64_t p = 0;
+  for (; p + 32 <= k; p += 32) {
     __m512bh wv[kTile];
     for (int r = 0; r < kTile; ++r) wv[r] = (__m512bh)_mm512_loadu_si512(w[r] + p);
-    for (int i = 0; i < kTile; ++i) {
+    for (int i = 0; i < N; ++i) {
       const __m512bh xv = (__m512bh)_mm512_loadu_si512(x[i] + p);
       for (int r = 0; r < kTile; ++r) acc[i][r] = _mm512_dpbf16_ps(acc[i][r], xv, wv[r]);
     }
   }
-  for (int i = 0; i < kTile; ++i)
-    for (int r = 0; r < kTile; ++r) sums[i * ld + r] = _mm512_reduce_add_ps(acc[i][r]);
+  alignas(64) float lane_sums[kTile * kTile];
+  _mm512_store_ps(lane_sums, sum_lanes_16(&acc[0][0]));
+  for (int i = 0; i < N; ++i)
+    for (int r = 0; r < kTile; ++r) {
+      float sum = lane_sums[i * kTile + r];
+      for (int64_t t = p; t < k; ++t) sum += to_float(w[r][t]) * to_float(x[i][t]);
+      sums[i * ld + r] = sum;
+    }
 #else
-  for (int i = 0; i < kTile; ++i)
+  for (int i = 0; i < N; ++i)
     for (int r = 0; r < kTile; ++r) sums[i * ld + r] = dot_row(w[r], x[i], k);
 #endif
+}
+
+// dot_tile_n for the first n (1 to 4) rows of x.
+inline void dot_tile(const bf16* const* w, const bf16* const* x, int64_t n, int64_t k, float* sums, int64_t ld) {
+  switch (n) {
+    case 1: return dot_tile_n<1>(w, x, k, sums, ld);
+    case 2: return dot_tile_n<2>(w, x, k, sums, ld);
+    case 3: return dot_tile_n<3>(w, x, k, sums, ld);
+    default: return dot_tile_n<4>(w, x, k, sums, ld);
+  }
 }
 
 // y = x W^T (+ bias) for bf16 rows x [m, cols] and a bf16 or block-quantized W [rows, cols]: what
@@ -296,7 +336,7 @@ torch::Tensor linear_rows(const Weight& weight, const torch::Tensor& x, const c1
       for (int64_t i0 = 0; i0 < m; i0 += kTile) {
         const bf16* inputs[kTile];
         for (int64_t i = 0; i < kTile; ++i) inputs[i] = xs + std::min(i0 + i, m - 1) * k;
-        dot_tile(rows, inputs, k, sums.data(), kTile);
+        dot_tile(rows, inputs, std::min(kTile, m - i0), k, sums.data(), kTile);
         for (int64_t i = i0; i < std::min(m, i0 + kTile); ++i)
           for (int64_t r = r0; r < r1; ++r) {
             const float sum = sums[(i - i0) * kTile + (r - r0)];
@@ -442,24 +482,33 @@ struct SpinBarrier {
   }
 };
 
-// An expert's activation for intermediate rows [begin, end) from its gate/up projection (float32
-// sums), each op rounded to bf16 where transformers rounds.
+// One value of an expert's activation from its gate and up sums (float32; gi and ui their rows,
+// for the bias), each op rounded to bf16 where transformers rounds.
+inline bf16 activate(const GateRecipe& r, float gate_sum, float up_sum, const bf16* bias, int64_t gi, int64_t ui) {
+  float g = biased(gate_sum, bias, gi), u = biased(up_sum, bias, ui);
+  if (!r.clamped_swiglu) {
+    const float silu = round_bf16(g / (1.f + std::exp(-g)));
+    return to_bf16(silu * u);
+  }
+  const float limit = static_cast<float>(r.limit);
+  g = std::min(g, limit);
+  u = std::max(-limit, std::min(u, limit));
+  const float scaled = round_bf16(g * static_cast<float>(r.alpha));
+  const float glu = round_bf16(g * round_bf16(1.f / (1.f + std::exp(-scaled))));
+  return to_bf16(round_bf16(u + 1.f) * glu);
+}
+
+// The rows of an expert's gate/up projection that intermediate row i reads: gate and up halves
+// (gate first) or interleaved (gate at even rows).
+inline int64_t gate_row(const GateRecipe& r, int64_t i) { return r.interleaved ? 2 * i : i; }
+inline int64_t up_row(const GateRecipe& r, int64_t inter, int64_t i) { return r.interleaved ? 2 * i + 1 : inter + i; }
+
+// An expert's activation for intermediate rows [begin, end) from its gate/up projection (float32 sums).
 inline void gate_rows(const GateRecipe& r, const float* gate_up, const bf16* bias, int64_t inter, int64_t begin,
                       int64_t end, bf16* out) {
   for (int64_t i = begin; i < end; ++i) {
-    const int64_t gi = r.interleaved ? 2 * i : i, ui = r.interleaved ? 2 * i + 1 : inter + i;
-    float g = biased(gate_up[gi], bias, gi), u = biased(gate_up[ui], bias, ui);
-    if (!r.clamped_swiglu) {
-      const float silu = round_bf16(g / (1.f + std::exp(-g)));
-      out[i] = to_bf16(silu * u);
-      continue;
-    }
-    const float limit = static_cast<float>(r.limit);
-    g = std::min(g, limit);
-    u = std::max(-limit, std::min(u, limit));
-    const float scaled = round_bf16(g * static_cast<float>(r.alpha));
-    const float glu = round_bf16(g * round_bf16(1.f / (1.f + std::exp(-scaled))));
-    out[i] = to_bf16(round_bf16(u + 1.f) * glu);
+    const int64_t gi = gate_row(r, i), ui = up_row(r, inter, i);
+    out[i] = activate(r, gate_up[gi], gate_up[ui], bias, gi, ui);
   }
 }
 
@@ -568,6 +617,143 @@ std::vector<ExpertWeights> expert_list(const std::vector<Weight>& gate_up, const
     TORCH_CHECK(out.back().inter == out[0].inter, "every expert of one intermediate size");
   }
   return out;
+}
+
+// A prompt's rows through a layer's resident gated experts, in one call: the rows are sorted by
+// expert (as the expert cache gathers them), rows [start[e], start[e] + count[e]) going through
+// expert e, and each expert's output (its down projection, rounded where expert_mlp's torch ops
+// round; the routing weights stay the caller's) lands in the same rows of the result.
+//
+// Work comes in 4-row tiles of a matrix: 2 gate rows with their 2 up rows (the activation is made
+// from the tile's sums at once), then, after a barrier, 4 down rows. A quantized tile is expanded
+// once into L1 and multiplied by all of its expert's rows (dot_tile). The tiles of all experts are
+// split between the threads by the rows they multiply, so a popular expert is shared rather than
+// holding one thread while the others wait; and one call replaces the dozen small torch ops per
+// expert the per-expert loop makes.
+struct PromptExperts {
+  const GateRecipe& recipe;
+  const std::vector<ExpertWeights>& experts;
+  const std::vector<int64_t>& start;
+  const std::vector<int64_t>& count;
+  const bf16* x;
+  int64_t hidden, inter;
+  bf16* activation;  // [rows, inter]
+  bf16* out;         // [rows, hidden]
+
+  // The tile's rows as bf16: a bf16 matrix's own, or expanded into `scratch` (4 rows of m.cols).
+  static void tile_rows(const Matrix& m, const int64_t* at, const bf16** rows, bf16* scratch) {
+    for (int j = 0; j < kTile; ++j) {
+      if (m.type == kBF16) {
+        rows[j] = reinterpret_cast<const bf16*>(m.row(at[j]));
+      } else {
+        dequantize_rows(m, at[j], at[j] + 1, scratch + j * m.cols, at[j]);
+        rows[j] = scratch + j * m.cols;
+      }
+    }
+  }
+
+  // Intermediate rows p, p + 1 of expert e for all its rows of x.
+  void gate_up_tile(int64_t e, int64_t p, bf16* scratch) const {
+    const ExpertWeights& w = experts[e];
+    const int64_t pairs = std::min<int64_t>(2, inter - p);
+    int64_t at[kTile];
+    for (int j = 0; j < 2; ++j) {
+      const int64_t i = p + std::min<int64_t>(j, pairs - 1);  // a lone last row: twice, its second sums unused
+      at[j] = gate_row(recipe, i);
+      at[2 + j] = up_row(recipe, inter, i);
+    }
+    const bf16* rows[kTile];
+    tile_rows(w.gate_up, at, rows, scratch);
+    float sums[kTile * kTile];
+    for (int64_t i0 = 0; i0 < count[e]; i0 += kTile) {
+      const bf16* inputs[kTile];
+      for (int64_t i = 0; i < kTile; ++i) inputs[i] = x + (start[e] + std::min(i0 + i, count[e] - 1)) * hidden;
+      dot_tile(rows, inputs, std::min(kTile, count[e] - i0), hidden, sums, kTile);
+      for (int64_t i = 0; i < std::min<int64_t>(kTile, count[e] - i0); ++i)
+        for (int64_t j = 0; j < pairs; ++j)
+          activation[(start[e] + i0 + i) * inter + p + j] =
+              activate(recipe, sums[i * kTile + j], sums[i * kTile + 2 + j], w.gate_up_bias, at[j], at[2 + j]);
+    }
+  }
+
+  // Output columns h, h + 1, h + 2, h + 3 of expert e for all its rows.
+  void down_tile(int64_t e, int64_t h, bf16* scratch) const {
+    const ExpertWeights& w = experts[e];
+    const int64_t n = std::min<int64_t>(kTile, hidden - h);
+    int64_t at[kTile];
+    for (int j = 0; j < kTile; ++j) at[j] = h + std::min<int64_t>(j, n - 1);
+    const bf16* rows[kTile];
+    tile_rows(w.down, at, rows, scratch);
+    float sums[kTile * kTile];
+    for (int64_t i0 = 0; i0 < count[e]; i0 += kTile) {
+      const bf16* inputs[kTile];
+      for (int64_t i = 0; i < kTile; ++i)
+        inputs[i] = activation + (start[e] + std::min(i0 + i, count[e] - 1)) * inter;
+      dot_tile(rows, inputs, std::min(kTile, count[e] - i0), inter, sums, kTile);
+      for (int64_t i = 0; i < std::min<int64_t>(kTile, count[e] - i0); ++i)
+        for (int64_t j = 0; j < n; ++j)
+          out[(start[e] + i0 + i) * hidden + h + j] = to_bf16(biased(sums[i * kTile + j], w.down_bias, h + j));
+    }
+  }
+};
+
+// Tiles of every expert (expert, first row) with the running sum of their costs (the expert's row
+// count), `step` rows of a matrix `height` high per tile.
+struct TileList {
+  std::vector<std::pair<int64_t, int64_t>> tiles;
+  std::vector<int64_t> cost_before{0};
+
+  TileList(const std::vector<int64_t>& count, int64_t height, int64_t step) {
+    for (size_t e = 0; e < count.size(); ++e)
+      for (int64_t r = 0; count[e] > 0 && r < height; r += step) {
+        tiles.emplace_back(static_cast<int64_t>(e), r);
+        cost_before.push_back(cost_before.back() + count[e]);
+      }
+  }
+
+  // This thread's tiles: those whose cost starts in its even share of the total.
+  std::pair<int64_t, int64_t> share(int tid, int team) const {
+    const int64_t total = cost_before.back();
+    auto first_at = [&](int64_t part) {
+      const int64_t cost = total * part / team;
+      return static_cast<int64_t>(std::lower_bound(cost_before.begin(), cost_before.end() - 1, cost) -
+                                  cost_before.begin());
+    };
+    return {first_at(tid), first_at(tid + 1)};
+  }
+};
+
+torch::Tensor moe_prompt(const torch::Tensor& x, const std::vector<int64_t>& start, const std::vector<int64_t>& count,
+                         const std::vector<Weight>& gate_up, const std::vector<Weight>& down,
+                         const std::vector<torch::Tensor>& gate_up_bias, const std::vector<torch::Tensor>& down_bias,
+                         const GateRecipe& recipe) {
+  check_matrix(x, "x");
+  const int64_t rows = x.size(0), hidden = x.size(1);
+  const std::vector<ExpertWeights> experts = expert_list(gate_up, down, gate_up_bias, down_bias, hidden, false);
+  TORCH_CHECK(start.size() == experts.size() && count.size() == experts.size(), "one row range per expert");
+  for (size_t e = 0; e < experts.size(); ++e)
+    TORCH_CHECK(start[e] >= 0 && count[e] >= 0 && start[e] + count[e] <= rows, "expert ", e, "'s rows are not in x");
+  const int64_t inter = experts[0].inter;
+  const torch::Tensor xc = x.contiguous();
+  torch::Tensor y = torch::empty_like(xc);
+  std::vector<bf16> activation(rows * inter);
+  const PromptExperts work{recipe, experts, start, count, bf16_data(xc), hidden, inter, activation.data(), bf16_data(y)};
+  const TileList gate_tiles(count, inter, 2), down_tiles(count, hidden, kTile);
+  SpinBarrier barrier;
+#pragma omp parallel num_threads(std::max(1, at::get_num_threads()))
+  {
+    const int tid = omp_get_thread_num(), team = omp_get_num_threads();
+    barrier.join(team);
+    std::vector<bf16> scratch(kTile * std::max(hidden, inter));
+    const auto [g_first, g_last] = gate_tiles.share(tid, team);
+    for (int64_t t = g_first; t < g_last; ++t)
+      work.gate_up_tile(gate_tiles.tiles[t].first, gate_tiles.tiles[t].second, scratch.data());
+    barrier.wait();  // every expert's activation rows are complete
+    const auto [d_first, d_last] = down_tiles.share(tid, team);
+    for (int64_t t = d_first; t < d_last; ++t)
+      work.down_tile(down_tiles.tiles[t].first, down_tiles.tiles[t].second, scratch.data());
+  }
+  return y;
 }
 
 torch::Tensor moe_decode(const torch::Tensor& x, const std::vector<Weight>& gate_up, const std::vector<Weight>& down,
@@ -865,25 +1051,6 @@ struct CacheView {
 // sharing a kv head; float32 throughout, the output rounded to bf16 as [heads * d].
 // Query head h (of a group sharing kv head g) over `len` cached positions into out[0, d).
 // `scores`: len floats and `acc`: d floats of scratch.
-#if defined(MOESCOPE_AVX512BF16)
-// The lane sums of 16 vectors as one vector (out[j] = sum of v[j]'s lanes): a transposing add tree,
-// ~3 instructions a vector where a reduction each takes ~8 and waits on itself.
-inline __m512 sum_lanes_16(__m512* v) {
-  __m512 w[8], x[4];
-  for (int i = 0; i < 8; ++i)
-    w[i] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]), _mm512_unpackhi_ps(v[2 * i], v[2 * i + 1]));
-  for (int i = 0; i < 4; ++i)
-    x[i] = _mm512_add_ps(_mm512_shuffle_ps(w[2 * i], w[2 * i + 1], _MM_SHUFFLE(1, 0, 1, 0)),
-                         _mm512_shuffle_ps(w[2 * i], w[2 * i + 1], _MM_SHUFFLE(3, 2, 3, 2)));
-  // x[i]'s 128-bit lane L holds lane L's sums of v[4i .. 4i+3]; add the four lanes up
-  const __m512 z0 = _mm512_add_ps(_mm512_shuffle_f32x4(x[0], x[1], _MM_SHUFFLE(2, 0, 2, 0)),
-                                  _mm512_shuffle_f32x4(x[0], x[1], _MM_SHUFFLE(3, 1, 3, 1)));
-  const __m512 z1 = _mm512_add_ps(_mm512_shuffle_f32x4(x[2], x[3], _MM_SHUFFLE(2, 0, 2, 0)),
-                                  _mm512_shuffle_f32x4(x[2], x[3], _MM_SHUFFLE(3, 1, 3, 1)));
-  return _mm512_add_ps(_mm512_shuffle_f32x4(z0, z1, _MM_SHUFFLE(2, 0, 2, 0)),
-                       _mm512_shuffle_f32x4(z0, z1, _MM_SHUFFLE(3, 1, 3, 1)));
-}
-#endif
 
 // scores[t] = (key row t . q) * scale for positions [0, len); returns the largest. Keys 16 at a
 // time where the head size is whole 32-element steps (one query's attention spent most of its
@@ -1803,6 +1970,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         pybind11::arg("gate_up_bias") = std::vector<torch::Tensor>(),
         pybind11::arg("down_bias") = std::vector<torch::Tensor>(), pybind11::arg("transposed") = false,
         pybind11::arg("recipe") = GateRecipe());
+  m.def("moe_prompt", &moe_prompt, "a prompt's rows, sorted by expert, through a layer's gated experts",
+        pybind11::arg("x"), pybind11::arg("start"), pybind11::arg("count"), pybind11::arg("gate_up"),
+        pybind11::arg("down"), pybind11::arg("gate_up_bias") = std::vector<torch::Tensor>(),
+        pybind11::arg("down_bias") = std::vector<torch::Tensor>(), pybind11::arg("recipe") = GateRecipe());
   pybind11::class_<DecodeStep>(m, "DecodeStep", "a whole decode step of a MoE decoder")
       .def(pybind11::init<torch::Tensor, torch::Tensor, double, const Weight&, int64_t, bool, bool, bool, bool>(),
            pybind11::arg("embed"), pybind11::arg("final_norm"), pybind11::arg("final_eps"), pybind11::arg("lm_head"),

@@ -44,7 +44,7 @@ from engine.decode.paths.transformers_path import model_forward
 from engine.formats.blocks import BlockFormat
 from engine.model.cache_argument import cache_from_call
 from engine.model.dense_formats import QuantizedLinear
-from engine.offload.expert_compute import QuantizedProduct, SlotReader, torch_one_token
+from engine.offload.expert_compute import PromptKernels, QuantizedProduct, SlotReader, torch_one_token
 
 
 def _native_kernels(module: torch.nn.Module, x: torch.Tensor, weight: torch.Tensor) -> ModuleType | None:
@@ -218,6 +218,25 @@ class NativeExperts:
         return self.kernels.moe_decode(hidden, gate_up, down, weights, *expert_extras(self.kernels, reader, chosen, recipe))
 
 
+class NativePromptExperts:
+    """A prompt's resident experts of one layer in one native call (`moe_prompt`), for the modules
+    the one-token kernel also computes (engine.decode.paths.expert_recipe), laid out [out, in]."""
+
+    def __init__(self, kernels: ModuleType) -> None:
+        self.kernels = kernels
+
+    def __call__(self, module: torch.nn.Module, rows: torch.Tensor, start: list[int], count: list[int],
+                 chosen: list[dict[str, torch.Tensor]], reader: SlotReader) -> torch.Tensor | None:
+        recipe = experts_recipe(module)
+        if isinstance(recipe, str) or mixed_layout(recipe, reader) or reader.packed or rows.dtype != torch.bfloat16:
+            return None
+        *biases, transposed, gate = expert_extras(self.kernels, reader, chosen, recipe)
+        if transposed:  # bf16 matrices read as x @ W: the prompt kernel tiles [out, in] rows
+            return None
+        gate_up, down = expert_weights(self.kernels, reader, chosen)
+        return self.kernels.moe_prompt(rows, start, count, gate_up, down, *biases, gate)
+
+
 def mixed_layout(recipe: ExpertsRecipe, reader: SlotReader) -> bool:
     """One of a transposed module's matrices is quantized and the other not: quantized slots hold
     [out, in] blocks whatever the module's layout (engine.model.layout), so the two would need two
@@ -317,7 +336,8 @@ class NativePromptPath(DecodePath):
         return None
 
     def run(self, step: Step) -> torch.Tensor:
-        with self.runtime.cache.quantized_products(quantized_product(native.ready())):
+        kernels = native.ready()
+        with self.runtime.cache.prompt_kernels(PromptKernels(NativePromptExperts(kernels), quantized_product(kernels))):
             return model_forward(self.runtime.model, step)
 
 
