@@ -537,8 +537,8 @@ class ExpertCache:
             bounds = sorted_rows()
             rows, routing_weights, outputs = by_expert
             slot_of, slots = self.directory.slot_of[layer], self.slot_views[layer]
-            start = [int(bounds[e]) for e in experts]
-            count = [int(bounds[e + 1] - bounds[e]) for e in experts]
+            start = [bounds[e] for e in experts]
+            count = [bounds[e + 1] - bounds[e] for e in experts]
             y = self._prompt.layer(module, rows, start, count, [slots[slot_of[e]] for e in experts], reader)
             if y is None:
                 return False

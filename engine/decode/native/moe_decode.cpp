@@ -306,6 +306,32 @@ inline void dot_tile(const bf16* const* w, const bf16* const* x, int64_t n, int6
   }
 }
 
+// Rows at[0..3] of W as bf16: a bf16 matrix's own, or expanded into `scratch` (4 rows of m.cols).
+inline void tile_rows(const Matrix& m, const int64_t* at, const bf16** rows, bf16* scratch) {
+  for (int j = 0; j < kTile; ++j) {
+    if (m.type == kBF16) {
+      rows[j] = reinterpret_cast<const bf16*>(m.row(at[j]));
+    } else {
+      dequantize_rows(m, at[j], at[j] + 1, scratch + j * m.cols, at[j]);
+      rows[j] = scratch + j * m.cols;
+    }
+  }
+}
+
+// The tile's 4 rows of W times each of m rows of x (row i at x + i * k), 4 rows of x at a time:
+// emit(i, sums) with sums[r] = x_i . w_r.
+template <class Emit>
+inline void tile_times_rows(const bf16* const* w, const bf16* x, int64_t m, int64_t k, Emit&& emit) {
+  float sums[kTile * kTile];
+  for (int64_t i0 = 0; i0 < m; i0 += kTile) {
+    const int64_t n = std::min(kTile, m - i0);
+    const bf16* inputs[kTile];
+    for (int64_t i = 0; i < kTile; ++i) inputs[i] = x + (i0 + std::min(i, n - 1)) * k;
+    dot_tile(w, inputs, n, k, sums, kTile);
+    for (int64_t i = 0; i < n; ++i) emit(i0 + i, sums + i * kTile);
+  }
+}
+
 // y = x W^T (+ bias) for bf16 rows x [m, cols] and a bf16 or block-quantized W [rows, cols]: what
 // F.linear gives on the dequantized W (float32 sums of bf16 products, the bias added, one rounding),
 // within float32 summation order.
@@ -324,25 +350,16 @@ torch::Tensor linear_rows(const Weight& weight, const torch::Tensor& x, const c1
   const int64_t tiles = (n + kTile - 1) / kTile;
   at::parallel_for(0, tiles, 1, [&](int64_t first_tile, int64_t last_tile) {
     std::vector<bf16> expanded(w.type == kBF16 ? 0 : kTile * k);
-    std::vector<float> sums(kTile * kTile);
     for (int64_t t = first_tile; t < last_tile; ++t) {
       const int64_t r0 = t * kTile, r1 = std::min(n, r0 + kTile);
-      if (w.type != kBF16) dequantize_rows(w, r0, r1, expanded.data(), r0);
+      int64_t at[kTile];
+      for (int64_t r = 0; r < kTile; ++r) at[r] = std::min(r0 + r, r1 - 1);  // past the last row: the last again, its sums unused
       const bf16* rows[kTile];
-      for (int64_t r = 0; r < kTile; ++r) {  // past the last row: the last again, its sums unused
-        const int64_t at = std::min(r0 + r, r1 - 1);
-        rows[r] = w.type == kBF16 ? reinterpret_cast<const bf16*>(w.row(at)) : expanded.data() + (at - r0) * k;
-      }
-      for (int64_t i0 = 0; i0 < m; i0 += kTile) {
-        const bf16* inputs[kTile];
-        for (int64_t i = 0; i < kTile; ++i) inputs[i] = xs + std::min(i0 + i, m - 1) * k;
-        dot_tile(rows, inputs, std::min(kTile, m - i0), k, sums.data(), kTile);
-        for (int64_t i = i0; i < std::min(m, i0 + kTile); ++i)
-          for (int64_t r = r0; r < r1; ++r) {
-            const float sum = sums[(i - i0) * kTile + (r - r0)];
-            out[i * n + r] = to_bf16(b == nullptr ? sum : sum + to_float(b[r]));
-          }
-      }
+      tile_rows(w, at, rows, expanded.data());
+      tile_times_rows(rows, xs, m, k, [&](int64_t i, const float* sums) {
+        for (int64_t r = r0; r < r1; ++r)
+          out[i * n + r] = to_bf16(b == nullptr ? sums[r - r0] : sums[r - r0] + to_float(b[r]));
+      });
     }
   });
   return y;
@@ -640,18 +657,6 @@ struct PromptExperts {
   bf16* activation;  // [rows, inter]
   bf16* out;         // [rows, hidden]
 
-  // The tile's rows as bf16: a bf16 matrix's own, or expanded into `scratch` (4 rows of m.cols).
-  static void tile_rows(const Matrix& m, const int64_t* at, const bf16** rows, bf16* scratch) {
-    for (int j = 0; j < kTile; ++j) {
-      if (m.type == kBF16) {
-        rows[j] = reinterpret_cast<const bf16*>(m.row(at[j]));
-      } else {
-        dequantize_rows(m, at[j], at[j] + 1, scratch + j * m.cols, at[j]);
-        rows[j] = scratch + j * m.cols;
-      }
-    }
-  }
-
   // Intermediate rows p, p + 1 of expert e for all its rows of x.
   void gate_up_tile(int64_t e, int64_t p, bf16* scratch) const {
     const ExpertWeights& w = experts[e];
@@ -664,16 +669,10 @@ struct PromptExperts {
     }
     const bf16* rows[kTile];
     tile_rows(w.gate_up, at, rows, scratch);
-    float sums[kTile * kTile];
-    for (int64_t i0 = 0; i0 < count[e]; i0 += kTile) {
-      const bf16* inputs[kTile];
-      for (int64_t i = 0; i < kTile; ++i) inputs[i] = x + (start[e] + std::min(i0 + i, count[e] - 1)) * hidden;
-      dot_tile(rows, inputs, std::min(kTile, count[e] - i0), hidden, sums, kTile);
-      for (int64_t i = 0; i < std::min<int64_t>(kTile, count[e] - i0); ++i)
-        for (int64_t j = 0; j < pairs; ++j)
-          activation[(start[e] + i0 + i) * inter + p + j] =
-              activate(recipe, sums[i * kTile + j], sums[i * kTile + 2 + j], w.gate_up_bias, at[j], at[2 + j]);
-    }
+    tile_times_rows(rows, x + start[e] * hidden, count[e], hidden, [&](int64_t i, const float* sums) {
+      for (int64_t j = 0; j < pairs; ++j)
+        activation[(start[e] + i) * inter + p + j] = activate(recipe, sums[j], sums[2 + j], w.gate_up_bias, at[j], at[2 + j]);
+    });
   }
 
   // Output columns h, h + 1, h + 2, h + 3 of expert e for all its rows.
@@ -684,16 +683,9 @@ struct PromptExperts {
     for (int j = 0; j < kTile; ++j) at[j] = h + std::min<int64_t>(j, n - 1);
     const bf16* rows[kTile];
     tile_rows(w.down, at, rows, scratch);
-    float sums[kTile * kTile];
-    for (int64_t i0 = 0; i0 < count[e]; i0 += kTile) {
-      const bf16* inputs[kTile];
-      for (int64_t i = 0; i < kTile; ++i)
-        inputs[i] = activation + (start[e] + std::min(i0 + i, count[e] - 1)) * inter;
-      dot_tile(rows, inputs, std::min(kTile, count[e] - i0), inter, sums, kTile);
-      for (int64_t i = 0; i < std::min<int64_t>(kTile, count[e] - i0); ++i)
-        for (int64_t j = 0; j < n; ++j)
-          out[(start[e] + i0 + i) * hidden + h + j] = to_bf16(biased(sums[i * kTile + j], w.down_bias, h + j));
-    }
+    tile_times_rows(rows, activation + start[e] * inter, count[e], inter, [&](int64_t i, const float* sums) {
+      for (int64_t j = 0; j < n; ++j) out[(start[e] + i) * hidden + h + j] = to_bf16(biased(sums[j], w.down_bias, h + j));
+    });
   }
 };
 

@@ -209,8 +209,8 @@ class NativeExperts:
 
     def __call__(self, module: torch.nn.Module, hidden: torch.Tensor, chosen: list[dict[str, torch.Tensor]],
                  weights: torch.Tensor, out_dtype: torch.dtype, reader: SlotReader) -> torch.Tensor:
-        recipe = experts_recipe(module)
-        if isinstance(recipe, str) or mixed_layout(recipe, reader) or reader.packed or hidden.dtype != torch.bfloat16:
+        recipe = kernel_recipe(module, reader, hidden)
+        if recipe is None:
             return torch_one_token(module, hidden, chosen, weights, out_dtype, reader)
         gate_up, down = expert_weights(self.kernels, reader, chosen)
         if recipe.plain:
@@ -227,14 +227,23 @@ class NativePromptExperts:
 
     def __call__(self, module: torch.nn.Module, rows: torch.Tensor, start: list[int], count: list[int],
                  chosen: list[dict[str, torch.Tensor]], reader: SlotReader) -> torch.Tensor | None:
-        recipe = experts_recipe(module)
-        if isinstance(recipe, str) or mixed_layout(recipe, reader) or reader.packed or rows.dtype != torch.bfloat16:
+        recipe = kernel_recipe(module, reader, rows)
+        if recipe is None:
             return None
         *biases, transposed, gate = expert_extras(self.kernels, reader, chosen, recipe)
         if transposed:  # bf16 matrices read as x @ W: the prompt kernel tiles [out, in] rows
             return None
         gate_up, down = expert_weights(self.kernels, reader, chosen)
         return self.kernels.moe_prompt(rows, start, count, gate_up, down, *biases, gate)
+
+
+def kernel_recipe(module: torch.nn.Module, reader: SlotReader, x: torch.Tensor) -> ExpertsRecipe | None:
+    """The recipe the native experts kernels compute for `module` on these slots and input; None
+    where they do not (an unrecognised recipe, a mixed layout, oneDNN-packed matrices, a non-bf16 input)."""
+    recipe = experts_recipe(module)
+    if isinstance(recipe, str) or mixed_layout(recipe, reader) or reader.packed or x.dtype != torch.bfloat16:
+        return None
+    return recipe
 
 
 def mixed_layout(recipe: ExpertsRecipe, reader: SlotReader) -> bool:
