@@ -1,5 +1,5 @@
 """What the app remembers between runs (QSettings): window, docks, theme, model, budget, weight
-formats, policy, exact kernels."""
+formats, policy, exact kernels, 8-bit prompt inputs."""
 
 from __future__ import annotations
 
@@ -78,6 +78,15 @@ class AppSettings:
     @exact.setter
     def exact(self, value: bool) -> None:
         self.qs.setValue("engine/exact", "true" if value else "false")
+
+    @property
+    def int8_prompt(self) -> bool:
+        """The lossy 8-bit prompt inputs for 4-bit experts (off by default)."""
+        return self._get("engine/int8_prompt", "false") == "true"
+
+    @int8_prompt.setter
+    def int8_prompt(self, value: bool) -> None:
+        self.qs.setValue("engine/int8_prompt", "true" if value else "false")
 
     @property
     def policy(self) -> str:

@@ -34,8 +34,10 @@ from bench.llamacpp_build import VERSION, LlamaCpp, LlamaCppUnavailable, build_t
 from bench.output import RESULTS_DIR, write_report
 from bench.synthetic import build_checkpoint
 
-# llama.cpp, MoEScope exact, MoEScope --fast-decode, MoEScope --fast-decode on the GGUF file: the run order
-SYSTEMS = ("llama", "exact", "fast", "gguf")
+# llama.cpp, MoEScope exact, MoEScope --fast-decode, MoEScope --fast-decode on the GGUF file, and the last
+# two with the opt-in lossy --int8-prompt: the run order
+SYSTEMS = ("llama", "exact", "fast", "gguf", "fast-int8", "gguf-int8")
+INT8_SYSTEMS = ("fast-int8", "gguf-int8")
 COLUMNS = ("exact", "fast", "llama")  # the main table's order; `gguf` has a table of its own
 
 
@@ -64,18 +66,18 @@ def run_llama_bench(lc: LlamaCpp, gguf: Path, args) -> dict[str, float]:
     return result
 
 
-def run_moescope(path: Path, fmt: str, fast: bool, args) -> dict[str, float]:
+def run_moescope(path: Path, fmt: str, fast: bool, args, int8_prompt: bool = False) -> dict[str, float]:
     run = run_measure("ours", "--model", str(path), "--budget", "all", "--store", "ram", "--format", fmt,
                       "--threads", str(args.threads), "--prompt-len", str(args.prompt_len), "--decode", str(args.decode),
-                      *(["--fast-decode"] if fast else []))
+                      *(["--fast-decode"] if fast else []), *(["--int8-prompt"] if int8_prompt else []))
     return {k: run[k] for k in ("prefill_tokens_per_s", "decode_tokens_per_s")}
 
 
-def run_moescope_gguf(gguf: Path, args) -> dict[str, float]:
+def run_moescope_gguf(gguf: Path, args, int8_prompt: bool = False) -> dict[str, float]:
     """MoEScope opening the GGUF file llama.cpp runs (bf16 compute, the file's own weight types)."""
     run = run_measure("ours", "--model", str(gguf), "--budget", "all", "--store", "ram", "--threads",
                       str(args.threads), "--prompt-len", str(args.prompt_len), "--decode", str(args.decode),
-                      "--fast-decode")
+                      "--fast-decode", *(["--int8-prompt"] if int8_prompt else []))
     return {k: run[k] for k in ("prefill_tokens_per_s", "decode_tokens_per_s")}
 
 
@@ -103,10 +105,10 @@ def measure_geometry(lc: LlamaCpp, name: str, path: Path, fmts: list[str], args)
             for system in reversed(systems) if flip else systems:
                 if system == "llama":
                     runs[system] = run_llama_bench(lc, ggufs[formats.LLAMA_TYPE[fmt]], args)
-                elif system == "gguf":
-                    runs[system] = run_moescope_gguf(ggufs[formats.LLAMA_TYPE[fmt]], args)
+                elif system in ("gguf", "gguf-int8"):
+                    runs[system] = run_moescope_gguf(ggufs[formats.LLAMA_TYPE[fmt]], args, system in INT8_SYSTEMS)
                 elif ours[fmt][0] is not None:
-                    runs[system] = run_moescope(path, fmt, system == "fast", args)
+                    runs[system] = run_moescope(path, fmt, system != "exact", args, system in INT8_SYSTEMS)
             reps[fmt].append(runs)
             print(f"{name} {fmt} rep {rep + 1}: " + ", ".join(
                 f"{s} {runs[s]['decode_tokens_per_s']:.1f} / {runs[s]['prefill_tokens_per_s']:.0f}"
@@ -118,13 +120,14 @@ def summarise(name: str, fmt: str, reps: list[dict], ours: tuple[int | None, str
     """Medians over the repetitions of tokens/s, of MoEScope / llama.cpp, and of each run over the
     limit at the bandwidth measured just before its format's runs."""
     ours_bytes, why = ours
-    token_bytes = {"llama": llama.bytes_per_token, "exact": ours_bytes, "fast": ours_bytes,
-                   "gguf": llama.bytes_per_token}  # the file's bytes (a tensor converted at load aside)
+    token_bytes = {"llama": llama.bytes_per_token, "exact": ours_bytes, "fast": ours_bytes, "fast-int8": ours_bytes,
+                   "gguf": llama.bytes_per_token, "gguf-int8": llama.bytes_per_token}  # the file's bytes
+    # (a tensor converted at load aside)
     row: dict = {"geometry": name, "format": fmt, "llama_type": formats.LLAMA_TYPE[fmt], "moescope_unavailable": why,
                  "moescope_bytes_per_token": ours_bytes, "llama_bytes_per_token": llama.bytes_per_token,
                  "llama_bytes_by_type": llama.bytes_by_type, "llama_file_bytes": llama.file_bytes,
                  "bandwidth_bytes_per_s": statistics.median(r["bandwidth"] for r in reps), "reps": reps}
-    for system in [s for s in SYSTEMS if s in reps[0] and (why is None or s in ("llama", "gguf"))]:
+    for system in [s for s in SYSTEMS if s in reps[0] and (why is None or s in ("llama", "gguf", "gguf-int8"))]:
         for phase in ("decode", "prefill"):
             row[f"{system}_{phase}_tokens_per_s"] = statistics.median(r[system][f"{phase}_tokens_per_s"] for r in reps)
         row[f"{system}_decode_over_limit"] = statistics.median(
@@ -184,6 +187,22 @@ def table(rows: list[dict], args) -> list[str]:
                 f"{r['llama_decode_tokens_per_s']:.1f} | {r['gguf_decode_over_llama']:.2f} "
                 f"| {r['gguf_prefill_tokens_per_s']:.0f} / {r['llama_prefill_tokens_per_s']:.0f} "
                 f"| {r['gguf_prefill_over_llama']:.2f} |")
+    int8_rows = [r for r in rows if any(f"{s}_prefill_tokens_per_s" in r for s in INT8_SYSTEMS)]
+    if int8_rows:
+        def prefill(r: dict, s: str, key: str, fmt: str) -> str:
+            return fmt.format(r[f"{s}_{key}"]) if f"{s}_{key}" in r else "n/a"
+
+        lines += ["", "Opt-in, lossy `--int8-prompt` (Q4_K experts take their prompt rows rounded to 8 bits, as "
+                  "llama.cpp's own CPU kernels do), MoEScope's Q4_K format and llama.cpp's GGUF file opened directly:",
+                  "", "| geometry | format (llama.cpp type) | prefill tok/s: int8 / GGUF int8 / llama.cpp "
+                  "| prefill ÷ llama.cpp: int8 / GGUF int8 | decode ÷ llama.cpp: int8 / GGUF int8 |",
+                  "|---|---|---|---|---|"]
+        for r in int8_rows:
+            lines.append(
+                f"| {r['geometry']} | {r['format']} ({r['llama_type']}) "
+                f"| {' / '.join(prefill(r, s, 'prefill_tokens_per_s', '{:.0f}') for s in (*INT8_SYSTEMS, 'llama'))} "
+                f"| {' / '.join(prefill(r, s, 'prefill_over_llama', '{:.2f}') for s in INT8_SYSTEMS)} "
+                f"| {' / '.join(prefill(r, s, 'decode_over_llama', '{:.2f}') for s in INT8_SYSTEMS)} |")
     return lines
 
 
@@ -194,8 +213,9 @@ def main(argv=None) -> int:
                         help=f"MoEScope formats (bench.formats: {', '.join(formats.LLAMA_TYPE)})")
     parser.add_argument("--reps", type=int, default=3)
     parser.add_argument("--systems", default=",".join(SYSTEMS),
-                        help="which of llama, exact, fast, gguf to run (exact decodes far slower: leave it out for a "
-                             "quick run; gguf: MoEScope on llama.cpp's GGUF file)")
+                        help="which of llama, exact, fast, gguf, fast-int8, gguf-int8 to run (exact decodes far slower: "
+                             "leave it out for a quick run; gguf: MoEScope on llama.cpp's GGUF file; *-int8: with the "
+                             "opt-in lossy --int8-prompt)")
     parser.add_argument("--prompt-len", type=int, default=128)
     parser.add_argument("--decode", type=int, default=64)
     parser.add_argument("--threads", type=int, default=2)

@@ -10,14 +10,16 @@ weights, lossless `lru`, budget `all`) on the held-out questions of every skill:
   distributions over the answer tokens (nats), how often both pick the same most likely token,
   and the answers' perplexity.
 
-Greedy decoding, budget `all` for the formats, and always the exact path (transformers' kernels on
-the dequantized weights, the fast native kernels switched off) so the numbers describe the format,
-not a kernel. Where a format's block does not divide a matrix's width the engine stores it in
+Greedy decoding, budget `all` for the formats, and the exact path (transformers' kernels on the
+dequantized weights, the fast native kernels switched off) so the numbers describe the format, not a
+kernel, unless `--kernels` asks for the native ones (`fast`, in bf16) or for them with the lossy
+8-bit prompt inputs (`fast-int8`): the pair describes what --int8-prompt costs. Where a format's block does not divide a matrix's width the engine stores it in
 llama.cpp's fallback format; the table says what each matrix actually got.
 
     python -m bench.lossy_cost [--budgets 25,50] [--n 20]
     python -m bench.lossy_cost --formats q8_0,q4_k,q2_k [--dense-formats original,q8_0] [--n 50]
         [--card resources/models/demo/moescope_demo.json]
+    python -m bench.lossy_cost --formats q4_k --kernels fast,fast-int8
 """
 
 from __future__ import annotations
@@ -46,6 +48,9 @@ class Setting:
     budget: str = "all"
     expert_format: str = "original"
     dense_format: str = "original"
+    # exact: transformers' kernels (the float32 model as shipped); fast: the native kernels (bf16);
+    # fast-int8: those with the opt-in lossy 8-bit prompt inputs (Q4_K matrices only)
+    kernels: str = "exact"
 
     @property
     def lossy_policy(self) -> bool:
@@ -89,10 +94,13 @@ def measure(setting: Setting, n: int, reference: dict | None) -> dict:
     from engine.demo.evaluate import accuracy_per_skill
     from engine.protocol import LoadModel
 
+    fast = setting.kernels != "exact"  # the native kernels compute bf16 weights
     runtime = MoERuntime(LoadModel(path="demo", budget=setting.budget, store="ram", policy=setting.policy,
-                                   expert_format=setting.expert_format, dense_format=setting.dense_format))
+                                   expert_format=setting.expert_format, dense_format=setting.dense_format,
+                                   dtype="bfloat16" if fast else "auto", fast_decode=fast,
+                                   int8_prompt=setting.kernels == "fast-int8"))
     try:
-        runtime.set_fast_decode(False)  # the exact path, whatever the load default is
+        runtime.set_fast_decode(fast)  # exact: transformers' kernels, whatever the load default is
         chats = heldout_chats(runtime.tokenizer, SKILLS, n)
         logprobs = answer_logprobs(runtime, chats)
         scores = compare(chats, reference["logprobs"] if reference else logprobs, logprobs)
@@ -134,7 +142,8 @@ def settings_from(args) -> list[Setting]:
         settings += [Setting("lru", f"{budget}%"), Setting("swapmoe", f"{budget}%")]
     formats = [canonical_format(f) for f in args.formats.split(",")] if args.formats else []
     dense = [canonical_format(f) for f in args.dense_formats.split(",")]
-    settings += [Setting(expert_format=e, dense_format=d) for e in formats for d in dense]
+    kernels = args.kernels.split(",")
+    settings += [Setting(expert_format=e, dense_format=d, kernels=k) for e in formats for d in dense for k in kernels]
     return list(dict.fromkeys(settings))  # the float model once
 
 
@@ -146,6 +155,9 @@ def main(argv: list[str] | None = None) -> int:
                         help="budgets in %% for lru and swapmoe (default 25,50 when no --formats is given)")
     parser.add_argument("--formats", default=None, help="expert formats, e.g. q8_0,q6_k,q4_k,q3_k,q2_k or 8bit,4bit")
     parser.add_argument("--dense-formats", default="original", help="dense formats, each with every expert format")
+    parser.add_argument("--kernels", default="exact", help="for the format rows: exact (transformers' kernels, the "
+                        "model's float32), fast (the native kernels, bf16) and/or fast-int8 (those with the lossy "
+                        "--int8-prompt), comma-separated")
     parser.add_argument("--n", type=int, default=20, help="held-out questions per skill (fewer where a skill has fewer)")
     parser.add_argument("--out", type=Path, default=RESULTS_DIR)
     parser.add_argument("--card", type=Path, help="also write the format rows into this model card JSON "
@@ -174,7 +186,8 @@ def main(argv: list[str] | None = None) -> int:
 def row_label(row: dict) -> str:
     if row["policy"] != "lru" or row["budget"] != "all":
         return f"{row['policy']} {row['budget']}"
-    return f"experts {row['expert_format']}, dense {row['dense_format']}"
+    kernels = "" if row.get("kernels", "exact") == "exact" else f", {row['kernels']} kernels"
+    return f"experts {row['expert_format']}, dense {row['dense_format']}{kernels}"
 
 
 def stored_label(row: dict) -> tuple[str, str]:
@@ -186,7 +199,8 @@ def stored_label(row: dict) -> tuple[str, str]:
 def table(rows: list[dict], claimed: list[str], n: int) -> list[str]:
     skills = list(rows[0]["accuracy"])
     lines = [f"Quality cost on the demo model against the float model (float32, lru, budget `all`): up to {n} "
-             "held-out questions per skill, greedy, exact path (transformers' kernels on the dequantized weights). "
+             "held-out questions per skill, greedy, exact path (transformers' kernels on the dequantized weights) "
+             "unless a row names other kernels (fast: the native kernels in bf16; fast-int8: with --int8-prompt). "
              "KL(float || row) in nats, mean over the answer tokens of the held-out chats, teacher-forced on the "
              "reference answers; 'same top' is the share of those positions where both pick the same token. "
              "Accuracy in %, per skill (difference from the float model in points); 'claimed' = the "
@@ -203,7 +217,8 @@ def table(rows: list[dict], claimed: list[str], n: int) -> list[str]:
         per_skill = [f"{100 * r['accuracy'][s]:.0f}" + (f" ({r['delta_points'][s]:+.0f})" if r["delta_points"][s] else "")
                      for s in skills]
         lines.append(f"| {r['policy']}{' (lossy)' if r['policy'] == 'swapmoe' else ''} | {r['budget']} | "
-                     f"{r['expert_format']} | {r['dense_format']} | {experts} | {r['expert_bits_per_weight']:.2f} | "
+                     f"{r['expert_format']}{'' if r['kernels'] == 'exact' else ' (' + r['kernels'] + ', bf16)'} | "
+                     f"{r['dense_format']} | {experts} | {r['expert_bits_per_weight']:.2f} | "
                      f"{dense} | {r['perplexity']:.4f} | {r['kl_mean']:.2e} | {100 * r['same_top_token']:.2f} % | "
                      f"{100 * r['claimed_mean_accuracy']:.1f} | {r['claimed_mean_delta_points']:+.1f} | "
                      f"{r['worst_claimed_delta_points']:+.0f} | {goal} | " + " | ".join(per_skill) + " |")

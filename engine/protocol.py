@@ -90,6 +90,9 @@ class LoadModel:
     # built, transformers' kernels, and telemetry says why). False (`--exact`): transformers' kernels only,
     # bit-identical to stock transformers; the native ones sum in another order.
     fast_decode: bool = True
+    # opt-in, lossy: at prefill, Q4_K experts take their input rows rounded to 8 bits (one scale per 256
+    # values, as llama.cpp's Q8_K) and multiply them in integers; the System panel's switch is live
+    int8_prompt: bool = False
     expert_format: str = "original"  # routed experts: original | q8_0 | q6_k | q4_k | q3_k | q2_k (8bit, 4bit, ...)
     dense_format: str = "original"  # every other linear layer (not the routers): the same choices
     allocation: str = "planned"  # planned | uniform: how a budget is split across layers
@@ -127,6 +130,11 @@ class SetPolicy:
 @dataclass
 class SetFastDecode:
     enabled: bool  # False: exact, transformers' kernels only (the System panel's "Exact" switch, live)
+
+
+@dataclass
+class SetInt8Prompt:
+    enabled: bool  # the opt-in, lossy 8-bit prompt inputs (LoadModel.int8_prompt), live
 
 
 @dataclass
@@ -214,7 +222,7 @@ class CancelDownload:
 LIBRARY_COMMANDS = (ListLibrary, SearchLibrary, EstimateModel, DownloadModel, CancelDownload)
 
 Command = (
-    LoadModel | Generate | Cancel | SetBudget | SetPolicy | SetFastDecode | SetTelemetry | Unload | Shutdown
+    LoadModel | Generate | Cancel | SetBudget | SetPolicy | SetFastDecode | SetInt8Prompt | SetTelemetry | Unload | Shutdown
     | ListLibrary | SearchLibrary | EstimateModel | DownloadModel | CancelDownload
 )
 
@@ -263,6 +271,7 @@ class ModelLoaded:
     budget_note: str = ""  # e.g. the budget was clamped to the minimum
     fast_decode: bool = False  # the native decode kernels are on (asked for and available); else exact
     fast_decode_available: bool = False  # a CPU engine on a bf16 model: the switch changes something
+    int8_prompt: bool = False  # opt-in, lossy 8-bit prompt inputs for Q4_K experts (LoadModel.int8_prompt)
     expert_format: str = "original"  # as loaded: original | q8_0 | q6_k | q4_k | ... (engine.formats.blocks)
     dense_format: str = "original"  # the other linear layers, the same choices
     remote: str = ""  # the server's URL when the engine is a remote OpenAI-compatible server (engine.remote)
@@ -326,6 +335,7 @@ class Done:
 class FastDecodeChanged:
     enabled: bool
     available: bool
+    int8_prompt: bool = False  # the lossy 8-bit prompt inputs are on
 
 
 @dataclass

@@ -281,6 +281,23 @@ def test_system_panel_exact_switch_is_off_by_default_and_follows_the_engine(qtbo
     assert "bf16" in panel.exact.toolTip()
 
 
+def test_system_panel_offers_the_lossy_8_bit_prompt_switch_off_and_labelled(qtbot):
+    panel = SystemPanel()
+    qtbot.addWidget(panel)
+    loaded = model_loaded()
+    loaded.fast_decode, loaded.fast_decode_available = True, True
+    panel.on_event(loaded)
+    assert panel.int8_prompt.isEnabled() and not panel.int8_prompt.isChecked()  # opt-in
+    assert "LOSSY" in panel.int8_prompt.text() and "differ" in panel.int8_prompt.toolTip()
+    with qtbot.waitSignal(panel.int8_prompt_requested) as blocker:
+        panel.int8_prompt.click()
+    assert blocker.args == [True]
+    panel.on_event(p.FastDecodeChanged(enabled=True, available=True, int8_prompt=True))
+    assert panel.int8_prompt.isChecked()
+    panel.on_event(p.FastDecodeChanged(enabled=False, available=True, int8_prompt=True))  # Exact: no native prompt path
+    assert not panel.int8_prompt.isEnabled()
+
+
 def test_system_panel_says_in_which_formats_the_model_runs(qtbot):
     panel = SystemPanel()
     qtbot.addWidget(panel)

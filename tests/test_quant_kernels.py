@@ -266,3 +266,59 @@ def test_a_prompts_rows_through_a_layers_experts_in_one_call(flavour, family, na
         part = slice(first, first + count)
         reference = expert_mlp(module, rows[part], reader.plain(chosen[e]))
         close(ours[part], reference, f"{family} {name} expert {e} ({count} rows)")
+
+
+def rounded_to_8_bits(x: torch.Tensor) -> torch.Tensor:
+    """x rounded as --int8-prompt rounds it: per 256 values, levels to nearest even of x * 127 / max|x|."""
+    blocks = x.float().reshape(x.shape[0], -1, 256)
+    amax = blocks.abs().amax(-1, keepdim=True)
+    inverse = torch.where(amax > 0, 127 / amax, torch.zeros(()))
+    return (torch.round(blocks * inverse).clamp(-127, 127) * (amax / 127)).reshape(x.shape)
+
+
+def q4_k_parts(packed: torch.Tensor, columns: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """A Q4_K matrix's two terms, through the reference dequantizer: d * sc * level, and dmin * m
+    (the weights with every level zeroed are minus the mins)."""
+    fmt = checkpoint_format("q4_k")
+    weights = dequantize(packed, fmt, columns)
+    no_levels = packed.clone().reshape(-1, fmt.block_bytes)
+    no_levels[:, 16:] = 0
+    mins = -dequantize(no_levels, fmt, columns)
+    return weights + mins, mins
+
+
+@pytest.mark.parametrize("down_format", ["q4_k", "q6_k"])
+def test_8_bit_prompt_inputs_round_only_the_scaled_products(flavour, down_format):
+    # --int8-prompt (opt-in, lossy): Q4_K matrices multiply each row's inputs rounded to 8 bits per
+    # 256 values in integers; the mins multiply the exact inputs. Every expert's rows equal that
+    # arithmetic done in float64 on the reference's terms (to bf16 rounding); matrices of other types
+    # (the Q6_K down projections of a Q4_K_M file) are untouched, bit for bit. Experts with 0, 1, 8
+    # and 9 rows: the kernel works on groups of 8 rows, the last one padded.
+    hidden, inter, counts = 512, 256, [5, 0, 9, 1, 8, 3]
+    fmt, down_fmt = checkpoint_format("q4_k"), checkpoint_format(down_format)
+    gate_up = [quantized("q4_k", 2 * inter, hidden, seed=70 + e)[0] for e in range(len(counts))]
+    down = [quantized(down_format, hidden, inter, seed=80 + e)[0] for e in range(len(counts))]
+    rows = (torch.randn(sum(counts), hidden, generator=torch.Generator().manual_seed(3)) * 2).to(torch.bfloat16)
+    start = [sum(counts[:e]) for e in range(len(counts))]
+    args = (rows, start, counts, [native.weight(flavour, w, fmt, hidden) for w in gate_up],
+            [native.weight(flavour, w, down_fmt, inter) for w in down])
+    ours, bf16_inputs = flavour.moe_prompt(*args, int8_inputs=True), flavour.moe_prompt(*args)
+
+    def product(x: torch.Tensor, packed: torch.Tensor, columns: int, name: str) -> torch.Tensor:
+        if name != "q4_k":
+            return (x.double() @ dequantize(packed, down_fmt, columns).double().T).to(torch.bfloat16)
+        scaled, mins = q4_k_parts(packed, columns)
+        return (rounded_to_8_bits(x).double() @ scaled.double().T - x.double() @ mins.double().T).to(torch.bfloat16)
+
+    for e, (first, count) in enumerate(zip(start, counts, strict=True)):
+        if count == 0:
+            continue
+        gate, up = product(rows[first:first + count], gate_up[e], hidden, "q4_k").chunk(2, dim=-1)
+        reference = product(F.silu(gate) * up, down[e], inter, down_format)
+        close(ours[first:first + count], reference, f"expert {e} ({count} rows)")
+    assert not torch.equal(ours, bf16_inputs)  # the inputs really were rounded
+    if down_format == "q6_k":  # experts with no Q4_K matrix at all: the switch changes no bit
+        gate_up_q6 = [native.weight(flavour, quantized("q6_k", 2 * inter, hidden, seed=90 + e)[0], down_fmt, hidden)
+                      for e in range(len(counts))]
+        plain = (rows, start, counts, gate_up_q6, args[4])
+        assert torch.equal(flavour.moe_prompt(*plain, int8_inputs=True), flavour.moe_prompt(*plain))

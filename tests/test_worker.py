@@ -125,7 +125,7 @@ def test_sigkill_mid_reply_is_reported_and_restart_reloads(engine):
     assert len(done_for(log, "after", mark).token_ids) == 4
 
 
-def test_exact_switch_applies_live_and_survives_a_restart(endless_checkpoint, kernels):
+def test_kernel_switches_apply_live_and_survive_a_restart(endless_checkpoint, kernels):
     # `kernels`: built here first, so the worker's bf16 load (native kernels by default) finds them cached
     client, log = started_client()
     try:
@@ -142,6 +142,13 @@ def test_exact_switch_applies_live_and_survives_a_restart(endless_checkpoint, ke
         client.restart(reload=True)  # e.g. after a crash: the switch stays as the user left it
         reloaded = log.wait_for(lambda e: isinstance(e, (p.ModelLoaded, p.Error)), start=mark)
         assert isinstance(reloaded, p.ModelLoaded) and not reloaded.fast_decode
+        mark = log.mark()
+        client.send(p.SetInt8Prompt(True))  # the System panel's lossy 8-bit prompt switch: live, and kept too
+        assert log.wait_for(lambda e: isinstance(e, p.FastDecodeChanged), start=mark).int8_prompt
+        mark = log.mark()
+        client.restart(reload=True)
+        kept = log.wait_for(lambda e: isinstance(e, (p.ModelLoaded, p.Error)), start=mark)
+        assert isinstance(kept, p.ModelLoaded) and kept.int8_prompt and not kept.fast_decode
         mark = log.mark()
         client.send(p.LoadModel(path=str(endless_checkpoint), budget="all", store="ram"))  # float32: exact kernels only
         plain = log.wait_for(lambda e: isinstance(e, (p.ModelLoaded, p.Error)), start=mark)

@@ -1,5 +1,6 @@
 """System: RAM and VRAM use, the engine's state, the cache policy picker (lossy ones marked), the
-Exact kernels switch, and how the last token ran: the weights' formats and the decode path."""
+Exact kernels switch, the lossy 8-bit prompt inputs switch, and how the last token ran: the weights'
+formats and the decode path."""
 
 from __future__ import annotations
 
@@ -19,6 +20,13 @@ EXACT_TIP = ("Off (the default): bf16 decode steps on the CPU use MoEScope's nat
              "plain transformers in rare near-ties. On: every token equals transformers'.")
 EXACT_ONLY_TIP = ("This model decodes on transformers' kernels: the native ones compute bf16 weights on a CPU "
                   "(load it in bfloat16 for them).")
+
+
+INT8_PROMPT_TEXT = "8-bit prompt inputs (LOSSY, faster prompts on 4-bit experts)"
+INT8_PROMPT_TIP = ("Off by default. On: while a prompt is read, 4-bit (Q4_K) experts take their inputs rounded to 8 "
+                   "bits (one scale per 256 values, as llama.cpp always does) and multiply them in integers: prompts "
+                   "run faster, and replies can differ from the exact ones (docs/performance.md measures how much). "
+                   "Decode tokens are unchanged.")
 
 
 DECODE_PATH_TIP = ("How the last decode token ran. The whole-token native step needs every expert resident "
@@ -42,6 +50,7 @@ class SystemPanel(Panel):
     local_only = True
     policy_requested = Signal(str)
     exact_requested = Signal(bool)  # True: transformers' kernels only
+    int8_prompt_requested = Signal(bool)  # True: the lossy 8-bit prompt inputs
 
     def __init__(self, parent: QWidget | None = None) -> None:
         super().__init__(parent)
@@ -64,6 +73,10 @@ class SystemPanel(Panel):
         self.exact.setToolTip(EXACT_TIP)
         self.exact.setEnabled(False)
         self.exact.clicked.connect(self._exact_clicked)  # user clicks only, not setChecked
+        self.int8_prompt = QCheckBox(INT8_PROMPT_TEXT)
+        self.int8_prompt.setToolTip(INT8_PROMPT_TIP)
+        self.int8_prompt.setEnabled(False)
+        self.int8_prompt.clicked.connect(lambda: self.int8_prompt_requested.emit(self.int8_prompt.isChecked()))
         self.formats = QLabel("–")
         self.formats.setObjectName("weight-formats")
         self.formats.setToolTip("How the loaded model's weights are stored: the routed experts, and every other "
@@ -89,6 +102,7 @@ class SystemPanel(Panel):
         form.addRow("Cache policy", self.policy)
         form.addRow("", self.policy_note)
         form.addRow("Kernels", self.exact)
+        form.addRow("", self.int8_prompt)
         form.addRow("Weights", self.formats)
         form.addRow("", self.load_notes)
         form.addRow("Decode", self.decode_path)
@@ -119,29 +133,33 @@ class SystemPanel(Panel):
             self.policy.setEnabled(True)
             self.policies = list(event.policies)
             self._describe()
-            self._show_kernels(event.fast_decode, event.fast_decode_available)
+            self._show_kernels(event.fast_decode, event.fast_decode_available, event.int8_prompt)
             self.formats.setText(loaded_formats_text(event.expert_format, event.dense_format, event.dtype))
             self.load_notes.setText("\n".join(event.load_notes))
             self.load_notes.setVisible(bool(event.load_notes))
         elif isinstance(event, p.FastDecodeChanged):
-            self._show_kernels(event.enabled, event.available)
+            self._show_kernels(event.enabled, event.available, event.int8_prompt)
         elif isinstance(event, p.PolicyChanged):
             self.policy.setCurrentIndex(max(0, self.policy.findData(event.policy)))
             self._describe()
         elif isinstance(event, p.Error) and event.kind == "engine-crashed":
             self.policy.setEnabled(False)
             self.exact.setEnabled(False)
+            self.int8_prompt.setEnabled(False)
             self.snapshot = None
             self.set_state("crashed")
 
     def _exact_clicked(self) -> None:
         self.exact_requested.emit(self.exact.isChecked())
 
-    def _show_kernels(self, native_on: bool, available: bool) -> None:
-        """Exact is ticked whenever transformers' kernels decode: asked for, or the only ones for this model."""
+    def _show_kernels(self, native_on: bool, available: bool, int8_prompt: bool) -> None:
+        """Exact is ticked whenever transformers' kernels decode: asked for, or the only ones for this model.
+        The 8-bit prompt inputs apply on the native kernels only, so they are offered only with those on."""
         self.exact.setChecked(not (native_on and available))
         self.exact.setEnabled(available)
         self.exact.setToolTip(EXACT_TIP if available else EXACT_ONLY_TIP)
+        self.int8_prompt.setChecked(int8_prompt)
+        self.int8_prompt.setEnabled(native_on and available)
 
     def _describe(self) -> None:
         current = self.policy.currentData()

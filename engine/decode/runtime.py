@@ -125,6 +125,7 @@ class MoERuntime:
         self.decode_path_reason = ""  # why the next faster path did not run it
         self.profile_note = ""
         self.set_fast_decode(options.fast_decode)
+        self.int8_prompt = options.int8_prompt  # live (the System panel's switch); the prompt path reads it
         if native_first:
             if progress is not None and native.ready() is None:
                 progress(1.0, "building native decode kernels (first use on this machine)")

@@ -110,8 +110,12 @@ class Worker:
                 raise MoEScopeError(str(exc)) from None
             name, _ = parse_policy(command.policy)  # "promoe:k=3" -> "promoe"
             self.send(p.PolicyChanged(command.policy, POLICIES[name].lossless))
-        elif isinstance(command, p.SetFastDecode):
-            self.send(p.FastDecodeChanged(runtime.set_fast_decode(command.enabled), runtime.fast_decode_available))
+        elif isinstance(command, (p.SetFastDecode, p.SetInt8Prompt)):
+            if isinstance(command, p.SetFastDecode):
+                runtime.set_fast_decode(command.enabled)
+            else:
+                runtime.int8_prompt = command.enabled
+            self.send(p.FastDecodeChanged(runtime.fast_decode_on, runtime.fast_decode_available, runtime.int8_prompt))
         self._snapshot(force=True)  # the panels show the change at once, even mid-reply
 
     def _require_model(self):
@@ -148,6 +152,7 @@ class Worker:
             policies=[p.PolicyInfo(name, cls.lossless, cls.description) for name, cls in POLICIES.items()],
             load_seconds=runtime.load_seconds, budget_note=runtime.plan.note,
             fast_decode=runtime.fast_decode_on, fast_decode_available=runtime.fast_decode_available,
+            int8_prompt=runtime.int8_prompt,
             expert_format=runtime.format_names[0], dense_format=runtime.format_names[1],
             overhead_bytes=runtime.overhead.total_bytes, baseline_rss_bytes=runtime.overhead.baseline_bytes,
             dense_resident_bytes=runtime.overhead.dense_bytes, text_only=info.text_only,
@@ -215,7 +220,7 @@ class Worker:
             if isinstance(command, p.Cancel):
                 stop = stop or command.request_id in (None, request_id)
                 self._drop_queued(command.request_id)
-            elif isinstance(command, (p.SetBudget, p.SetPolicy, p.SetFastDecode, p.SetTelemetry)):
+            elif isinstance(command, (p.SetBudget, p.SetPolicy, p.SetFastDecode, p.SetInt8Prompt, p.SetTelemetry)):
                 try:
                     self._apply_live(command)
                 except Exception as exc:

@@ -21,6 +21,7 @@
 #include <cstdint>
 #include <cstring>
 #include <map>
+#include <memory>
 #include <string>
 #include <utility>
 #include <vector>
@@ -636,6 +637,14 @@ std::vector<ExpertWeights> expert_list(const std::vector<Weight>& gate_up, const
   return out;
 }
 
+#include "prompt_int8.h"  // opt-in: a prompt's rows rounded to 8 bits for Q4_K experts
+
+// One thread's buffers for prompt tiles: bf16 rows expanded from blocks, or Q4_K rows unpacked.
+struct TileScratch {
+  std::vector<bf16> expanded;
+  Q4KRows q4k;
+};
+
 // A prompt's rows through a layer's resident gated experts, in one call: the rows are sorted by
 // expert (as the expert cache gathers them), rows [start[e], start[e] + count[e]) going through
 // expert e, and each expert's output (its down projection, rounded where expert_mlp's torch ops
@@ -646,7 +655,8 @@ std::vector<ExpertWeights> expert_list(const std::vector<Weight>& gate_up, const
 // once into L1 and multiplied by all of its expert's rows (dot_tile). The tiles of all experts are
 // split between the threads by the rows they multiply, so a popular expert is shared rather than
 // holding one thread while the others wait; and one call replaces the dozen small torch ops per
-// expert the per-expert loop makes.
+// expert the per-expert loop makes. With `int8_inputs` (opt-in, lossy) Q4_K matrices take their
+// inputs rounded to 8 bits and multiply them in integers (prompt_int8.h).
 struct PromptExperts {
   const GateRecipe& recipe;
   const std::vector<ExpertWeights>& experts;
@@ -656,9 +666,31 @@ struct PromptExperts {
   int64_t hidden, inter;
   bf16* activation;  // [rows, inter]
   bf16* out;         // [rows, hidden]
+  const Int8Groups* x8 = nullptr;    // opt-in: x rounded to 8 bits, for Q4_K gate/up matrices
+  const Int8Groups* act8 = nullptr;  // and the activation, for Q4_K down matrices
+
+  // The tile's 4 rows at[] of matrix m times each of expert e's rows (input rows at `input`, k wide;
+  // or their 8-bit groups where given and m is Q4_K): emit(i, sums) with sums[r] = x_i . w_r.
+  template <class Emit>
+  void tile(const Matrix& m, const int64_t* at, int64_t e, const bf16* input, int64_t k, const Int8Groups* groups,
+            TileScratch& scratch, Emit&& emit) const {
+    if (groups != nullptr && m.type == kQ4_K) {
+      scratch.q4k.load(m, at);
+      float sums[8 * kTile];
+      for (int64_t g = groups->first[e]; g < groups->first[e] + (count[e] + 7) / 8; ++g) {
+        int8_tile(scratch.q4k, *groups, g, sums);
+        const auto [row0, n] = groups->rows[g];
+        for (int64_t lane = 0; lane < n; ++lane) emit(row0 - start[e] + lane, sums + lane * kTile);
+      }
+      return;
+    }
+    const bf16* rows[kTile];
+    tile_rows(m, at, rows, scratch.expanded.data());
+    tile_times_rows(rows, input + start[e] * k, count[e], k, emit);
+  }
 
   // Intermediate rows p, p + 1 of expert e for all its rows of x.
-  void gate_up_tile(int64_t e, int64_t p, bf16* scratch) const {
+  void gate_up_tile(int64_t e, int64_t p, TileScratch& scratch) const {
     const ExpertWeights& w = experts[e];
     const int64_t pairs = std::min<int64_t>(2, inter - p);
     int64_t at[kTile];
@@ -667,23 +699,19 @@ struct PromptExperts {
       at[j] = gate_row(recipe, i);
       at[2 + j] = up_row(recipe, inter, i);
     }
-    const bf16* rows[kTile];
-    tile_rows(w.gate_up, at, rows, scratch);
-    tile_times_rows(rows, x + start[e] * hidden, count[e], hidden, [&](int64_t i, const float* sums) {
+    tile(w.gate_up, at, e, x, hidden, x8, scratch, [&](int64_t i, const float* sums) {
       for (int64_t j = 0; j < pairs; ++j)
         activation[(start[e] + i) * inter + p + j] = activate(recipe, sums[j], sums[2 + j], w.gate_up_bias, at[j], at[2 + j]);
     });
   }
 
   // Output columns h, h + 1, h + 2, h + 3 of expert e for all its rows.
-  void down_tile(int64_t e, int64_t h, bf16* scratch) const {
+  void down_tile(int64_t e, int64_t h, TileScratch& scratch) const {
     const ExpertWeights& w = experts[e];
     const int64_t n = std::min<int64_t>(kTile, hidden - h);
     int64_t at[kTile];
     for (int j = 0; j < kTile; ++j) at[j] = h + std::min<int64_t>(j, n - 1);
-    const bf16* rows[kTile];
-    tile_rows(w.down, at, rows, scratch);
-    tile_times_rows(rows, activation + start[e] * inter, count[e], inter, [&](int64_t i, const float* sums) {
+    tile(w.down, at, e, activation, inter, act8, scratch, [&](int64_t i, const float* sums) {
       for (int64_t j = 0; j < n; ++j) out[(start[e] + i) * hidden + h + j] = to_bf16(biased(sums[j], w.down_bias, h + j));
     });
   }
@@ -715,10 +743,19 @@ struct TileList {
   }
 };
 
+// The 8-bit groups of a matrix's inputs when asked for and some expert's matrix is Q4_K; else none.
+std::unique_ptr<Int8Groups> int8_groups(bool asked, const std::vector<ExpertWeights>& experts, bool down,
+                                        const std::vector<int64_t>& start, const std::vector<int64_t>& count,
+                                        int64_t k) {
+  const bool q4k = std::any_of(experts.begin(), experts.end(),
+                               [&](const ExpertWeights& w) { return (down ? w.down : w.gate_up).type == kQ4_K; });
+  return asked && q4k && k % 256 == 0 ? std::make_unique<Int8Groups>(start, count, k) : nullptr;
+}
+
 torch::Tensor moe_prompt(const torch::Tensor& x, const std::vector<int64_t>& start, const std::vector<int64_t>& count,
                          const std::vector<Weight>& gate_up, const std::vector<Weight>& down,
                          const std::vector<torch::Tensor>& gate_up_bias, const std::vector<torch::Tensor>& down_bias,
-                         const GateRecipe& recipe) {
+                         const GateRecipe& recipe, bool int8_inputs) {
   check_matrix(x, "x");
   const int64_t rows = x.size(0), hidden = x.size(1);
   const std::vector<ExpertWeights> experts = expert_list(gate_up, down, gate_up_bias, down_bias, hidden, false);
@@ -729,21 +766,33 @@ torch::Tensor moe_prompt(const torch::Tensor& x, const std::vector<int64_t>& sta
   const torch::Tensor xc = x.contiguous();
   torch::Tensor y = torch::empty_like(xc);
   std::vector<bf16> activation(rows * inter);
-  const PromptExperts work{recipe, experts, start, count, bf16_data(xc), hidden, inter, activation.data(), bf16_data(y)};
+  const std::unique_ptr<Int8Groups> x8 = int8_groups(int8_inputs, experts, false, start, count, hidden);
+  const std::unique_ptr<Int8Groups> act8 = int8_groups(int8_inputs, experts, true, start, count, inter);
+  const PromptExperts work{recipe, experts, start, count, bf16_data(xc), hidden, inter, activation.data(), bf16_data(y),
+                           x8.get(), act8.get()};
   const TileList gate_tiles(count, inter, 2), down_tiles(count, hidden, kTile);
   SpinBarrier barrier;
 #pragma omp parallel num_threads(std::max(1, at::get_num_threads()))
   {
     const int tid = omp_get_thread_num(), team = omp_get_num_threads();
     barrier.join(team);
-    std::vector<bf16> scratch(kTile * std::max(hidden, inter));
+    TileScratch scratch;
+    scratch.expanded.resize(kTile * std::max(hidden, inter));
+    auto fill_share = [&](Int8Groups* groups, const bf16* input) {  // this thread's groups, then all are done
+      if (groups == nullptr) return;
+      const auto [first, last] = thread_share(groups->groups(), tid, team);
+      for (int64_t g = first; g < last; ++g) groups->fill(g, input);
+      barrier.wait();
+    };
+    fill_share(x8.get(), bf16_data(xc));
     const auto [g_first, g_last] = gate_tiles.share(tid, team);
     for (int64_t t = g_first; t < g_last; ++t)
-      work.gate_up_tile(gate_tiles.tiles[t].first, gate_tiles.tiles[t].second, scratch.data());
+      work.gate_up_tile(gate_tiles.tiles[t].first, gate_tiles.tiles[t].second, scratch);
     barrier.wait();  // every expert's activation rows are complete
+    fill_share(act8.get(), activation.data());
     const auto [d_first, d_last] = down_tiles.share(tid, team);
     for (int64_t t = d_first; t < d_last; ++t)
-      work.down_tile(down_tiles.tiles[t].first, down_tiles.tiles[t].second, scratch.data());
+      work.down_tile(down_tiles.tiles[t].first, down_tiles.tiles[t].second, scratch);
   }
   return y;
 }
@@ -1965,7 +2014,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("moe_prompt", &moe_prompt, "a prompt's rows, sorted by expert, through a layer's gated experts",
         pybind11::arg("x"), pybind11::arg("start"), pybind11::arg("count"), pybind11::arg("gate_up"),
         pybind11::arg("down"), pybind11::arg("gate_up_bias") = std::vector<torch::Tensor>(),
-        pybind11::arg("down_bias") = std::vector<torch::Tensor>(), pybind11::arg("recipe") = GateRecipe());
+        pybind11::arg("down_bias") = std::vector<torch::Tensor>(), pybind11::arg("recipe") = GateRecipe(),
+        pybind11::arg("int8_inputs") = false);
   pybind11::class_<DecodeStep>(m, "DecodeStep", "a whole decode step of a MoE decoder")
       .def(pybind11::init<torch::Tensor, torch::Tensor, double, const Weight&, int64_t, bool, bool, bool, bool>(),
            pybind11::arg("embed"), pybind11::arg("final_norm"), pybind11::arg("final_eps"), pybind11::arg("lm_head"),

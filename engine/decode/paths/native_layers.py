@@ -222,8 +222,9 @@ class NativePromptExperts:
     """A prompt's resident experts of one layer in one native call (`moe_prompt`), for the modules
     the one-token kernel also computes (engine.decode.paths.expert_recipe), laid out [out, in]."""
 
-    def __init__(self, kernels: ModuleType) -> None:
+    def __init__(self, kernels: ModuleType, int8_inputs: bool = False) -> None:
         self.kernels = kernels
+        self.int8_inputs = int8_inputs  # opt-in, lossy: Q4_K matrices take their inputs rounded to 8 bits
 
     def __call__(self, module: torch.nn.Module, rows: torch.Tensor, start: list[int], count: list[int],
                  chosen: list[dict[str, torch.Tensor]], reader: SlotReader) -> torch.Tensor | None:
@@ -234,7 +235,7 @@ class NativePromptExperts:
         if transposed:  # bf16 matrices read as x @ W: the prompt kernel tiles [out, in] rows
             return None
         gate_up, down = expert_weights(self.kernels, reader, chosen)
-        return self.kernels.moe_prompt(rows, start, count, gate_up, down, *biases, gate)
+        return self.kernels.moe_prompt(rows, start, count, gate_up, down, *biases, gate, self.int8_inputs)
 
 
 def kernel_recipe(module: torch.nn.Module, reader: SlotReader, x: torch.Tensor) -> ExpertsRecipe | None:
@@ -330,10 +331,13 @@ class NativePromptPath(DecodePath):
     """A prompt's forward on transformers' kernels, with quantized experts multiplied in their blocks
     by the native kernels (the exact path expands each into a scratch for oneDNN, which re-packs it)."""
 
-    label = "fast: prompt's quantized experts on the native kernels"
-
     def __init__(self, runtime) -> None:
         self.runtime = runtime
+
+    @property
+    def label(self) -> str:
+        lossy = ", 8-bit inputs to 4-bit experts (lossy)" if self.runtime.int8_prompt else ""
+        return f"fast: prompt's quantized experts on the native kernels{lossy}"
 
     def unavailable(self, step: Step) -> str | None:
         if not step.prefill:
@@ -346,7 +350,8 @@ class NativePromptPath(DecodePath):
 
     def run(self, step: Step) -> torch.Tensor:
         kernels = native.ready()
-        with self.runtime.cache.prompt_kernels(PromptKernels(NativePromptExperts(kernels), quantized_product(kernels))):
+        with self.runtime.cache.prompt_kernels(PromptKernels(NativePromptExperts(kernels, self.runtime.int8_prompt),
+                                                                   quantized_product(kernels))):
             return model_forward(self.runtime.model, step)
 
 
