@@ -120,9 +120,9 @@ def summarise(name: str, fmt: str, reps: list[dict], ours: tuple[int | None, str
     """Medians over the repetitions of tokens/s, of MoEScope / llama.cpp, and of each run over the
     limit at the bandwidth measured just before its format's runs."""
     ours_bytes, why = ours
+    # gguf: the file's bytes (a tensor converted at load aside)
     token_bytes = {"llama": llama.bytes_per_token, "exact": ours_bytes, "fast": ours_bytes, "fast-int8": ours_bytes,
-                   "gguf": llama.bytes_per_token, "gguf-int8": llama.bytes_per_token}  # the file's bytes
-    # (a tensor converted at load aside)
+                   "gguf": llama.bytes_per_token, "gguf-int8": llama.bytes_per_token}
     row: dict = {"geometry": name, "format": fmt, "llama_type": formats.LLAMA_TYPE[fmt], "moescope_unavailable": why,
                  "moescope_bytes_per_token": ours_bytes, "llama_bytes_per_token": llama.bytes_per_token,
                  "llama_bytes_by_type": llama.bytes_by_type, "llama_file_bytes": llama.file_bytes,

@@ -677,7 +677,7 @@ struct PromptExperts {
     if (groups != nullptr && m.type == kQ4_K) {
       scratch.q4k.load(m, at);
       float sums[8 * kTile];
-      for (int64_t g = groups->first[e]; g < groups->first[e] + (count[e] + 7) / 8; ++g) {
+      for (int64_t g = groups->first[e]; g < groups->first[e + 1]; ++g) {
         int8_tile(scratch.q4k, *groups, g, sums);
         const auto [row0, n] = groups->rows[g];
         for (int64_t lane = 0; lane < n; ++lane) emit(row0 - start[e] + lane, sums + lane * kTile);

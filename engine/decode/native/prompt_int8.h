@@ -18,7 +18,7 @@
 // x rounded to 8 bits, 8 rows at a time, for one matrix width k (a multiple of 256).
 struct Int8Groups {
   int64_t k = 0;
-  std::vector<int64_t> first;                      // each expert's first group
+  std::vector<int64_t> first;                      // each expert's first group, then the total
   std::vector<std::pair<int64_t, int64_t>> rows;   // each group's first row of x and row count (<= 8)
   std::vector<int8_t> q;                           // per group: [k / 4][8 rows][4]
   std::vector<float> scale;                        // per group: [k / 256][8]: x ~= scale * q
@@ -29,6 +29,7 @@ struct Int8Groups {
       first.push_back(static_cast<int64_t>(rows.size()));
       for (int64_t r = 0; r < count[e]; r += 8) rows.emplace_back(start[e] + r, std::min<int64_t>(8, count[e] - r));
     }
+    first.push_back(static_cast<int64_t>(rows.size()));
     q.assign(rows.size() * 8 * k, 0);
     scale.assign(rows.size() * (k / 256) * 8, 0.f);
     sums.assign(rows.size() * (k / 32) * 8, 0.f);
