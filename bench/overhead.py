@@ -4,7 +4,9 @@ Each model is measured in a fresh process, resident memory (VmRSS) at the points
 the bare interpreter; after torch; after transformers; after the generation path's imports (what
 the engine holds before any weights); the model skeleton built on the meta device (`moescope info`:
 the model's code, no weights); the runtime loaded at budget `all` (the engine's own split:
-`engine.system.memory.EngineOverhead`); and after decoding. "Overhead" is resident memory beyond the
+`engine.system.memory.EngineOverhead`); after decoding; and after replies to prompts of as many
+new lengths, with the heap's free pages handed back (what stays is kept on purpose: oneDNN keeps a
+generated kernel per matrix shape it meets). "Overhead" is resident memory beyond the
 dense weights and the expert bytes in memory: what a memory limit loses before the budget.
 `ENGINE_OVERHEAD_ESTIMATE` (engine/system/memory.py) is this table's largest figure, rounded up
 with room for a real model's tokenizer (the checkpoints here have toy ones or none).
@@ -24,6 +26,7 @@ from bench.output import RESULTS_DIR, write_report
 
 MiB = 1024**2
 DECODE_TOKENS = 32
+NEW_LENGTHS = 48  # replies to prompts of 2, 3, ... tokens: each length is a new set of matrix shapes
 # imported lazily by the engine since this benchmark (where a conversion or a Hub command needs them)
 LAZY = ("gguf", "sentencepiece")
 
@@ -44,7 +47,7 @@ def measure(model: str) -> dict:
     points["+ transformers"] = rss()
     from engine.decode.generation import Generator
     from engine.decode.runtime import MoERuntime
-    from engine.system.memory import baseline_rss_bytes
+    from engine.system.memory import baseline_rss_bytes, release_free_heap
 
     points["+ generation path imports"] = baseline_rss_bytes()  # the runtime's baseline: taken here, before the skeleton
     lazy_loaded = [name for name in LAZY if name in sys.modules]
@@ -65,11 +68,16 @@ def measure(model: str) -> dict:
     prompt = list(range(3, 19))
     generator.generate(prompt, SamplingSettings(temperature=0, max_new_tokens=DECODE_TOKENS))
     points[f"after {DECODE_TOKENS} decode tokens"] = rss()
+    for length in range(2, 2 + NEW_LENGTHS):
+        generator.generate(list(range(3, 3 + length)), SamplingSettings(temperature=0, max_new_tokens=4))
+    release_free_heap()  # what stays is kept on purpose (caches), not a long prompt's freed activations
+    points[f"after {NEW_LENGTHS} prompts of new lengths, heap trimmed"] = rss()
     in_memory = overhead.dense_bytes + runtime.layout.all_expert_bytes  # every expert is resident at `all`
     return {
         "model": model, "points": points, "dense_bytes": overhead.dense_bytes,
         "expert_bytes": runtime.layout.all_expert_bytes, "baseline_bytes": overhead.baseline_bytes,
         "overhead_at_load": overhead.total_bytes, "overhead_decoding": points[f"after {DECODE_TOKENS} decode tokens"] - in_memory,
+        "overhead_new_lengths": points[f"after {NEW_LENGTHS} prompts of new lengths, heap trimmed"] - in_memory,
         "lazy_modules_loaded": lazy_loaded,
     }
 
@@ -98,7 +106,8 @@ def table(results: list[dict]) -> list[str]:
         lines.append(f"| {point} | " + " | ".join(f"{r['points'][point] / MiB:.1f}" for r in ok) + " |")
     for label, key in (("dense weights in RAM", "dense_bytes"), ("experts (all resident)", "expert_bytes"),
                        ("**overhead at load** (engine's own figure)", "overhead_at_load"),
-                       ("**overhead while decoding**", "overhead_decoding")):
+                       ("**overhead while decoding**", "overhead_decoding"),
+                       (f"**overhead after {NEW_LENGTHS} new prompt lengths**", "overhead_new_lengths")):
         lines.append(f"| {label} | " + " | ".join(f"{r[key] / MiB:.1f}" for r in ok) + " |")
     lines.append("")
     for r in ok:

@@ -102,3 +102,18 @@ def test_the_loads_first_forward_is_not_shown_and_does_not_change_the_reply():
         replies.append(result.token_ids)
         runtime.close()
     assert replies[0] == replies[1]
+
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="resets the kernel's VmHWM")
+def test_a_phase_peak_is_measured_apart_and_the_process_peak_is_kept():
+    # the load measures its first forward's peak on its own; a reply's "peak RSS" stays the process's
+    from engine.system import memory
+
+    spike = bytearray(256 * 2**20)
+    spike[:: 4096] = b"x" * len(spike[:: 4096])  # touched: resident
+    high = memory.peak_rss_bytes()
+    del spike
+    assert memory.reset_phase_peak()
+    assert memory.phase_peak_rss_bytes() < high - 128 * 2**20
+    assert memory.peak_rss_bytes() >= high - 2**20  # the kernel syncs its per-thread counters lazily

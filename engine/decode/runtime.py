@@ -43,7 +43,10 @@ def _parse_format(name: str, what: str) -> BlockFormat | None:
         raise MoEScopeError(f"{what} format: {exc}") from None
 
 
-FIRST_FORWARD_TOKENS = 2  # the load's first forward: a prompt of more than one token (the prefill path), kept short: its misses load experts
+# The load's first forward: a prompt (the prefill path) of one token repeated. Identical tokens
+# route alike (their attention averages identical values), so it loads about one token's experts,
+# and its working memory is a short message's, counted in the overhead.
+FIRST_FORWARD_TOKENS = 16
 
 
 class MoERuntime:
@@ -135,16 +138,20 @@ class MoERuntime:
         self._prepare(policy)
         self.warm_bytes = self.cache.warm() if options.warm else 0
         self.cpu_experts_note = self._setup_cpu_experts(options.cpu_experts)
+        forward_peak = 0
         if options.warm:
             if progress is not None:
                 progress(1.0, "a first forward (torch sets up its kernels)")
+            memory.release_free_heap()  # the load's own temporaries are not a forward's working memory
+            measured = memory.reset_phase_peak()
             self._first_forward()
+            forward_peak = memory.phase_peak_rss_bytes() if measured else 0
         self.tracer = None
         if options.trace:
             self.start_trace(options.trace)
         memory.release_free_heap()
         self.overhead = memory.EngineOverhead(baseline, memory.rss_bytes(), host_tensor_bytes(self.model),
-                                              self._host_expert_bytes())
+                                              self._host_expert_bytes(), forward_peak)
         memory.note_overhead(self.overhead)
         self.load_seconds = time.perf_counter() - started
 
@@ -198,7 +205,7 @@ class MoERuntime:
 
         context = self.context_length
         vocab = self.model.config.get_text_config().vocab_size
-        prompt = [i % vocab for i in range(1, 1 + max(1, min(FIRST_FORWARD_TOKENS, context - 2)))]
+        prompt = [1 % vocab] * max(1, min(FIRST_FORWARD_TOKENS, context - 2))
         step = Step(torch.tensor([prompt], dtype=torch.long, device=self.device), new_cache(self.model), 0)
         self.counters.start_request()
         self.cache.policy.on_request_start()

@@ -20,8 +20,11 @@ def proc_bytes(path: str, key: str) -> int | None:
     return None
 
 
-def peak_rss_bytes() -> int:
-    """This process's peak resident memory.
+_peak_before_reset = 0  # the process's peak before the last reset_phase_peak
+
+
+def phase_peak_rss_bytes() -> int:
+    """The peak resident memory since the last reset_phase_peak (on Linux; elsewhere since the start).
 
     On Linux, VmHWM belongs to this program's own address space; ru_maxrss would also count
     the parent's memory before exec (a process started from a big one would look big).
@@ -31,6 +34,24 @@ def peak_rss_bytes() -> int:
         return peak
     scale = 1 if sys.platform == "darwin" else 1024  # macOS reports bytes, Linux KiB
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * scale
+
+
+def peak_rss_bytes() -> int:
+    """This process's peak resident memory since it started, across phase resets."""
+    return max(_peak_before_reset, phase_peak_rss_bytes())
+
+
+def reset_phase_peak() -> bool:
+    """Start measuring a phase's peak from the memory resident now (Linux: clear_refs resets VmHWM);
+    peak_rss_bytes keeps the whole process's. False where the peak cannot be reset."""
+    global _peak_before_reset
+    _peak_before_reset = peak_rss_bytes()
+    try:
+        with open("/proc/self/clear_refs", "w") as clear:
+            clear.write("5")
+    except OSError:
+        return False
+    return True
 
 
 def release_free_heap() -> None:
@@ -60,7 +81,7 @@ MiB = 1024**2
 # modeling code and tokenizer, the native kernels) before it has measured itself: `python -m
 # bench.overhead` (bench/results/overhead-*.md) measured it on the CPU build and this is that
 # figure rounded up. Once a model has loaded, the measured figure replaces it.
-ENGINE_OVERHEAD_ESTIMATE = 448 * MiB
+ENGINE_OVERHEAD_ESTIMATE = 480 * MiB
 
 _baseline: int | None = None
 _measured_overhead: int | None = None
@@ -84,11 +105,15 @@ class EngineOverhead:
     loaded_bytes: int  # resident when the load finished
     dense_bytes: int  # of that, the model's dense weights in this process's memory (0 on a GPU)
     expert_bytes: int  # of that, experts: a RAM store, slots filled so far (an untouched slot is not resident)
+    # resident at the peak of the load's first forward (0 where unmeasured): a forward's working
+    # memory (activations, freed temporaries the heap keeps) comes back with every reply
+    forward_peak_bytes: int = 0
 
     @property
     def total_bytes(self) -> int:
         """Everything but dense weights and experts: what a memory limit loses before the budget."""
-        return max(self.baseline_bytes, self.loaded_bytes - self.dense_bytes - self.expert_bytes)
+        resident = max(self.loaded_bytes, self.forward_peak_bytes)
+        return max(self.baseline_bytes, resident - self.dense_bytes - self.expert_bytes)
 
     @property
     def model_bytes(self) -> int:
