@@ -17,6 +17,13 @@ class AppSettings:
         value = self.qs.value(key, default)
         return str(value) if value is not None else default
 
+    def _flag(self, key: str) -> bool:
+        """A switch stored as "true"/"false" (off when never set)."""
+        return self._get(key, "false") == "true"
+
+    def _set_flag(self, key: str, on: bool) -> None:
+        self.qs.setValue(key, "true" if on else "false")
+
     # ----- window -----
     @property
     def geometry(self) -> QByteArray | None:
@@ -73,20 +80,20 @@ class AppSettings:
     @property
     def exact(self) -> bool:
         """Transformers' own decode kernels instead of the native ones (off by default)."""
-        return self._get("engine/exact", "false") == "true"
+        return self._flag("engine/exact")
 
     @exact.setter
     def exact(self, value: bool) -> None:
-        self.qs.setValue("engine/exact", "true" if value else "false")
+        self._set_flag("engine/exact", value)
 
     @property
     def int8_prompt(self) -> bool:
         """The lossy 8-bit prompt inputs for 4-bit experts (off by default)."""
-        return self._get("engine/int8_prompt", "false") == "true"
+        return self._flag("engine/int8_prompt")
 
     @int8_prompt.setter
     def int8_prompt(self, value: bool) -> None:
-        self.qs.setValue("engine/int8_prompt", "true" if value else "false")
+        self._set_flag("engine/int8_prompt", value)
 
     @property
     def policy(self) -> str:
