@@ -50,14 +50,12 @@ def heldout_chats(tokenizer, skills: Sequence[str], n_per_skill: int) -> list[He
 @torch.inference_mode()
 def answer_logprobs(runtime, chats: Sequence[HeldoutChat]) -> list[torch.Tensor]:
     """Per chat, [answer tokens, vocab] float64 log-probabilities of each answer token's position,
-    through the engine (its cache, store, policy and weight formats), one chat per forward."""
+    through the engine (its cache, store, policy, weight formats and the path a prompt takes, with
+    its opt-in lossy modes), one chat per forward."""
     out = []
     for chat in chats:
-        ids = torch.tensor([chat.ids], device=runtime.device)
-        logits = runtime.model(input_ids=ids, attention_mask=torch.ones_like(ids), use_cache=False).logits
-        runtime.counters.end_token()
-        runtime.cache.policy.on_token_end()
-        out.append(torch.log_softmax(logits[0, chat.start - 1 : -1].double().cpu(), dim=-1))
+        logits = runtime.prompt_logits(chat.ids)
+        out.append(torch.log_softmax(logits[chat.start - 1 : -1].double().cpu(), dim=-1))
     return out
 
 

@@ -13,9 +13,9 @@ weights, lossless `lru`, budget `all`) on the held-out questions of every skill:
 Greedy decoding, budget `all` for the formats, and the exact path (transformers' kernels on the
 dequantized weights, the fast native kernels switched off) so the numbers describe the format, not a
 kernel, unless `--kernels` asks for the native ones (`fast`, in bf16) or for them with the lossy
-8-bit prompt inputs (`fast-int8`). Caveat: the teacher-forced scores (KL, same top, perplexity) run
-the model's forward directly, not the engine's prompt path, so they do not see --int8-prompt; only the
-accuracy column (replies generated through the engine) does. Where a format's block does not divide a matrix's width the engine stores it in
+8-bit prompt inputs (`fast-int8`). Both kinds of score go through the engine's paths: the
+teacher-forced chats are read as prompts (`MoERuntime.prompt_logits`), so they see --int8-prompt
+as the replies do. Where a format's block does not divide a matrix's width the engine stores it in
 llama.cpp's fallback format; the table says what each matrix actually got.
 
     python -m bench.lossy_cost [--budgets 25,50] [--n 20]

@@ -47,6 +47,29 @@ def test_greedy_generation_matches_transformers(capsys, tiny_checkpoints, refere
         assert stats["misses"] > 0 and stats["bytes_loaded"] > 0
 
 
+def test_teacher_forced_logits_equal_transformers_at_every_position(mixtral_checkpoint):
+    # What bench.lossy_cost scores (KL, perplexity) comes through the engine's prompt path; offloaded
+    # at 30 %, every position's logits still equal stock transformers' bit for bit.
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from engine.decode.runtime import MoERuntime
+    from engine.protocol import LoadModel
+
+    runtime = MoERuntime(LoadModel(path=str(mixtral_checkpoint), budget="30%", store="disk", device="cpu",
+                                   fast_decode=False))
+    try:
+        ours = runtime.prompt_logits(PROMPT)
+        assert runtime.counters.layer_misses.sum() > 0  # really offloaded
+    finally:
+        runtime.close()
+    stock = AutoModelForCausalLM.from_pretrained(mixtral_checkpoint, dtype=torch.float32)
+    with torch.inference_mode():
+        theirs = stock(input_ids=torch.tensor([PROMPT])).logits[0]
+    assert ours.shape == (len(PROMPT), stock.config.vocab_size)
+    assert torch.equal(ours, theirs)
+
+
 @pytest.mark.parametrize("family", ["mixtral", "gpt_oss", "qwen2_moe"])
 def test_decode_tokens_through_the_grouped_experts_stay_exact(tiny_checkpoints, references, family):
     # On a GPU a decode token's resident experts run as grouped matmuls (fewer kernel launches); that path

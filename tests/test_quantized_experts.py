@@ -259,10 +259,10 @@ def test_a_prompt_multiplies_quantized_experts_in_their_blocks(wide, kernels, mo
 def test_8_bit_prompt_inputs_are_opt_in_labelled_and_close(wide, kernels, monkeypatch):
     """--int8-prompt (lossy, off by default): a prompt's Q4_K experts take their inputs rounded to 8
     bits. It changes the arithmetic (the logits are not the bf16 path's), the path says it is lossy,
-    and the logits stay close enough that the next token is the same."""
+    teacher-forced scoring (`prompt_logits`, what bench.lossy_cost measures) goes through it, and
+    the logits stay close enough that the next token is the same."""
     import torch
 
-    from engine.decode.kv_cache import new_cache
     from engine.decode.paths.base import Step
 
     asked = []
@@ -271,22 +271,21 @@ def test_8_bit_prompt_inputs_are_opt_in_labelled_and_close(wide, kernels, monkey
     runtime = MoERuntime(LoadModel(path=str(wide["mixtral"]), budget="all", store="ram", device="cpu",
                                    dtype="bfloat16", expert_format="q4_k"))
     assert runtime.int8_prompt is False  # opt-in only
-    prompt = torch.tensor([PROMPT])
     logits, labels = {}, {}
     try:
-        with torch.inference_mode():
-            for int8 in (False, True):
-                runtime.int8_prompt = int8  # the System panel's switch is live
-                step = Step(prompt, new_cache(runtime.model), 0)
-                path, _ = runtime.paths.choose(step)
-                asked.clear()
-                logits[int8], labels[int8] = path.run(step), path.label
-                assert asked and set(asked) == {int8}
+        for int8 in (False, True):
+            runtime.int8_prompt = int8  # the System panel's switch is live
+            labels[int8] = runtime.paths.choose(Step(torch.tensor([PROMPT]), None, 0))[0].label
+            asked.clear()
+            logits[int8] = runtime.prompt_logits(PROMPT)
+            assert asked and set(asked) == {int8}
     finally:
         runtime.close()
     assert "lossy" not in labels[False] and "8-bit inputs" in labels[True] and "(lossy)" in labels[True]
+    assert logits[True].shape == (len(PROMPT), runtime.model.config.vocab_size)
     assert not torch.equal(logits[True], logits[False])
     ours, bf16 = logits[True].float().flatten(), logits[False].float().flatten()
     # a tiny random model amplifies any rounding; the demo model's answers are measured in bench.lossy_cost
     assert torch.nn.functional.cosine_similarity(ours, bf16, dim=0) > 0.9
-    assert torch.equal(logits[True][0].argmax(-1), logits[False][0].argmax(-1))  # the same top token everywhere
+    same_top = logits[True].argmax(-1) == logits[False].argmax(-1)
+    assert same_top[-1] and same_top.float().mean() >= 0.75  # the next token, and most positions' top token

@@ -14,8 +14,9 @@ from engine.accounting.planner import ALLOCATIONS, BudgetPlan, plan_budget
 from engine.accounting.policies import make_policy
 from engine.accounting.policies.base import CachePolicy
 from engine.accounting.sizes import BudgetSpec, parse_budget
+from engine.decode.kv_cache import new_cache
 from engine.decode.native import kernels as native
-from engine.decode.paths.base import PathChooser
+from engine.decode.paths.base import PathChooser, Step
 from engine.decode.paths.native_layers import NativeLayersPath, NativePromptPath
 from engine.decode.paths.transformers_path import TransformersPath, last_position
 from engine.decode.paths.whole_token import WholeTokenPath
@@ -200,9 +201,6 @@ class MoERuntime:
         and the decode paths set up on first use (oneDNN's generated kernels, code pages, a quantized
         slot's dequantization scratch, the fast step's buffers) is then in place before the first
         reply, and counted in the overhead measured at the end of the load, like vLLM's profile run."""
-        from engine.decode.kv_cache import new_cache
-        from engine.decode.paths.base import Step
-
         context = self.context_length
         vocab = self.model.config.get_text_config().vocab_size
         prompt = [1 % vocab] * max(1, min(FIRST_FORWARD_TOKENS, context - 2))
@@ -217,6 +215,18 @@ class MoERuntime:
             step = Step(token, step.kv, step.position + step.input_ids.shape[1])
         self.cache.settle()
         self.counters = self.cache.counters = EngineCounters(self.layout.num_layers, self.layout.num_experts)
+
+    @torch.inference_mode()
+    def prompt_logits(self, ids: list[int]) -> torch.Tensor:
+        """Every position's logits [n, vocab] of `ids` read as one new prompt, on the path a prompt
+        takes now (its opt-in lossy modes included): what teacher-forced scoring reads. One token to
+        the counters and the policy."""
+        step = Step(torch.tensor([ids], dtype=torch.long, device=self.device), new_cache(self.model), 0,
+                    every_position=True)
+        logits = self.paths.choose(step)[0].run(step)
+        self.counters.end_token()
+        self.cache.policy.on_token_end()
+        return logits[0]
 
     # ----- policies -----
     def _prepare(self, policy: CachePolicy) -> None:

@@ -22,6 +22,8 @@ class Step:
     input_ids: torch.Tensor  # [1, n]: the prompt (prefill) or the last token (decode)
     kv: DynamicCache | None  # None until the first forward, for a model that makes its own cache
     position: int  # tokens already in the KV cache
+    # every position's logits, not only the last (teacher-forced scoring of a prompt); prompt paths only
+    every_position: bool = False
 
     @property
     def prefill(self) -> bool:
@@ -41,7 +43,8 @@ class DecodePath(ABC):
 
     @abstractmethod
     def run(self, step: Step) -> torch.Tensor:
-        """Run the step; the logits of its last position, [1, 1, vocab]."""
+        """Run the step; the logits of its last position, [1, 1, vocab] (of every position, [1, n, vocab],
+        when the step asks: only prompt paths are asked)."""
 
 
 class PathChooser:

@@ -27,7 +27,8 @@ def _takes_position_ids(model_class: type) -> bool:
 
 
 def model_forward(model: torch.nn.Module, step: Step) -> torch.Tensor:
-    """The model's forward over the step's tokens, extending its KV cache; last position's logits.
+    """The model's forward over the step's tokens, extending its KV cache; last position's logits
+    (every position's when the step asks).
     A step without a cache gets the one the model makes (a cache class of its own, `kv_cache.new_cache`).
     Positions are passed as `generate` passes them: a model may derive wrong ones from the mask alone
     (Qwen3-Omni's thinker takes every masked position as the new tokens' while decoding)."""
@@ -37,7 +38,7 @@ def model_forward(model: torch.nn.Module, step: Step) -> torch.Tensor:
     if _takes_position_ids(type(model)):
         positions["position_ids"] = torch.arange(step.position, step.position + ids.shape[1], device=ids.device)[None]
     output = model(input_ids=ids, attention_mask=attention, **cache_argument(model, step.kv), use_cache=True,
-                   logits_to_keep=last_position(ids), **positions)
+                   logits_to_keep=0 if step.every_position else last_position(ids), **positions)
     if step.kv is None:
         step.kv = cache_from_output(output)
     return output.logits
