@@ -1989,6 +1989,13 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("set_integer_dots", [](bool on) { integer_dots_enabled() = on; },
         "block types with an integer kernel use it (default) or the reference-exact float loops");
   m.def("dequantize", &dequantize, "a weight matrix as bf16, the reference dequantizer's values");
+  m.def("bf16_dot_products", [] {
+#if defined(MOESCOPE_AVX512BF16)
+    return true;
+#else
+    return false;
+#endif
+  }, "whether this build multiplies bf16 tiles with the CPU's bf16 dot products (as fast as oneDNN's on many rows)");
   m.def("linear_rows", &linear_rows, "bf16 rows times a weight matrix's transpose (plus a bias), as F.linear",
         pybind11::arg("weight"), pybind11::arg("x"), pybind11::arg("bias") = pybind11::none());
   m.def("rms_norm", &rms_norm, "RMSNorm of a few bf16 rows", pybind11::arg("x"), pybind11::arg("weight"),

@@ -2,7 +2,8 @@
 with the modules the native kernels compute switched onto them. The same arithmetic as
 transformers, summed in a different order: faster, not bit-identical.
 
-For one new token (prefill keeps transformers' kernels), while the path runs:
+For one new token (a prompt keeps transformers' kernels but for its quantized experts, plain
+linears and routers: `NativePromptPath`), while the path runs:
 - a layer's resident experts run in one native call (gate/up, gate, down, biases, weighted sum)
   when their recipe is one the kernel computes (engine.decode.paths.expert_recipe: every family
   whose experts are gated MLPs): the expert cache is handed that kernel (`ExpertCache.experts_kernel`);
@@ -21,6 +22,7 @@ is touched.
 
 from __future__ import annotations
 
+from contextlib import nullcontext
 from functools import cache
 from types import ModuleType
 
@@ -56,28 +58,53 @@ def _native_kernels(module: torch.nn.Module, x: torch.Tensor, weight: torch.Tens
     return native.ready()
 
 
+def _row_kernels(module: torch.nn.Module, x: torch.Tensor, quantized: bool) -> ModuleType | None:
+    """The kernels, if `module`'s model is in a fast prompt and `linear_rows` takes these rows: bf16 on
+    the CPU, whole 32-column groups, and for a bf16 weight a build with bf16 dot products (elsewhere
+    oneDNN's blocked kernels beat the portable tile loops; a quantized weight always gains, being
+    multiplied in its blocks instead of expanded)."""
+    switch = module.__dict__.get(SWITCH_ATTR)
+    if switch is None or not switch.rows or x.dtype != torch.bfloat16 or x.device.type != "cpu" or x.shape[-1] % 32:
+        return None
+    kernels = native.ready()
+    return kernels if kernels is not None and (quantized or kernels.bf16_dot_products()) else None
+
+
+def _rows(kernels: ModuleType, module: torch.nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """x's rows (any leading shape) through `module`'s weight on `linear_rows`, as F.linear."""
+    return kernels.linear_rows(linear_weight(kernels, module), x.reshape(-1, x.shape[-1]), bias).view(*x.shape[:-1], -1)
+
+
 class FastLinear(torch.nn.Linear):
-    """`nn.Linear` whose one-row bf16 products use the native GEMV inside a native step."""
+    """`nn.Linear` whose bf16 products use the native kernels: one row inside a native step (GEMV),
+    many rows inside a fast prompt."""
 
     _moescope_plain = torch.nn.Linear
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        kernels = _native_kernels(self, x, self.weight)
-        if kernels is None or x.numel() != self.in_features or not _bf16_bias(self.bias):
-            return F.linear(x, self.weight, self.bias)
-        return kernels.gemv(linear_weight(kernels, self), x, self.bias)
+        if x.numel() == self.in_features:
+            kernels = _native_kernels(self, x, self.weight)
+            if kernels is not None and _bf16_bias(self.bias):
+                return kernels.gemv(linear_weight(kernels, self), x, self.bias)
+        elif self.weight.dtype == torch.bfloat16 and _bf16_bias(self.bias) \
+                and (kernels := _row_kernels(self, x, quantized=False)) is not None:
+            return _rows(kernels, self, x, self.bias)
+        return F.linear(x, self.weight, self.bias)
 
 
 class FastQuantizedLinear(QuantizedLinear):
-    """A `QuantizedLinear` whose one-row products read its blocks natively inside a native step."""
+    """A `QuantizedLinear` whose products read its blocks natively: one row inside a native step,
+    many rows inside a fast prompt."""
 
     _moescope_plain = QuantizedLinear
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.numel() != self.in_features:
+            kernels = _row_kernels(self, x, quantized=True) if _bf16_bias(self.bias) else None
+            return super().forward(x) if kernels is None else _rows(kernels, self, x, self.bias)
         switch = self.__dict__.get(SWITCH_ATTR)
         kernels = native.ready() if switch is not None and switch.on else None
-        if (kernels is None or x.dtype != torch.bfloat16 or x.device.type != "cpu" or x.numel() != self.in_features
-                or not _bf16_bias(self.bias)):
+        if kernels is None or x.dtype != torch.bfloat16 or x.device.type != "cpu" or not _bf16_bias(self.bias):
             return super().forward(x)
         return kernels.gemv(linear_weight(kernels, self), x, self.bias)
 
@@ -145,15 +172,22 @@ def _allows_all(mask: torch.Tensor | None) -> bool:
 
 
 def _fast_router_forward(self, hidden_states: torch.Tensor):
-    """A top-k router whose one-token linear is the native GEMV (torch's bf16 kernel without oneDNN
-    took most of a layer's routing time); softmax and top-k stay torch's."""
-    kernels = _native_kernels(self, hidden_states, self.weight)
+    """A top-k router whose linear is the native GEMV for one token (torch's bf16 kernel without
+    oneDNN took most of a layer's routing time) and `linear_rows` for a fast prompt's rows; softmax
+    and top-k stay torch's."""
     recipe = self._moescope_recipe
     bias = self.bias if recipe.softmax_of_top else None
-    if kernels is None or hidden_states.numel() != self.weight.shape[1] or not _bf16_bias(bias):
+    rows = hidden_states.reshape(-1, self.weight.shape[1])
+    if rows.shape[0] == 1:
+        kernels = _native_kernels(self, hidden_states, self.weight)
+        product = kernels.gemv if kernels is not None else None
+    else:
+        kernels = _row_kernels(self, hidden_states, quantized=False) if self.weight.dtype == torch.bfloat16 else None
+        product = kernels.linear_rows if kernels is not None else None
+    if product is None or not _bf16_bias(bias):
         return self._plain_forward(hidden_states)
     always_normalize, cast_back, softmax_of_top = recipe
-    logits = kernels.gemv(linear_weight(kernels, self), hidden_states.reshape(1, -1), bias)
+    logits = product(linear_weight(kernels, self), rows, bias)
     if softmax_of_top:
         top_value, top_index = torch.topk(logits, self.top_k, dim=-1)
         return logits, torch.softmax(top_value, dim=1, dtype=top_value.dtype), top_index
@@ -329,7 +363,9 @@ def quantized_product(kernels: ModuleType) -> QuantizedProduct:
 
 class NativePromptPath(DecodePath):
     """A prompt's forward on transformers' kernels, with quantized experts multiplied in their blocks
-    by the native kernels (the exact path expands each into a scratch for oneDNN, which re-packs it)."""
+    by the native kernels (the exact path expands each into a scratch for oneDNN, which re-packs it),
+    and the plain linears and routers on `linear_rows`: oneDNN makes and keeps a kernel for every
+    new row count, which grew the process by about half a MiB per linear shape and prompt length."""
 
     def __init__(self, runtime) -> None:
         self.runtime = runtime
@@ -337,7 +373,7 @@ class NativePromptPath(DecodePath):
     @property
     def label(self) -> str:
         lossy = ", 8-bit inputs to 4-bit experts (lossy)" if self.runtime.int8_prompt else ""
-        return f"fast: prompt's quantized experts on the native kernels{lossy}"
+        return f"fast: prompt's quantized experts and linears on the native kernels{lossy}"
 
     def unavailable(self, step: Step) -> str | None:
         if not step.prefill:
@@ -350,8 +386,10 @@ class NativePromptPath(DecodePath):
 
     def run(self, step: Step) -> torch.Tensor:
         kernels = native.ready()
+        switch = self.runtime.native_layers.switch  # installed when fast decode was turned on
         with self.runtime.cache.prompt_kernels(PromptKernels(NativePromptExperts(kernels, self.runtime.int8_prompt),
-                                                                   quantized_product(kernels))):
+                                                                   quantized_product(kernels))), \
+                switch.prompt_rows() if switch is not None else nullcontext():
             return model_forward(self.runtime.model, step)
 
 
@@ -363,6 +401,10 @@ class NativeLayersPath(DecodePath):
     def __init__(self, runtime) -> None:
         self.runtime = runtime
         self._switch: NativeSwitch | None = None
+
+    @property
+    def switch(self) -> NativeSwitch | None:
+        return self._switch
 
     def enable(self) -> None:
         """Fast decode was asked for: patch the model's modules (once) and start building the kernels."""
