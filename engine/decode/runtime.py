@@ -208,9 +208,7 @@ class MoERuntime:
         self.counters.start_request()
         self.cache.policy.on_request_start()
         for _ in range(2 if context > len(prompt) + 1 else 1):  # the prefill, then one decode step
-            logits = self.paths.choose(step)[0].run(step)
-            self.counters.end_token()
-            self.cache.policy.on_token_end()
+            logits = self._step_alone(step)
             token = logits[0, -1].argmax().view(1, 1)
             step = Step(token, step.kv, step.position + step.input_ids.shape[1])
         self.cache.settle()
@@ -223,10 +221,14 @@ class MoERuntime:
         the counters and the policy."""
         step = Step(torch.tensor([ids], dtype=torch.long, device=self.device), new_cache(self.model), 0,
                     every_position=True)
+        return self._step_alone(step)[0]
+
+    def _step_alone(self, step: Step) -> torch.Tensor:
+        """`step` on the path that can run it now, counted as one token, outside any reply's loop."""
         logits = self.paths.choose(step)[0].run(step)
         self.counters.end_token()
         self.cache.policy.on_token_end()
-        return logits[0]
+        return logits
 
     # ----- policies -----
     def _prepare(self, policy: CachePolicy) -> None:
