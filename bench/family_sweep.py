@@ -59,14 +59,16 @@ def reference_tokens(family: Family, path: Path) -> list[int]:
     """Stock transformers, everything in memory, greedy, with the family's own class (or, where that class
     only orchestrates submodules, the one that writes text: Qwen3-Omni's own generate(return_audio=False)
     calls its thinker's generate)."""
+    from engine.decode.block_diffusion import GREEDY_SEED
     from engine.model.model_class import text_generator
 
     _, model = text_generator(family.model_class.from_pretrained(path, dtype=torch.float32))
     ids = torch.tensor([PROMPT])
+    torch.manual_seed(GREEDY_SEED)  # a block-diffusion model draws random canvases; MoEScope seeds a greedy reply so
     out = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=NEW_TOKENS,
                          pad_token_id=0)
     out = getattr(out, "sequences", out)  # a block-diffusion model's generate returns an output object
-    return out[0, len(PROMPT):].tolist()
+    return out[0, len(PROMPT):len(PROMPT) + NEW_TOKENS].tolist()  # (of which a whole block)
 
 
 def offloaded_run(path: Path, budget: str, store: str, *, exact: bool = True, dtype: str = "float32",

@@ -31,11 +31,11 @@ FAILURE_CLASSES = {
     "ernie4_5_vl_moe": "one checkpoint list of experts split into text and (narrower, in-memory) vision experts",
     "inkling2_loop": "an expert converter that dequantizes on load: unquantized experts pass through it",
     "qwen3_omni_moe": "a class without a forward: its thinker writes the text, given positions as generate does",
+    "diffusion_gemma": "block diffusion: the model's own generate, an encoder whose experts are tied to the decoder's",
 }
 # Families that cannot run exactly yet, and why: the sweep lists them with that reason.
 KNOWN_FAILURES = {
     "openai_privacy_filter": "a token classifier: transformers has no class that generates text for it",
-    "diffusion_gemma": "a block-diffusion model (blocks of tokens denoised together): refused in one line",
 }  # (an older transformers may lack some of these families)
 ROTATING_PER_RUN = 2
 CI_RUNS = (("30%", "disk"), ("all", "ram"))  # the slow sweep runs both budgets on both stores
@@ -199,16 +199,38 @@ def test_experts_a_converter_would_dequantize_are_refused_in_one_line(tmp_path):
     assert "\n" not in str(refused.value) and "_scale" in str(refused.value)
 
 
-def test_a_block_diffusion_model_is_refused_in_one_line(tmp_path):
-    # DiffusionGemma denoises blocks of tokens together; MoEScope's loop writes one token at a time.
+def test_a_block_diffusion_model_streams_blocks_through_the_cache(tmp_path):
+    # DiffusionGemma denoises a block of tokens at a time in its own generate; its encoder runs the
+    # decoder's layers (tied weights), so both reach the same offloaded experts. The reply equals stock
+    # transformers' from the same seed, it stops where asked inside a block, and the cache saw traffic.
     import torch
 
-    from engine.errors import CheckpointError
-    from engine.model.loader import build_model
+    from bench.family_sweep import PROMPT, reference_tokens
+    from engine.decode.block_diffusion import LABEL, SAMPLING_NOTE
+    from engine.decode.generation import Generator
+    from engine.decode.runtime import MoERuntime
+    from engine.errors import MoEScopeError
+    from engine.protocol import LoadModel, SamplingSettings
 
     if "diffusion_gemma" not in ALL:
         pytest.skip("this transformers release has no DiffusionGemma")
-    path = save_family_checkpoint(ALL["diffusion_gemma"], tmp_path / "diffusion_gemma").path
-    with pytest.raises(CheckpointError, match="block-diffusion model") as refused:
-        build_model(path, device=torch.device("cpu"))
-    assert "\n" not in str(refused.value)
+    family = ALL["diffusion_gemma"]
+    path = save_family_checkpoint(family, tmp_path / "diffusion_gemma").path
+    runtime = MoERuntime(LoadModel(path=str(path), budget="30%", store="disk", dtype="float32", fast_decode=False))
+    try:
+        assert runtime.layout.twins and len(runtime.layout.twins) == runtime.layout.num_layers
+        streamed: list[int] = []
+        cancel_after = 5
+        state = torch.random.get_rng_state()
+        result = Generator(runtime).generate(
+            PROMPT, SamplingSettings(temperature=0, max_new_tokens=64), on_token=streamed.append,
+            between_tokens=lambda: len(streamed) >= cancel_after)
+        assert torch.equal(torch.random.get_rng_state(), state)  # the canvases' seed leaves the caller's RNG alone
+        assert result.finish_reason == "cancelled" and len(result.token_ids) == cancel_after
+        assert result.token_ids == reference_tokens(family, path)[:cancel_after]
+        assert result.stats.misses > 0 and runtime.decode_path == LABEL
+        assert SAMPLING_NOTE in runtime.load_notes()  # the window and the CLI say which settings apply
+        with pytest.raises(MoEScopeError, match="token by token"):
+            runtime.prompt_logits(PROMPT)
+    finally:
+        runtime.close()

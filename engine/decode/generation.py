@@ -13,6 +13,7 @@ from dataclasses import asdict, dataclass, field
 import numpy as np
 import torch
 
+from engine.decode import block_diffusion
 from engine.decode.kv_cache import new_cache
 from engine.decode.paths.base import Step
 from engine.decode.runtime import MoERuntime
@@ -93,30 +94,54 @@ class Generator:
                 f"the prompt is {len(prompt_ids)} tokens but this model's context is {context} tokens; shorten it"
             )
         max_new = min(settings.max_new_tokens, context - len(prompt_ids))
-        device = rt.device
-        sampler = Sampler(settings, device)
-        eos = self.eos_ids()
         counters = rt.counters
         counters.start_request()
         rt.cache.policy.on_request_start()
-        stats_start = (counters.bytes_ondemand + counters.bytes_prefetch, counters.stall_s)
-        bytes_at_first = stats_start[0]
-        decode_hits = decode_misses = 0
+        reply = _Reply(self, settings, max_new, on_text, on_token, between_tokens)
+        timeline = _Timeline(counters)
+        ids = torch.tensor([list(prompt_ids)], dtype=torch.long, device=rt.device)
+        if rt.block_diffusion:
+            routed = self._denoise_blocks(ids, settings, reply, timeline)
+        else:
+            routed = self._token_by_token(ids, settings, reply, timeline, keep_routing)
+        t_end = time.perf_counter()
+        generated = reply.tokens
+        stats = ReplyStats(
+            prefill_tokens=len(prompt_ids),
+            decode_tokens=len(generated),
+            ttft_s=timeline.t_first - timeline.t0,
+            prefill_tokens_per_s=len(prompt_ids) / max(timeline.t_first - timeline.t0, 1e-9),
+            decode_tokens_per_s=(len(generated) - 1) / (t_end - timeline.t_first) if len(generated) > 1 else 0.0,
+            hits=int(counters.request_layer_hits.sum()),
+            misses=int(counters.request_layer_misses.sum()),
+            bytes_loaded=counters.bytes_ondemand + counters.bytes_prefetch - timeline.bytes_at_start,
+            decode_bytes_loaded=counters.bytes_ondemand + counters.bytes_prefetch - timeline.bytes_at_first,
+            stall_s=counters.stall_s - timeline.stall_at_start,
+            budget_bytes=rt.cache.budget_bytes,
+            peak_rss_bytes=peak_rss_bytes(),
+            total_s=t_end - timeline.t0,
+        )
+        stats.hit_rate = counters.rate(stats.hits, stats.misses)
+        stats.decode_hit_rate = counters.rate(timeline.decode_hits, timeline.decode_misses)
+        routing = _stack_routing(routed, rt.counters.num_layers) if keep_routing else None
+        return GenerationResult(generated, reply.text, reply.finish, stats, routing)
 
-        ids = torch.tensor([list(prompt_ids)], dtype=torch.long, device=device)
+    def _token_by_token(self, ids: torch.Tensor, settings: SamplingSettings, reply: _Reply, timeline: _Timeline,
+                        keep_routing: bool) -> list[np.ndarray]:
+        """The autoregressive loop: the prompt, then one token at a time through the decode paths.
+        Returns the experts each token after the prompt took (with `keep_routing`)."""
+        rt = self.runtime
+        counters = rt.counters
+        prompt_length = ids.shape[1]
+        sampler = Sampler(settings, rt.device)
         seen = ids[0].clone()
         cache = new_cache(rt.model)
         counters.keep_token_picks = keep_routing
         counters.take_token_picks()
         routed: list[np.ndarray] = []  # one [layers, top_k] per step after the prompt (a generated token fed back)
-        generated: list[int] = []
-        text = ""
-        finish = "length"
-        t0 = time.perf_counter()
-        t_first = t0
         step_input = ids
-        for step in range(max_new):
-            forward = Step(step_input, cache, len(prompt_ids) + len(generated) - step_input.shape[1])
+        for step in range(reply.limit):
+            forward = Step(step_input, cache, prompt_length + len(reply.tokens) - step_input.shape[1])
             path, reason = rt.paths.choose(forward)  # asked every step: the switches apply live
             if step > 0:
                 rt.decode_path, rt.decode_path_reason = path.label, reason
@@ -126,54 +151,39 @@ class Generator:
             if step > 0 and picks is not None:
                 routed.append(picks)
             token = sampler.next_token(logits[0, -1], seen)
-            record = counters.end_token()
-            rt.cache.policy.on_token_end()
+            timeline.forward_done(rt, decode=step > 0)
             if step == 0:
-                t_first = time.perf_counter()
-                bytes_at_first = counters.bytes_ondemand + counters.bytes_prefetch
-            else:
-                decode_hits += record.hits
-                decode_misses += record.misses
-            generated.append(token)  # an EOS is part of the ids (as transformers returns it), not of the text
-            if token in eos:
-                finish = "eos"
+                timeline.first_token_out()
+            if not reply.take(token):
                 break
-            if on_token:
-                on_token(token)
-            seen = torch.cat([seen, torch.tensor([token], device=device)])
-            step_input = torch.tensor([[token]], dtype=torch.long, device=device)
-            if rt.tokenizer is not None:
-                text, delta, stopped = self._advance_text(generated, text, settings.stop)
-                if delta and on_text:
-                    on_text(delta)
-                if stopped:
-                    finish = "stop"
-                    break
-            if between_tokens is not None and between_tokens():
-                finish = "cancelled"
-                break
-        t_end = time.perf_counter()
+            seen = torch.cat([seen, torch.tensor([token], device=rt.device)])
+            step_input = torch.tensor([[token]], dtype=torch.long, device=rt.device)
         counters.keep_token_picks = False
+        return routed
 
-        stats = ReplyStats(
-            prefill_tokens=len(prompt_ids),
-            decode_tokens=len(generated),
-            ttft_s=t_first - t0,
-            prefill_tokens_per_s=len(prompt_ids) / max(t_first - t0, 1e-9),
-            decode_tokens_per_s=(len(generated) - 1) / (t_end - t_first) if len(generated) > 1 else 0.0,
-            hits=int(counters.request_layer_hits.sum()),
-            misses=int(counters.request_layer_misses.sum()),
-            bytes_loaded=counters.bytes_ondemand + counters.bytes_prefetch - stats_start[0],
-            decode_bytes_loaded=counters.bytes_ondemand + counters.bytes_prefetch - bytes_at_first,
-            stall_s=counters.stall_s - stats_start[1],
-            budget_bytes=rt.cache.budget_bytes,
-            peak_rss_bytes=peak_rss_bytes(),
-            total_s=t_end - t0,
-        )
-        stats.hit_rate = counters.rate(stats.hits, stats.misses)
-        stats.decode_hit_rate = counters.rate(decode_hits, decode_misses)
-        routing = _stack_routing(routed, rt.counters.num_layers) if keep_routing else None
-        return GenerationResult(generated, text, finish, stats, routing)
+    def _denoise_blocks(self, ids: torch.Tensor, settings: SamplingSettings, reply: _Reply,
+                        timeline: _Timeline) -> list[np.ndarray]:
+        """A block-diffusion model's own loop (engine.decode.block_diffusion): each denoising forward is
+        one step for the counters, each finished block enters the reply token by token. No per-token
+        routing to return: a block's forwards route a whole canvas at a time."""
+        rt = self.runtime
+        rt.decode_path, rt.decode_path_reason = block_diffusion.LABEL, block_diffusion.REASON
+        blocks = 0
+
+        def on_step() -> bool:
+            timeline.forward_done(rt, decode=blocks > 0)
+            return reply.interrupted()
+
+        def on_block() -> None:
+            nonlocal blocks
+            if blocks == 0:
+                timeline.first_token_out()
+            blocks += 1
+
+        streamer = block_diffusion.BlockStreamer(on_step, reply.take, on_block)
+        block_diffusion.denoise(rt.model, ids, block_diffusion.seed_for(settings.temperature, settings.seed),
+                                reply.limit, streamer)
+        return []
 
     def _advance_text(self, generated: list[int], text: str, stop: Sequence[str]) -> tuple[str, str, bool]:
         """Decode the reply so far; return (text, new delta, hit a stop string)."""
@@ -187,6 +197,67 @@ class Generator:
                 return full, full[len(text):] if full.startswith(text) else "", True
         delta = full[len(text):] if full.startswith(text) else ""
         return full, delta, False
+
+
+class _Reply:
+    """The reply so far, taken a token at a time: stop tokens, text deltas, stop strings, the length
+    limit and cancellation, for either loop."""
+
+    def __init__(self, generator: Generator, settings: SamplingSettings, limit: int, on_text: TextFn | None,
+                 on_token: TokenFn | None, between_tokens: Callable[[], bool] | None) -> None:
+        self.generator, self.settings, self.limit = generator, settings, limit
+        self.on_text, self.on_token, self.between_tokens = on_text, on_token, between_tokens
+        self.eos = generator.eos_ids()
+        self.tokens: list[int] = []
+        self.text = ""
+        self.finish = "length"  # "eos" | "length" | "stop" | "cancelled"
+
+    def take(self, token: int) -> bool:
+        """Add `token`; False when the reply is over (`finish` says why)."""
+        self.tokens.append(token)  # an EOS is part of the ids (as transformers returns it), not of the text
+        if token in self.eos:
+            self.finish = "eos"
+            return False
+        if self.on_token:
+            self.on_token(token)
+        if self.generator.runtime.tokenizer is not None:
+            self.text, delta, stopped = self.generator._advance_text(self.tokens, self.text, self.settings.stop)
+            if delta and self.on_text:
+                self.on_text(delta)
+            if stopped:
+                self.finish = "stop"
+                return False
+        return not self.interrupted() and len(self.tokens) < self.limit
+
+    def interrupted(self) -> bool:
+        """Apply what arrived meanwhile (the caller's `between_tokens`); True when it asks to stop."""
+        if self.between_tokens is not None and self.between_tokens():
+            self.finish = "cancelled"
+            return True
+        return False
+
+
+class _Timeline:
+    """When the reply's first token came and what the cache did before and after it."""
+
+    def __init__(self, counters) -> None:
+        self.counters = counters
+        self.bytes_at_start = self.bytes_at_first = counters.bytes_ondemand + counters.bytes_prefetch
+        self.stall_at_start = counters.stall_s
+        self.t0 = self.t_first = time.perf_counter()
+        self.decode_hits = self.decode_misses = 0
+
+    def forward_done(self, runtime: MoERuntime, decode: bool) -> None:
+        """A forward ended: one step for the counters and the policy, its hits counted as decode's if `decode`."""
+        record = self.counters.end_token()
+        runtime.cache.policy.on_token_end()
+        if decode:
+            self.decode_hits += record.hits
+            self.decode_misses += record.misses
+
+    def first_token_out(self) -> None:
+        self.t_first = time.perf_counter()
+        self.bytes_at_first = self.counters.bytes_ondemand + self.counters.bytes_prefetch
 
 
 def _stack_routing(rows: list[np.ndarray], layers: int) -> np.ndarray:

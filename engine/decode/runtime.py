@@ -14,6 +14,7 @@ from engine.accounting.planner import ALLOCATIONS, BudgetPlan, plan_budget
 from engine.accounting.policies import make_policy
 from engine.accounting.policies.base import CachePolicy
 from engine.accounting.sizes import BudgetSpec, parse_budget
+from engine.decode import block_diffusion
 from engine.decode.kv_cache import new_cache
 from engine.decode.native import kernels as native
 from engine.decode.paths.base import PathChooser, Step
@@ -30,6 +31,7 @@ from engine.model.dense_formats import QuantizedLinear, quantize_dense
 from engine.model.gguf_loader import gguf_tokenizer
 from engine.model.inspect import ModelInfo, describe, host_tensor_bytes
 from engine.model.loader import ProgressFn, build_model, resolve_device
+from engine.model.model_class import is_block_diffusion
 from engine.offload import packed_linear
 from engine.offload.expert_cache import ExpertCache
 from engine.offload.quantized_store import quantize_layout
@@ -73,6 +75,7 @@ class MoERuntime:
         )
         self.model, self.layout, self.files, self.dtype = loaded.model, loaded.layout, loaded.files, loaded.dtype
         self.text_only = loaded.text_only
+        self.block_diffusion = is_block_diffusion(type(self.model))  # replies run the model's own loop
         self.expert_format = _parse_format(options.expert_format, "expert")
         self.dense_format = _parse_format(options.dense_format, "dense")
         self.format_notes: list[str] = list(loaded.notes)
@@ -118,7 +121,7 @@ class MoERuntime:
             # built in the background with --exact too: the torch reference expands a slot through
             # float32 temporaries several times its size, which a prefill pays in time and memory
             native.start_build()
-        for layer, module_path in enumerate(self.layout.module_paths):
+        for module_path, layer in self.layout.experts_modules():
             experts_registry.attach(self.model.get_submodule(module_path), self.cache, layer)
         self._restriction: RoutingRestriction | None = None
         self.native_layers = NativeLayersPath(self)
@@ -207,10 +210,13 @@ class MoERuntime:
         step = Step(torch.tensor([prompt], dtype=torch.long, device=self.device), new_cache(self.model), 0)
         self.counters.start_request()
         self.cache.policy.on_request_start()
-        for _ in range(2 if context > len(prompt) + 1 else 1):  # the prefill, then one decode step
-            logits = self._step_alone(step)
-            token = logits[0, -1].argmax().view(1, 1)
-            step = Step(token, step.kv, step.position + step.input_ids.shape[1])
+        if self.block_diffusion:  # the prompt through the encoder, then one denoising forward of a canvas
+            self._read_prompt(step.input_ids)
+        else:
+            for _ in range(2 if context > len(prompt) + 1 else 1):  # the prefill, then one decode step
+                logits = self._step_alone(step)
+                token = logits[0, -1].argmax().view(1, 1)
+                step = Step(token, step.kv, step.position + step.input_ids.shape[1])
         self.cache.settle()
         self.counters = self.cache.counters = EngineCounters(self.layout.num_layers, self.layout.num_experts)
 
@@ -219,6 +225,9 @@ class MoERuntime:
         """Every position's logits [n, vocab] of `ids` read as one new prompt, on the path a prompt
         takes now (its opt-in lossy modes included): what teacher-forced scoring reads. One token to
         the counters and the policy."""
+        if self.block_diffusion:
+            raise MoEScopeError(f"{type(self.model).__name__} denoises blocks of tokens together; teacher-forced "
+                                "scoring (perplexity, answer log-probabilities) needs a model that writes token by token")
         step = Step(torch.tensor([ids], dtype=torch.long, device=self.device), new_cache(self.model), 0,
                     every_position=True)
         return self._step_alone(step)[0]
@@ -276,12 +285,20 @@ class MoERuntime:
         vocab = self.model.config.get_text_config().vocab_size
         for ids in profiles.calibration_ids(self.tokenizer, vocab):
             ids = ids[: max(2, self.context_length - 1)]
-            tensor = torch.tensor([ids], dtype=torch.long, device=self.device)
-            self.model(input_ids=tensor, attention_mask=torch.ones_like(tensor), use_cache=False,
-                       logits_to_keep=last_position(tensor))
-            self.counters.end_token()
-            self.cache.policy.on_token_end()
+            self._read_prompt(torch.tensor([ids], dtype=torch.long, device=self.device))
         return self.counters.activation_total - before
+
+    def _read_prompt(self, ids: torch.Tensor) -> None:
+        """One forward over a prompt for what it routes, outside any reply, counted as one token. A
+        block-diffusion model reads it as its generate does (its encoder), plus one denoising forward of a
+        random canvas, the least its own loop runs."""
+        if self.block_diffusion:
+            block_diffusion.denoise(self.model, ids, block_diffusion.GREEDY_SEED, 1, max_denoising_steps=1)
+        else:
+            self.model(input_ids=ids, attention_mask=torch.ones_like(ids), use_cache=False,
+                       logits_to_keep=last_position(ids))
+        self.counters.end_token()
+        self.cache.policy.on_token_end()
 
     @property
     def fingerprint(self) -> str:
@@ -389,7 +406,8 @@ class MoERuntime:
 
     def load_notes(self) -> list[str]:
         """What the load decided that the user should know (the budget's own note is the planner's)."""
-        return [n for n in (*self.format_notes, self.profile_note, self.cpu_experts_note) if n]
+        sampling = block_diffusion.SAMPLING_NOTE if self.block_diffusion else ""
+        return [n for n in (*self.format_notes, self.profile_note, self.cpu_experts_note, sampling) if n]
 
     def info(self) -> ModelInfo:
         info = describe(self.files, self.layout, self.model.config, self.dtype, str(self.device), self.store.kind,

@@ -26,7 +26,7 @@ from engine.model.gguf_config import hf_config
 from engine.model.gguf_convert import convert_experts
 from engine.model.gguf_file import GGUFModel, open_gguf
 from engine.model.gguf_layout import build_gguf_layout
-from engine.model.loader import LoadedWeights, ProgressFn, _set_tensor
+from engine.model.loader import LoadedWeights, ProgressFn, _set_tensor, tie_loaded
 from engine.system import huge_pages
 
 PERMUTED = ("attn_q", "attn_k")  # llama.cpp's LlamaModel.permute: q with the query heads, k with the kv heads
@@ -118,9 +118,7 @@ def _load_dense(model: torch.nn.Module, layout, gguf_model: GGUFModel, device: t
             _set_tensor(model, key, huge_pages.rehome(tensor))
         if progress:
             progress(done / total, f"dense weights from {record.file.name}")
-    if getattr(model, "lm_head", None) is not None and getattr(model.lm_head, "weight", None) is not None \
-            and model.lm_head.weight.is_meta:
-        model.tie_weights()
+    tie_loaded(model)
     missing = [name for name, p in model.named_parameters() if p.is_meta]
     if missing:
         raise CheckpointError(f"{gguf_model.path.name} is missing {len(missing)} weights the model needs, e.g. "

@@ -108,10 +108,17 @@ class MoELayout:
     # Q4_K_M gives some layers' down projections Q6_K, the others Q4_K): their own params, in
     # `params`' order and at its offsets, none larger. `params` (and `slot_bytes`) are the widest.
     layer_params: dict[int, list[ExpertParam]] = field(default_factory=dict)
+    # experts modules whose weights are tied to an offloaded layer's (DiffusionGemma's encoder runs its
+    # decoder's layers): path -> that MoE layer; they run on its slots, counted as its traffic
+    twins: dict[str, int] = field(default_factory=dict)
 
     @property
     def quantized(self) -> bool:
         return self.expert_format is not None
+
+    def experts_modules(self) -> list[tuple[str, int]]:
+        """(path, MoE layer) of every experts module that runs on the cache: each layer's, then the twins."""
+        return [*((path, layer) for layer, path in enumerate(self.module_paths)), *self.twins.items()]
 
     def params_at(self, layer: int) -> list[ExpertParam]:
         """The experts' params as MoE layer `layer` stores them."""
@@ -151,7 +158,26 @@ def offloaded_experts(model: torch.nn.Module) -> list[tuple[str, torch.nn.Module
             groups.setdefault((getattr(m, "num_experts", None), shapes), []).append((path, m))
     if not groups:
         return []
-    return max(groups.values(), key=lambda g: sum(p.numel() for _, m in g for p in m.parameters(recurse=False)))
+    main = max(groups.values(), key=lambda g: sum(p.numel() for _, m in g for p in m.parameters(recurse=False)))
+    twins = tied_experts(model, main)
+    return [(path, m) for path, m in main if path not in twins]
+
+
+def tied_experts(model: torch.nn.Module, experts: list[tuple[str, torch.nn.Module]]) -> dict[str, str]:
+    """Experts modules whose every weight transformers ties to the same-named weight of another one
+    (`all_tied_weights_keys`, target -> source): twin path -> owner path. The checkpoint holds the
+    owner's bytes only, and both run on them."""
+    tied = getattr(model, "all_tied_weights_keys", None) or {}
+    paths = {path for path, _ in experts}
+    twins: dict[str, str] = {}
+    for path, module in experts:
+        owners = set()
+        for name, _ in module.named_parameters(recurse=False):
+            owner, _, source_name = (tied.get(f"{path}.{name}") or "").rpartition(".")
+            owners.add(owner if source_name == name and owner in paths and owner != path else None)
+        if len(owners) == 1 and None not in owners:
+            twins[path] = owners.pop()
+    return twins
 
 
 def _router(model: torch.nn.Module, experts_path: str, num_experts: int) -> tuple[torch.nn.Module, int] | None:
@@ -238,6 +264,9 @@ def build_layout(model: torch.nn.Module, files: CheckpointFiles, compute_dtype: 
     arch = (files.config.get("architectures") or [files.config.get("model_type", "?")])[0]
     module_paths, num_experts, params = expert_modules(model, compute_dtype, files.root.name, arch)
     module_index = {name: i for i, name in enumerate(module_paths)}
+    twins = {path: module_index[owner] for path, owner in tied_experts(
+        model, [(path, m) for path, m in model.named_modules() if is_experts_module(m)]).items()
+        if owner in module_index}
     offset = params[-1].offset + params[-1].nbytes
     param_by_name = {p.name: p for p in params}
 
@@ -365,6 +394,7 @@ def build_layout(model: torch.nn.Module, files: CheckpointFiles, compute_dtype: 
         expert_bytes_on_disk=expert_disk,
         compute_dtype=compute_dtype,
         expert_format=expert_format,
+        twins=twins,
     )
 
 

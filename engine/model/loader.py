@@ -96,10 +96,12 @@ def build_model(
     if (files.root / "generation_config.json").is_file():
         from transformers import GenerationConfig
 
-        # from_pretrained reads this file too: its EOS ids and defaults are the model author's.
-        model.generation_config = GenerationConfig.from_pretrained(files.root)
+        # from_pretrained reads this file too: its EOS ids and defaults are the model author's. In the
+        # class's own kind where it has one (a block-diffusion model's holds its denoising schedule).
+        config_class = getattr(type(model), "generation_config_class", None) or GenerationConfig
+        model.generation_config = config_class.from_pretrained(files.root)
     layout = build_layout(model, files, compute_dtype)
-    for module_path in layout.module_paths:
+    for module_path, _ in layout.experts_modules():
         experts = model.get_submodule(module_path)
         for p in layout.params:
             setattr(experts, p.name, None)  # the bytes live in the store; slots are the only copy
@@ -146,8 +148,7 @@ def _load_dense(model: torch.nn.Module, layout: MoELayout, device: torch.device,
             done += conversion.nbytes
             if progress:
                 progress(done / total, f"dense weights converted into {conversion.target}")
-    if getattr(model, "lm_head", None) is not None and model.lm_head.weight.is_meta:
-        model.tie_weights()
+    tie_loaded(model)
     missing = [name for name, p in model.named_parameters() if p.is_meta]
     if missing and unused:
         raise CheckpointError(
@@ -156,6 +157,26 @@ def _load_dense(model: torch.nn.Module, layout: MoELayout, device: torch.device,
             "transformers' mapping for this model expects (a different transformers version may read it)")
     if missing:
         raise CheckpointError(f"checkpoint is missing {len(missing)} weights, e.g. '{missing[0]}'; the download may be incomplete")
+
+
+def tie_loaded(model: torch.nn.Module) -> None:
+    """transformers' weight tying (`all_tied_weights_keys`, target -> source) for the weights the load
+    left on the meta device: a tied LM head, DiffusionGemma's encoder running its decoder's layers.
+    Not `model.tie_weights()`, which stops at the offloaded experts (their bytes live in the store)."""
+    tied = getattr(model, "all_tied_weights_keys", None)
+    if tied is None:  # a remote-code class from before the mapping
+        if getattr(model, "lm_head", None) is not None and model.lm_head.weight.is_meta:
+            model.tie_weights()
+        return
+    for target, source in tied.items():
+        parent_name, _, name = target.rpartition(".")
+        parent = model.get_submodule(parent_name)
+        current = getattr(parent, name, None)
+        if not isinstance(current, torch.Tensor) or not current.is_meta:
+            continue  # loaded from the checkpoint, or an offloaded expert weight
+        value = model.get_parameter_or_buffer(source)
+        if not value.is_meta:
+            setattr(parent, name, value)
 
 
 class _TensorReader:

@@ -4,7 +4,9 @@ The auto mapping for causal LMs covers most families, but not all: some ship the
 class outside it (Mistral-4), and multimodal MoE families (Qwen3-VL-MoE, GLM-4.5V, ...) generate
 text only through their conditional-generation class. The config's `architectures` names the
 class the checkpoint was saved from; where it is a transformers class that generates, it is
-the one. Multimodal classes run text-only chat here (images are a later step).
+the one. Multimodal classes run text-only chat here (images are a later step). Block-diffusion
+classes (DiffusionGemma) write text through their own `generate`, blocks of tokens denoised
+together; `is_block_diffusion` tells the generation loop to hand the reply to it.
 """
 
 from __future__ import annotations
@@ -28,20 +30,24 @@ def _multimodal(cls: type) -> bool:
     return "ForConditionalGeneration" in cls.__name__
 
 
+def is_block_diffusion(cls: type | None) -> bool:
+    """A class that writes blocks of tokens by denoising them together, through a `generate` of its own
+    (transformers names them `...ForBlockDiffusion`; they are not `GenerationMixin`s)."""
+    return isinstance(cls, type) and cls.__name__.endswith("ForBlockDiffusion") and callable(getattr(cls, "generate", None))
+
+
 def _generates(cls: type | None, config, *, own_config: bool = True) -> bool:
     from transformers import GenerationMixin
 
     config_class = getattr(cls, "config_class", None)
-    return (isinstance(cls, type) and issubclass(cls, GenerationMixin)
+    return (isinstance(cls, type) and (issubclass(cls, GenerationMixin) or is_block_diffusion(cls))
             and (not own_config or config_class is None or isinstance(config, config_class)))
 
 
-def _refuse_block_diffusion(cls: type | None) -> None:
-    """A clear refusal of a class that writes text otherwise than token by token, as MoEScope's loop does."""
-    if isinstance(cls, type) and "Diffusion" in cls.__name__:  # DiffusionGemmaForBlockDiffusion: transformers' block-diffusion models
-        raise CheckpointError(
-            f"{cls.__name__} is a block-diffusion model: it writes blocks of tokens by denoising them together, "
-            "and MoEScope generates one token at a time, so it cannot run this model yet")
+def _text_only(cls: type, config) -> bool:
+    """A class that also takes images (MoEScope runs its text part): a conditional-generation class, or a
+    block-diffusion one with a vision tower."""
+    return _multimodal(cls) or (is_block_diffusion(cls) and getattr(config, "vision_config", None) is not None)
 
 
 def model_class(config) -> ModelClass:
@@ -49,9 +55,8 @@ def model_class(config) -> ModelClass:
     has it, else the auto mapping for causal LMs, then the image-and-text ones."""
     for name in getattr(config, "architectures", None) or []:
         cls = getattr(transformers, name, None)
-        _refuse_block_diffusion(cls)
         if _generates(cls, config):
-            return ModelClass(cls, _multimodal(cls))
+            return ModelClass(cls, _text_only(cls, config))
     mappings = (modeling_auto.MODEL_FOR_CAUSAL_LM_MAPPING, modeling_auto.MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING,
                 getattr(modeling_auto, "MODEL_FOR_MULTIMODAL_LM_MAPPING", {}))
     for mapping in mappings:
@@ -60,9 +65,8 @@ def model_class(config) -> ModelClass:
         except (KeyError, ValueError):
             continue
         # the auto mapping may give a family another's class (Sarvam-MoE runs as GLM-4-MoE)
-        _refuse_block_diffusion(cls)
         if _generates(cls, config, own_config=False):
-            return ModelClass(cls, _multimodal(cls))
+            return ModelClass(cls, _text_only(cls, config))
     named = ", ".join(getattr(config, "architectures", None) or []) or "none"
     raise CheckpointError(
         f"transformers {transformers.__version__} has no class that generates text for model type "
