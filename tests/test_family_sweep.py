@@ -229,6 +229,8 @@ def test_a_block_diffusion_model_streams_blocks_through_the_cache(tmp_path):
         assert result.finish_reason == "cancelled" and len(result.token_ids) == cancel_after
         assert result.token_ids == reference_tokens(family, path)[:cancel_after]
         assert result.stats.misses > 0 and runtime.decode_path == LABEL
+        # a block's tokens come together: the rate counts them over the whole reply, not after the first
+        assert result.stats.decode_tokens_per_s == pytest.approx(cancel_after / result.stats.total_s)
         assert SAMPLING_NOTE in runtime.load_notes()  # the window and the CLI say which settings apply
         with pytest.raises(MoEScopeError, match="token by token"):
             runtime.prompt_logits(PROMPT)

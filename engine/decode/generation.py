@@ -111,7 +111,7 @@ class Generator:
             decode_tokens=len(generated),
             ttft_s=timeline.t_first - timeline.t0,
             prefill_tokens_per_s=len(prompt_ids) / max(timeline.t_first - timeline.t0, 1e-9),
-            decode_tokens_per_s=(len(generated) - 1) / (t_end - timeline.t_first) if len(generated) > 1 else 0.0,
+            decode_tokens_per_s=timeline.decode_rate(len(generated), t_end),
             hits=int(counters.request_layer_hits.sum()),
             misses=int(counters.request_layer_misses.sum()),
             bytes_loaded=counters.bytes_ondemand + counters.bytes_prefetch - timeline.bytes_at_start,
@@ -177,7 +177,7 @@ class Generator:
         def on_block() -> None:
             nonlocal blocks
             if blocks == 0:
-                timeline.first_token_out()
+                timeline.first_token_out(whole_blocks=True)
             blocks += 1
 
         streamer = block_diffusion.BlockStreamer(on_step, reply.take, on_block)
@@ -246,6 +246,7 @@ class _Timeline:
         self.stall_at_start = counters.stall_s
         self.t0 = self.t_first = time.perf_counter()
         self.decode_hits = self.decode_misses = 0
+        self.whole_blocks = False
 
     def forward_done(self, runtime: MoERuntime, decode: bool) -> None:
         """A forward ended: one step for the counters and the policy, its hits counted as decode's if `decode`."""
@@ -255,9 +256,18 @@ class _Timeline:
             self.decode_hits += record.hits
             self.decode_misses += record.misses
 
-    def first_token_out(self) -> None:
+    def first_token_out(self, whole_blocks: bool = False) -> None:
+        """The first token is out. `whole_blocks`: it came with a whole block, whose tokens were all
+        written in the time to it, so the decode rate counts from the start."""
         self.t_first = time.perf_counter()
         self.bytes_at_first = self.counters.bytes_ondemand + self.counters.bytes_prefetch
+        self.whole_blocks = whole_blocks
+
+    def decode_rate(self, tokens: int, t_end: float) -> float:
+        """Tokens per second after the first (one at a time), or over the whole reply (whole blocks)."""
+        if self.whole_blocks:
+            return tokens / max(t_end - self.t0, 1e-9)
+        return (tokens - 1) / (t_end - self.t_first) if tokens > 1 else 0.0
 
 
 def _stack_routing(rows: list[np.ndarray], layers: int) -> np.ndarray:
