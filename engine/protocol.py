@@ -293,6 +293,15 @@ class Token:
 
 
 @dataclass
+class Draft:
+    """A block-diffusion model's block as it reads after a denoising step: shown after the reply's
+    text until the next Draft, or until the finished block arrives as Tokens."""
+
+    request_id: str
+    text: str
+
+
+@dataclass
 class ReplyStats:
     """What one reply cost: shown under it, kept in the chat history."""
 
@@ -550,6 +559,6 @@ def is_api_request(request_id: str | None) -> bool:
 
 
 Event = (
-    LoadProgress | ModelLoaded | Token | Done | BudgetChanged | PolicyChanged | FastDecodeChanged | TelemetrySnapshot
+    LoadProgress | ModelLoaded | Token | Draft | Done | BudgetChanged | PolicyChanged | FastDecodeChanged | TelemetrySnapshot
     | RoutingSnapshot | Error | Log | EngineStarted | LibraryListing | FitEstimateReady | DownloadProgress | DownloadFinished
 )

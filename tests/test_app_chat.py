@@ -185,6 +185,24 @@ def test_send_stream_regenerate_edit_and_stop(qtbot, window):
     assert "stopped" in win.chat_view.widgets()[-1].stats.text()
 
 
+def test_a_block_being_denoised_shows_as_a_draft_until_its_tokens_arrive(qtbot, window):
+    # Block-diffusion models: after each denoising step the engine sends the block as it reads now.
+    win, client = window, window.client
+    win.chat.send("Write a haiku")
+    rid = client.of(p.Generate)[-1].request_id
+    reply = win.chat_view.widgets()[-1]
+    client.emit(p.Draft(rid, "Snow on sleeping pines"))
+    qtbot.waitUntil(lambda: "sleeping pines" in reply.body.toPlainText(), timeout=5000)
+    client.emit(p.Draft(rid, "Snow on silent pines"))
+    qtbot.waitUntil(lambda: "silent pines" in reply.body.toPlainText(), timeout=5000)
+    assert "sleeping" not in reply.body.toPlainText()  # each draft replaces the last
+    client.emit(p.Token(rid, "Snow on silent pines", [1]))
+    client.emit(p.Done(rid, "eos", "Snow on silent pines", [1], STATS))
+    qtbot.waitUntil(lambda: not win.chat.streaming, timeout=5000)
+    assert reply.body.toPlainText().strip() == "Snow on silent pines"  # the draft is gone, the text stays once
+    assert win.store.messages(win.chat.conversation.id)[-1].content == "Snow on silent pines"
+
+
 def test_streaming_writes_are_throttled_and_survive(qtbot, window):
     win, client = window, window.client
     win.chat.send("hi")

@@ -220,11 +220,14 @@ def test_a_block_diffusion_model_streams_blocks_through_the_cache(tmp_path):
     try:
         assert runtime.layout.twins and len(runtime.layout.twins) == runtime.layout.num_layers
         streamed: list[int] = []
+        drafts: list[str] = []
         cancel_after = 5
         state = torch.random.get_rng_state()
         result = Generator(runtime).generate(
             PROMPT, SamplingSettings(temperature=0, max_new_tokens=64), on_token=streamed.append,
-            between_tokens=lambda: len(streamed) >= cancel_after)
+            between_tokens=lambda: len(streamed) >= cancel_after, on_draft=drafts.append)
+        # a draft after each denoising step; the last one is the block that then came token by token
+        assert drafts and drafts[-1].startswith(result.text) and len(drafts[-1]) > len(result.text)
         assert torch.equal(torch.random.get_rng_state(), state)  # the canvases' seed leaves the caller's RNG alone
         assert result.finish_reason == "cancelled" and len(result.token_ids) == cancel_after
         assert result.token_ids == reference_tokens(family, path)[:cancel_after]

@@ -33,6 +33,7 @@ class ActiveReply:
     conversation_id: int
     message_id: int
     text: str = ""
+    draft: str = ""  # a block-diffusion model's block being denoised, shown after the text
     unsaved: bool = False
 
 
@@ -201,7 +202,11 @@ class ChatController(QObject):
         elif isinstance(event, p.Token):
             if self.active and event.request_id == self.active.request_id:
                 self.active.text += event.text  # drawn on the next frame tick
+                self.active.draft = ""  # the block is done
                 self.active.unsaved = True
+        elif isinstance(event, p.Draft):
+            if self.active and event.request_id == self.active.request_id:
+                self.active.draft = event.text
         elif isinstance(event, p.Done):
             if self.active and event.request_id == self.active.request_id:
                 self._finish(event.text, event.stats, event.finish_reason)
@@ -251,8 +256,9 @@ class ChatController(QObject):
         if now < self._next_render:
             return
         widget = self.active_widget()
-        if widget is not None and widget.text != self.active.text:
+        if widget is not None and (widget.text, widget.draft) != (self.active.text, self.active.draft):
             widget.set_text(self.active.text)
+            widget.set_draft(self.active.draft)
             started = time.perf_counter()
             widget.render()
             self._next_render = now + 3 * (time.perf_counter() - started)

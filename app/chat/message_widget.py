@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from html import escape
+
 from PySide6.QtCore import Qt, Signal
 from PySide6.QtGui import QGuiApplication
 from PySide6.QtWidgets import (
@@ -37,7 +39,8 @@ class MessageWidget(QFrame):
         self.message_id, self.role, self.text = message_id, role, text
         self.theme = theme
         self.streaming = False
-        self._rendered: str | None = None
+        self.draft = ""
+        self._rendered: tuple[str, str] | None = None
         self.setObjectName(f"message-{role}")
         self.setFrameShape(QFrame.Shape.NoFrame)
 
@@ -103,15 +106,23 @@ class MessageWidget(QFrame):
     def append(self, delta: str) -> None:
         self.text += delta
 
+    def set_draft(self, draft: str) -> None:
+        """A block being denoised (block-diffusion models), drawn muted after the text while streaming."""
+        self.draft = draft
+
     def render(self) -> None:
-        if self._rendered == self.text:
+        if self._rendered == (self.text, self.draft):
             return
-        self._rendered = self.text
-        shown = self.text + (" ▍" if self.streaming else "")
-        if not shown.strip():
+        self._rendered = (self.text, self.draft)
+        draft = self.draft if self.streaming else ""
+        shown = self.text + (" ▍" if self.streaming and not draft else "")
+        if not shown.strip() and not draft:
             self.body.setHtml(f"<i style='color:{self.theme.muted}'>…</i>")
             return
-        self.body.setHtml(render_markdown(shown, self.theme.code_style))
+        html = render_markdown(shown, self.theme.code_style) if shown.strip() else ""
+        if draft:
+            html += f"<p style='color:{self.theme.muted}'><i>{escape(draft)}</i> ▍</p>"
+        self.body.setHtml(html)
 
     def set_streaming(self, streaming: bool) -> None:
         self.streaming = streaming

@@ -34,10 +34,10 @@ class ReplyOver(Exception):
 
 class BlockStreamer:
     """transformers' streamer interface for a block-diffusion `generate`. `on_step` after each
-    denoising forward (True stops the reply), `on_token` for each token of a finished block (False
-    stops it)."""
+    denoising forward, with the block's draft [1, canvas] (True stops the reply), `on_token` for each
+    token of a finished block (False stops it)."""
 
-    def __init__(self, on_step: Callable[[], bool], on_token: Callable[[int], bool],
+    def __init__(self, on_step: Callable[[torch.Tensor], bool], on_token: Callable[[int], bool],
                  on_block: Callable[[], None] = lambda: None) -> None:
         self.on_step, self.on_token, self.on_block = on_step, on_token, on_block
         self._prompt_seen = False
@@ -51,8 +51,8 @@ class BlockStreamer:
             if not self.on_token(int(token)):
                 raise ReplyOver
 
-    def put_draft(self, value: torch.Tensor | None = None, logits: torch.Tensor | None = None) -> None:
-        if self.on_step():
+    def put_draft(self, value: torch.Tensor) -> None:
+        if self.on_step(value):
             raise ReplyOver
 
     def end(self) -> None:

@@ -82,6 +82,7 @@ class Generator:
         on_token: TokenFn | None = None,
         between_tokens: Callable[[], bool] | None = None,
         keep_routing: bool = False,
+        on_draft: TextFn | None = None,
     ) -> GenerationResult:
         rt = self.runtime
         context = rt.context_length
@@ -101,7 +102,7 @@ class Generator:
         timeline = _Timeline(counters)
         ids = torch.tensor([list(prompt_ids)], dtype=torch.long, device=rt.device)
         if rt.block_diffusion:
-            routed = self._denoise_blocks(ids, settings, reply, timeline)
+            routed = self._denoise_blocks(ids, settings, reply, timeline, on_draft)
         else:
             routed = self._token_by_token(ids, settings, reply, timeline, keep_routing)
         t_end = time.perf_counter()
@@ -162,16 +163,20 @@ class Generator:
         return routed
 
     def _denoise_blocks(self, ids: torch.Tensor, settings: SamplingSettings, reply: _Reply,
-                        timeline: _Timeline) -> list[np.ndarray]:
+                        timeline: _Timeline, on_draft: TextFn | None) -> list[np.ndarray]:
         """A block-diffusion model's own loop (engine.decode.block_diffusion): each denoising forward is
-        one step for the counters, each finished block enters the reply token by token. No per-token
-        routing to return: a block's forwards route a whole canvas at a time."""
+        one step for the counters, and its draft of the block (the most likely token at each place, up
+        to the reply's length limit) goes to `on_draft`; each finished block enters the reply token by
+        token. No per-token routing to return: a block's forwards route a whole canvas at a time."""
         rt = self.runtime
         rt.decode_path, rt.decode_path_reason = block_diffusion.LABEL, block_diffusion.REASON
         blocks = 0
 
-        def on_step() -> bool:
+        def on_step(draft: torch.Tensor) -> bool:
             timeline.forward_done(rt, decode=blocks > 0)
+            if on_draft is not None and rt.tokenizer is not None:
+                on_draft(rt.tokenizer.decode(draft[0, : reply.limit - len(reply.tokens)].tolist(),
+                                             skip_special_tokens=True))
             return reply.interrupted()
 
         def on_block() -> None:

@@ -200,9 +200,14 @@ class Worker:
             self._snapshot()
             return self._poll_during(rid)
 
+        def on_draft(text: str) -> None:
+            self.state = "decoding"
+            self.send(p.Draft(rid, text))
+
         try:
             result = generator.generate(prompt_ids, settings, on_text=on_text, on_token=on_token,
-                                        between_tokens=between_tokens, keep_routing=command.return_routing)
+                                        between_tokens=between_tokens, keep_routing=command.return_routing,
+                                        on_draft=None if p.is_api_request(rid) else on_draft)
         finally:
             self.state = "idle"
         self._snapshot(force=True)
