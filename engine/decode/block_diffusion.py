@@ -34,11 +34,11 @@ class ReplyOver(Exception):
 
 class BlockStreamer:
     """transformers' streamer interface for a block-diffusion `generate`. `on_step` after each
-    denoising forward, with the block's draft [1, canvas] (True stops the reply), `on_token` for each
-    token of a finished block (False stops it)."""
+    denoising forward, with the block's draft [1, canvas] (True stops the reply), `on_block` when a
+    block is finished, then `on_token` for each of its tokens (False stops it)."""
 
     def __init__(self, on_step: Callable[[torch.Tensor], bool], on_token: Callable[[int], bool],
-                 on_block: Callable[[], None] = lambda: None) -> None:
+                 on_block: Callable[[], None]) -> None:
         self.on_step, self.on_token, self.on_block = on_step, on_token, on_block
         self._prompt_seen = False
 

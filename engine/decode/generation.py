@@ -98,8 +98,8 @@ class Generator:
         counters = rt.counters
         counters.start_request()
         rt.cache.policy.on_request_start()
-        reply = _Reply(self, settings, max_new, on_text, on_token, between_tokens)
-        timeline = _Timeline(counters)
+        reply = _Reply(rt.tokenizer, self.eos_ids(), settings.stop, max_new, on_text, on_token, between_tokens)
+        timeline = _Timeline(rt)
         ids = torch.tensor([list(prompt_ids)], dtype=torch.long, device=rt.device)
         if rt.block_diffusion:
             routed = self._denoise_blocks(ids, settings, reply, timeline, on_draft)
@@ -152,7 +152,7 @@ class Generator:
             if step > 0 and picks is not None:
                 routed.append(picks)
             token = sampler.next_token(logits[0, -1], seen)
-            timeline.forward_done(rt, decode=step > 0)
+            timeline.forward_done(decode=step > 0)
             if step == 0:
                 timeline.first_token_out()
             if not reply.take(token):
@@ -173,7 +173,7 @@ class Generator:
         blocks = 0
 
         def on_step(draft: torch.Tensor) -> bool:
-            timeline.forward_done(rt, decode=blocks > 0)
+            timeline.forward_done(decode=blocks > 0)
             if on_draft is not None and rt.tokenizer is not None:
                 on_draft(rt.tokenizer.decode(draft[0, : reply.limit - len(reply.tokens)].tolist(),
                                              skip_special_tokens=True))
@@ -190,29 +190,15 @@ class Generator:
                                 reply.limit, streamer)
         return []
 
-    def _advance_text(self, generated: list[int], text: str, stop: Sequence[str]) -> tuple[str, str, bool]:
-        """Decode the reply so far; return (text, new delta, hit a stop string)."""
-        full = self.runtime.tokenizer.decode(generated, skip_special_tokens=True)
-        if full.endswith("\ufffd"):
-            return text, "", False  # a multi-byte character is incomplete; wait for its next token
-        for s in stop:
-            at = full.find(s)
-            if s and at >= 0:
-                full = full[:at]
-                return full, full[len(text):] if full.startswith(text) else "", True
-        delta = full[len(text):] if full.startswith(text) else ""
-        return full, delta, False
-
 
 class _Reply:
     """The reply so far, taken a token at a time: stop tokens, text deltas, stop strings, the length
     limit and cancellation, for either loop."""
 
-    def __init__(self, generator: Generator, settings: SamplingSettings, limit: int, on_text: TextFn | None,
+    def __init__(self, tokenizer, eos: set[int], stop: Sequence[str], limit: int, on_text: TextFn | None,
                  on_token: TokenFn | None, between_tokens: Callable[[], bool] | None) -> None:
-        self.generator, self.settings, self.limit = generator, settings, limit
+        self.tokenizer, self.eos, self.stop, self.limit = tokenizer, eos, stop, limit
         self.on_text, self.on_token, self.between_tokens = on_text, on_token, between_tokens
-        self.eos = generator.eos_ids()
         self.tokens: list[int] = []
         self.text = ""
         self.finish = "length"  # "eos" | "length" | "stop" | "cancelled"
@@ -225,14 +211,29 @@ class _Reply:
             return False
         if self.on_token:
             self.on_token(token)
-        if self.generator.runtime.tokenizer is not None:
-            self.text, delta, stopped = self.generator._advance_text(self.tokens, self.text, self.settings.stop)
+        if self.tokenizer is not None:
+            delta, stopped = self._advance_text()
             if delta and self.on_text:
                 self.on_text(delta)
             if stopped:
                 self.finish = "stop"
                 return False
         return not self.interrupted() and len(self.tokens) < self.limit
+
+    def _advance_text(self) -> tuple[str, bool]:
+        """Decode the reply so far into `text`; return (the new delta, hit a stop string)."""
+        full = self.tokenizer.decode(self.tokens, skip_special_tokens=True)
+        if full.endswith("\ufffd"):
+            return "", False  # a multi-byte character is incomplete; wait for its next token
+        stopped = False
+        for s in self.stop:
+            at = full.find(s)
+            if s and at >= 0:
+                full, stopped = full[:at], True
+                break
+        delta = full[len(self.text):] if full.startswith(self.text) else ""
+        self.text = full
+        return delta, stopped
 
     def interrupted(self) -> bool:
         """Apply what arrived meanwhile (the caller's `between_tokens`); True when it asks to stop."""
@@ -245,18 +246,20 @@ class _Reply:
 class _Timeline:
     """When the reply's first token came and what the cache did before and after it."""
 
-    def __init__(self, counters) -> None:
-        self.counters = counters
+    def __init__(self, runtime: MoERuntime) -> None:
+        self.runtime = runtime
+        self.counters = counters = runtime.counters
         self.bytes_at_start = self.bytes_at_first = counters.bytes_ondemand + counters.bytes_prefetch
         self.stall_at_start = counters.stall_s
         self.t0 = self.t_first = time.perf_counter()
         self.decode_hits = self.decode_misses = 0
         self.whole_blocks = False
 
-    def forward_done(self, runtime: MoERuntime, decode: bool) -> None:
-        """A forward ended: one step for the counters and the policy, its hits counted as decode's if `decode`."""
+    def forward_done(self, decode: bool) -> None:
+        """A forward ended: one step for the counters and the policy (live: it may change mid-reply), its
+        hits counted as decode's if `decode`."""
         record = self.counters.end_token()
-        runtime.cache.policy.on_token_end()
+        self.runtime.cache.policy.on_token_end()
         if decode:
             self.decode_hits += record.hits
             self.decode_misses += record.misses
