@@ -17,6 +17,7 @@ os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
 import pytest  # noqa: E402
 from transformers.utils import logging as hf_logging  # noqa: E402
 
+import engine  # noqa: E402, F401  (MKL's reproducible mode, for the stock references too: before MKL's first call)
 from tests.helpers.checkpoints import FAMILIES, save_tiny_checkpoint  # noqa: E402
 
 hf_logging.disable_progress_bar()

@@ -146,12 +146,14 @@ def test_bf16_demo_answers_match_transformers_bf16(demo_chats, budget, fast):
 
 
 def test_bf16_packed_experts_stay_exact_across_budget_changes(demo_chats):
-    # At budget `all` on CPU the bf16 expert matrices are kept packed for oneDNN (engine.offload.packed_linear);
-    # a smaller budget unpacks them for good (misses would pay for packing). No token may change.
+    # At budget `all` on CPU the bf16 expert matrices are kept packed for oneDNN (engine.offload.packed_linear)
+    # where this CPU's oneDNN packs bf16 (AVX-512 or AVX-NE-CONVERT); a smaller budget unpacks them for good
+    # (misses would pay for packing). No token may change.
     import torch
 
     from engine.decode.generation import Generator
     from engine.decode.runtime import MoERuntime
+    from engine.offload import packed_linear
     from engine.protocol import LoadModel, SamplingSettings
     from resources import DEMO_MODEL_DIR
 
@@ -160,9 +162,10 @@ def test_bf16_packed_experts_stay_exact_across_budget_changes(demo_chats):
     runtime = MoERuntime(LoadModel(path="demo", budget="all", store="disk", device="cpu", dtype="bfloat16",
                                    fast_decode=False))
     try:
-        assert runtime.cache.packed_params == {"gate_up_proj", "down_proj"}
+        packs = packed_linear.available(torch.bfloat16)
+        assert runtime.cache.packed_params == ({"gate_up_proj", "down_proj"} if packs else frozenset())
         generator = Generator(runtime)
-        for budget, packed in (("all", True), ("25%", False), ("1", False), ("all", False)):
+        for budget, packed in (("all", packs), ("25%", False), ("1", False), ("all", False)):
             runtime.set_budget(budget)
             assert bool(runtime.cache.packed_params) is packed, budget
             ours = [generator.generate(ids, SamplingSettings(temperature=0, max_new_tokens=32)).token_ids for ids in chats]
@@ -179,6 +182,7 @@ def test_bf16_switching_exact_off_unpacks_experts_and_keeps_answers(demo_chats):
     from engine.decode.generation import Generator
     from engine.decode.native import kernels as decode_kernels
     from engine.decode.runtime import MoERuntime
+    from engine.offload import packed_linear
     from engine.protocol import LoadModel, SamplingSettings
     from resources import DEMO_MODEL_DIR
 
@@ -188,9 +192,10 @@ def test_bf16_switching_exact_off_unpacks_experts_and_keeps_answers(demo_chats):
     runtime = MoERuntime(LoadModel(path="demo", budget="all", store="ram", device="cpu", dtype="bfloat16",
                                    fast_decode=False))
     try:
-        assert runtime.cache.packed_params
+        packs = packed_linear.available(torch.bfloat16)  # this CPU's oneDNN packs bf16
+        assert bool(runtime.cache.packed_params) is packs
         assert runtime.set_fast_decode(True)
-        assert bool(runtime.cache.packed_params) is decode_kernels.failed()
+        assert bool(runtime.cache.packed_params) is (packs and decode_kernels.failed())
         generator = Generator(runtime)
         assert [generator.generate(ids, SamplingSettings(temperature=0, max_new_tokens=32)).token_ids for ids in chats] == stock
     finally:

@@ -98,11 +98,21 @@ class LayerRouting:
         return order[bounds[expert] : bounds[expert + 1]]
 
     def by_expert(self) -> tuple[torch.Tensor, list[int]]:
-        """The flat rows sorted by expert (stable: each expert's in their order) and where each
-        expert's rows start in that order ([experts + 1])."""
+        """The flat rows sorted by expert and where each expert's rows start in that order ([experts + 1]).
+
+        The sort is transformers' own (`torch.sort`, not stable): within an expert, a row's place in
+        its matmul decides which of the GEMM's row kernels computes it, and on some CPUs (AVX2 builds
+        of oneDNN) those sum in different orders, so the rows go in the order the stock model gives."""
         if self._sorted is None:
-            self._sorted = (torch.argsort(self.flat, stable=True), np.concatenate(([0], np.cumsum(self.counts))).tolist())
+            self._sorted = (torch.sort(self.flat)[1], np.concatenate(([0], np.cumsum(self.counts))).tolist())
         return self._sorted
+
+    def by_expert_host(self) -> np.ndarray:
+        """`by_expert`'s order as a host array, sorted on the host where the routing is on a GPU (no
+        second sync)."""
+        if self.flat.device.type == "cpu":
+            return self.by_expert()[0].numpy()
+        return torch.sort(torch.from_numpy(self.flat_host))[1].numpy()
 
 
 @dataclass
@@ -552,7 +562,7 @@ class ExpertCache:
             return True
 
         if self._grouped and len(plan.ready) > 1:  # resident experts run while the misses load
-            self._compute_grouped(layer, module, hidden_states, routing.flat_host, plan.ready, top_k, weights, out)
+            self._compute_grouped(layer, module, hidden_states, routing, plan.ready, weights, out)
         elif not (self._prompt is not None and plan.ready and compute_in_one_call(plan.ready)):
             for expert in plan.ready:
                 compute(expert)
@@ -578,26 +588,24 @@ class ExpertCache:
                 out.index_copy_(0, at, torch.cat([outputs[part] for part in computed]))
         return out.view(routing.num_tokens, top_k, -1).sum(dim=1).to(hidden_states.dtype)
 
-    def _compute_grouped(self, layer: int, module: torch.nn.Module, hidden: torch.Tensor, flat_host: np.ndarray,
-                         experts: list[int], top_k: int, weights: torch.Tensor, out: torch.Tensor) -> None:
+    def _compute_grouped(self, layer: int, module: torch.nn.Module, hidden: torch.Tensor, routing: LayerRouting,
+                         experts: list[int], weights: torch.Tensor, out: torch.Tensor) -> None:
         """All `experts` (resident) of this layer in two grouped matmuls over the slot pool."""
         slot_of = self.directory.slot_of[layer]
-        if len(experts) == len(np.unique(flat_host)):  # every row's expert is here (the usual decode step)
-            row_slot = np.fromiter((slot_of[e] for e in flat_host.tolist()), dtype=np.int64, count=flat_host.size)
-            rows_host = np.argsort(row_slot, kind="stable")
-        else:
-            slot_by_expert = np.full(self.layout.num_experts, -1, dtype=np.int64)
-            slot_by_expert[experts] = [slot_of[e] for e in experts]
-            row_slot = slot_by_expert[flat_host]
-            rows_host = np.flatnonzero(row_slot >= 0)
-            rows_host = rows_host[np.argsort(row_slot[rows_host], kind="stable")]
+        slot_by_expert = np.full(self.layout.num_experts, -1, dtype=np.int64)
+        slot_by_expert[experts] = [slot_of[e] for e in experts]
+        # Rows by expert in transformers' order (`by_expert`), then the experts' groups by slot.
+        by_expert = routing.by_expert_host()
+        row_slot = slot_by_expert[routing.flat_host]
+        rows_host = by_expert[row_slot[by_expert] >= 0]
+        rows_host = rows_host[np.argsort(row_slot[rows_host], kind="stable")]
         slots_sorted = row_slot[rows_host]
         per_slot = np.bincount(slots_sorted, minlength=len(self.directory.expert_in[layer]))
         device = hidden.device
         rows = torch.from_numpy(rows_host).to(device)
         offsets = torch.from_numpy(np.cumsum(per_slot, dtype=np.int32)).to(device)
         row_slots = torch.from_numpy(slots_sorted).to(device) if module.has_bias else None
-        y = grouped_expert_mlp(module, hidden[rows // top_k], self.views[layer], offsets, row_slots)
+        y = grouped_expert_mlp(module, hidden[rows // routing.top_k], self.views[layer], offsets, row_slots)
         out[rows] = y * weights[rows].unsqueeze(-1)
 
     def _observe_routing(self, layer: int, hidden: torch.Tensor, index: torch.Tensor, weights: torch.Tensor) -> None:
