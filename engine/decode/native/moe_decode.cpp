@@ -8,10 +8,18 @@
 // Arithmetic: bf16 products summed in float32 (AVX-512 BF16 dot products where the CPU has them),
 // rounded to bf16 where transformers rounds (each projection's output, the activation, the
 // product), so results are close to, not bit-identical with, transformers' kernels.
-#include <torch/extension.h>
-#include <pybind11/stl.h>
+// The parts of torch these kernels use, not <torch/extension.h>: parsing that header alone took most
+// of a build's time (minutes of first-run wait on a small CPU), and only ATen's tensors, a few
+// of its ops and pybind11's tensor caster are needed here.
 #include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/_softmax.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/empty_like.h>
+#include <ATen/ops/topk.h>
 #include <omp.h>
+#include <pybind11/stl.h>
+#include <torch/csrc/utils/pybind.h>
 
 #include <algorithm>
 #include <atomic>
@@ -154,16 +162,16 @@ inline float dot_f32_bf16(const float* w, const bf16* x, int64_t k) {
   return sum;
 }
 
-inline const bf16* bf16_data(const torch::Tensor& t) { return reinterpret_cast<const bf16*>(t.data_ptr()); }
-inline bf16* bf16_data(torch::Tensor& t) { return reinterpret_cast<bf16*>(t.data_ptr()); }
+inline const bf16* bf16_data(const at::Tensor& t) { return reinterpret_cast<const bf16*>(t.data_ptr()); }
+inline bf16* bf16_data(at::Tensor& t) { return reinterpret_cast<bf16*>(t.data_ptr()); }
 
-void check_matrix(const torch::Tensor& t, const char* name) {
-  TORCH_CHECK(t.device().is_cpu() && t.scalar_type() == torch::kBFloat16, name, ": a bf16 CPU tensor is needed");
+void check_matrix(const at::Tensor& t, const char* name) {
+  TORCH_CHECK(t.device().is_cpu() && t.scalar_type() == at::kBFloat16, name, ": a bf16 CPU tensor is needed");
   TORCH_CHECK(t.dim() == 2 && t.stride(1) == 1, name, ": a 2-D matrix with contiguous rows is needed");
 }
 
-void check_vector(const torch::Tensor& t, int64_t n, const char* name) {
-  TORCH_CHECK(t.device().is_cpu() && t.scalar_type() == torch::kBFloat16 && t.is_contiguous() && t.numel() == n,
+void check_vector(const at::Tensor& t, int64_t n, const char* name) {
+  TORCH_CHECK(t.device().is_cpu() && t.scalar_type() == at::kBFloat16 && t.is_contiguous() && t.numel() == n,
               name, ": a contiguous bf16 CPU vector of ", n, " values is needed");
 }
 
@@ -172,13 +180,13 @@ constexpr int64_t kGrain = 64;  // rows per task: ~128 KB of weights, enough to 
 // A weight matrix as Python hands it over: a bf16 [rows, cols] tensor (type 0), or a uint8
 // [rows, row bytes] tensor of blocks of a GGML type with `cols` logical columns.
 struct Weight {
-  torch::Tensor tensor;
+  at::Tensor tensor;
   int32_t type = kBF16;
   int64_t cols = 0;
 };
 
 Matrix matrix_of(const Weight& w, const char* name) {
-  const torch::Tensor& t = w.tensor;
+  const at::Tensor& t = w.tensor;
   TORCH_CHECK(t.device().is_cpu() && t.dim() == 2 && t.stride(1) == 1, name,
               ": a 2-D CPU matrix with contiguous rows is needed");
   Matrix m;
@@ -186,12 +194,12 @@ Matrix matrix_of(const Weight& w, const char* name) {
   m.type = w.type;
   m.rows = t.size(0);
   if (w.type == kBF16) {
-    TORCH_CHECK(t.scalar_type() == torch::kBFloat16, name, ": a bf16 CPU tensor is needed");
+    TORCH_CHECK(t.scalar_type() == at::kBFloat16, name, ": a bf16 CPU tensor is needed");
     m.cols = t.size(1);
     m.row_bytes = t.stride(0) * 2;
   } else {
     const int64_t be = block_elements(w.type), bb = block_bytes(w.type);
-    TORCH_CHECK(bb > 0 && t.scalar_type() == torch::kUInt8, name, ": uint8 blocks of a supported GGML type needed");
+    TORCH_CHECK(bb > 0 && t.scalar_type() == at::kByte, name, ": uint8 blocks of a supported GGML type needed");
     TORCH_CHECK(w.cols > 0 && w.cols % be == 0 && t.size(1) == w.cols / be * bb, name, ": ", w.cols,
                 " columns do not match ", t.size(1), " bytes a row of type ", w.type);
     m.cols = w.cols;
@@ -200,7 +208,7 @@ Matrix matrix_of(const Weight& w, const char* name) {
   return m;
 }
 
-Weight plain(const torch::Tensor& t) { return {t, kBF16, t.dim() == 2 ? t.size(1) : 0}; }
+Weight plain(const at::Tensor& t) { return {t, kBF16, t.dim() == 2 ? t.size(1) : 0}; }
 
 // n outputs of a linear layer as F.linear gives them: the float32 sums plus the bias if any, rounded
 // to bf16 once.
@@ -216,23 +224,23 @@ void gemv_into(const Matrix& w, const bf16* x, float* acc, bf16* out, const bf16
 
 // y = W x (+ bias) for one row x (any leading shape of size 1), as F.linear: the bias is added to
 // the float32 sums before the one rounding to bf16, as torch's addmm does.
-torch::Tensor gemv(const Weight& weight, const torch::Tensor& x, const c10::optional<torch::Tensor>& bias) {
+at::Tensor gemv(const Weight& weight, const at::Tensor& x, const c10::optional<at::Tensor>& bias) {
   const Matrix w = matrix_of(weight, "weight");
-  TORCH_CHECK(x.numel() == w.cols && x.scalar_type() == torch::kBFloat16, "x: one bf16 row of the weight's width needed");
-  const torch::Tensor xc = x.contiguous();
+  TORCH_CHECK(x.numel() == w.cols && x.scalar_type() == at::kBFloat16, "x: one bf16 row of the weight's width needed");
+  const at::Tensor xc = x.contiguous();
   std::vector<float> acc(w.rows);
   auto sizes = x.sizes().vec();
   sizes.back() = w.rows;
-  torch::Tensor y = torch::empty(sizes, x.options());
+  at::Tensor y = at::empty(sizes, x.options());
   if (bias.has_value()) check_vector(*bias, w.rows, "bias");
   gemv_into(w, bf16_data(xc), acc.data(), bf16_data(y), bias.has_value() ? bf16_data(*bias) : nullptr);
   return y;
 }
 
 // The weight dequantized to bf16 into `out` [rows, cols] (the reference's values), rows split across threads.
-void dequantize(const Weight& weight, torch::Tensor out) {
+void dequantize(const Weight& weight, at::Tensor out) {
   const Matrix w = matrix_of(weight, "weight");
-  TORCH_CHECK(out.scalar_type() == torch::kBFloat16 && out.is_contiguous() && out.numel() == w.rows * w.cols,
+  TORCH_CHECK(out.scalar_type() == at::kBFloat16 && out.is_contiguous() && out.numel() == w.rows * w.cols,
               "dequantize: a contiguous bf16 tensor of rows x cols is needed");
   bf16* o = bf16_data(out);
   at::parallel_for(0, w.rows, 16, [&](int64_t begin, int64_t end) { dequantize_rows(w, begin, end, o); });
@@ -336,15 +344,15 @@ inline void tile_times_rows(const bf16* const* w, const bf16* x, int64_t m, int6
 // y = x W^T (+ bias) for bf16 rows x [m, cols] and a bf16 or block-quantized W [rows, cols]: what
 // F.linear gives on the dequantized W (float32 sums of bf16 products, the bias added, one rounding),
 // within float32 summation order.
-torch::Tensor linear_rows(const Weight& weight, const torch::Tensor& x, const c10::optional<torch::Tensor>& bias) {
+at::Tensor linear_rows(const Weight& weight, const at::Tensor& x, const c10::optional<at::Tensor>& bias) {
   const Matrix w = matrix_of(weight, "weight");
-  TORCH_CHECK(x.dim() == 2 && x.size(1) == w.cols && x.scalar_type() == torch::kBFloat16,
+  TORCH_CHECK(x.dim() == 2 && x.size(1) == w.cols && x.scalar_type() == at::kBFloat16,
               "x: bf16 rows of the weight's width needed");
   TORCH_CHECK(w.cols % 32 == 0, "linear_rows: a multiple of 32 columns is needed");
   if (bias.has_value()) check_vector(*bias, w.rows, "bias");
-  const torch::Tensor xc = x.contiguous();
+  const at::Tensor xc = x.contiguous();
   const int64_t m = xc.size(0), n = w.rows, k = w.cols;
-  torch::Tensor y = torch::empty({m, n}, x.options());
+  at::Tensor y = at::empty({m, n}, x.options());
   const bf16* xs = bf16_data(xc);
   const bf16* b = bias.has_value() ? bf16_data(*bias) : nullptr;
   bf16* out = bf16_data(y);
@@ -387,7 +395,7 @@ struct ExpertWeights {
 };
 
 ExpertWeights expert_weights(const Weight& gate_up, const Weight& down, int64_t hidden, bool transposed = false,
-                             const torch::Tensor* gate_up_bias = nullptr, const torch::Tensor* down_bias = nullptr) {
+                             const at::Tensor* gate_up_bias = nullptr, const at::Tensor* down_bias = nullptr) {
   const Matrix g = matrix_of(gate_up, "gate_up"), d = matrix_of(down, "down");
   ExpertWeights out{g, d};
   out.transposed = transposed;
@@ -620,8 +628,8 @@ void moe_experts(const GateRecipe& r, const bf16* x, int64_t hidden, int64_t int
 // Experts of one intermediate size from their matrices and optional biases (one each, or none);
 // `transposed`: the matrices are [in, out]. The tensors stay the caller's to keep alive.
 std::vector<ExpertWeights> expert_list(const std::vector<Weight>& gate_up, const std::vector<Weight>& down,
-                                       const std::vector<torch::Tensor>& gate_up_bias,
-                                       const std::vector<torch::Tensor>& down_bias, int64_t hidden, bool transposed) {
+                                       const std::vector<at::Tensor>& gate_up_bias,
+                                       const std::vector<at::Tensor>& down_bias, int64_t hidden, bool transposed) {
   const size_t experts = gate_up.size();
   TORCH_CHECK(experts > 0 && down.size() == experts, "one gate_up and one down per expert");
   TORCH_CHECK((gate_up_bias.empty() || gate_up_bias.size() == experts) &&
@@ -752,9 +760,9 @@ std::unique_ptr<Int8Groups> int8_groups(bool asked, const std::vector<ExpertWeig
   return asked && q4k && k % 256 == 0 ? std::make_unique<Int8Groups>(start, count, k) : nullptr;
 }
 
-torch::Tensor moe_prompt(const torch::Tensor& x, const std::vector<int64_t>& start, const std::vector<int64_t>& count,
+at::Tensor moe_prompt(const at::Tensor& x, const std::vector<int64_t>& start, const std::vector<int64_t>& count,
                          const std::vector<Weight>& gate_up, const std::vector<Weight>& down,
-                         const std::vector<torch::Tensor>& gate_up_bias, const std::vector<torch::Tensor>& down_bias,
+                         const std::vector<at::Tensor>& gate_up_bias, const std::vector<at::Tensor>& down_bias,
                          const GateRecipe& recipe, bool int8_inputs) {
   check_matrix(x, "x");
   const int64_t rows = x.size(0), hidden = x.size(1);
@@ -763,8 +771,8 @@ torch::Tensor moe_prompt(const torch::Tensor& x, const std::vector<int64_t>& sta
   for (size_t e = 0; e < experts.size(); ++e)
     TORCH_CHECK(start[e] >= 0 && count[e] >= 0 && start[e] + count[e] <= rows, "expert ", e, "'s rows are not in x");
   const int64_t inter = experts[0].inter;
-  const torch::Tensor xc = x.contiguous();
-  torch::Tensor y = torch::empty_like(xc);
+  const at::Tensor xc = x.contiguous();
+  at::Tensor y = at::empty_like(xc);
   std::vector<bf16> activation(rows * inter);
   const std::unique_ptr<Int8Groups> x8 = int8_groups(int8_inputs, experts, false, start, count, hidden);
   const std::unique_ptr<Int8Groups> act8 = int8_groups(int8_inputs, experts, true, start, count, inter);
@@ -797,19 +805,19 @@ torch::Tensor moe_prompt(const torch::Tensor& x, const std::vector<int64_t>& sta
   return y;
 }
 
-torch::Tensor moe_decode(const torch::Tensor& x, const std::vector<Weight>& gate_up, const std::vector<Weight>& down,
-                         const torch::Tensor& weights, const std::vector<torch::Tensor>& gate_up_bias,
-                         const std::vector<torch::Tensor>& down_bias, bool transposed, const GateRecipe& recipe) {
+at::Tensor moe_decode(const at::Tensor& x, const std::vector<Weight>& gate_up, const std::vector<Weight>& down,
+                         const at::Tensor& weights, const std::vector<at::Tensor>& gate_up_bias,
+                         const std::vector<at::Tensor>& down_bias, bool transposed, const GateRecipe& recipe) {
   TORCH_CHECK(weights.numel() == static_cast<int64_t>(gate_up.size()), "one routing weight per expert");
-  TORCH_CHECK(x.scalar_type() == torch::kBFloat16, "x: a bf16 row");
+  TORCH_CHECK(x.scalar_type() == at::kBFloat16, "x: a bf16 row");
   const int64_t hidden = x.numel();
   const std::vector<ExpertWeights> picked = expert_list(gate_up, down, gate_up_bias, down_bias, hidden, transposed);
   const int64_t inter = picked[0].inter;
-  const torch::Tensor xc = x.contiguous();
-  const torch::Tensor wf = weights.to(torch::kFloat32).contiguous();
-  torch::Tensor y = torch::empty_like(xc);
+  const at::Tensor xc = x.contiguous();
+  const at::Tensor wf = weights.to(at::kFloat).contiguous();
+  at::Tensor y = at::empty_like(xc);
   moe_experts(recipe, bf16_data(xc), hidden, inter, picked, wf.data_ptr<float>(),
-              weights.scalar_type() == torch::kBFloat16, bf16_data(y));
+              weights.scalar_type() == at::kBFloat16, bf16_data(y));
   return y;
 }
 
@@ -828,13 +836,13 @@ inline void rms_norm_row(const bf16* in, const bf16* weight, int64_t n, float ep
 
 // RMSNorm over the last dimension of a few rows (a decode step's hidden state, or its heads for
 // q/k norms). One call instead of transformers' eight small ops.
-torch::Tensor rms_norm(const torch::Tensor& x, const torch::Tensor& weight, double eps, bool round_once) {
+at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps, bool round_once) {
   const int64_t n = weight.numel();
-  TORCH_CHECK(x.scalar_type() == torch::kBFloat16 && weight.scalar_type() == torch::kBFloat16 && n > 0 &&
+  TORCH_CHECK(x.scalar_type() == at::kBFloat16 && weight.scalar_type() == at::kBFloat16 && n > 0 &&
                   x.size(-1) == n,
               "rms_norm: bf16 rows and a bf16 weight of their width");
-  const torch::Tensor xc = x.contiguous(), wc = weight.contiguous();
-  torch::Tensor y = torch::empty_like(xc);
+  const at::Tensor xc = x.contiguous(), wc = weight.contiguous();
+  at::Tensor y = at::empty_like(xc);
   for (int64_t row = 0; row < xc.numel() / n; ++row)
     rms_norm_row(bf16_data(xc) + row * n, bf16_data(wc), n, static_cast<float>(eps), bf16_data(y) + row * n,
                  round_once);
@@ -881,12 +889,12 @@ inline void rope_head_interleaved(bf16* x, const bf16* cos, const bf16* sin, int
 // roundings are then the same), doubled here.
 struct RotaryRows {
   std::vector<bf16> cos, sin;
-  RotaryRows(const torch::Tensor& c, const torch::Tensor& s, int64_t d, const char* who) : cos(d), sin(d) {
+  RotaryRows(const at::Tensor& c, const at::Tensor& s, int64_t d, const char* who) : cos(d), sin(d) {
     const int64_t n = c.numel();
-    TORCH_CHECK((n == d || 2 * n == d) && s.numel() == n && c.scalar_type() == torch::kBFloat16 &&
-                    s.scalar_type() == torch::kBFloat16,
+    TORCH_CHECK((n == d || 2 * n == d) && s.numel() == n && c.scalar_type() == at::kBFloat16 &&
+                    s.scalar_type() == at::kBFloat16,
                 who, ": one bf16 cos and sin row of the head size (or of half of it)");
-    const torch::Tensor cc = c.contiguous(), sc = s.contiguous();
+    const at::Tensor cc = c.contiguous(), sc = s.contiguous();
     for (int64_t i = 0; i < d; ++i) {
       cos[i] = bf16_data(cc)[i % n];
       sin[i] = bf16_data(sc)[i % n];
@@ -897,24 +905,24 @@ struct RotaryRows {
 // The weights of one layer's Llama-style attention, checked once.
 struct AttentionWeights {
   Matrix wq, wk, wv;
-  torch::Tensor q_norm, k_norm;  // undefined where the model has none
-  std::vector<torch::Tensor> keep;  // the projections' tensors, alive while referenced
+  at::Tensor q_norm, k_norm;  // undefined where the model has none
+  std::vector<at::Tensor> keep;  // the projections' tensors, alive while referenced
   int64_t head_dim = 0;
   int64_t rotary_dim = 0;  // the first rotary_dim values of a q/k head turn (GLM-4-MoE: part of it); the rest pass
   float eps = 0.f;
-  torch::Tensor bias[3];  // q/k/v projections' biases (Qwen2-MoE, GPT-OSS); undefined where the model has none
+  at::Tensor bias[3];  // q/k/v projections' biases (Qwen2-MoE, GPT-OSS); undefined where the model has none
   bool full_norm = false;  // q/k norms over the whole projection (OLMoE), before the rotary embedding
 
-  void set_biases(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v) {
-    const torch::Tensor* in[3] = {&q, &k, &v};
+  void set_biases(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v) {
+    const at::Tensor* in[3] = {&q, &k, &v};
     const int64_t rows[3] = {wq.rows, wk.rows, wv.rows};
     for (int m = 0; m < 3; ++m) check_vector(bias[m] = in[m]->contiguous(), rows[m], "q/k/v bias");
   }
 };
 
 AttentionWeights attention_weights(const Weight& q_proj, const Weight& k_proj, const Weight& v_proj,
-                                   const c10::optional<torch::Tensor>& q_norm,
-                                   const c10::optional<torch::Tensor>& k_norm, double eps, int64_t head_dim,
+                                   const c10::optional<at::Tensor>& q_norm,
+                                   const c10::optional<at::Tensor>& k_norm, double eps, int64_t head_dim,
                                    int64_t hidden) {
   const Matrix wq = matrix_of(q_proj, "q_proj"), wk = matrix_of(k_proj, "k_proj"), wv = matrix_of(v_proj, "v_proj");
   TORCH_CHECK(wq.cols == hidden && wk.cols == hidden && wv.cols == hidden,
@@ -922,7 +930,7 @@ AttentionWeights attention_weights(const Weight& q_proj, const Weight& k_proj, c
   TORCH_CHECK(head_dim > 0 && head_dim % 2 == 0 && wq.rows % head_dim == 0 && wk.rows % head_dim == 0 &&
                   wv.rows == wk.rows && wk.rows > 0 && (wq.rows / head_dim) % (wk.rows / head_dim) == 0,
               "qkv_rope: projections of whole heads, as many value heads as key heads, whole groups of query heads");
-  AttentionWeights out{wq, wk, wv, torch::Tensor(), torch::Tensor(),
+  AttentionWeights out{wq, wk, wv, at::Tensor(), at::Tensor(),
                        {q_proj.tensor, k_proj.tensor, v_proj.tensor}, head_dim, head_dim, static_cast<float>(eps)};
   // q/k norms over one head, or (OLMoE) over the whole projection: then both are
   out.full_norm = q_norm.has_value() && q_norm->numel() != head_dim;
@@ -944,7 +952,7 @@ void project_head(const AttentionWeights& a, int m, int64_t h, const bf16* x, co
   gemv_rows(w, x, h * d, (h + 1) * d, rows);
   round_linear(rows, a.bias[m].defined() ? bf16_data(a.bias[m]) + h * d : nullptr, d, out);
   if (m == 2 || a.full_norm) return;  // values are neither normed nor rotated; full-width norms come later
-  const torch::Tensor& norm = m == 0 ? a.q_norm : a.k_norm;
+  const at::Tensor& norm = m == 0 ? a.q_norm : a.k_norm;
   if (norm.defined()) {
     rms_norm_row(out, bf16_data(norm), d, a.eps, normed);
     std::memcpy(out, normed, d * sizeof(bf16));
@@ -974,24 +982,24 @@ void qkv_rope_into(const AttentionWeights& a, const bf16* x, const bf16* cos, co
 // Returns q [1, heads, 1, d], k and v [1, kv_heads, 1, d], as the attention module hands them to
 // the KV cache.
 // `biases`: none, or the q, k and v projections' (bf16, added before the rounding as F.linear does).
-std::vector<torch::Tensor> qkv_rope(const torch::Tensor& x, const Weight& wq, const Weight& wk,
-                                    const Weight& wv, const c10::optional<torch::Tensor>& q_norm,
-                                    const c10::optional<torch::Tensor>& k_norm, double eps, const torch::Tensor& cos,
-                                    const torch::Tensor& sin, int64_t head_dim,
-                                    const std::vector<torch::Tensor>& biases) {
-  TORCH_CHECK(x.scalar_type() == torch::kBFloat16, "qkv_rope: one bf16 row of the projections' width");
+std::vector<at::Tensor> qkv_rope(const at::Tensor& x, const Weight& wq, const Weight& wk,
+                                    const Weight& wv, const c10::optional<at::Tensor>& q_norm,
+                                    const c10::optional<at::Tensor>& k_norm, double eps, const at::Tensor& cos,
+                                    const at::Tensor& sin, int64_t head_dim,
+                                    const std::vector<at::Tensor>& biases) {
+  TORCH_CHECK(x.scalar_type() == at::kBFloat16, "qkv_rope: one bf16 row of the projections' width");
   AttentionWeights a = attention_weights(wq, wk, wv, q_norm, k_norm, eps, head_dim, x.numel());
   TORCH_CHECK(!a.full_norm, "qkv_rope: q/k norms over one head only");
   TORCH_CHECK(biases.empty() || biases.size() == 3, "qkv_rope: no biases, or one each for q, k and v");
   if (!biases.empty()) a.set_biases(biases[0], biases[1], biases[2]);
   const RotaryRows rows(cos, sin, head_dim, "qkv_rope");
-  const torch::Tensor xc = x.contiguous();
+  const at::Tensor xc = x.contiguous();
   const int64_t nq = a.wq.rows, nk = a.wk.rows;
   std::vector<float> acc(nq + 2 * nk);
   auto opts = x.options();
-  torch::Tensor q = torch::empty({1, nq / head_dim, 1, head_dim}, opts);
-  torch::Tensor k = torch::empty({1, nk / head_dim, 1, head_dim}, opts);
-  torch::Tensor v = torch::empty({1, nk / head_dim, 1, head_dim}, opts);
+  at::Tensor q = at::empty({1, nq / head_dim, 1, head_dim}, opts);
+  at::Tensor k = at::empty({1, nk / head_dim, 1, head_dim}, opts);
+  at::Tensor v = at::empty({1, nk / head_dim, 1, head_dim}, opts);
   qkv_rope_into(a, bf16_data(xc), rows.cos.data(), rows.sin.data(), acc.data(), bf16_data(q), bf16_data(k),
                 bf16_data(v));
   return {q, k, v};
@@ -1173,8 +1181,8 @@ void attend_into(const bf16* q, int64_t heads, int64_t d, int64_t kv_heads, Cach
 // One query [1, heads, 1, d] over cached keys and values ([1, kv_heads, T, d], any strides with
 // contiguous rows); returns [1, 1, heads * d] (what o_proj takes).
 // `sinks`: one bf16 logit per query head (GPT-OSS), or none; `eager_rounding`: see AttendExtras.
-torch::Tensor attend(const torch::Tensor& q, const torch::Tensor& keys, const torch::Tensor& values, double scale,
-                     const c10::optional<torch::Tensor>& sinks, bool eager_rounding) {
+at::Tensor attend(const at::Tensor& q, const at::Tensor& keys, const at::Tensor& values, double scale,
+                     const c10::optional<at::Tensor>& sinks, bool eager_rounding) {
   TORCH_CHECK(q.dim() == 4 && keys.dim() == 4 && values.dim() == 4 && q.size(0) == 1 && q.size(2) == 1,
               "attend: one query [1, heads, 1, d] and keys/values [1, kv_heads, T, d]");
   const int64_t heads = q.size(1), d = q.size(3), kv_heads = keys.size(1), len = keys.size(2);
@@ -1182,16 +1190,16 @@ torch::Tensor attend(const torch::Tensor& q, const torch::Tensor& keys, const to
                   len > 0 && keys.stride(3) == 1 && values.stride(3) == 1,
               "attend: keys and values of the query's head size, whole groups of heads");
   for (const auto* t : {&q, &keys, &values})
-    TORCH_CHECK(t->scalar_type() == torch::kBFloat16 && t->device().is_cpu(), "attend: bf16 CPU tensors");
-  const torch::Tensor qc = q.contiguous();
+    TORCH_CHECK(t->scalar_type() == at::kBFloat16 && t->device().is_cpu(), "attend: bf16 CPU tensors");
+  const at::Tensor qc = q.contiguous();
   AttendExtras extras;
   extras.eager_rounding = eager_rounding;
-  torch::Tensor sink_row;
+  at::Tensor sink_row;
   if (sinks.has_value()) {
     check_vector(sink_row = sinks->contiguous(), heads, "sinks");
     extras.sinks = bf16_data(sink_row);
   }
-  torch::Tensor out = torch::empty({1, 1, heads * d}, q.options());
+  at::Tensor out = at::empty({1, 1, heads * d}, q.options());
   attend_into(bf16_data(qc), heads, d, kv_heads, {bf16_data(keys), keys.stride(1), keys.stride(2)},
               {bf16_data(values), values.stride(1), values.stride(2)}, len, static_cast<float>(scale),
               bf16_data(out), extras);
@@ -1243,10 +1251,10 @@ inline void latent_head(const bf16* up, const LatentShape& s, int64_t h, const b
 }
 
 // One query of MLA over `latents` [positions, rank] and `k_rot` [positions, rope], every head.
-torch::Tensor latent_attend(const torch::Tensor& up, const torch::Tensor& q_nope, const torch::Tensor& q_rot,
-                            const torch::Tensor& latents, const torch::Tensor& k_rot, int64_t v_dim, double scale) {
+at::Tensor latent_attend(const at::Tensor& up, const at::Tensor& q_nope, const at::Tensor& q_rot,
+                            const at::Tensor& latents, const at::Tensor& k_rot, int64_t v_dim, double scale) {
   for (const auto* t : {&up, &q_nope, &q_rot, &latents, &k_rot})
-    TORCH_CHECK(t->scalar_type() == torch::kBFloat16 && t->device().is_cpu(), "latent_attend: bf16 CPU tensors");
+    TORCH_CHECK(t->scalar_type() == at::kBFloat16 && t->device().is_cpu(), "latent_attend: bf16 CPU tensors");
   TORCH_CHECK(up.dim() == 2 && up.is_contiguous() && q_nope.dim() == 2 && q_rot.dim() == 2 &&
                   q_rot.size(0) == q_nope.size(0), "latent_attend: up [heads * (nope + v), rank], q [heads, ...]");
   const LatentShape shape{q_nope.size(0), q_nope.size(1), q_rot.size(1), v_dim, up.size(1)};
@@ -1254,9 +1262,9 @@ torch::Tensor latent_attend(const torch::Tensor& up, const torch::Tensor& q_nope
   TORCH_CHECK(latents.dim() == 2 && k_rot.dim() == 2 && latents.size(1) == shape.rank && k_rot.size(1) == shape.rope &&
                   latents.size(0) == k_rot.size(0) && latents.size(0) > 0 && latents.stride(1) == 1 &&
                   k_rot.stride(1) == 1, "latent_attend: latents [positions, rank], k_rot [positions, rope]");
-  const torch::Tensor qn = q_nope.contiguous(), qr = q_rot.contiguous();
+  const at::Tensor qn = q_nope.contiguous(), qr = q_rot.contiguous();
   const int64_t len = latents.size(0);
-  torch::Tensor out = torch::empty({1, 1, shape.heads * v_dim}, up.options());
+  at::Tensor out = at::empty({1, 1, shape.heads * v_dim}, up.options());
   at::parallel_for(0, shape.heads, 1, [&](int64_t first, int64_t last) {
     LatentScratch scratch;
     scratch.fit(shape, len);
@@ -1285,7 +1293,7 @@ class DecodeStep {
   // `softmax_of_top`: the routers take the top k of their (biased) logits, then a softmax over those
   // k in bf16 (GPT-OSS), instead of a float32 softmax over all experts, then the top k.
   // `norms_round_once`: the RMSNorms multiply by their weight in float32 and round once (GPT-OSS).
-  DecodeStep(torch::Tensor embed, torch::Tensor final_norm, double final_eps, const Weight& lm_head, int64_t top_k,
+  DecodeStep(at::Tensor embed, at::Tensor final_norm, double final_eps, const Weight& lm_head, int64_t top_k,
              bool normalize, bool cast_back, bool softmax_of_top, bool norms_round_once)
       : embed_(std::move(embed)), final_norm_(std::move(final_norm)), lm_head_tensor_(lm_head.tensor),
         lm_head_(matrix_of(lm_head, "lm_head")), final_eps_(static_cast<float>(final_eps)), top_k_(top_k),
@@ -1300,7 +1308,7 @@ class DecodeStep {
   // A decoder layer: its norms and o_proj; its attention comes with set_attention or
   // set_latent_attention, its router with set_router or set_grouped_router (none: a dense MLP,
   // given as a shared expert alone), its experts with set_experts.
-  void add_layer(const torch::Tensor& input_norm, double input_eps, const Weight& wo, const torch::Tensor& post_norm,
+  void add_layer(const at::Tensor& input_norm, double input_eps, const Weight& wo, const at::Tensor& post_norm,
                  double post_eps) {
     Layer layer;
     check_vector(layer.input_norm = input_norm.contiguous(), hidden_, "input_layernorm");
@@ -1316,7 +1324,7 @@ class DecodeStep {
   // `layer`'s Llama-style attention: q/k/v projections, optional per-head (or whole) q/k norms, the
   // rotary embedding over the first `rotary_dim` values of each head (all of it but in GLM-4-MoE).
   void set_attention(int64_t layer, const Weight& wq, const Weight& wk, const Weight& wv,
-                     const c10::optional<torch::Tensor>& q_norm, const c10::optional<torch::Tensor>& k_norm,
+                     const c10::optional<at::Tensor>& q_norm, const c10::optional<at::Tensor>& k_norm,
                      double qk_eps, int64_t head_dim, double scale, int64_t rotary_dim) {
     Layer& l = at_layer(layer, "set_attention");
     l.attention = attention_weights(wq, wk, wv, q_norm, k_norm, qk_eps, head_dim, hidden_);
@@ -1331,9 +1339,9 @@ class DecodeStep {
   // `layer`'s multi-head latent attention (DeepSeek-V3): q from q_b(RMSNorm(q_a x)) (or q_b x alone
   // where the model has no q LoRA: its q_proj), the latent and rotary key from kv_a x, the cache
   // holding latents [rank] as keys and rotary keys [rope] as values; kv_b_proj (`up`, bf16) absorbed.
-  void set_latent_attention(int64_t layer, const c10::optional<Weight>& q_a, const c10::optional<torch::Tensor>& q_a_norm,
-                            double q_a_eps, const Weight& q_b, const Weight& kv_a, const torch::Tensor& kv_a_norm,
-                            double kv_a_eps, const torch::Tensor& up, int64_t heads, int64_t nope, int64_t rope,
+  void set_latent_attention(int64_t layer, const c10::optional<Weight>& q_a, const c10::optional<at::Tensor>& q_a_norm,
+                            double q_a_eps, const Weight& q_b, const Weight& kv_a, const at::Tensor& kv_a_norm,
+                            double kv_a_eps, const at::Tensor& up, int64_t heads, int64_t nope, int64_t rope,
                             int64_t v_dim, double scale, bool interleaved) {
     Layer& l = at_layer(layer, "set_latent_attention");
     LatentAttention& m = l.mla;
@@ -1367,7 +1375,7 @@ class DecodeStep {
   }
 
   // `layer`'s top-k router [experts, hidden] in bf16, scored as the constructor's recipe says.
-  void set_router(int64_t layer, const torch::Tensor& router) {
+  void set_router(int64_t layer, const at::Tensor& router) {
     Layer& l = at_layer(layer, "set_router");
     check_matrix(router, "router");
     TORCH_CHECK(router.size(1) == hidden_ && router.size(0) >= top_k_, "router: [experts >= top_k, hidden]");
@@ -1380,14 +1388,14 @@ class DecodeStep {
   // with; the best `top_groups` of `groups` equal groups of experts (a group scored by its two best),
   // the top k within them, weighted by their scores (renormalised where the constructor says),
   // times `routed_scale`.
-  void set_grouped_router(int64_t layer, const torch::Tensor& weight, const torch::Tensor& correction, int64_t groups,
+  void set_grouped_router(int64_t layer, const at::Tensor& weight, const at::Tensor& correction, int64_t groups,
                           int64_t top_groups, double routed_scale) {
     Layer& l = at_layer(layer, "set_grouped_router");
-    TORCH_CHECK(weight.scalar_type() == torch::kFloat32 && weight.dim() == 2 && weight.is_contiguous() &&
+    TORCH_CHECK(weight.scalar_type() == at::kFloat && weight.dim() == 2 && weight.is_contiguous() &&
                     weight.size(1) == hidden_ && weight.size(0) >= top_k_,
                 "grouped router: a contiguous float32 [experts >= top_k, hidden] weight");
     const int64_t experts = weight.size(0);
-    TORCH_CHECK(correction.scalar_type() == torch::kFloat32 && correction.is_contiguous() &&
+    TORCH_CHECK(correction.scalar_type() == at::kFloat && correction.is_contiguous() &&
                     correction.numel() == experts, "grouped router: a float32 correction bias per expert");
     TORCH_CHECK(groups > 0 && experts % groups == 0 && experts / groups >= 2 && top_groups > 0 &&
                     top_groups <= groups && top_groups * (experts / groups) >= top_k_,
@@ -1406,7 +1414,7 @@ class DecodeStep {
   // Every expert of `layer`, by expert id (they move when the cache re-plans its slots); optionally
   // their biases (one each or none), read as x @ W (`transposed`), and gated by `recipe`.
   void set_experts(int64_t layer, const std::vector<Weight>& gate_up, const std::vector<Weight>& down,
-                   const std::vector<torch::Tensor>& gate_up_bias, const std::vector<torch::Tensor>& down_bias,
+                   const std::vector<at::Tensor>& gate_up_bias, const std::vector<at::Tensor>& down_bias,
                    bool transposed, const GateRecipe& recipe) {
     Layer& l = at_layer(layer, "set_experts");
     TORCH_CHECK(static_cast<int64_t>(gate_up.size()) == l.router.rows,
@@ -1424,14 +1432,14 @@ class DecodeStep {
   }
 
   // The q/k/v projections' biases of `layer` (each [rows of its projection]).
-  void set_attention_biases(int64_t layer, const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v) {
+  void set_attention_biases(int64_t layer, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v) {
     at_layer(layer, "set_attention_biases").attention.set_biases(q, k, v);
   }
 
   // What `layer`'s attention adds to Llama's (GPT-OSS): a sink logit per query head, an eager
   // attention function's roundings (AttendExtras), and o_proj's bias.
-  void set_attention_extras(int64_t layer, const c10::optional<torch::Tensor>& sinks, bool eager_rounding,
-                            const c10::optional<torch::Tensor>& o_bias) {
+  void set_attention_extras(int64_t layer, const c10::optional<at::Tensor>& sinks, bool eager_rounding,
+                            const c10::optional<at::Tensor>& o_bias) {
     Layer& l = at_layer(layer, "set_attention_extras");
     l.extras.eager_rounding = eager_rounding;
     l.extras.sinks = nullptr;
@@ -1439,19 +1447,19 @@ class DecodeStep {
       check_vector(l.sinks = sinks->contiguous(), l.attention.wq.rows / l.attention.head_dim, "sinks");
       l.extras.sinks = bf16_data(l.sinks);
     }
-    l.o_bias = torch::Tensor();
+    l.o_bias = at::Tensor();
     if (o_bias.has_value()) check_vector(l.o_bias = o_bias->contiguous(), hidden_, "o_proj bias");
   }
 
   // `layer`'s router bias [experts], added to its logits before their rounding (GPT-OSS).
-  void set_router_bias(int64_t layer, const torch::Tensor& bias) {
+  void set_router_bias(int64_t layer, const at::Tensor& bias) {
     Layer& l = at_layer(layer, "set_router_bias");
     check_vector(l.router_bias = bias.contiguous(), l.router.rows, "router bias");
   }
 
   // A shared expert beside `layer`'s routed experts, optionally gated by sigmoid(gate . x).
   void set_shared_expert(int64_t layer, const Weight& gate_proj, const Weight& up_proj, const Weight& down_proj,
-                         const c10::optional<torch::Tensor>& gate) {
+                         const c10::optional<at::Tensor>& gate) {
     Layer& l = at_layer(layer, "set_shared_expert");
     l.shared_gate_proj = matrix_of(gate_proj, "shared gate_proj");
     l.shared_up_proj = matrix_of(up_proj, "shared up_proj");
@@ -1477,9 +1485,9 @@ class DecodeStep {
   // (all cached positions, or a sliding window's); its key and value are written right behind them.
   // cos/sin: the rotary rows for the token's position. picks: int64 [MoE layers, top_k], filled
   // with each MoE layer's experts in router order. Returns the logits [1, 1, vocab] in bf16.
-  torch::Tensor run(int64_t token, const torch::Tensor& cos, const torch::Tensor& sin,
-                    const std::vector<torch::Tensor>& keys, const std::vector<torch::Tensor>& values,
-                    const std::vector<int64_t>& starts, const std::vector<int64_t>& lengths, torch::Tensor picks) {
+  at::Tensor run(int64_t token, const at::Tensor& cos, const at::Tensor& sin,
+                    const std::vector<at::Tensor>& keys, const std::vector<at::Tensor>& values,
+                    const std::vector<int64_t>& starts, const std::vector<int64_t>& lengths, at::Tensor picks) {
     const int64_t layers = static_cast<int64_t>(layers_.size());
     TORCH_CHECK(token >= 0 && token < embed_.size(0), "run: token id outside the vocabulary");
     TORCH_CHECK(static_cast<int64_t>(keys.size()) == layers && static_cast<int64_t>(values.size()) == layers &&
@@ -1502,9 +1510,9 @@ class DecodeStep {
       const int64_t kv_heads = l.latent ? 1 : a.wk.rows / a.head_dim;
       const int64_t widths[2] = {l.latent ? l.mla.shape.rank : a.head_dim, l.latent ? l.mla.shape.rope : a.head_dim};
       for (int m = 0; m < 2; ++m) {
-        const torch::Tensor& t = m == 0 ? keys[i] : values[i];
+        const at::Tensor& t = m == 0 ? keys[i] : values[i];
         TORCH_CHECK(t.dim() == 4 && t.size(0) == 1 && t.size(1) == kv_heads && t.size(2) > starts[i] + lengths[i] &&
-                        t.size(3) == widths[m] && t.stride(3) == 1 && t.scalar_type() == torch::kBFloat16,
+                        t.size(3) == widths[m] && t.stride(3) == 1 && t.scalar_type() == at::kBFloat16,
                     "run: layer ", i, "'s key/value buffers [1, kv_heads, capacity > start + length, width] in bf16");
       }
       // the views begin at the first position attended to
@@ -1524,7 +1532,7 @@ class DecodeStep {
       TORCH_CHECK(l.router.rows > 0 || l.shared, "run: layer ", i, " has neither a router nor an MLP");
       widest_inter = std::max<int64_t>(widest_inter, l.inter);
     }
-    TORCH_CHECK(picks.scalar_type() == torch::kLong && picks.is_contiguous() && picks.numel() == routed * top_k_,
+    TORCH_CHECK(picks.scalar_type() == at::kLong && picks.is_contiguous() && picks.numel() == routed * top_k_,
                 "run: picks must be a contiguous int64 [MoE layers, top_k] tensor");
     latent_in_.resize(latent_in);
     scratch_.resize(std::max<int64_t>({widest, hidden_, lm_head_.rows}));
@@ -1544,11 +1552,11 @@ class DecodeStep {
     for (const Layer& l : layers_) router_width = std::max<int64_t>(router_width, l.router.rows);
     router_acc_.resize(router_width);
     if (router_in_.numel() != router_width) {
-      router_in_ = torch::empty({router_width}, torch::kFloat32);
-      router_probs_ = torch::empty({router_width}, torch::kFloat32);
-      router_logits_ = torch::empty({router_width}, torch::kBFloat16);
+      router_in_ = at::empty({router_width}, at::kFloat);
+      router_probs_ = at::empty({router_width}, at::kFloat);
+      router_logits_ = at::empty({router_width}, at::kBFloat16);
     }
-    torch::Tensor logits = torch::empty({1, 1, lm_head_.rows}, embed_.options());
+    at::Tensor logits = at::empty({1, 1, lm_head_.rows}, embed_.options());
     Shared shared{token, longest, lengths.data(), picks.data_ptr<int64_t>(), rotary.cos.data(), rotary.sin.data(),
                   key_views.data(), value_views.data(), bf16_data(logits)};
     const int threads = std::max(1, at::get_num_threads());
@@ -1595,30 +1603,30 @@ class DecodeStep {
   struct LatentAttention {
     LatentShape shape;
     Matrix q_a, q_b, kv_a;  // q_a has no rows where q comes from q_b alone
-    torch::Tensor q_a_norm, kv_a_norm, up;
+    at::Tensor q_a_norm, kv_a_norm, up;
     float q_a_eps = 0.f, kv_a_eps = 0.f;
     bool interleaved = false;  // DeepSeek's interleaved rotary pairs
-    std::vector<torch::Tensor> keep;  // the projections' tensors, alive while referenced
+    std::vector<at::Tensor> keep;  // the projections' tensors, alive while referenced
   };
 
   struct Layer {
     AttentionWeights attention;
     bool latent = false;  // the attention is `mla`, not `attention`
     LatentAttention mla;
-    torch::Tensor input_norm, post_norm, router_tensor, wo_tensor;
+    at::Tensor input_norm, post_norm, router_tensor, wo_tensor;
     // router: no rows in a dense layer; a grouped router's only counts its experts (the weight is router_tensor)
     Matrix wo, router;
     float input_eps = 0.f, post_eps = 0.f, scale = 1.f;
     // a DeepSeek-V3-style router (set_grouped_router): router_tensor is its float32 weight
     bool grouped = false;
-    torch::Tensor correction;
+    at::Tensor correction;
     int64_t groups = 1, top_groups = 1;
     float routed_scale = 1.f;
     AttendExtras extras;
-    torch::Tensor sinks, o_bias, router_bias;  // undefined where the model has none
+    at::Tensor sinks, o_bias, router_bias;  // undefined where the model has none
     GateRecipe gate;
     std::vector<ExpertWeights> experts;
-    std::vector<torch::Tensor> expert_tensors;
+    std::vector<at::Tensor> expert_tensors;
     int64_t inter = 0;
     // A shared expert beside the routed ones (Qwen2-MoE, DeepSeek), or a dense layer's MLP alone:
     // SiLU-gated gate/up [Is, H], down [H, Is], its output scaled by sigmoid(shared_gate . x) where
@@ -1626,7 +1634,7 @@ class DecodeStep {
     bool shared = false;
     Matrix shared_gate_proj, shared_up_proj, shared_down_proj, shared_gate;
     bool shared_gated = false;
-    std::vector<torch::Tensor> shared_tensors;
+    std::vector<at::Tensor> shared_tensors;
     int64_t moe_row = -1;  // its row of `picks` (-1: a dense layer), numbered by run
 
     int64_t rotary_dim() const { return latent ? mla.shape.rope : attention.rotary_dim; }
@@ -1648,8 +1656,8 @@ class DecodeStep {
     if (softmax_of_top_) return route_softmax_of_top(logits.data(), experts, picked, weights);
     // softmax(bf16 logits, dtype=float32) is ATen's _softmax of the logits converted to float32;
     // called on buffers of our own, without the dispatch of the conversion and the allocations
-    torch::Tensor in = router_in_.size(0) == experts ? router_in_ : router_in_.narrow(0, 0, experts);
-    torch::Tensor probs = router_probs_.size(0) == experts ? router_probs_ : router_probs_.narrow(0, 0, experts);
+    at::Tensor in = router_in_.size(0) == experts ? router_in_ : router_in_.narrow(0, 0, experts);
+    at::Tensor probs = router_probs_.size(0) == experts ? router_probs_ : router_probs_.narrow(0, 0, experts);
     float* widened = in.data_ptr<float>();
     for (int64_t e = 0; e < experts; ++e) widened[e] = to_float(logits[e]);
     at::_softmax_out(probs, in, -1, false);
@@ -1670,10 +1678,10 @@ class DecodeStep {
   // GPT-OSS's routing: torch's own top-k of the bf16 logits (its order among ties), then torch's
   // bf16 softmax over those k, as the router module calls them.
   void route_softmax_of_top(const bf16* logits, int64_t experts, int64_t* picked, float* weights) {
-    torch::Tensor row = router_logits_.size(0) == experts ? router_logits_ : router_logits_.narrow(0, 0, experts);
+    at::Tensor row = router_logits_.size(0) == experts ? router_logits_ : router_logits_.narrow(0, 0, experts);
     std::memcpy(bf16_data(row), logits, experts * sizeof(bf16));
     const auto [top, index] = at::topk(row.view({1, experts}), top_k_, -1);
-    const torch::Tensor probs = at::_softmax(top, 1, false);
+    const at::Tensor probs = at::_softmax(top, 1, false);
     const bf16* p = bf16_data(probs);
     const int64_t* ids = index.data_ptr<int64_t>();
     for (int64_t j = 0; j < top_k_; ++j) {
@@ -1957,7 +1965,7 @@ class DecodeStep {
                  rows.second - rows.first, out + rows.first);
   }
 
-  torch::Tensor embed_, final_norm_, lm_head_tensor_;
+  at::Tensor embed_, final_norm_, lm_head_tensor_;
   Matrix lm_head_;
   float final_eps_;
   int64_t top_k_, hidden_ = 0;
@@ -1967,8 +1975,8 @@ class DecodeStep {
   std::vector<float> scratch_, projected_, expert_out_, route_, shared_acc_;
   std::vector<bf16> shared_act_;  // a shared expert's activation
   float shared_scale_ = 1.f;  // its gate's sigmoid this layer
-  torch::Tensor router_in_, router_probs_;  // the router's float32 logits and probabilities
-  torch::Tensor router_logits_;  // its bf16 logits (softmax_of_top)
+  at::Tensor router_in_, router_probs_;  // the router's float32 logits and probabilities
+  at::Tensor router_logits_;  // its bf16 logits (softmax_of_top)
   std::vector<bf16> query_, attended_, delta_, activation_;
   std::vector<bf16> latent_in_;  // a latent layer's q_a and kv_a rows, rounded
   std::vector<float> router_acc_;  // a grouped router's float32 logits
@@ -1980,7 +1988,7 @@ class DecodeStep {
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   pybind11::class_<Weight>(m, "Weight", "a weight matrix: bf16 (type 0) or uint8 blocks of a GGML type")
-      .def(pybind11::init<torch::Tensor, int32_t, int64_t>(), pybind11::arg("tensor"), pybind11::arg("type") = 0,
+      .def(pybind11::init<at::Tensor, int32_t, int64_t>(), pybind11::arg("tensor"), pybind11::arg("type") = 0,
            pybind11::arg("cols") = 0)
       .def_readonly("type", &Weight::type)
       .def_readonly("cols", &Weight::cols);
@@ -1996,6 +2004,21 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     return false;
 #endif
   }, "whether this build multiplies bf16 tiles with the CPU's bf16 dot products (as fast as oneDNN's on many rows)");
+  m.def("code_path", [] {
+#if defined(MOESCOPE_AVX512BF16)
+    std::string path = "avx512-bf16";
+#elif defined(MOESCOPE_AVX512F)
+    std::string path = "avx512";
+#elif defined(MOESCOPE_AVX2)
+    std::string path = "avx2";
+#else
+    std::string path = "portable";
+#endif
+#if defined(__AVX512VNNI__) || defined(__AVXVNNI__)
+    path += "-vnni";
+#endif
+    return path;
+  }, "which of the build flavours' code paths this build compiled (avx2, avx512-bf16-vnni, portable, ...)");
   m.def("linear_rows", &linear_rows, "bf16 rows times a weight matrix's transpose (plus a bias), as F.linear",
         pybind11::arg("weight"), pybind11::arg("x"), pybind11::arg("bias") = pybind11::none());
   m.def("rms_norm", &rms_norm, "RMSNorm of a few bf16 rows", pybind11::arg("x"), pybind11::arg("weight"),
@@ -2003,7 +2026,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("qkv_rope", &qkv_rope, "one token's q, k, v: projections (optional biases), optional q/k norms, rotary embedding",
         pybind11::arg("x"), pybind11::arg("wq"), pybind11::arg("wk"), pybind11::arg("wv"), pybind11::arg("q_norm"),
         pybind11::arg("k_norm"), pybind11::arg("eps"), pybind11::arg("cos"), pybind11::arg("sin"),
-        pybind11::arg("head_dim"), pybind11::arg("biases") = std::vector<torch::Tensor>());
+        pybind11::arg("head_dim"), pybind11::arg("biases") = std::vector<at::Tensor>());
   m.def("attend", &attend, "one query's attention over cached keys and values (optional sinks, eager roundings)",
         pybind11::arg("q"), pybind11::arg("keys"), pybind11::arg("values"), pybind11::arg("scale"),
         pybind11::arg("sinks") = pybind11::none(), pybind11::arg("eager_rounding") = false);
@@ -2015,16 +2038,16 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def_readonly("clamped_swiglu", &GateRecipe::clamped_swiglu);
   m.def("moe_decode", &moe_decode, "one token through k gated experts, weighted and summed", pybind11::arg("x"),
         pybind11::arg("gate_up"), pybind11::arg("down"), pybind11::arg("weights"),
-        pybind11::arg("gate_up_bias") = std::vector<torch::Tensor>(),
-        pybind11::arg("down_bias") = std::vector<torch::Tensor>(), pybind11::arg("transposed") = false,
+        pybind11::arg("gate_up_bias") = std::vector<at::Tensor>(),
+        pybind11::arg("down_bias") = std::vector<at::Tensor>(), pybind11::arg("transposed") = false,
         pybind11::arg("recipe") = GateRecipe());
   m.def("moe_prompt", &moe_prompt, "a prompt's rows, sorted by expert, through a layer's gated experts",
         pybind11::arg("x"), pybind11::arg("start"), pybind11::arg("count"), pybind11::arg("gate_up"),
-        pybind11::arg("down"), pybind11::arg("gate_up_bias") = std::vector<torch::Tensor>(),
-        pybind11::arg("down_bias") = std::vector<torch::Tensor>(), pybind11::arg("recipe") = GateRecipe(),
+        pybind11::arg("down"), pybind11::arg("gate_up_bias") = std::vector<at::Tensor>(),
+        pybind11::arg("down_bias") = std::vector<at::Tensor>(), pybind11::arg("recipe") = GateRecipe(),
         pybind11::arg("int8_inputs") = false);
   pybind11::class_<DecodeStep>(m, "DecodeStep", "a whole decode step of a MoE decoder")
-      .def(pybind11::init<torch::Tensor, torch::Tensor, double, const Weight&, int64_t, bool, bool, bool, bool>(),
+      .def(pybind11::init<at::Tensor, at::Tensor, double, const Weight&, int64_t, bool, bool, bool, bool>(),
            pybind11::arg("embed"), pybind11::arg("final_norm"), pybind11::arg("final_eps"), pybind11::arg("lm_head"),
            pybind11::arg("top_k"), pybind11::arg("normalize"), pybind11::arg("cast_back"),
            pybind11::arg("softmax_of_top") = false, pybind11::arg("norms_round_once") = false)
@@ -2034,8 +2057,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("set_router", &DecodeStep::set_router)
       .def("set_grouped_router", &DecodeStep::set_grouped_router)
       .def("set_experts", &DecodeStep::set_experts, pybind11::arg("layer"), pybind11::arg("gate_up"),
-           pybind11::arg("down"), pybind11::arg("gate_up_bias") = std::vector<torch::Tensor>(),
-           pybind11::arg("down_bias") = std::vector<torch::Tensor>(), pybind11::arg("transposed") = false,
+           pybind11::arg("down"), pybind11::arg("gate_up_bias") = std::vector<at::Tensor>(),
+           pybind11::arg("down_bias") = std::vector<at::Tensor>(), pybind11::arg("transposed") = false,
            pybind11::arg("recipe") = GateRecipe())
       .def("set_attention_biases", &DecodeStep::set_attention_biases)
       .def("set_attention_extras", &DecodeStep::set_attention_extras)
