@@ -258,6 +258,45 @@ def test_a_prompt_multiplies_quantized_experts_in_their_blocks(wide, kernels, mo
     assert logits[True].argmax() == logits[False].argmax()
 
 
+@pytest.mark.parametrize("family", ["mixtral", "qwen2_moe"])
+def test_a_bf16_prompt_takes_the_native_rows_where_torch_bf16_matmuls_are_slow(wide, kernels, monkeypatch, family):
+    """On a CPU whose torch bf16 matmul has no oneDNN kernel (AVX2 without AVX-512, where it runs several
+    times slower than float32), a bf16 model's prompt takes the native rows and layer call too, in
+    float32 tiles; where oneDNN's bf16 kernels run, transformers' do. Either way the logits equal the
+    exact path's to summation order."""
+    import torch
+
+    from engine.decode.kv_cache import new_cache
+    from engine.decode.native import kernels as native
+    from engine.decode.paths.base import Step
+    from engine.decode.paths.native_layers import NativePromptPath
+    from tests.helpers.numerics import close
+
+    calls = []
+    moe_prompt = kernels.moe_prompt
+    monkeypatch.setattr(kernels, "moe_prompt", lambda *args: calls.append(1) or moe_prompt(*args))
+    native_rows = kernels.bf16_dot_products() or not torch.ops.mkldnn._is_mkldnn_bf16_supported()
+    assert native.rows_beat_torch_bf16(kernels) == native_rows
+    runtime = MoERuntime(LoadModel(path=str(wide[family]), budget="all", store="ram", device="cpu",
+                                   dtype="bfloat16", fast_decode=True))
+    prompt = torch.tensor([PROMPT])
+    try:
+        with torch.inference_mode():
+            logits = {}
+            for fast in (True, False):
+                runtime.set_fast_decode(fast)
+                step = Step(prompt, new_cache(runtime.model), 0)
+                path, why_not = runtime.paths.choose(step)
+                assert isinstance(path, NativePromptPath) == (fast and native_rows), (path.label, why_not)
+                calls.clear()
+                logits[fast] = path.run(step)
+                assert bool(calls) == (fast and native_rows)
+    finally:
+        runtime.close()
+    close(logits[True], logits[False], family, relative=0.04)
+    assert logits[True].argmax() == logits[False].argmax()
+
+
 def test_prompts_of_new_lengths_make_no_onednn_kernels_on_the_fast_path(wide, kernels, capfd):
     """oneDNN makes, and keeps, a kernel (about half a MiB) for every new row count a matmul sees, so
     a chat whose prompts vary in length grew the process by a few MiB each time. A fast prompt's

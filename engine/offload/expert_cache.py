@@ -561,7 +561,8 @@ class ExpertCache:
             computed.extend(parts)
             return True
 
-        if self._grouped and len(plan.ready) > 1:  # resident experts run while the misses load
+        # resident experts run while the misses load: on the prompt kernel a fast prompt brought, else grouped
+        if self._prompt is None and self._grouped and len(plan.ready) > 1:
             self._compute_grouped(layer, module, hidden_states, routing, plan.ready, weights, out)
         elif not (self._prompt is not None and plan.ready and compute_in_one_call(plan.ready)):
             for expert in plan.ready:

@@ -12,6 +12,7 @@ without a compiler.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import os
 import platform
@@ -163,6 +164,19 @@ def status() -> str:
     if _builder is not None:
         return "native decode kernels are building (first use on this machine)"
     return "native decode kernels not built yet"
+
+
+def rows_beat_torch_bf16(kernels: ModuleType) -> bool:
+    """Whether a prompt's bf16 products are faster on `linear_rows`/`moe_prompt` than on torch: with
+    the CPU's bf16 dot products, or where torch's bf16 matmul has no oneDNN kernel (no AVX-512 or
+    AVX-NE-CONVERT) and falls back to a loop several times slower than float32, which the build's
+    float32 tiles are not. Elsewhere oneDNN's blocked bf16 kernels win."""
+    return kernels.bf16_dot_products() or not _onednn_bf16()
+
+
+@functools.cache
+def _onednn_bf16() -> bool:
+    return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
 
 
 def weight(kernels: ModuleType, tensor: torch.Tensor, fmt=None, columns: int = 0):

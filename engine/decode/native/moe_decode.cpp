@@ -300,43 +300,151 @@ inline void dot_tile_n(const bf16* const* w, const bf16* const* x, int64_t k, fl
       sums[i * ld + r] = sum;
     }
 #else
-  for (int i = 0; i < N; ++i)
-    for (int r = 0; r < kTile; ++r) sums[i * ld + r] = dot_row(w[r], x[i], k);
+  (void)w, (void)x, (void)k, (void)sums, (void)ld;  // builds without bf16 dot products take dot_tile_f32
 #endif
 }
 
-// dot_tile_n for the first n (1 to 4) rows of x.
-inline void dot_tile(const bf16* const* w, const bf16* const* x, int64_t n, int64_t k, float* sums, int64_t ld) {
-  switch (n) {
-    case 1: return dot_tile_n<1>(w, x, k, sums, ld);
-    case 2: return dot_tile_n<2>(w, x, k, sums, ld);
-    case 3: return dot_tile_n<3>(w, x, k, sums, ld);
-    default: return dot_tile_n<4>(w, x, k, sums, ld);
-  }
-}
-
-// Rows at[0..3] of W as bf16: a bf16 matrix's own, or expanded into `scratch` (4 rows of m.cols).
-inline void tile_rows(const Matrix& m, const int64_t* at, const bf16** rows, bf16* scratch) {
-  for (int j = 0; j < kTile; ++j) {
-    if (m.type == kBF16) {
-      rows[j] = reinterpret_cast<const bf16*>(m.row(at[j]));
-    } else {
-      dequantize_rows(m, at[j], at[j] + 1, scratch + j * m.cols, at[j]);
-      rows[j] = scratch + j * m.cols;
+#if !defined(MOESCOPE_AVX512BF16)
+// Without bf16 dot products a tile is multiplied in float32: its 4 rows of W and the rows of x are
+// widened once (exact: a bf16 is the top half of a float32), the W rows per tile, x once per call,
+// so the products take plain fused multiply-adds. Widening inside every product, as one-row
+// dot_row does, cost more than the products (torch's own bf16 matmul is slower still on such CPUs).
+// sums[i * ld + r] = x_i . w_r for N (1 or 2) rows of x: 8 accumulators and the 4 W vectors fit
+// AVX2's 16 registers.
+template <int N>
+inline void dot_tile_f32(const float* const* w, const float* const* x, int64_t k, float* sums, int64_t ld) {
+  int64_t p = 0;
+#if defined(__AVX2__) && defined(__FMA__)
+  __m256 acc[N][kTile];
+  for (auto& row : acc)
+    for (auto& a : row) a = _mm256_setzero_ps();
+  for (; p + 8 <= k; p += 8) {
+    __m256 wv[kTile];
+    for (int r = 0; r < kTile; ++r) wv[r] = _mm256_loadu_ps(w[r] + p);
+    for (int i = 0; i < N; ++i) {
+      const __m256 xv = _mm256_loadu_ps(x[i] + p);
+      for (int r = 0; r < kTile; ++r) acc[i][r] = _mm256_fmadd_ps(xv, wv[r], acc[i][r]);
     }
   }
+  for (int i = 0; i < N; ++i)
+    for (int r = 0; r < kTile; ++r) {
+      __m128 h = _mm_add_ps(_mm256_castps256_ps128(acc[i][r]), _mm256_extractf128_ps(acc[i][r], 1));
+      h = _mm_add_ps(h, _mm_movehl_ps(h, h));
+      sums[i * ld + r] = _mm_cvtss_f32(_mm_add_ss(h, _mm_movehdup_ps(h)));
+    }
+#else
+  constexpr int kLanes = 8;  // partial sums the compiler keeps in vector registers
+  float acc[N][kTile][kLanes] = {};
+  for (; p + kLanes <= k; p += kLanes)
+    for (int i = 0; i < N; ++i)
+      for (int r = 0; r < kTile; ++r)
+        for (int l = 0; l < kLanes; ++l) acc[i][r][l] += x[i][p + l] * w[r][p + l];
+  for (int i = 0; i < N; ++i)
+    for (int r = 0; r < kTile; ++r) {
+      float sum = 0.f;
+      for (float lane : acc[i][r]) sum += lane;
+      sums[i * ld + r] = sum;
+    }
+#endif
+  for (; p < k; ++p)
+    for (int i = 0; i < N; ++i)
+      for (int r = 0; r < kTile; ++r) sums[i * ld + r] += x[i][p] * w[r][p];
 }
 
-// The tile's 4 rows of W times each of m rows of x (row i at x + i * k), 4 rows of x at a time:
-// emit(i, sums) with sums[r] = x_i . w_r.
+// bf16 values widened to float32 (exact), 8 at a time where the build has AVX2.
+inline void widen_to(const bf16* src, float* dst, int64_t n) {
+  int64_t i = 0;
+#if defined(__AVX2__)
+  for (; i + 8 <= n; i += 8)
+    _mm256_storeu_ps(dst + i, _mm256_castsi256_ps(_mm256_slli_epi32(
+                                  _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i))), 16)));
+#endif
+  for (; i < n; ++i) dst[i] = to_float(src[i]);
+}
+#endif
+
+// A prompt's input rows as the tile products read them: bf16, and, in builds without bf16 dot
+// products, widened to float32 once per call (`wide`, filled by `widen`, in parts by the threads).
+struct PromptInput {
+  const bf16* x;
+  int64_t rows, k;
+  std::vector<float> wide;
+
+  PromptInput(const bf16* x_, int64_t rows_, int64_t k_) : x(x_), rows(rows_), k(k_) {
+#if !defined(MOESCOPE_AVX512BF16)
+    wide.resize(rows * k);
+#endif
+  }
+  // rows [first, last) widened (nothing to do with bf16 dot products)
+  void widen(int64_t first, int64_t last) {
+#if !defined(MOESCOPE_AVX512BF16)
+    widen_to(x + first * k, wide.data() + first * k, (last - first) * k);
+#else
+    (void)first, (void)last;
+#endif
+  }
+};
+
+// A tile's 4 rows of W as its products read them: bf16 with bf16 dot products, else float32.
+struct TileRows {
+  const bf16* bf[kTile];
+  const float* wide[kTile];
+};
+
+// Rows at[0..3] of W into `rows`: a bf16 matrix's own rows, or rows expanded into the caller's
+// scratch (kTile rows: bf16 `expanded`, or float32 `wide` in builds without bf16 dot products).
+inline void tile_rows(const Matrix& m, const int64_t* at, TileRows& rows, bf16* expanded, float* wide) {
+  for (int j = 0; j < kTile; ++j) {
+#if defined(MOESCOPE_AVX512BF16)
+    (void)wide;
+    if (m.type == kBF16) {
+      rows.bf[j] = reinterpret_cast<const bf16*>(m.row(at[j]));
+    } else {
+      dequantize_rows(m, at[j], at[j] + 1, expanded + j * m.cols, at[j]);
+      rows.bf[j] = expanded + j * m.cols;
+    }
+#else
+    (void)expanded;
+    dequantize_rows_f32(m, at[j], at[j] + 1, wide + j * m.cols, at[j]);
+    rows.wide[j] = wide + j * m.cols;
+#endif
+  }
+}
+
+// The tile's sums for n (1 to 4) rows of `in` from row `first` on: sums[i * ld + r] = x_i . w_r.
+inline void dot_tile(const TileRows& w, const PromptInput& in, int64_t first, int64_t n, float* sums, int64_t ld) {
+  const int64_t k = in.k;
+#if defined(MOESCOPE_AVX512BF16)
+  const bf16* x[kTile];
+  for (int64_t i = 0; i < kTile; ++i) x[i] = in.x + (first + std::min(i, n - 1)) * k;
+  switch (n) {
+    case 1: return dot_tile_n<1>(w.bf, x, k, sums, ld);
+    case 2: return dot_tile_n<2>(w.bf, x, k, sums, ld);
+    case 3: return dot_tile_n<3>(w.bf, x, k, sums, ld);
+    default: return dot_tile_n<4>(w.bf, x, k, sums, ld);
+  }
+#else
+  const float* x[kTile];
+  for (int64_t i = 0; i < kTile; ++i) x[i] = in.wide.data() + (first + std::min(i, n - 1)) * k;
+  switch (n) {
+    case 1: return dot_tile_f32<1>(w.wide, x, k, sums, ld);
+    case 2: return dot_tile_f32<2>(w.wide, x, k, sums, ld);
+    case 3: return dot_tile_f32<3>(w.wide, x, k, sums, ld);
+    default:
+      dot_tile_f32<2>(w.wide, x, k, sums, ld);
+      return dot_tile_f32<2>(w.wide, x + 2, k, sums + 2 * ld, ld);
+  }
+#endif
+}
+
+// The tile's 4 rows of W times m rows of `in` from row `first` on, 4 rows at a time:
+// emit(i, sums) with sums[r] = x_(first + i) . w_r.
 template <class Emit>
-inline void tile_times_rows(const bf16* const* w, const bf16* x, int64_t m, int64_t k, Emit&& emit) {
+inline void tile_times_rows(const TileRows& w, const PromptInput& in, int64_t first, int64_t m, Emit&& emit) {
   float sums[kTile * kTile];
   for (int64_t i0 = 0; i0 < m; i0 += kTile) {
     const int64_t n = std::min(kTile, m - i0);
-    const bf16* inputs[kTile];
-    for (int64_t i = 0; i < kTile; ++i) inputs[i] = x + (i0 + std::min(i, n - 1)) * k;
-    dot_tile(w, inputs, n, k, sums, kTile);
+    dot_tile(w, in, first + i0, n, sums, kTile);
     for (int64_t i = 0; i < n; ++i) emit(i0 + i, sums + i * kTile);
   }
 }
@@ -353,19 +461,21 @@ at::Tensor linear_rows(const Weight& weight, const at::Tensor& x, const c10::opt
   const at::Tensor xc = x.contiguous();
   const int64_t m = xc.size(0), n = w.rows, k = w.cols;
   at::Tensor y = at::empty({m, n}, x.options());
-  const bf16* xs = bf16_data(xc);
+  PromptInput in(bf16_data(xc), m, k);
+  in.widen(0, m);
   const bf16* b = bias.has_value() ? bf16_data(*bias) : nullptr;
   bf16* out = bf16_data(y);
   const int64_t tiles = (n + kTile - 1) / kTile;
   at::parallel_for(0, tiles, 1, [&](int64_t first_tile, int64_t last_tile) {
     std::vector<bf16> expanded(w.type == kBF16 ? 0 : kTile * k);
+    std::vector<float> wide(in.wide.empty() ? 0 : kTile * k);
     for (int64_t t = first_tile; t < last_tile; ++t) {
       const int64_t r0 = t * kTile, r1 = std::min(n, r0 + kTile);
       int64_t at[kTile];
       for (int64_t r = 0; r < kTile; ++r) at[r] = std::min(r0 + r, r1 - 1);  // past the last row: the last again, its sums unused
-      const bf16* rows[kTile];
-      tile_rows(w, at, rows, expanded.data());
-      tile_times_rows(rows, xs, m, k, [&](int64_t i, const float* sums) {
+      TileRows rows;
+      tile_rows(w, at, rows, expanded.data(), wide.data());
+      tile_times_rows(rows, in, 0, m, [&](int64_t i, const float* sums) {
         for (int64_t r = r0; r < r1; ++r)
           out[i * n + r] = to_bf16(b == nullptr ? sums[r - r0] : sums[r - r0] + to_float(b[r]));
       });
@@ -650,6 +760,7 @@ std::vector<ExpertWeights> expert_list(const std::vector<Weight>& gate_up, const
 // One thread's buffers for prompt tiles: bf16 rows expanded from blocks, or Q4_K rows unpacked.
 struct TileScratch {
   std::vector<bf16> expanded;
+  std::vector<float> wide;  // the tile's rows in float32 (builds without bf16 dot products)
   Q4KRows q4k;
 };
 
@@ -670,17 +781,18 @@ struct PromptExperts {
   const std::vector<ExpertWeights>& experts;
   const std::vector<int64_t>& start;
   const std::vector<int64_t>& count;
-  const bf16* x;
+  const PromptInput& x;
   int64_t hidden, inter;
-  bf16* activation;  // [rows, inter]
-  bf16* out;         // [rows, hidden]
+  const PromptInput& activation;  // [rows, inter]: gate_up_tile writes its rows at activation_rows
+  bf16* activation_rows;
+  bf16* out;  // [rows, hidden]
   const Int8Groups* x8 = nullptr;    // opt-in: x rounded to 8 bits, for Q4_K gate/up matrices
   const Int8Groups* act8 = nullptr;  // and the activation, for Q4_K down matrices
 
-  // The tile's 4 rows at[] of matrix m times each of expert e's rows (input rows at `input`, k wide;
-  // or their 8-bit groups where given and m is Q4_K): emit(i, sums) with sums[r] = x_i . w_r.
+  // The tile's 4 rows at[] of matrix m times each of expert e's rows of `input` (or their 8-bit groups
+  // where given and m is Q4_K): emit(i, sums) with sums[r] = x_i . w_r.
   template <class Emit>
-  void tile(const Matrix& m, const int64_t* at, int64_t e, const bf16* input, int64_t k, const Int8Groups* groups,
+  void tile(const Matrix& m, const int64_t* at, int64_t e, const PromptInput& input, const Int8Groups* groups,
             TileScratch& scratch, Emit&& emit) const {
     if (groups != nullptr && m.type == kQ4_K) {
       scratch.q4k.load(m, at);
@@ -692,9 +804,9 @@ struct PromptExperts {
       }
       return;
     }
-    const bf16* rows[kTile];
-    tile_rows(m, at, rows, scratch.expanded.data());
-    tile_times_rows(rows, input + start[e] * k, count[e], k, emit);
+    TileRows rows;
+    tile_rows(m, at, rows, scratch.expanded.data(), scratch.wide.data());
+    tile_times_rows(rows, input, start[e], count[e], emit);
   }
 
   // Intermediate rows p, p + 1 of expert e for all its rows of x.
@@ -707,9 +819,9 @@ struct PromptExperts {
       at[j] = gate_row(recipe, i);
       at[2 + j] = up_row(recipe, inter, i);
     }
-    tile(w.gate_up, at, e, x, hidden, x8, scratch, [&](int64_t i, const float* sums) {
+    tile(w.gate_up, at, e, x, x8, scratch, [&](int64_t i, const float* sums) {
       for (int64_t j = 0; j < pairs; ++j)
-        activation[(start[e] + i) * inter + p + j] = activate(recipe, sums[j], sums[2 + j], w.gate_up_bias, at[j], at[2 + j]);
+        activation_rows[(start[e] + i) * inter + p + j] = activate(recipe, sums[j], sums[2 + j], w.gate_up_bias, at[j], at[2 + j]);
     });
   }
 
@@ -719,7 +831,7 @@ struct PromptExperts {
     const int64_t n = std::min<int64_t>(kTile, hidden - h);
     int64_t at[kTile];
     for (int j = 0; j < kTile; ++j) at[j] = h + std::min<int64_t>(j, n - 1);
-    tile(w.down, at, e, activation, inter, act8, scratch, [&](int64_t i, const float* sums) {
+    tile(w.down, at, e, activation, act8, scratch, [&](int64_t i, const float* sums) {
       for (int64_t j = 0; j < n; ++j) out[(start[e] + i) * hidden + h + j] = to_bf16(biased(sums[j], w.down_bias, h + j));
     });
   }
@@ -776,7 +888,8 @@ at::Tensor moe_prompt(const at::Tensor& x, const std::vector<int64_t>& start, co
   std::vector<bf16> activation(rows * inter);
   const std::unique_ptr<Int8Groups> x8 = int8_groups(int8_inputs, experts, false, start, count, hidden);
   const std::unique_ptr<Int8Groups> act8 = int8_groups(int8_inputs, experts, true, start, count, inter);
-  const PromptExperts work{recipe, experts, start, count, bf16_data(xc), hidden, inter, activation.data(), bf16_data(y),
+  PromptInput in(bf16_data(xc), rows, hidden), act(activation.data(), rows, inter);
+  const PromptExperts work{recipe, experts, start, count, in, hidden, inter, act, activation.data(), bf16_data(y),
                            x8.get(), act8.get()};
   const TileList gate_tiles(count, inter, 2), down_tiles(count, hidden, kTile);
   SpinBarrier barrier;
@@ -786,18 +899,24 @@ at::Tensor moe_prompt(const at::Tensor& x, const std::vector<int64_t>& start, co
     barrier.join(team);
     TileScratch scratch;
     scratch.expanded.resize(kTile * std::max(hidden, inter));
-    auto fill_share = [&](Int8Groups* groups, const bf16* input) {  // this thread's groups, then all are done
-      if (groups == nullptr) return;
-      const auto [first, last] = thread_share(groups->groups(), tid, team);
-      for (int64_t g = first; g < last; ++g) groups->fill(g, input);
-      barrier.wait();
+    if (!in.wide.empty()) scratch.wide.resize(kTile * std::max(hidden, inter));
+    auto fill_share = [&](Int8Groups* groups, PromptInput& input) {  // this thread's part, then all are done
+      if (!input.wide.empty()) {
+        const auto [first, last] = thread_share(rows, tid, team);
+        input.widen(first, last);
+      }
+      if (groups != nullptr) {
+        const auto [first, last] = thread_share(groups->groups(), tid, team);
+        for (int64_t g = first; g < last; ++g) groups->fill(g, input.x);
+      }
+      if (groups != nullptr || !input.wide.empty()) barrier.wait();
     };
-    fill_share(x8.get(), bf16_data(xc));
+    fill_share(x8.get(), in);
     const auto [g_first, g_last] = gate_tiles.share(tid, team);
     for (int64_t t = g_first; t < g_last; ++t)
       work.gate_up_tile(gate_tiles.tiles[t].first, gate_tiles.tiles[t].second, scratch);
     barrier.wait();  // every expert's activation rows are complete
-    fill_share(act8.get(), activation.data());
+    fill_share(act8.get(), act);
     const auto [d_first, d_last] = down_tiles.share(tid, team);
     for (int64_t t = d_first; t < d_last; ++t)
       work.down_tile(down_tiles.tiles[t].first, down_tiles.tiles[t].second, scratch);

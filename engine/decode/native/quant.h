@@ -616,6 +616,101 @@ inline void dequantize_row_q4_k(const uint8_t* row, int64_t blocks, bf16* w) {
 }
 #endif
 
+#if defined(__AVX2__) && !defined(MOESCOPE_AVX512BF16)
+// Group g's 32 levels as signed bytes, for the types unpacked in vectors here (false: the others,
+// which take group_levels).
+inline bool group_levels_avx2(int32_t type, const uint8_t* b, int g, __m256i& bytes) {
+  const __m256i low4 = _mm256_set1_epi8(0x0F);
+  switch (type) {
+    case kQ8_0:
+      bytes = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 2));
+      return true;
+    case kQ4_0:
+    case kMXFP4: {  // elements 0-15 the low nibbles of 16 bytes, 16-31 their high nibbles
+      const __m128i q = _mm_loadu_si128(reinterpret_cast<const __m128i*>(b + (type == kQ4_0 ? 2 : 1)));
+      const __m256i codes = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(q, 4), q), low4);
+      if (type == kQ4_0) {
+        bytes = _mm256_sub_epi8(codes, _mm256_set1_epi8(8));
+      } else {
+        const __m128i table = _mm_loadu_si128(reinterpret_cast<const __m128i*>(kMxfp4Values));
+        bytes = _mm256_shuffle_epi8(_mm256_set_m128i(table, table), codes);
+      }
+      return true;
+    }
+    case kQ4_K: {
+      const __m256i q = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 16 + 32 * (g / 2)));
+      bytes = _mm256_and_si256(g % 2 ? _mm256_srli_epi16(q, 4) : q, low4);
+      return true;
+    }
+    case kQ6_K:
+      bytes = _mm256_sub_epi8(q6_k_group_levels(b, g), _mm256_set1_epi8(32));
+      return true;
+    case kQ3_K:
+    case kQ2_K:
+      bytes = q2_q3_k_group_levels(b, g, type == kQ3_K);
+      if (type == kQ3_K) bytes = _mm256_sub_epi8(bytes, _mm256_set1_epi8(4));
+      return true;
+    default:
+      return false;
+  }
+}
+
+// group_weights' values (scale * level - min, two roundings, then rounded to bf16 as torch rounds)
+// as float32, 8 at a time.
+inline void group_weights_f32(int32_t type, const uint8_t* b, const BlockScales& s, int g, float* w) {
+  __m256i bytes;
+  if (!group_levels_avx2(type, b, g, bytes)) {
+    alignas(32) bf16 rounded[32];
+    group_weights(type, b, s, g, rounded);
+    for (int l = 0; l < 32; ++l) w[l] = to_float(rounded[l]);
+    return;
+  }
+  const __m128i halves[2] = {_mm256_castsi256_si128(bytes), _mm256_extracti128_si256(bytes, 1)};
+  for (int part = 0; part < 4; ++part) {
+    const __m128i eight = part % 2 ? _mm_srli_si128(halves[part / 2], 8) : halves[part / 2];
+    const int sub = (32 * g + 8 * part) / 16;
+    const __m256 value = _mm256_sub_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(eight)),
+                                                     _mm256_set1_ps(s.scale[sub])), _mm256_set1_ps(s.min[sub]));
+    __m256i bits = _mm256_castps_si256(value);  // round to nearest even at bf16, as to_bf16 (finite values)
+    bits = _mm256_add_epi32(bits, _mm256_add_epi32(_mm256_set1_epi32(0x7FFF),
+                                                   _mm256_and_si256(_mm256_srli_epi32(bits, 16), _mm256_set1_epi32(1))));
+    _mm256_storeu_ps(w + 8 * part, _mm256_castsi256_ps(_mm256_and_si256(bits, _mm256_set1_epi32(-65536))));
+  }
+}
+#endif
+
+// Rows [begin, end) of W as float32 into out (row n at out's row n - first): the reference's values
+// (bf16 ones), for products in float32 where the build has no bf16 dot products.
+inline void dequantize_rows_f32(const Matrix& m, int64_t begin, int64_t end, float* out, int64_t first = 0) {
+  out -= first * m.cols;
+  if (m.type == kBF16) {
+    for (int64_t n = begin; n < end; ++n) {
+      const bf16* row = reinterpret_cast<const bf16*>(m.row(n));
+      for (int64_t c = 0; c < m.cols; ++c) out[n * m.cols + c] = to_float(row[c]);
+    }
+    return;
+  }
+  const int64_t be = block_elements(m.type), bb = block_bytes(m.type), blocks = m.cols / be;
+  const int groups = static_cast<int>(be / 32);
+  BlockScales s;
+  for (int64_t n = begin; n < end; ++n) {
+    const uint8_t* row = m.row(n);
+    for (int64_t blk = 0; blk < blocks; ++blk) {
+      block_scales(m.type, row + blk * bb, s);
+      for (int g = 0; g < groups; ++g) {
+        float* w = out + n * m.cols + blk * be + 32 * g;
+#if defined(__AVX2__) && !defined(MOESCOPE_AVX512BF16)
+        group_weights_f32(m.type, row + blk * bb, s, g, w);
+#else
+        alignas(64) bf16 rounded[32];
+        group_weights(m.type, row + blk * bb, s, g, rounded);
+        for (int l = 0; l < 32; ++l) w[l] = to_float(rounded[l]);
+#endif
+      }
+    }
+  }
+}
+
 // Rows [begin, end) of W dequantized to bf16 into out (row-major, cols per row; row n at out's row
 // n - first): the reference's values.
 inline void dequantize_rows(const Matrix& m, int64_t begin, int64_t end, bf16* out, int64_t first = 0) {
@@ -641,6 +736,15 @@ inline void dequantize_rows(const Matrix& m, int64_t begin, int64_t end, bf16* o
         bf16* w = out + n * m.cols + blk * be + 32 * g;
 #if defined(MOESCOPE_AVX512BF16)
         group_weights_avx512(m.type, row + blk * bb, s, g, w);
+#elif defined(__AVX2__)
+        alignas(32) float wide[32];
+        group_weights_f32(m.type, row + blk * bb, s, g, wide);
+        for (int half = 0; half < 2; ++half) {  // the top halves (exact: they are bf16 values), in order
+          const __m256i a = _mm256_srli_epi32(_mm256_castps_si256(_mm256_load_ps(wide + 16 * half)), 16);
+          const __m256i c = _mm256_srli_epi32(_mm256_castps_si256(_mm256_load_ps(wide + 16 * half + 8)), 16);
+          _mm256_storeu_si256(reinterpret_cast<__m256i*>(w + 16 * half),
+                              _mm256_permute4x64_epi64(_mm256_packus_epi32(a, c), 0xD8));
+        }
 #else
         group_weights(m.type, row + blk * bb, s, g, w);
 #endif

@@ -60,14 +60,14 @@ def _native_kernels(module: torch.nn.Module, x: torch.Tensor, weight: torch.Tens
 
 def _row_kernels(module: torch.nn.Module, x: torch.Tensor, quantized: bool) -> ModuleType | None:
     """The kernels, if `module`'s model is in a fast prompt and `linear_rows` takes these rows: bf16 on
-    the CPU, whole 32-column groups, and for a bf16 weight a build with bf16 dot products (elsewhere
-    oneDNN's blocked kernels beat the portable tile loops; a quantized weight always gains, being
-    multiplied in its blocks instead of expanded)."""
+    the CPU, whole 32-column groups, and for a bf16 weight where the native rows beat torch's bf16
+    matmul (`native.rows_beat_torch_bf16`; a quantized weight always gains, being multiplied in its
+    blocks instead of expanded)."""
     switch = module.__dict__.get(SWITCH_ATTR)
     if switch is None or not switch.rows or x.dtype != torch.bfloat16 or x.device.type != "cpu" or x.shape[-1] % 32:
         return None
     kernels = native.ready()
-    return kernels if kernels is not None and (quantized or kernels.bf16_dot_products()) else None
+    return kernels if kernels is not None and (quantized or native.rows_beat_torch_bf16(kernels)) else None
 
 
 def _rows(kernels: ModuleType, module: torch.nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
@@ -365,7 +365,9 @@ class NativePromptPath(DecodePath):
     """A prompt's forward on transformers' kernels, with quantized experts multiplied in their blocks
     by the native kernels (the exact path expands each into a scratch for oneDNN, which re-packs it),
     and the plain linears and routers on `linear_rows`: oneDNN makes and keeps a kernel for every
-    new row count, which grew the process by about half a MiB per linear shape and prompt length."""
+    new row count, which grew the process by about half a MiB per linear shape and prompt length.
+    bf16 experts take the native call too where it beats torch's bf16 matmul (CPUs where that has
+    no oneDNN kernel)."""
 
     def __init__(self, runtime) -> None:
         self.runtime = runtime
@@ -373,15 +375,15 @@ class NativePromptPath(DecodePath):
     @property
     def label(self) -> str:
         lossy = ", 8-bit inputs to 4-bit experts (lossy)" if self.runtime.int8_prompt else ""
-        return f"fast: prompt's quantized experts and linears on the native kernels{lossy}"
+        return f"fast: prompt's experts and linears on the native kernels{lossy}"
 
     def unavailable(self, step: Step) -> str | None:
         if not step.prefill:
             return "one-token steps take the decode paths"
         if problem := kernels_problem(self.runtime):
             return problem
-        if not self.runtime.cache.quantized_slots:
-            return "the experts are not quantized: transformers' kernels run the prompt"
+        if not self.runtime.cache.quantized_slots and not native.rows_beat_torch_bf16(native.ready()):
+            return "the experts are bf16 and oneDNN's bf16 matmuls are the faster here: transformers' kernels run the prompt"
         return None
 
     def run(self, step: Step) -> torch.Tensor:
