@@ -249,8 +249,14 @@ void dequantize(const Weight& weight, at::Tensor out) {
 // A prompt's rows through one weight matrix (x W^T for x [m, cols]). Each tile of kTile rows of W is
 // dequantized once into a buffer that stays in L1 and multiplied by every row of x, so a quantized
 // expert is never expanded in memory (the exact path expands it into a scratch, then oneDNN reads
-// that back and re-packs it on every call).
+// that back and re-packs it on every call). 4 rows with bf16 dot products (4 x 4 accumulators);
+// 6 in float32 (6 x 2 accumulators of 16 input rows: AVX2's 16 registers).
+#if defined(MOESCOPE_AVX512BF16)
 constexpr int64_t kTile = 4;
+#else
+constexpr int64_t kTile = 6;
+#endif
+constexpr int64_t kPairs = kTile / 2;  // a gate/up tile's intermediate rows: kPairs gate rows, then their up rows
 
 #if defined(MOESCOPE_AVX512BF16)
 // The lane sums of 16 vectors as one vector (out[j] = sum of v[j]'s lanes): a transposing add tree,
@@ -270,14 +276,12 @@ inline __m512 sum_lanes_16(__m512* v) {
   return _mm512_add_ps(_mm512_shuffle_f32x4(z0, z1, _MM_SHUFFLE(2, 0, 2, 0)),
                        _mm512_shuffle_f32x4(z0, z1, _MM_SHUFFLE(3, 1, 3, 1)));
 }
-#endif
 
 // sums[i * ld + r] = x_i . w_r for N (<= 4) rows of x and 4 of W: 4N accumulators, each weight
 // and input vector loaded once per 4 (N) products. N is a template parameter so that an expert's
 // last rows of x (a prompt's count per expert is rarely a multiple of 4) cost only their own products.
 template <int N>
 inline void dot_tile_n(const bf16* const* w, const bf16* const* x, int64_t k, float* sums, int64_t ld) {
-#if defined(MOESCOPE_AVX512BF16)
   static_assert(kTile * kTile == 16 && N <= kTile, "one lane sum per accumulator");
   __m512 acc[kTile][kTile];
   for (auto& row : acc)
@@ -299,100 +303,120 @@ inline void dot_tile_n(const bf16* const* w, const bf16* const* x, int64_t k, fl
       for (int64_t t = p; t < k; ++t) sum += to_float(w[r][t]) * to_float(x[i][t]);
       sums[i * ld + r] = sum;
     }
-#else
-  (void)w, (void)x, (void)k, (void)sums, (void)ld;  // builds without bf16 dot products take dot_tile_f32
-#endif
 }
+#endif
 
 #if !defined(MOESCOPE_AVX512BF16)
-// Without bf16 dot products a tile is multiplied in float32: its 4 rows of W and the rows of x are
-// widened once (exact: a bf16 is the top half of a float32), the W rows per tile, x once per call,
-// so the products take plain fused multiply-adds. Widening inside every product, as one-row
-// dot_row does, cost more than the products (torch's own bf16 matmul is slower still on such CPUs).
-// sums[i * ld + r] = x_i . w_r for N (1 or 2) rows of x: 8 accumulators and the 4 W vectors fit
-// AVX2's 16 registers.
-template <int N>
-inline void dot_tile_f32(const float* const* w, const float* const* x, int64_t k, float* sums, int64_t ld) {
-  int64_t p = 0;
+// Without bf16 dot products a tile is multiplied in float32: its kTile rows of W dequantized (or
+// widened: exact, a bf16 is the top half of a float32) once per tile, the input rows widened once
+// per call into blocks of 16 rows laid [k][16], so that each step over k broadcasts one weight of
+// each W row against two vectors of 8 rows: 12 independent accumulators, enough to keep the
+// fused multiply-adds busy (one-row dot products with 8 accumulators, tried first, ran at about
+// half that rate; torch's own bf16 matmul is slower still on such CPUs).
+constexpr int64_t kBlock = 16;
+
+// out[r * kBlock + i] = w_r . x_i for the tile's rows of W (float32) and one block of input rows.
+inline void block_product(const float* const* w, const float* block, int64_t k, float* out) {
 #if defined(__AVX2__) && defined(__FMA__)
-  __m256 acc[N][kTile];
+  __m256 acc[kTile][2];
   for (auto& row : acc)
     for (auto& a : row) a = _mm256_setzero_ps();
-  for (; p + 8 <= k; p += 8) {
-    __m256 wv[kTile];
-    for (int r = 0; r < kTile; ++r) wv[r] = _mm256_loadu_ps(w[r] + p);
-    for (int i = 0; i < N; ++i) {
-      const __m256 xv = _mm256_loadu_ps(x[i] + p);
-      for (int r = 0; r < kTile; ++r) acc[i][r] = _mm256_fmadd_ps(xv, wv[r], acc[i][r]);
+  for (int64_t p = 0; p < k; ++p) {
+    const __m256 x0 = _mm256_loadu_ps(block + kBlock * p), x1 = _mm256_loadu_ps(block + kBlock * p + 8);
+    for (int r = 0; r < kTile; ++r) {
+      const __m256 weight = _mm256_broadcast_ss(w[r] + p);
+      acc[r][0] = _mm256_fmadd_ps(weight, x0, acc[r][0]);
+      acc[r][1] = _mm256_fmadd_ps(weight, x1, acc[r][1]);
     }
   }
-  for (int i = 0; i < N; ++i)
-    for (int r = 0; r < kTile; ++r) {
-      __m128 h = _mm_add_ps(_mm256_castps256_ps128(acc[i][r]), _mm256_extractf128_ps(acc[i][r], 1));
-      h = _mm_add_ps(h, _mm_movehl_ps(h, h));
-      sums[i * ld + r] = _mm_cvtss_f32(_mm_add_ss(h, _mm_movehdup_ps(h)));
-    }
+  for (int r = 0; r < kTile; ++r) {
+    _mm256_storeu_ps(out + r * kBlock, acc[r][0]);
+    _mm256_storeu_ps(out + r * kBlock + 8, acc[r][1]);
+  }
 #else
-  constexpr int kLanes = 8;  // partial sums the compiler keeps in vector registers
-  float acc[N][kTile][kLanes] = {};
-  for (; p + kLanes <= k; p += kLanes)
-    for (int i = 0; i < N; ++i)
-      for (int r = 0; r < kTile; ++r)
-        for (int l = 0; l < kLanes; ++l) acc[i][r][l] += x[i][p + l] * w[r][p + l];
-  for (int i = 0; i < N; ++i)
-    for (int r = 0; r < kTile; ++r) {
-      float sum = 0.f;
-      for (float lane : acc[i][r]) sum += lane;
-      sums[i * ld + r] = sum;
-    }
+  float acc[kTile][kBlock] = {};
+  for (int64_t p = 0; p < k; ++p)
+    for (int r = 0; r < kTile; ++r)
+      for (int i = 0; i < kBlock; ++i) acc[r][i] += w[r][p] * block[kBlock * p + i];
+  std::memcpy(out, acc, sizeof(acc));
 #endif
-  for (; p < k; ++p)
-    for (int i = 0; i < N; ++i)
-      for (int r = 0; r < kTile; ++r) sums[i * ld + r] += x[i][p] * w[r][p];
-}
-
-// bf16 values widened to float32 (exact), 8 at a time where the build has AVX2.
-inline void widen_to(const bf16* src, float* dst, int64_t n) {
-  int64_t i = 0;
-#if defined(__AVX2__)
-  for (; i + 8 <= n; i += 8)
-    _mm256_storeu_ps(dst + i, _mm256_castsi256_ps(_mm256_slli_epi32(
-                                  _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i))), 16)));
-#endif
-  for (; i < n; ++i) dst[i] = to_float(src[i]);
 }
 #endif
 
 // A prompt's input rows as the tile products read them: bf16, and, in builds without bf16 dot
-// products, widened to float32 once per call (`wide`, filled by `widen`, in parts by the threads).
+// products, widened to float32 once per call into blocks of kBlock rows of one expert (the last
+// padded with zeros), each laid [k][kBlock]; the threads fill the blocks in parts (`pack`).
 struct PromptInput {
   const bf16* x;
   int64_t rows, k;
-  std::vector<float> wide;
+#if !defined(MOESCOPE_AVX512BF16)
+  std::vector<int64_t> first_block;  // each expert's first block, then the total
+  std::vector<int64_t> block_row;    // each block's first row of x
+  std::vector<float> blocks;
+#endif
 
-  PromptInput(const bf16* x_, int64_t rows_, int64_t k_) : x(x_), rows(rows_), k(k_) {
+  // `start`/`count`: each expert's rows of x (one expert: all of them)
+  PromptInput(const bf16* x_, int64_t rows_, int64_t k_, const std::vector<int64_t>& start,
+              const std::vector<int64_t>& count)
+      : x(x_), rows(rows_), k(k_) {
 #if !defined(MOESCOPE_AVX512BF16)
-    wide.resize(rows * k);
-#endif
-  }
-  // rows [first, last) widened (nothing to do with bf16 dot products)
-  void widen(int64_t first, int64_t last) {
-#if !defined(MOESCOPE_AVX512BF16)
-    widen_to(x + first * k, wide.data() + first * k, (last - first) * k);
+    for (size_t e = 0; e < count.size(); ++e) {
+      first_block.push_back(static_cast<int64_t>(block_row.size()));
+      for (int64_t r = 0; r < count[e]; r += kBlock) block_row.push_back(start[e] + r);
+    }
+    first_block.push_back(static_cast<int64_t>(block_row.size()));
+    row_end.assign(block_row.size(), 0);
+    for (size_t e = 0; e < count.size(); ++e)
+      for (int64_t b = first_block[e]; b < first_block[e + 1]; ++b) row_end[b] = start[e] + count[e];
+    blocks.resize(block_row.size() * kBlock * k);
 #else
-    (void)first, (void)last;
+    (void)start, (void)count;
 #endif
   }
+
+  int64_t block_count() const {
+#if !defined(MOESCOPE_AVX512BF16)
+    return static_cast<int64_t>(block_row.size());
+#else
+    return 0;
+#endif
+  }
+
+#if !defined(MOESCOPE_AVX512BF16)
+  std::vector<int64_t> row_end;  // each block's expert's end row (a block holds rows up to it)
+
+  const float* block(int64_t b) const { return blocks.data() + b * kBlock * k; }
+
+  // blocks [first, last) filled from x
+  void pack(int64_t first, int64_t last) {
+    std::vector<float> row(k);
+    for (int64_t b = first; b < last; ++b) {
+      float* out = blocks.data() + b * kBlock * k;
+      const int64_t n = std::min(kBlock, row_end[b] - block_row[b]);
+      for (int64_t i = 0; i < kBlock; ++i) {
+        if (i < n) {
+          const bf16* src = x + (block_row[b] + i) * k;
+          for (int64_t p = 0; p < k; ++p) row[p] = to_float(src[p]);
+        } else {
+          std::fill(row.begin(), row.end(), 0.f);
+        }
+        for (int64_t p = 0; p < k; ++p) out[kBlock * p + i] = row[p];
+      }
+    }
+  }
+#else
+  void pack(int64_t, int64_t) {}
+#endif
 };
 
-// A tile's 4 rows of W as its products read them: bf16 with bf16 dot products, else float32.
+// A tile's kTile rows of W as its products read them: bf16 with bf16 dot products, else float32.
 struct TileRows {
   const bf16* bf[kTile];
   const float* wide[kTile];
 };
 
-// Rows at[0..3] of W into `rows`: a bf16 matrix's own rows, or rows expanded into the caller's
-// scratch (kTile rows: bf16 `expanded`, or float32 `wide` in builds without bf16 dot products).
+// Rows at[] of W into `rows`: a bf16 matrix's own rows, or rows expanded into the caller's scratch
+// (kTile rows: bf16 `expanded`, or float32 `wide` in builds without bf16 dot products).
 inline void tile_rows(const Matrix& m, const int64_t* at, TileRows& rows, bf16* expanded, float* wide) {
   for (int j = 0; j < kTile; ++j) {
 #if defined(MOESCOPE_AVX512BF16)
@@ -411,42 +435,39 @@ inline void tile_rows(const Matrix& m, const int64_t* at, TileRows& rows, bf16* 
   }
 }
 
-// The tile's sums for n (1 to 4) rows of `in` from row `first` on: sums[i * ld + r] = x_i . w_r.
-inline void dot_tile(const TileRows& w, const PromptInput& in, int64_t first, int64_t n, float* sums, int64_t ld) {
+// The tile's rows of W times expert e's rows of `in` (rows first .. first + m - 1 of x; `e` indexes
+// `in`'s experts): emit(i, sums) with sums[r] = x_(first + i) . w_r.
+template <class Emit>
+inline void tile_times_rows(const TileRows& w, const PromptInput& in, int64_t e, int64_t first, int64_t m,
+                            Emit&& emit) {
   const int64_t k = in.k;
 #if defined(MOESCOPE_AVX512BF16)
-  const bf16* x[kTile];
-  for (int64_t i = 0; i < kTile; ++i) x[i] = in.x + (first + std::min(i, n - 1)) * k;
-  switch (n) {
-    case 1: return dot_tile_n<1>(w.bf, x, k, sums, ld);
-    case 2: return dot_tile_n<2>(w.bf, x, k, sums, ld);
-    case 3: return dot_tile_n<3>(w.bf, x, k, sums, ld);
-    default: return dot_tile_n<4>(w.bf, x, k, sums, ld);
-  }
-#else
-  const float* x[kTile];
-  for (int64_t i = 0; i < kTile; ++i) x[i] = in.wide.data() + (first + std::min(i, n - 1)) * k;
-  switch (n) {
-    case 1: return dot_tile_f32<1>(w.wide, x, k, sums, ld);
-    case 2: return dot_tile_f32<2>(w.wide, x, k, sums, ld);
-    case 3: return dot_tile_f32<3>(w.wide, x, k, sums, ld);
-    default:
-      dot_tile_f32<2>(w.wide, x, k, sums, ld);
-      return dot_tile_f32<2>(w.wide, x + 2, k, sums + 2 * ld, ld);
-  }
-#endif
-}
-
-// The tile's 4 rows of W times m rows of `in` from row `first` on, 4 rows at a time:
-// emit(i, sums) with sums[r] = x_(first + i) . w_r.
-template <class Emit>
-inline void tile_times_rows(const TileRows& w, const PromptInput& in, int64_t first, int64_t m, Emit&& emit) {
+  (void)e;
   float sums[kTile * kTile];
   for (int64_t i0 = 0; i0 < m; i0 += kTile) {
     const int64_t n = std::min(kTile, m - i0);
-    dot_tile(w, in, first + i0, n, sums, kTile);
+    const bf16* x[kTile];
+    for (int64_t i = 0; i < kTile; ++i) x[i] = in.x + (first + i0 + std::min(i, n - 1)) * k;
+    switch (n) {
+      case 1: dot_tile_n<1>(w.bf, x, k, sums, kTile); break;
+      case 2: dot_tile_n<2>(w.bf, x, k, sums, kTile); break;
+      case 3: dot_tile_n<3>(w.bf, x, k, sums, kTile); break;
+      default: dot_tile_n<4>(w.bf, x, k, sums, kTile);
+    }
     for (int64_t i = 0; i < n; ++i) emit(i0 + i, sums + i * kTile);
   }
+#else
+  alignas(32) float out[kTile * kBlock];
+  float sums[kTile];
+  for (int64_t b = in.first_block[e]; b < in.first_block[e + 1]; ++b) {
+    block_product(w.wide, in.block(b), k, out);
+    const int64_t row0 = in.block_row[b] - first, n = std::min(kBlock, m - row0);
+    for (int64_t i = 0; i < n; ++i) {
+      for (int r = 0; r < kTile; ++r) sums[r] = out[r * kBlock + i];
+      emit(row0 + i, sums);
+    }
+  }
+#endif
 }
 
 // y = x W^T (+ bias) for bf16 rows x [m, cols] and a bf16 or block-quantized W [rows, cols]: what
@@ -461,21 +482,21 @@ at::Tensor linear_rows(const Weight& weight, const at::Tensor& x, const c10::opt
   const at::Tensor xc = x.contiguous();
   const int64_t m = xc.size(0), n = w.rows, k = w.cols;
   at::Tensor y = at::empty({m, n}, x.options());
-  PromptInput in(bf16_data(xc), m, k);
-  in.widen(0, m);
+  PromptInput in(bf16_data(xc), m, k, {0}, {m});
+  at::parallel_for(0, in.block_count(), 1, [&](int64_t first, int64_t last) { in.pack(first, last); });
   const bf16* b = bias.has_value() ? bf16_data(*bias) : nullptr;
   bf16* out = bf16_data(y);
   const int64_t tiles = (n + kTile - 1) / kTile;
   at::parallel_for(0, tiles, 1, [&](int64_t first_tile, int64_t last_tile) {
     std::vector<bf16> expanded(w.type == kBF16 ? 0 : kTile * k);
-    std::vector<float> wide(in.wide.empty() ? 0 : kTile * k);
+    std::vector<float> wide(in.block_count() ? kTile * k : 0);
     for (int64_t t = first_tile; t < last_tile; ++t) {
       const int64_t r0 = t * kTile, r1 = std::min(n, r0 + kTile);
       int64_t at[kTile];
       for (int64_t r = 0; r < kTile; ++r) at[r] = std::min(r0 + r, r1 - 1);  // past the last row: the last again, its sums unused
       TileRows rows;
       tile_rows(w, at, rows, expanded.data(), wide.data());
-      tile_times_rows(rows, in, 0, m, [&](int64_t i, const float* sums) {
+      tile_times_rows(rows, in, 0, 0, m, [&](int64_t i, const float* sums) {
         for (int64_t r = r0; r < r1; ++r)
           out[i * n + r] = to_bf16(b == nullptr ? sums[r - r0] : sums[r - r0] + to_float(b[r]));
       });
@@ -762,6 +783,7 @@ struct TileScratch {
   std::vector<bf16> expanded;
   std::vector<float> wide;  // the tile's rows in float32 (builds without bf16 dot products)
   Q4KRows q4k;
+  std::vector<float> sums;  // a tile's 8-bit products, [input row][kTile]
 };
 
 // A prompt's rows through a layer's resident gated experts, in one call: the rows are sorted by
@@ -794,38 +816,50 @@ struct PromptExperts {
   template <class Emit>
   void tile(const Matrix& m, const int64_t* at, int64_t e, const PromptInput& input, const Int8Groups* groups,
             TileScratch& scratch, Emit&& emit) const {
-    if (groups != nullptr && m.type == kQ4_K) {
-      scratch.q4k.load(m, at);
-      float sums[8 * kTile];
-      for (int64_t g = groups->first[e]; g < groups->first[e + 1]; ++g) {
-        int8_tile(scratch.q4k, *groups, g, sums);
+    if (groups != nullptr && m.type == kQ4_K) {  // the tile's rows kInt8Rows at a time, then emitted together
+      const int64_t g0 = groups->first[e], g1 = groups->first[e + 1];
+      scratch.sums.resize((g1 - g0) * 8 * kTile);
+      for (int64_t r0 = 0; r0 < kTile; r0 += kInt8Rows) {
+        int64_t part[kInt8Rows];
+        for (int j = 0; j < kInt8Rows; ++j) part[j] = at[std::min<int64_t>(r0 + j, kTile - 1)];
+        scratch.q4k.load(m, part);
+        for (int64_t g = g0; g < g1; ++g) {
+          float sums[8 * kInt8Rows];
+          int8_tile(scratch.q4k, *groups, g, sums);
+          for (int64_t lane = 0; lane < 8; ++lane)
+            for (int64_t j = 0; j < kInt8Rows && r0 + j < kTile; ++j)
+              scratch.sums[((g - g0) * 8 + lane) * kTile + r0 + j] = sums[lane * kInt8Rows + j];
+        }
+      }
+      for (int64_t g = g0; g < g1; ++g) {
         const auto [row0, n] = groups->rows[g];
-        for (int64_t lane = 0; lane < n; ++lane) emit(row0 - start[e] + lane, sums + lane * kTile);
+        for (int64_t lane = 0; lane < n; ++lane) emit(row0 - start[e] + lane, &scratch.sums[((g - g0) * 8 + lane) * kTile]);
       }
       return;
     }
     TileRows rows;
     tile_rows(m, at, rows, scratch.expanded.data(), scratch.wide.data());
-    tile_times_rows(rows, input, start[e], count[e], emit);
+    tile_times_rows(rows, input, e, start[e], count[e], emit);
   }
 
-  // Intermediate rows p, p + 1 of expert e for all its rows of x.
+  // Intermediate rows p .. p + kPairs - 1 of expert e for all its rows of x.
   void gate_up_tile(int64_t e, int64_t p, TileScratch& scratch) const {
     const ExpertWeights& w = experts[e];
-    const int64_t pairs = std::min<int64_t>(2, inter - p);
+    const int64_t pairs = std::min<int64_t>(kPairs, inter - p);
     int64_t at[kTile];
-    for (int j = 0; j < 2; ++j) {
-      const int64_t i = p + std::min<int64_t>(j, pairs - 1);  // a lone last row: twice, its second sums unused
+    for (int j = 0; j < kPairs; ++j) {
+      const int64_t i = p + std::min<int64_t>(j, pairs - 1);  // past the last row: the last again, its sums unused
       at[j] = gate_row(recipe, i);
-      at[2 + j] = up_row(recipe, inter, i);
+      at[kPairs + j] = up_row(recipe, inter, i);
     }
     tile(w.gate_up, at, e, x, x8, scratch, [&](int64_t i, const float* sums) {
       for (int64_t j = 0; j < pairs; ++j)
-        activation_rows[(start[e] + i) * inter + p + j] = activate(recipe, sums[j], sums[2 + j], w.gate_up_bias, at[j], at[2 + j]);
+        activation_rows[(start[e] + i) * inter + p + j] =
+            activate(recipe, sums[j], sums[kPairs + j], w.gate_up_bias, at[j], at[kPairs + j]);
     });
   }
 
-  // Output columns h, h + 1, h + 2, h + 3 of expert e for all its rows.
+  // Output columns h .. h + kTile - 1 of expert e for all its rows.
   void down_tile(int64_t e, int64_t h, TileScratch& scratch) const {
     const ExpertWeights& w = experts[e];
     const int64_t n = std::min<int64_t>(kTile, hidden - h);
@@ -888,10 +922,10 @@ at::Tensor moe_prompt(const at::Tensor& x, const std::vector<int64_t>& start, co
   std::vector<bf16> activation(rows * inter);
   const std::unique_ptr<Int8Groups> x8 = int8_groups(int8_inputs, experts, false, start, count, hidden);
   const std::unique_ptr<Int8Groups> act8 = int8_groups(int8_inputs, experts, true, start, count, inter);
-  PromptInput in(bf16_data(xc), rows, hidden), act(activation.data(), rows, inter);
+  PromptInput in(bf16_data(xc), rows, hidden, start, count), act(activation.data(), rows, inter, start, count);
   const PromptExperts work{recipe, experts, start, count, in, hidden, inter, act, activation.data(), bf16_data(y),
                            x8.get(), act8.get()};
-  const TileList gate_tiles(count, inter, 2), down_tiles(count, hidden, kTile);
+  const TileList gate_tiles(count, inter, kPairs), down_tiles(count, hidden, kTile);
   SpinBarrier barrier;
 #pragma omp parallel num_threads(std::max(1, at::get_num_threads()))
   {
@@ -899,17 +933,17 @@ at::Tensor moe_prompt(const at::Tensor& x, const std::vector<int64_t>& start, co
     barrier.join(team);
     TileScratch scratch;
     scratch.expanded.resize(kTile * std::max(hidden, inter));
-    if (!in.wide.empty()) scratch.wide.resize(kTile * std::max(hidden, inter));
+    if (in.block_count()) scratch.wide.resize(kTile * std::max(hidden, inter));
     auto fill_share = [&](Int8Groups* groups, PromptInput& input) {  // this thread's part, then all are done
-      if (!input.wide.empty()) {
-        const auto [first, last] = thread_share(rows, tid, team);
-        input.widen(first, last);
+      if (input.block_count()) {
+        const auto [first, last] = thread_share(input.block_count(), tid, team);
+        input.pack(first, last);
       }
       if (groups != nullptr) {
         const auto [first, last] = thread_share(groups->groups(), tid, team);
         for (int64_t g = first; g < last; ++g) groups->fill(g, input.x);
       }
-      if (groups != nullptr || !input.wide.empty()) barrier.wait();
+      if (groups != nullptr || input.block_count()) barrier.wait();
     };
     fill_share(x8.get(), in);
     const auto [g_first, g_last] = gate_tiles.share(tid, team);
