@@ -58,7 +58,8 @@ def pytest_addoption(parser) -> None:
 
 
 def pytest_collection_modifyitems(config, items) -> None:
-    """Tests that use the native kernels carry the `kernels` marker; `--quick` deselects the heavy ones."""
+    """Tests that use the native kernels carry the `kernels` marker; `--quick` deselects the heavy ones;
+    the kernel builds the remaining tests need start now, in the background (tests/helpers/kernel_builds.py)."""
     for item in items:
         if "kernels" in getattr(item, "fixturenames", ()):
             item.add_marker(pytest.mark.kernels)
@@ -67,3 +68,8 @@ def pytest_collection_modifyitems(config, items) -> None:
         if heavy:
             config.hook.pytest_deselected(items=heavy)
             items[:] = [item for item in items if item not in heavy]
+    if any(item.get_closest_marker("kernels") for item in items):
+        from tests.helpers import kernel_builds
+
+        flavours = ("avx2", "portable") if any("test_quant_kernels" in item.nodeid for item in items) else ()
+        kernel_builds.start(flavours)

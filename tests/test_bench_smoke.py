@@ -18,21 +18,22 @@ pytestmark = pytest.mark.bench
 
 def test_harness_measures_every_system_and_the_limit(tmp_path, mixtral_checkpoint):
     out = tmp_path / "results"
+    # one routing: each system is a process of its own (seconds of imports each); the test below
+    # drives a replayed routing through the same harness
     code = bench_main(["--models", str(mixtral_checkpoint), "--budgets", "50,100", "--prompts", "16", "--decode", "4",
-                       "--accelerate-decode", "2", "--threads", "1", "--out", str(out)])
+                       "--routings", "random", "--accelerate-decode", "2", "--threads", "1", "--out", str(out)])
     assert code == 0
     (report_path,) = out.glob("*.json")
     report = json.loads(report_path.read_text())
     rows = [r for r in report["rows"] if r.get("budget_pct") is not None]
-    assert {(r["routing"], r["budget_pct"]) for r in rows} == {("random", 50), ("random", 100), ("trace", 50),
-                                                                ("trace", 100)}
+    assert {(r["routing"], r["budget_pct"]) for r in rows} == {("random", 50), ("random", 100)}
     for row in rows:
         assert "error" not in row["moescope"] and "error" not in row["transformers"]
         assert row["moescope"]["decode_tokens_per_s"] > 0
         limit = row["limit"]
         # Belady's loads are a lower bound on what any cache with these slots must load.
         assert limit["belady_loads"] * row["moescope"]["slot_bytes"] <= row["moescope"]["bytes_loaded"]
-    assert all("error" not in r["accelerate"] for r in rows if r["routing"] == "random")
+    assert all("error" not in r["accelerate"] for r in rows)
     nocache = [r["nocache"] for r in report["rows"] if r.get("budget_pct") is None]
     assert nocache and all(r["hit_rate"] == 0.0 for r in nocache)
     table = report_path.with_suffix(".md").read_text()

@@ -16,6 +16,7 @@ from engine.formats.blocks import FORMATS, checkpoint_format
 from engine.formats.dequantize import dequantize
 from engine.formats.quantize import quantize
 from engine.formats.relay import fp8_from_tiles
+from tests.helpers import kernel_builds
 from tests.helpers.numerics import close
 
 pytestmark = pytest.mark.kernels
@@ -54,9 +55,10 @@ def flavour(request):
         if built is None:
             pytest.skip(native.status())
         return built
-    if request.param == "avx2" and built is not None and built.code_path() == "avx2":
+    other = kernel_builds.flavour(request.param)
+    if other is None:
         pytest.skip("the native build is the avx2 flavour on this CPU (AVX2 without AVX-512 or VNNI)")
-    return native.compile_flavour(request.param)
+    return other
 
 
 @pytest.mark.parametrize("name", KERNEL_FORMATS)
