@@ -220,38 +220,48 @@ def test_expanding_slots_natively_changes_no_bit_of_the_exact_path(wide, kernels
     assert dense and torch.equal(native, reference)
 
 
+def prompt_logits_fast_and_exact(load: LoadModel, kernels, monkeypatch, native: bool) -> dict:
+    """The prompt's last logits with fast decode on (True) and off (False), checking the path each
+    took: with fast decode on, the native prompt path and its one layer call where `native`,
+    transformers' kernels otherwise (and always with it off)."""
+    import torch
+
+    from engine.decode.kv_cache import new_cache
+    from engine.decode.paths.base import Step
+    from engine.decode.paths.native_layers import NativePromptPath
+
+    calls = []
+    moe_prompt = kernels.moe_prompt
+    monkeypatch.setattr(kernels, "moe_prompt", lambda *args: calls.append(1) or moe_prompt(*args))
+    runtime = MoERuntime(load)
+    prompt = torch.tensor([PROMPT])
+    logits = {}
+    try:
+        with torch.inference_mode():
+            for fast in (True, False):
+                runtime.set_fast_decode(fast)
+                step = Step(prompt, new_cache(runtime.model), 0)
+                path, why_not = runtime.paths.choose(step)
+                assert isinstance(path, NativePromptPath) == (fast and native), (path.label, why_not)
+                assert "lossy" not in path.label
+                calls.clear()
+                logits[fast] = path.run(step)
+                assert bool(calls) == (fast and native)  # the exact path expands the slots for transformers' kernels
+    finally:
+        runtime.close()
+    return logits
+
+
 @pytest.mark.parametrize("family", ["mixtral", "qwen2_moe", "gpt_oss", "deepseek_v3"])
 def test_a_prompt_multiplies_quantized_experts_in_their_blocks(wide, kernels, monkeypatch, family):
     """With fast decode, a prompt's quantized experts of a layer are multiplied tile by tile in one
     native call (never expanded whole into a scratch), its linears on `linear_rows`: the logits
     equal the exact path's to bf16 summation order."""
-    import torch
-
-    calls = []
-    moe_prompt = kernels.moe_prompt
-    monkeypatch.setattr(kernels, "moe_prompt", lambda *args: calls.append(1) or moe_prompt(*args))
-
-    from engine.decode.kv_cache import new_cache
-    from engine.decode.paths.base import Step
-    from engine.decode.paths.native_layers import NativePromptPath
     from tests.helpers.numerics import close
 
-    runtime = MoERuntime(LoadModel(path=str(wide[family]), budget="all", store="ram", device="cpu",
-                                   dtype="bfloat16", expert_format="q4_k", fast_decode=True))
-    prompt = torch.tensor([PROMPT])
-    try:
-        with torch.inference_mode():
-            logits = {}
-            for fast in (True, False):
-                runtime.set_fast_decode(fast)
-                step = Step(prompt, new_cache(runtime.model), 0)
-                path, _ = runtime.paths.choose(step)
-                assert isinstance(path, NativePromptPath) == fast and ("lossy" in path.label) is False, path.label
-                calls.clear()
-                logits[fast] = path.run(step)
-                assert bool(calls) == fast  # the exact path expands the slots for transformers' kernels
-    finally:
-        runtime.close()
+    logits = prompt_logits_fast_and_exact(
+        LoadModel(path=str(wide[family]), budget="all", store="ram", device="cpu", dtype="bfloat16",
+                  expert_format="q4_k", fast_decode=True), kernels, monkeypatch, native=True)
     # every linear and expert of the prompt sums in another order; through the layers of a random
     # model one-step differences compound (to about 3 % on Qwen2-MoE, whose shared experts add linears)
     close(logits[True], logits[False], family, relative=0.04)
@@ -266,33 +276,14 @@ def test_a_bf16_prompt_takes_the_native_rows_where_torch_bf16_matmuls_are_slow(w
     exact path's to summation order."""
     import torch
 
-    from engine.decode.kv_cache import new_cache
     from engine.decode.native import kernels as native
-    from engine.decode.paths.base import Step
-    from engine.decode.paths.native_layers import NativePromptPath
     from tests.helpers.numerics import close
 
-    calls = []
-    moe_prompt = kernels.moe_prompt
-    monkeypatch.setattr(kernels, "moe_prompt", lambda *args: calls.append(1) or moe_prompt(*args))
     native_rows = kernels.bf16_dot_products() or not torch.ops.mkldnn._is_mkldnn_bf16_supported()
     assert native.rows_beat_torch_bf16(kernels) == native_rows
-    runtime = MoERuntime(LoadModel(path=str(wide[family]), budget="all", store="ram", device="cpu",
-                                   dtype="bfloat16", fast_decode=True))
-    prompt = torch.tensor([PROMPT])
-    try:
-        with torch.inference_mode():
-            logits = {}
-            for fast in (True, False):
-                runtime.set_fast_decode(fast)
-                step = Step(prompt, new_cache(runtime.model), 0)
-                path, why_not = runtime.paths.choose(step)
-                assert isinstance(path, NativePromptPath) == (fast and native_rows), (path.label, why_not)
-                calls.clear()
-                logits[fast] = path.run(step)
-                assert bool(calls) == (fast and native_rows)
-    finally:
-        runtime.close()
+    logits = prompt_logits_fast_and_exact(
+        LoadModel(path=str(wide[family]), budget="all", store="ram", device="cpu", dtype="bfloat16",
+                  fast_decode=True), kernels, monkeypatch, native=native_rows)
     close(logits[True], logits[False], family, relative=0.04)
     assert logits[True].argmax() == logits[False].argmax()
 

@@ -679,6 +679,22 @@ inline void group_weights_f32(int32_t type, const uint8_t* b, const BlockScales&
 }
 #endif
 
+// fn(at, block, s, g) for each 32-value group g of each block of rows [begin, end) of a block-quantized W,
+// in order; `at` is the group's first element in a row-major [rows, cols] layout, `s` its block's scales.
+template <typename Fn>
+inline void for_each_group(const Matrix& m, int64_t begin, int64_t end, Fn fn) {
+  const int64_t be = block_elements(m.type), bb = block_bytes(m.type), blocks = m.cols / be;
+  const int groups = static_cast<int>(be / 32);
+  BlockScales s;
+  for (int64_t n = begin; n < end; ++n) {
+    const uint8_t* row = m.row(n);
+    for (int64_t blk = 0; blk < blocks; ++blk) {
+      block_scales(m.type, row + blk * bb, s);
+      for (int g = 0; g < groups; ++g) fn(n * m.cols + blk * be + 32 * g, row + blk * bb, s, g);
+    }
+  }
+}
+
 // Rows [begin, end) of W as float32 into out (row n at out's row n - first): the reference's values
 // (bf16 ones), for products in float32 where the build has no bf16 dot products.
 inline void dequantize_rows_f32(const Matrix& m, int64_t begin, int64_t end, float* out, int64_t first = 0) {
@@ -690,25 +706,15 @@ inline void dequantize_rows_f32(const Matrix& m, int64_t begin, int64_t end, flo
     }
     return;
   }
-  const int64_t be = block_elements(m.type), bb = block_bytes(m.type), blocks = m.cols / be;
-  const int groups = static_cast<int>(be / 32);
-  BlockScales s;
-  for (int64_t n = begin; n < end; ++n) {
-    const uint8_t* row = m.row(n);
-    for (int64_t blk = 0; blk < blocks; ++blk) {
-      block_scales(m.type, row + blk * bb, s);
-      for (int g = 0; g < groups; ++g) {
-        float* w = out + n * m.cols + blk * be + 32 * g;
+  for_each_group(m, begin, end, [&](int64_t at, const uint8_t* block, const BlockScales& s, int g) {
 #if defined(__AVX2__) && !defined(MOESCOPE_AVX512BF16)
-        group_weights_f32(m.type, row + blk * bb, s, g, w);
+    group_weights_f32(m.type, block, s, g, out + at);
 #else
-        alignas(64) bf16 rounded[32];
-        group_weights(m.type, row + blk * bb, s, g, rounded);
-        for (int l = 0; l < 32; ++l) w[l] = to_float(rounded[l]);
+    alignas(64) bf16 rounded[32];
+    group_weights(m.type, block, s, g, rounded);
+    for (int l = 0; l < 32; ++l) out[at + l] = to_float(rounded[l]);
 #endif
-      }
-    }
-  }
+  });
 }
 
 // Rows [begin, end) of W dequantized to bf16 into out (row-major, cols per row; row n at out's row
@@ -725,30 +731,21 @@ inline void dequantize_rows(const Matrix& m, int64_t begin, int64_t end, bf16* o
     return;
   }
 #endif
-  const int64_t be = block_elements(m.type), bb = block_bytes(m.type), blocks = m.cols / be;
-  const int groups = static_cast<int>(be / 32);
-  BlockScales s;
-  for (int64_t n = begin; n < end; ++n) {
-    const uint8_t* row = m.row(n);
-    for (int64_t blk = 0; blk < blocks; ++blk) {
-      block_scales(m.type, row + blk * bb, s);
-      for (int g = 0; g < groups; ++g) {
-        bf16* w = out + n * m.cols + blk * be + 32 * g;
+  for_each_group(m, begin, end, [&](int64_t at, const uint8_t* block, const BlockScales& s, int g) {
+    bf16* w = out + at;
 #if defined(MOESCOPE_AVX512BF16)
-        group_weights_avx512(m.type, row + blk * bb, s, g, w);
+    group_weights_avx512(m.type, block, s, g, w);
 #elif defined(__AVX2__)
-        alignas(32) float wide[32];
-        group_weights_f32(m.type, row + blk * bb, s, g, wide);
-        for (int half = 0; half < 2; ++half) {  // the top halves (exact: they are bf16 values), in order
-          const __m256i a = _mm256_srli_epi32(_mm256_castps_si256(_mm256_load_ps(wide + 16 * half)), 16);
-          const __m256i c = _mm256_srli_epi32(_mm256_castps_si256(_mm256_load_ps(wide + 16 * half + 8)), 16);
-          _mm256_storeu_si256(reinterpret_cast<__m256i*>(w + 16 * half),
-                              _mm256_permute4x64_epi64(_mm256_packus_epi32(a, c), 0xD8));
-        }
-#else
-        group_weights(m.type, row + blk * bb, s, g, w);
-#endif
-      }
+    alignas(32) float wide[32];
+    group_weights_f32(m.type, block, s, g, wide);
+    for (int half = 0; half < 2; ++half) {  // the top halves (exact: they are bf16 values), in order
+      const __m256i a = _mm256_srli_epi32(_mm256_castps_si256(_mm256_load_ps(wide + 16 * half)), 16);
+      const __m256i c = _mm256_srli_epi32(_mm256_castps_si256(_mm256_load_ps(wide + 16 * half + 8)), 16);
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(w + 16 * half),
+                          _mm256_permute4x64_epi64(_mm256_packus_epi32(a, c), 0xD8));
     }
-  }
+#else
+    group_weights(m.type, block, s, g, w);
+#endif
+  });
 }
