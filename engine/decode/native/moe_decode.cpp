@@ -315,29 +315,30 @@ inline void dot_tile_n(const bf16* const* w, const bf16* const* x, int64_t k, fl
 // half that rate; torch's own bf16 matmul is slower still on such CPUs).
 constexpr int64_t kBlock = 16;
 
-// out[r * kBlock + i] = w_r . x_i for the tile's rows of W (float32) and one block of input rows.
+// out[r * kBlock + i] = w_r . x_i for the tile's rows of W (float32) and one block of input rows: its
+// first 8 rows (kVectors 1: a block holding no more, the last of an expert's, need not pay for 16)
+// or all 16.
+template <int kVectors>
 inline void block_product(const float* const* w, const float* block, int64_t k, float* out) {
 #if defined(__AVX2__) && defined(__FMA__)
-  __m256 acc[kTile][2];
+  __m256 acc[kTile][kVectors];
   for (auto& row : acc)
     for (auto& a : row) a = _mm256_setzero_ps();
   for (int64_t p = 0; p < k; ++p) {
-    const __m256 x0 = _mm256_loadu_ps(block + kBlock * p), x1 = _mm256_loadu_ps(block + kBlock * p + 8);
+    __m256 x[kVectors];
+    for (int v = 0; v < kVectors; ++v) x[v] = _mm256_loadu_ps(block + kBlock * p + 8 * v);
     for (int r = 0; r < kTile; ++r) {
       const __m256 weight = _mm256_broadcast_ss(w[r] + p);
-      acc[r][0] = _mm256_fmadd_ps(weight, x0, acc[r][0]);
-      acc[r][1] = _mm256_fmadd_ps(weight, x1, acc[r][1]);
+      for (int v = 0; v < kVectors; ++v) acc[r][v] = _mm256_fmadd_ps(weight, x[v], acc[r][v]);
     }
   }
-  for (int r = 0; r < kTile; ++r) {
-    _mm256_storeu_ps(out + r * kBlock, acc[r][0]);
-    _mm256_storeu_ps(out + r * kBlock + 8, acc[r][1]);
-  }
+  for (int r = 0; r < kTile; ++r)
+    for (int v = 0; v < kVectors; ++v) _mm256_storeu_ps(out + r * kBlock + 8 * v, acc[r][v]);
 #else
   float acc[kTile][kBlock] = {};
   for (int64_t p = 0; p < k; ++p)
     for (int r = 0; r < kTile; ++r)
-      for (int i = 0; i < kBlock; ++i) acc[r][i] += w[r][p] * block[kBlock * p + i];
+      for (int i = 0; i < 8 * kVectors; ++i) acc[r][i] += w[r][p] * block[kBlock * p + i];
   std::memcpy(out, acc, sizeof(acc));
 #endif
 }
@@ -460,8 +461,11 @@ inline void tile_times_rows(const TileRows& w, const PromptInput& in, int64_t e,
   alignas(32) float out[kTile * kBlock];
   float sums[kTile];
   for (int64_t b = in.first_block[e]; b < in.first_block[e + 1]; ++b) {
-    block_product(w.wide, in.block(b), k, out);
     const int64_t row0 = in.block_row[b] - first, n = std::min(kBlock, m - row0);
+    if (n <= 8)
+      block_product<1>(w.wide, in.block(b), k, out);
+    else
+      block_product<2>(w.wide, in.block(b), k, out);
     for (int64_t i = 0; i < n; ++i) {
       for (int r = 0; r < kTile; ++r) sums[r] = out[r * kBlock + i];
       emit(row0 + i, sums);
