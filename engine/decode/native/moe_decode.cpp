@@ -349,7 +349,7 @@ inline void block_product(const float* const* w, const float* block, int64_t k, 
 // padded with zeros), each laid [k][kBlock]; the threads fill the blocks in parts (`pack`).
 struct PromptInput {
   const bf16* x;
-  int64_t rows, k;
+  int64_t k;
 #if !defined(MOESCOPE_AVX512BF16)
   std::vector<int64_t> first_block;  // each expert's first block, then the total
   std::vector<int64_t> block_row;    // each block's first row of x
@@ -357,9 +357,8 @@ struct PromptInput {
 #endif
 
   // `start`/`count`: each expert's rows of x (one expert: all of them)
-  PromptInput(const bf16* x_, int64_t rows_, int64_t k_, const std::vector<int64_t>& start,
-              const std::vector<int64_t>& count)
-      : x(x_), rows(rows_), k(k_) {
+  PromptInput(const bf16* x_, int64_t k_, const std::vector<int64_t>& start, const std::vector<int64_t>& count)
+      : x(x_), k(k_) {
 #if !defined(MOESCOPE_AVX512BF16)
     for (size_t e = 0; e < count.size(); ++e) {
       first_block.push_back(static_cast<int64_t>(block_row.size()));
@@ -486,7 +485,7 @@ at::Tensor linear_rows(const Weight& weight, const at::Tensor& x, const c10::opt
   const at::Tensor xc = x.contiguous();
   const int64_t m = xc.size(0), n = w.rows, k = w.cols;
   at::Tensor y = at::empty({m, n}, x.options());
-  PromptInput in(bf16_data(xc), m, k, {0}, {m});
+  PromptInput in(bf16_data(xc), k, {0}, {m});
   at::parallel_for(0, in.block_count(), 1, [&](int64_t first, int64_t last) { in.pack(first, last); });
   const bf16* b = bias.has_value() ? bf16_data(*bias) : nullptr;
   bf16* out = bf16_data(y);
@@ -815,7 +814,7 @@ struct PromptExperts {
   const Int8Groups* x8 = nullptr;    // opt-in: x rounded to 8 bits, for Q4_K gate/up matrices
   const Int8Groups* act8 = nullptr;  // and the activation, for Q4_K down matrices
 
-  // The tile's 4 rows at[] of matrix m times each of expert e's rows of `input` (or their 8-bit groups
+  // The tile's kTile rows at[] of matrix m times each of expert e's rows of `input` (or their 8-bit groups
   // where given and m is Q4_K): emit(i, sums) with sums[r] = x_i . w_r.
   template <class Emit>
   void tile(const Matrix& m, const int64_t* at, int64_t e, const PromptInput& input, const Int8Groups* groups,
@@ -926,7 +925,7 @@ at::Tensor moe_prompt(const at::Tensor& x, const std::vector<int64_t>& start, co
   std::vector<bf16> activation(rows * inter);
   const std::unique_ptr<Int8Groups> x8 = int8_groups(int8_inputs, experts, false, start, count, hidden);
   const std::unique_ptr<Int8Groups> act8 = int8_groups(int8_inputs, experts, true, start, count, inter);
-  PromptInput in(bf16_data(xc), rows, hidden, start, count), act(activation.data(), rows, inter, start, count);
+  PromptInput in(bf16_data(xc), hidden, start, count), act(activation.data(), inter, start, count);
   const PromptExperts work{recipe, experts, start, count, in, hidden, inter, act, activation.data(), bf16_data(y),
                            x8.get(), act8.get()};
   const TileList gate_tiles(count, inter, kPairs), down_tiles(count, hidden, kTile);

@@ -616,7 +616,7 @@ inline void dequantize_row_q4_k(const uint8_t* row, int64_t blocks, bf16* w) {
 }
 #endif
 
-#if defined(__AVX2__) && !defined(MOESCOPE_AVX512BF16)
+#if defined(__AVX2__)
 // Group g's 32 levels as signed bytes, for the types unpacked in vectors here (false: the others,
 // which take group_levels).
 inline bool group_levels_avx2(int32_t type, const uint8_t* b, int g, __m256i& bytes) {
@@ -655,29 +655,32 @@ inline bool group_levels_avx2(int32_t type, const uint8_t* b, int g, __m256i& by
   }
 }
 
+#endif
+
 // group_weights' values (scale * level - min, two roundings, then rounded to bf16 as torch rounds)
-// as float32, 8 at a time.
+// as float32: 8 at a time for the types AVX2 unpacks in vectors.
 inline void group_weights_f32(int32_t type, const uint8_t* b, const BlockScales& s, int g, float* w) {
+#if defined(__AVX2__)
   __m256i bytes;
-  if (!group_levels_avx2(type, b, g, bytes)) {
-    alignas(32) bf16 rounded[32];
-    group_weights(type, b, s, g, rounded);
-    for (int l = 0; l < 32; ++l) w[l] = to_float(rounded[l]);
+  if (group_levels_avx2(type, b, g, bytes)) {
+    const __m128i halves[2] = {_mm256_castsi256_si128(bytes), _mm256_extracti128_si256(bytes, 1)};
+    for (int part = 0; part < 4; ++part) {
+      const __m128i eight = part % 2 ? _mm_srli_si128(halves[part / 2], 8) : halves[part / 2];
+      const int sub = (32 * g + 8 * part) / 16;
+      const __m256 value = _mm256_sub_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(eight)),
+                                                       _mm256_set1_ps(s.scale[sub])), _mm256_set1_ps(s.min[sub]));
+      __m256i bits = _mm256_castps_si256(value);  // round to nearest even at bf16, as to_bf16 (finite values)
+      bits = _mm256_add_epi32(bits, _mm256_add_epi32(_mm256_set1_epi32(0x7FFF),
+                                                     _mm256_and_si256(_mm256_srli_epi32(bits, 16), _mm256_set1_epi32(1))));
+      _mm256_storeu_ps(w + 8 * part, _mm256_castsi256_ps(_mm256_and_si256(bits, _mm256_set1_epi32(-65536))));
+    }
     return;
   }
-  const __m128i halves[2] = {_mm256_castsi256_si128(bytes), _mm256_extracti128_si256(bytes, 1)};
-  for (int part = 0; part < 4; ++part) {
-    const __m128i eight = part % 2 ? _mm_srli_si128(halves[part / 2], 8) : halves[part / 2];
-    const int sub = (32 * g + 8 * part) / 16;
-    const __m256 value = _mm256_sub_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(eight)),
-                                                     _mm256_set1_ps(s.scale[sub])), _mm256_set1_ps(s.min[sub]));
-    __m256i bits = _mm256_castps_si256(value);  // round to nearest even at bf16, as to_bf16 (finite values)
-    bits = _mm256_add_epi32(bits, _mm256_add_epi32(_mm256_set1_epi32(0x7FFF),
-                                                   _mm256_and_si256(_mm256_srli_epi32(bits, 16), _mm256_set1_epi32(1))));
-    _mm256_storeu_ps(w + 8 * part, _mm256_castsi256_ps(_mm256_and_si256(bits, _mm256_set1_epi32(-65536))));
-  }
-}
 #endif
+  alignas(32) bf16 rounded[32];
+  group_weights(type, b, s, g, rounded);
+  for (int l = 0; l < 32; ++l) w[l] = to_float(rounded[l]);
+}
 
 // fn(at, block, s, g) for each 32-value group g of each block of rows [begin, end) of a block-quantized W,
 // in order; `at` is the group's first element in a row-major [rows, cols] layout, `s` its block's scales.
@@ -707,13 +710,7 @@ inline void dequantize_rows_f32(const Matrix& m, int64_t begin, int64_t end, flo
     return;
   }
   for_each_group(m, begin, end, [&](int64_t at, const uint8_t* block, const BlockScales& s, int g) {
-#if defined(__AVX2__) && !defined(MOESCOPE_AVX512BF16)
     group_weights_f32(m.type, block, s, g, out + at);
-#else
-    alignas(64) bf16 rounded[32];
-    group_weights(m.type, block, s, g, rounded);
-    for (int l = 0; l < 32; ++l) out[at + l] = to_float(rounded[l]);
-#endif
   });
 }
 
