@@ -318,21 +318,30 @@ constexpr int64_t kBlock = 16;
 // out[r * kBlock + i] = w_r . x_i for the tile's rows of W (float32) and one block of input rows: its
 // first 8 rows (kVectors 1: a block holding no more, the last of an expert's, need not pay for 16)
 // or all 16.
+// The loops over the accumulators are unrolled by pragma: unrolled only later, as GCC does where this
+// is not inlined, the accumulator array stays in memory and every step stores all 12 of them.
 template <int kVectors>
 inline void block_product(const float* const* w, const float* block, int64_t k, float* out) {
 #if defined(__AVX2__) && defined(__FMA__)
   __m256 acc[kTile][kVectors];
-  for (auto& row : acc)
-    for (auto& a : row) a = _mm256_setzero_ps();
+#pragma GCC unroll 8
+  for (int r = 0; r < kTile; ++r)
+#pragma GCC unroll 2
+    for (int v = 0; v < kVectors; ++v) acc[r][v] = _mm256_setzero_ps();
   for (int64_t p = 0; p < k; ++p) {
     __m256 x[kVectors];
+#pragma GCC unroll 2
     for (int v = 0; v < kVectors; ++v) x[v] = _mm256_loadu_ps(block + kBlock * p + 8 * v);
+#pragma GCC unroll 8
     for (int r = 0; r < kTile; ++r) {
       const __m256 weight = _mm256_broadcast_ss(w[r] + p);
+#pragma GCC unroll 2
       for (int v = 0; v < kVectors; ++v) acc[r][v] = _mm256_fmadd_ps(weight, x[v], acc[r][v]);
     }
   }
+#pragma GCC unroll 8
   for (int r = 0; r < kTile; ++r)
+#pragma GCC unroll 2
     for (int v = 0; v < kVectors; ++v) _mm256_storeu_ps(out + r * kBlock + 8 * v, acc[r][v]);
 #else
   float acc[kTile][kBlock] = {};
