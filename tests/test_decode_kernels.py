@@ -123,8 +123,9 @@ def test_attention_kernels_follow_the_cache_length(kernels):
 @pytest.mark.parametrize("head_dim", [32, 48, 64, 128])
 @pytest.mark.parametrize("length", [1, 15, 16, 47])
 def test_attention_matches_float32_attention_for_any_length_and_head_size(kernels, head_dim, length):
-    """Keys are scored 16 positions at a time where the head size allows, one at a time for the
-    rest: every length and head size must give the float32 attention of the same bf16 inputs."""
+    """Keys are scored 16 (AVX-512) or 8 (AVX2) positions at a time where the head size allows, one
+    at a time for the rest, and values summed 32 columns at a time, then 8: every length and head
+    size must give the float32 attention of the same bf16 inputs."""
     torch.manual_seed(head_dim + length)
     query = torch.randn(1, 4, 1, head_dim).to(torch.bfloat16)
     keys = torch.randn(1, 2, length, head_dim).to(torch.bfloat16)

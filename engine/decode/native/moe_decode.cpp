@@ -74,6 +74,19 @@ inline __m512 widen_bf16(const bf16* p) {
   return _mm512_castsi512_ps(
       _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))), 16));
 }
+#elif defined(MOESCOPE_AVX2)
+// 8 bf16 values widened to float32.
+inline __m256 widen_bf16_8(const bf16* p) {
+  return _mm256_castsi256_ps(
+      _mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))), 16));
+}
+
+// The lane sums of 8 vectors as one vector (out[j] = sum of v[j]'s lanes), by a transposing add tree.
+inline __m256 sum_lanes_8(const __m256* v) {
+  const __m256 s0 = _mm256_hadd_ps(_mm256_hadd_ps(v[0], v[1]), _mm256_hadd_ps(v[2], v[3]));  // per 128-bit lane
+  const __m256 s1 = _mm256_hadd_ps(_mm256_hadd_ps(v[4], v[5]), _mm256_hadd_ps(v[6], v[7]));
+  return _mm256_add_ps(_mm256_permute2f128_ps(s0, s1, 0x20), _mm256_permute2f128_ps(s0, s1, 0x31));
+}
 #endif
 
 // How far ahead (elements) dot_row asks for weight lines, with the non-temporal hint. The weights
@@ -120,16 +133,12 @@ inline float dot_row(const bf16* w, const bf16* x, int64_t k) {
   for (; i < k; ++i) tail += to_float(w[i]) * to_float(x[i]);
   return _mm512_reduce_add_ps(_mm512_add_ps(a0, a1)) + tail;
 #elif defined(MOESCOPE_AVX2)
-  auto widen = [](const bf16* p) {
-    return _mm256_castsi256_ps(
-        _mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))), 16));
-  };
   __m256 a0 = _mm256_setzero_ps(), a1 = a0;
   int64_t i = 0;
   for (; i + 16 <= k; i += 16) {
     _mm_prefetch(reinterpret_cast<const char*>(w + i + kPrefetchAhead), _MM_HINT_NTA);
-    a0 = _mm256_fmadd_ps(widen(w + i), widen(x + i), a0);
-    a1 = _mm256_fmadd_ps(widen(w + i + 8), widen(x + i + 8), a1);
+    a0 = _mm256_fmadd_ps(widen_bf16_8(w + i), widen_bf16_8(x + i), a0);
+    a1 = _mm256_fmadd_ps(widen_bf16_8(w + i + 8), widen_bf16_8(x + i + 8), a1);
   }
   alignas(32) float lanes[8];
   _mm256_store_ps(lanes, _mm256_add_ps(a0, a1));
@@ -157,6 +166,15 @@ inline float dot_f32_bf16(const float* w, const bf16* x, int64_t k) {
     a1 = _mm512_fmadd_ps(_mm512_loadu_ps(w + i + 16), widen_bf16(x + i + 16), a1);
   }
   sum = _mm512_reduce_add_ps(_mm512_add_ps(a0, a1));
+#elif defined(MOESCOPE_AVX2)
+  __m256 a0 = _mm256_setzero_ps(), a1 = a0;
+  for (; i + 16 <= k; i += 16) {
+    a0 = _mm256_fmadd_ps(_mm256_loadu_ps(w + i), widen_bf16_8(x + i), a0);
+    a1 = _mm256_fmadd_ps(_mm256_loadu_ps(w + i + 8), widen_bf16_8(x + i + 8), a1);
+  }
+  alignas(32) float lanes[8];
+  _mm256_store_ps(lanes, _mm256_add_ps(a0, a1));
+  for (float lane : lanes) sum += lane;
 #endif
   for (; i < k; ++i) sum += w[i] * to_float(x[i]);
   return sum;
@@ -1170,7 +1188,7 @@ std::vector<at::Tensor> qkv_rope(const at::Tensor& x, const Weight& wq, const We
   return {q, k, v};
 }
 
-// v[i] = exp(v[i] - shift) for n values; returns their sum. Vectorized where the CPU has AVX-512
+// v[i] = exp(v[i] - shift) for n values; returns their sum. Vectorized with AVX-512 or AVX2
 // (Cephes' single-precision polynomial, within ~2 ulp of std::exp): the softmax's exponentials
 // were a third of one-token attention's time.
 inline float exp_shifted(float* v, int64_t n, float shift) {
@@ -1196,6 +1214,30 @@ inline float exp_shifted(float* v, int64_t n, float shift) {
     sum = _mm512_add_ps(sum, e);
   }
   total = _mm512_reduce_add_ps(sum);
+#elif defined(MOESCOPE_AVX2)
+  // the same polynomial in 8 lanes (k >= -126 after the clamp: 2^k is a normal float, built from its bits)
+  __m256 sum = _mm256_setzero_ps();
+  const __m256 lo = _mm256_set1_ps(-87.3f), log2e = _mm256_set1_ps(1.44269504088896341f);
+  const __m256 ln2_hi = _mm256_set1_ps(0.693359375f), ln2_lo = _mm256_set1_ps(-2.12194440e-4f);
+  for (; i + 8 <= n; i += 8) {
+    const __m256 x = _mm256_max_ps(_mm256_sub_ps(_mm256_loadu_ps(v + i), _mm256_set1_ps(shift)), lo);
+    const __m256 k = _mm256_round_ps(_mm256_mul_ps(x, log2e), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    const __m256 r = _mm256_fnmadd_ps(k, ln2_lo, _mm256_fnmadd_ps(k, ln2_hi, x));
+    __m256 p = _mm256_set1_ps(1.9875691500e-4f);
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
+    const __m256 y = _mm256_add_ps(_mm256_fmadd_ps(p, _mm256_mul_ps(r, r), r), _mm256_set1_ps(1.f));
+    const __m256i exponent = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(k), _mm256_set1_epi32(127)), 23);
+    const __m256 e = _mm256_mul_ps(y, _mm256_castsi256_ps(exponent));
+    _mm256_storeu_ps(v + i, e);
+    sum = _mm256_add_ps(sum, e);
+  }
+  alignas(32) float lanes[8];
+  _mm256_store_ps(lanes, sum);
+  for (float lane : lanes) total += lane;
 #endif
   for (; i < n; ++i) total += (v[i] = std::exp(v[i] - shift));
   return total;
@@ -1247,6 +1289,32 @@ inline void weighted_rows(const float* p, const bf16* rows, int64_t stride, int6
     for (int64_t t = 0; t < len; ++t) a = _mm512_fmadd_ps(_mm512_set1_ps(p[t]), widen_bf16(rows + t * stride + c), a);
     _mm512_storeu_ps(out + c, a);
   }
+#elif defined(MOESCOPE_AVX2)
+  for (; c + 32 <= d; c += 32) {
+    __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+    for (int64_t t = 0; t < len; ++t) {
+      const __m256 w = _mm256_set1_ps(p[t]);
+      const bf16* row = rows + t * stride + c;
+      a0 = _mm256_fmadd_ps(w, widen_bf16_8(row), a0);
+      a1 = _mm256_fmadd_ps(w, widen_bf16_8(row + 8), a1);
+      a2 = _mm256_fmadd_ps(w, widen_bf16_8(row + 16), a2);
+      a3 = _mm256_fmadd_ps(w, widen_bf16_8(row + 24), a3);
+    }
+    _mm256_storeu_ps(out + c, a0);
+    _mm256_storeu_ps(out + c + 8, a1);
+    _mm256_storeu_ps(out + c + 16, a2);
+    _mm256_storeu_ps(out + c + 24, a3);
+  }
+  for (; c + 8 <= d; c += 8) {  // two positions a step: two sums in flight
+    __m256 a = _mm256_setzero_ps(), b = a;
+    int64_t t = 0;
+    for (; t + 2 <= len; t += 2) {
+      a = _mm256_fmadd_ps(_mm256_set1_ps(p[t]), widen_bf16_8(rows + t * stride + c), a);
+      b = _mm256_fmadd_ps(_mm256_set1_ps(p[t + 1]), widen_bf16_8(rows + (t + 1) * stride + c), b);
+    }
+    if (t < len) a = _mm256_fmadd_ps(_mm256_set1_ps(p[t]), widen_bf16_8(rows + t * stride + c), a);
+    _mm256_storeu_ps(out + c, _mm256_add_ps(a, b));
+  }
 #endif
   for (; c < d; ++c) {
     float a = 0.f;
@@ -1266,9 +1334,9 @@ struct CacheView {
 // Query head h (of a group sharing kv head g) over `len` cached positions into out[0, d).
 // `scores`: len floats and `acc`: d floats of scratch.
 
-// scores[t] = (key row t . q) * scale for positions [0, len); returns the largest. Keys 16 at a
-// time where the head size is whole 32-element steps (one query's attention spent most of its
-// time in the per-position reductions).
+// scores[t] = (key row t . q) * scale for positions [0, len); returns the largest. Keys 16 (AVX-512)
+// or 8 (AVX2) at a time where the head size is whole vector steps (one query's attention spent most
+// of its time in the per-position reductions).
 inline float key_scores(const bf16* q, int64_t d, const bf16* keys, int64_t stride, int64_t len, float scale,
                         float* scores) {
   float top = -INFINITY;
@@ -1291,6 +1359,30 @@ inline float key_scores(const bf16* q, int64_t d, const bf16* keys, int64_t stri
       running = _mm512_max_ps(running, block);
     }
     top = _mm512_reduce_max_ps(running);
+  }
+#elif defined(MOESCOPE_AVX2)
+  constexpr int64_t kMaxHead = 512;
+  if (d % 8 == 0 && d <= kMaxHead) {
+    alignas(32) float qf[kMaxHead];  // q widened once, not once per key
+    for (int64_t i = 0; i < d; i += 8) _mm256_store_ps(qf + i, widen_bf16_8(q + i));
+    const __m256 scaled = _mm256_set1_ps(scale);
+    __m256 running = _mm256_set1_ps(-INFINITY);
+    for (; t + 8 <= len; t += 8) {
+      __m256 acc[8];
+#pragma GCC unroll 8
+      for (int j = 0; j < 8; ++j) {
+        const bf16* row = keys + (t + j) * stride;
+        __m256 a = _mm256_setzero_ps();
+        for (int64_t i = 0; i < d; i += 8) a = _mm256_fmadd_ps(widen_bf16_8(row + i), _mm256_load_ps(qf + i), a);
+        acc[j] = a;
+      }
+      const __m256 block = _mm256_mul_ps(sum_lanes_8(acc), scaled);
+      _mm256_storeu_ps(scores + t, block);
+      running = _mm256_max_ps(running, block);
+    }
+    alignas(32) float lanes[8];
+    _mm256_store_ps(lanes, running);
+    for (float lane : lanes) top = std::max(top, lane);
   }
 #endif
   for (; t < len; ++t) {  // bf16 products are exact in float32: q need not be widened first
