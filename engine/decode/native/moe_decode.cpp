@@ -1188,6 +1188,12 @@ std::vector<at::Tensor> qkv_rope(const at::Tensor& x, const Weight& wq, const We
   return {q, k, v};
 }
 
+// exp_shifted's constants: the clamp (below it exp underflows), log2(e), ln 2 in two parts, and the
+// polynomial's coefficients from the highest power down
+constexpr float kExpFloor = -87.3f, kLog2e = 1.44269504088896341f, kLn2Hi = 0.693359375f, kLn2Lo = -2.12194440e-4f;
+constexpr float kExpPoly[6] = {1.9875691500e-4f, 1.3981999507e-3f, 8.3334519073e-3f,
+                               4.1665795894e-2f, 1.6666665459e-1f, 5.0000001201e-1f};
+
 // v[i] = exp(v[i] - shift) for n values; returns their sum. Vectorized with AVX-512 or AVX2
 // (Cephes' single-precision polynomial, within ~2 ulp of std::exp): the softmax's exponentials
 // were a third of one-token attention's time.
@@ -1196,18 +1202,14 @@ inline float exp_shifted(float* v, int64_t n, float shift) {
   float total = 0.f;
 #if defined(MOESCOPE_AVX512BF16) || defined(MOESCOPE_AVX512F)
   __m512 sum = _mm512_setzero_ps();
-  const __m512 lo = _mm512_set1_ps(-87.3f), log2e = _mm512_set1_ps(1.44269504088896341f);
-  const __m512 ln2_hi = _mm512_set1_ps(0.693359375f), ln2_lo = _mm512_set1_ps(-2.12194440e-4f);
+  const __m512 lo = _mm512_set1_ps(kExpFloor), log2e = _mm512_set1_ps(kLog2e);
+  const __m512 ln2_hi = _mm512_set1_ps(kLn2Hi), ln2_lo = _mm512_set1_ps(kLn2Lo);
   for (; i + 16 <= n; i += 16) {
     const __m512 x = _mm512_max_ps(_mm512_sub_ps(_mm512_loadu_ps(v + i), _mm512_set1_ps(shift)), lo);
     const __m512 k = _mm512_roundscale_ps(_mm512_mul_ps(x, log2e), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
     const __m512 r = _mm512_fnmadd_ps(k, ln2_lo, _mm512_fnmadd_ps(k, ln2_hi, x));
-    __m512 p = _mm512_set1_ps(1.9875691500e-4f);
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+    __m512 p = _mm512_set1_ps(kExpPoly[0]);
+    for (int c = 1; c < 6; ++c) p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(kExpPoly[c]));
     const __m512 y = _mm512_add_ps(_mm512_fmadd_ps(p, _mm512_mul_ps(r, r), r), _mm512_set1_ps(1.f));
     const __m512 e = _mm512_scalef_ps(y, k);
     _mm512_storeu_ps(v + i, e);
@@ -1217,18 +1219,14 @@ inline float exp_shifted(float* v, int64_t n, float shift) {
 #elif defined(MOESCOPE_AVX2)
   // the same polynomial in 8 lanes (k >= -126 after the clamp: 2^k is a normal float, built from its bits)
   __m256 sum = _mm256_setzero_ps();
-  const __m256 lo = _mm256_set1_ps(-87.3f), log2e = _mm256_set1_ps(1.44269504088896341f);
-  const __m256 ln2_hi = _mm256_set1_ps(0.693359375f), ln2_lo = _mm256_set1_ps(-2.12194440e-4f);
+  const __m256 lo = _mm256_set1_ps(kExpFloor), log2e = _mm256_set1_ps(kLog2e);
+  const __m256 ln2_hi = _mm256_set1_ps(kLn2Hi), ln2_lo = _mm256_set1_ps(kLn2Lo);
   for (; i + 8 <= n; i += 8) {
     const __m256 x = _mm256_max_ps(_mm256_sub_ps(_mm256_loadu_ps(v + i), _mm256_set1_ps(shift)), lo);
     const __m256 k = _mm256_round_ps(_mm256_mul_ps(x, log2e), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
     const __m256 r = _mm256_fnmadd_ps(k, ln2_lo, _mm256_fnmadd_ps(k, ln2_hi, x));
-    __m256 p = _mm256_set1_ps(1.9875691500e-4f);
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
+    __m256 p = _mm256_set1_ps(kExpPoly[0]);
+    for (int c = 1; c < 6; ++c) p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(kExpPoly[c]));
     const __m256 y = _mm256_add_ps(_mm256_fmadd_ps(p, _mm256_mul_ps(r, r), r), _mm256_set1_ps(1.f));
     const __m256i exponent = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(k), _mm256_set1_epi32(127)), 23);
     const __m256 e = _mm256_mul_ps(y, _mm256_castsi256_ps(exponent));
