@@ -124,6 +124,35 @@ def test_the_conversion_runs_once_and_is_reused(wide):
     assert tree_snapshot(folder) == before
 
 
+def test_two_checkpoints_of_one_architecture_never_share_a_conversion(tmp_path):
+    """A base model and its fine-tune have the same config and tensor shapes: each must run on its own
+    converted experts, and a checkpoint rewritten in place must be converted again."""
+    import os
+
+    import torch
+    from safetensors.torch import load_file
+
+    first = save_tiny_checkpoint("olmoe", tmp_path / "base", seed=0, **WIDE["olmoe"])
+    second = save_tiny_checkpoint("olmoe", tmp_path / "tuned", seed=1, **WIDE["olmoe"])
+    folders, fingerprints = [], []
+    for path in (first, second):
+        runtime = MoERuntime(LoadModel(path=str(path), expert_format="q8_0"))
+        fingerprints.append(runtime.fingerprint)
+        runtime.close()
+        folders.append(runtime.layout.pieces[0][0][0].file.parent)
+    assert fingerprints[0] == fingerprints[1] and folders[0] != folders[1]  # one architecture, two conversions
+    layer = "moe-layer-0000.safetensors"
+    a, b = load_file(str(folders[0] / layer)), load_file(str(folders[1] / layer))
+    assert a.keys() == b.keys() and not all(torch.equal(a[k], b[k]) for k in a)  # each model's own weights
+
+    weights = next(second.glob("*.safetensors"))
+    stat = weights.stat()
+    os.utime(weights, ns=(stat.st_atime_ns, stat.st_mtime_ns + 10**9))  # saved again over the same folder
+    seen: list[str] = []
+    MoERuntime(LoadModel(path=str(second), expert_format="q8_0"), progress=lambda f, what: seen.append(what)).close()
+    assert any("converting experts to 8-bit (Q8_0)" in line for line in seen)
+
+
 def test_a_conversion_killed_midway_is_never_trusted(wide, tmp_path):
     # A process that dies after converting one layer leaves a .partial folder (6-bit: a format no other
     # test converts this model to, so the conversion really runs); the next load converts

@@ -5,12 +5,14 @@ The conversion writes one safetensors file per MoE layer (each expert's quantize
 bytes, its biases in the compute dtype) into `<key>.partial/`, then a manifest, and only then
 renames the folder to `<key>`: a conversion that is killed midway leaves a `.partial` folder that
 is never read, and is removed when the next conversion starts. The key holds the checkpoint's
-fingerprint, the compute dtype and the format, so another model or format never reuses it; the
-user's model folder is never written.
+fingerprint (its architecture: config and tensor shapes), the identity of the files the experts are
+read from, the compute dtype and the format, so another model or format never reuses it; the user's
+model folder is never written.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import shutil
@@ -51,13 +53,31 @@ def quantize_layout(layout: MoELayout, fmt: BlockFormat, fingerprint: str, *, ro
     """`layout` with its experts stored in `fmt`, converted now unless a finished conversion of this
     checkpoint to this format is in the cache folder already; and notes for the user."""
     params, slot_bytes, notes = quantized_params(layout.params, fmt)
-    folder = (root or quantized_root()) / f"{fingerprint[:20]}-{dtype_name(layout.compute_dtype)}-{fmt.name}"
+    key = f"{fingerprint[:20]}-{source_identity(layout)}-{dtype_name(layout.compute_dtype)}-{fmt.name}"
+    folder = (root or quantized_root()) / key
     if not _finished(folder, layout, params, fmt):
         _convert(layout, params, fmt, folder, progress)
     pieces = _pieces(folder, layout, params)
     on_disk = sum(piece.nbytes for per_layer in pieces for per_expert in per_layer for piece in per_expert)
     return replace(layout, params=params, slot_bytes=slot_bytes, pieces=pieces, expert_format=fmt,
                    expert_bytes_on_disk=on_disk), notes
+
+
+def source_identity(layout: MoELayout) -> str:
+    """The checkpoint files the experts are read from, as they are now: each one's resolved path (in
+    the Hugging Face cache, a content-named blob), size and modification time. The fingerprint names
+    the architecture only, which a base model and its fine-tune share: keyed by it alone, the second
+    would run on the first one's converted experts. A moved or rewritten checkpoint converts again."""
+    files = set()
+    for per_layer in layout.pieces:
+        for per_expert in per_layer:
+            for piece in per_expert:
+                files.update(str(Path(p.file).resolve()) for p in (piece, piece.scales) if p is not None)
+    digest = hashlib.sha256()
+    for name in sorted(files):
+        stat = os.stat(name)
+        digest.update(f"{name}:{stat.st_size}:{stat.st_mtime_ns};".encode())
+    return digest.hexdigest()[:12]
 
 
 def _layer_file(folder: Path, layer: int) -> Path:
