@@ -89,6 +89,16 @@ inline __m256 sum_lanes_8(const __m256* v) {
 }
 #endif
 
+#if defined(__AVX2__)
+// The sum of a vector's 8 lanes.
+inline float hsum_ps(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+#endif
+
 // How far ahead (elements) dot_row asks for weight lines, with the non-temporal hint. The weights
 // stream through once per token; fetched as non-temporal they do not evict what is read again soon
 // (the KV cache, activations, the interpreter's own data between tokens), which the T0 hint did
@@ -172,9 +182,7 @@ inline float dot_f32_bf16(const float* w, const bf16* x, int64_t k) {
     a0 = _mm256_fmadd_ps(_mm256_loadu_ps(w + i), widen_bf16_8(x + i), a0);
     a1 = _mm256_fmadd_ps(_mm256_loadu_ps(w + i + 8), widen_bf16_8(x + i + 8), a1);
   }
-  alignas(32) float lanes[8];
-  _mm256_store_ps(lanes, _mm256_add_ps(a0, a1));
-  for (float lane : lanes) sum += lane;
+  sum = hsum_ps(_mm256_add_ps(a0, a1));
 #endif
   for (; i < k; ++i) sum += w[i] * to_float(x[i]);
   return sum;
@@ -1233,9 +1241,7 @@ inline float exp_shifted(float* v, int64_t n, float shift) {
     _mm256_storeu_ps(v + i, e);
     sum = _mm256_add_ps(sum, e);
   }
-  alignas(32) float lanes[8];
-  _mm256_store_ps(lanes, sum);
-  for (float lane : lanes) total += lane;
+  total = hsum_ps(sum);
 #endif
   for (; i < n; ++i) total += (v[i] = std::exp(v[i] - shift));
   return total;

@@ -123,13 +123,6 @@ inline bool has_integer_dot(int32_t type) {
 }
 
 #if defined(__AVX2__)
-inline float hsum_ps(__m256 v) {
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  s = _mm_add_ss(s, _mm_movehdup_ps(s));
-  return _mm_cvtss_f32(s);
-}
-
 inline __m256i load32(const void* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); }
 
 // acc + the int16 products of a and b summed in pairs (vpmaddwd then vpaddd): one VNNI instruction
