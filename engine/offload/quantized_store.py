@@ -68,13 +68,10 @@ def source_identity(layout: MoELayout) -> str:
     the Hugging Face cache, a content-named blob), size and modification time. The fingerprint names
     the architecture only, which a base model and its fine-tune share: keyed by it alone, the second
     would run on the first one's converted experts. A moved or rewritten checkpoint converts again."""
-    files = set()
-    for per_layer in layout.pieces:
-        for per_expert in per_layer:
-            for piece in per_expert:
-                files.update(str(Path(p.file).resolve()) for p in (piece, piece.scales) if p is not None)
+    files = {p.file for per_layer in layout.pieces for per_expert in per_layer for piece in per_expert
+             for p in (piece, piece.scales) if p is not None}  # a few files, each named by thousands of pieces
     digest = hashlib.sha256()
-    for name in sorted(files):
+    for name in sorted({str(Path(file).resolve()) for file in files}):
         stat = os.stat(name)
         digest.update(f"{name}:{stat.st_size}:{stat.st_mtime_ns};".encode())
     return digest.hexdigest()[:12]
