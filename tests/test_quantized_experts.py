@@ -298,6 +298,36 @@ def test_a_prompt_multiplies_quantized_experts_in_their_blocks(wide, kernels, mo
 
 
 @pytest.mark.parametrize("family", ["mixtral", "qwen2_moe"])
+def test_fast_decode_gives_the_same_logits_at_every_budget(wide, kernels, family):
+    """A decode token whose experts must first be loaded waits for them and then runs on the very
+    kernel of a token whose experts were all resident: fed the same tokens one at a time, the
+    smallest budget on the disk store and the whole model in RAM give bit-identical logits."""
+    import torch
+
+    from engine.decode.kv_cache import new_cache
+    from engine.decode.paths.base import Step
+
+    logits, misses = {}, {}
+    for budget, store in (("1", "disk"), ("all", "ram")):
+        runtime = MoERuntime(LoadModel(path=str(wide[family]), budget=budget, store=store, device="cpu",
+                                       dtype="bfloat16", expert_format="q4_k", fast_decode=True))
+        try:
+            cache, steps = new_cache(runtime.model), []
+            with torch.inference_mode():
+                for position, token in enumerate(PROMPT + PROMPT[::-1]):
+                    step = Step(torch.tensor([[token]]), cache, position)
+                    path, why_not = runtime.paths.choose(step)
+                    assert "native" in path.label, (path.label, why_not)
+                    steps.append(path.run(step)[0, -1])
+                    cache = step.kv
+            logits[budget], misses[budget] = torch.stack(steps), int(runtime.counters.request_layer_misses.sum())
+        finally:
+            runtime.close()
+    assert misses["1"] > len(PROMPT)  # the small budget really loaded experts on the way
+    assert torch.equal(logits["1"], logits["all"])
+
+
+@pytest.mark.parametrize("family", ["mixtral", "qwen2_moe"])
 def test_a_bf16_prompt_takes_the_native_rows_where_torch_bf16_matmuls_are_slow(wide, kernels, monkeypatch, family):
     """On a CPU whose torch bf16 matmul has no oneDNN kernel (AVX2 without AVX-512, where it runs several
     times slower than float32), a bf16 model's prompt takes the native rows and layer call too, in

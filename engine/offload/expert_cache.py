@@ -482,15 +482,26 @@ class ExpertCache:
             self._observe_routing(layer, hidden_states, top_k_index, top_k_weights)
         weights = top_k_weights.reshape(-1)
         out_dtype = torch.promote_types(self.layout.compute_dtype, weights.dtype)
-        if routing.picks is not None and len(found.ready) == routing.top_k and not self.decode_grouped:
-            # a decode token, every pick resident
+        one_token = routing.picks is not None and not self.decode_grouped
+        if one_token and len(found.ready) == routing.top_k:  # a decode token, every pick resident
             if self.policy.prefetches:
                 self._prefetch(layer, set(routing.needed))
-            slot_of, slots = self.directory.slot_of[layer], self.slot_views[layer]
-            chosen = [slots[slot_of[e]] for e in routing.picks]
-            return self._one_token(module, hidden_states, chosen, weights, out_dtype, self.reader_at(layer))
+            return self._one_token_step(layer, module, hidden_states, routing, weights, out_dtype)
         plan = self._plan_loads(layer, found, routing)
+        if one_token and not plan.on_cpu and not plan.waves:
+            # A decode token with misses waits for them and then runs as if all were resident: its
+            # experts' compute is small beside a load, and the token gets the same kernel (and the
+            # same bits) at every budget.
+            for job in plan.inflight + plan.loads:
+                self._wait(job)
+            return self._one_token_step(layer, module, hidden_states, routing, weights, out_dtype)
         return self._compute(layer, module, hidden_states, routing, plan, weights, out_dtype)
+
+    def _one_token_step(self, layer: int, module: torch.nn.Module, hidden_states: torch.Tensor,
+                        routing: LayerRouting, weights: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
+        slot_of, slots = self.directory.slot_of[layer], self.slot_views[layer]
+        chosen = [slots[slot_of[e]] for e in routing.picks]
+        return self._one_token(module, hidden_states, chosen, weights, out_dtype, self.reader_at(layer))
 
     def _plan_loads(self, layer: int, found: Lookup, routing: LayerRouting) -> LoadPlan:
         """Start what this step needs: exact loads for the misses that fit beside the resident
