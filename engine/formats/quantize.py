@@ -12,13 +12,24 @@ round differently: the format, not bit-equality with llama-quantize, is the cont
 
 from __future__ import annotations
 
+import os
+from concurrent.futures import ThreadPoolExecutor
+from functools import cache
+
 import numpy as np
 
 from engine.formats.blocks import QK_K, BlockFormat
 
 GGUF_QUANTIZERS = ("q8_0", "q4_0", "q5_0", "mxfp4")  # the 32-element formats the gguf package writes itself
 
-ROWS_PER_CHUNK = 1 << 15  # blocks quantized at once: bounds the scratch memory of the searches
+BLOCKS_PER_CHUNK = 1 << 10  # blocks one thread quantizes at once: bounds the searches' scratch memory
+
+
+@cache
+def _pool() -> ThreadPoolExecutor:
+    # numpy lets go of the GIL inside each array operation, so chunks quantize on all cores at once
+    return ThreadPoolExecutor(max(1, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity")
+                                  else os.cpu_count() or 1), thread_name_prefix="moescope-quantize")
 
 
 def quantize(matrix: np.ndarray, fmt: BlockFormat) -> np.ndarray:
@@ -36,8 +47,11 @@ def quantize(matrix: np.ndarray, fmt: BlockFormat) -> np.ndarray:
     blocks = x.reshape(-1, fmt.block)
     out = np.empty((blocks.shape[0], fmt.block_bytes), dtype=np.uint8)
     encode = _ENCODERS[fmt.name]
-    for start in range(0, blocks.shape[0], ROWS_PER_CHUNK):
-        out[start : start + ROWS_PER_CHUNK] = encode(blocks[start : start + ROWS_PER_CHUNK])
+
+    def encode_chunk(start: int) -> None:  # each block's bytes depend on that block alone
+        out[start : start + BLOCKS_PER_CHUNK] = encode(blocks[start : start + BLOCKS_PER_CHUNK])
+
+    list(_pool().map(encode_chunk, range(0, blocks.shape[0], BLOCKS_PER_CHUNK)))
     return out.reshape(rows, fmt.row_bytes(columns))
 
 
