@@ -80,6 +80,42 @@ def test_mixed_quantization_of_experts_and_dense_weights(wide, family):
     assert family != "deepseek_v3" or any(name.endswith("kv_b_proj") for name, _ in runtime.model.named_modules())
 
 
+def test_dense_conversion_is_cached_and_a_damaged_cache_is_not_trusted(tmp_path):
+    """Only a model's first load in a dense format quantizes its dense layers; later loads read the
+    same blocks back from MoEScope's cache folder. A damaged cache file converts again."""
+    import torch
+
+    from engine.model.dense_formats import QuantizedLinear, dense_cache_file
+
+    path = save_tiny_checkpoint("qwen2_moe", tmp_path / "model", seed=3, **WIDE["qwen2_moe"])
+    before = tree_snapshot(path)
+    settings = dict(budget="all", store="ram", dtype="bfloat16", expert_format="q4_k", dense_format="q6_k")
+
+    def load() -> tuple[list[int], MoERuntime, list[str], dict[str, torch.Tensor]]:
+        seen: list[str] = []
+        tokens, runtime = greedy_reply(path, PROMPT, NEW_TOKENS, progress=lambda f, what: seen.append(what), **settings)
+        blocks = {n: m.packed for n, m in runtime.model.named_modules() if isinstance(m, QuantizedLinear)}
+        return tokens, runtime, seen, blocks
+
+    tokens, runtime, seen, blocks = load()
+    cached = dense_cache_file(runtime.fingerprint, runtime.files.files, runtime.dtype, FORMATS["q6_k"])
+    assert any("converting dense weights to" in line for line in seen) and cached.is_file() and blocks
+    assert not str(cached).startswith(str(path)) and tree_snapshot(path) == before
+    size = cached.stat().st_size
+
+    again, _, seen, reread = load()
+    assert not any("converting dense" in line for line in seen)
+    assert any("dense weights in" in line and "from the cache" in line for line in seen)
+    assert again == tokens and reread.keys() == blocks.keys()
+    assert all(torch.equal(reread[n], blocks[n]) for n in blocks)
+
+    with open(cached, "r+b") as handle:  # a write cut short
+        handle.truncate(size // 2)
+    repaired, _, seen, _ = load()
+    assert any("converting dense weights to" in line for line in seen)
+    assert repaired == tokens and cached.stat().st_size == size
+
+
 def test_the_demo_model_takes_llamacpps_fallback_for_its_narrow_matrices():
     # The demo's gate_up has 128 input features, not whole 256-element blocks: like llama-quantize,
     # 4-bit stores that matrix as Q5_0 (and says so), its down projection as Q4_K.

@@ -6,21 +6,35 @@ run: kept as they are), an LM head tied to the embedding, and MLA's `kv_b_proj` 
 the absorbed one-token attention (engine.decode.paths.latent_attention) reads per head as a matrix:
 quantized, every token would dequantize it whole. Each becomes a `QuantizedLinear`
 holding only its blocks; its forward computes with the dequantized weight (the reference values),
-and the native decode paths read the blocks directly.
+and the native decode paths read the blocks directly. A conversion is cached in MoEScope's cache
+folder like the experts' (engine.offload.quantized_store), so only a model's first load in a format
+pays for the quantizer's searches.
 """
 
 from __future__ import annotations
 
+import json
+import os
+import shutil
+from collections.abc import Callable
+from pathlib import Path
+
 import numpy as np
 import torch
 import torch.nn.functional as F
+from safetensors import SafetensorError, safe_open
+from safetensors.torch import save_file
 
 from engine.formats.blocks import BlockFormat, format_for
 from engine.formats.dequantize import Dequantizer, reference_dequantizer
 from engine.formats.quantize import quantize
+from engine.model.conversion_cache import DISK_MARGIN, files_identity, quantized_root, sync
+from engine.model.dtypes import dtype_name
 from engine.model.layout import ROUTER_NAMES
 
 KEPT_AS_IS = ("kv_b_proj",)  # see the module's docstring
+
+ProgressFn = Callable[[float, str], None]
 
 
 class QuantizedLinear(torch.nn.Module):
@@ -64,17 +78,32 @@ def dense_targets(model: torch.nn.Module, expert_modules: set[str]) -> list[tupl
     return targets
 
 
-def quantize_dense(model: torch.nn.Module, fmt: BlockFormat, expert_modules: set[str]) -> list[str]:
+def quantize_dense(model: torch.nn.Module, fmt: BlockFormat, expert_modules: set[str],
+                   cached_at: Path | None = None, progress: ProgressFn | None = None) -> list[str]:
     """Replace the dense linear layers by `QuantizedLinear`s in `fmt` (llama.cpp's fallback format
-    for narrow ones, as for experts); returns notes for the user."""
+    for narrow ones, as for experts); returns notes for the user. With `cached_at` (a file in
+    MoEScope's cache folder, keyed by the model's files, dtype and format: `dense_cache_file`), the
+    blocks of an earlier load are read back from it instead of quantizing again, and a new
+    conversion is written there (atomically; a cache that cannot be written costs only the reuse)."""
+    targets = [(name, module, format_for(fmt, module.in_features)) for name, module in dense_targets(model, expert_modules)]
+    wanted = {name: (chosen, (module.out_features, chosen.row_bytes(module.in_features)))
+              for name, module, chosen in targets if chosen is not None}
+    stored = _read_cached(cached_at, wanted) if cached_at is not None else None
+    if progress is not None:
+        progress(1.0, f"dense weights in {fmt.label} from the cache" if stored is not None
+                 else f"converting dense weights to {fmt.label}")
     fallbacks: dict[str, list[str]] = {}
     kept: list[str] = []
-    for name, module in dense_targets(model, expert_modules):
-        chosen = format_for(fmt, module.in_features)
+    converted: dict[str, torch.Tensor] = {}
+    for name, module, chosen in targets:
         if chosen is None:
             kept.append(name)
             continue
-        packed = torch.from_numpy(np.ascontiguousarray(quantize(module.weight.detach().float().cpu().numpy(), chosen)))
+        if stored is not None:
+            packed = stored[name]
+        else:
+            packed = converted[name] = torch.from_numpy(
+                np.ascontiguousarray(quantize(module.weight.detach().float().cpu().numpy(), chosen)))
         owner, _, leaf = name.rpartition(".")
         setattr(model.get_submodule(owner) if owner else model, leaf,
                 QuantizedLinear(module, chosen, packed.to(module.weight.device)))
@@ -85,4 +114,46 @@ def quantize_dense(model: torch.nn.Module, fmt: BlockFormat, expert_modules: set
              for name, names in fallbacks.items()]
     if kept:
         notes.append(f"{len(kept)} dense weights no block format fits stay in the original dtype (e.g. '{kept[0]}')")
+    if cached_at is not None and converted:
+        notes += _write_cache(cached_at, converted, {name: chosen.name for name, (chosen, _) in wanted.items()})
     return notes
+
+
+def dense_cache_file(fingerprint: str, files: list[Path], dtype: torch.dtype, fmt: BlockFormat) -> Path:
+    return quantized_root() / f"{fingerprint[:20]}-{files_identity(files)}-{dtype_name(dtype)}-dense-{fmt.name}.safetensors"
+
+
+def _read_cached(path: Path, wanted: dict[str, tuple[BlockFormat, tuple[int, int]]]) -> dict[str, torch.Tensor] | None:
+    """The blocks of an earlier conversion, or None unless the file holds exactly the wanted
+    tensors in the wanted formats and shapes (a truncated or foreign file is never trusted)."""
+    try:
+        with safe_open(path, framework="pt") as handle:
+            formats = json.loads((handle.metadata() or {}).get("formats", "{}"))
+            if set(handle.keys()) != set(wanted) or formats != {n: f.name for n, (f, _) in wanted.items()}:
+                return None
+            tensors = {name: handle.get_tensor(name) for name in wanted}
+    except (OSError, ValueError, SafetensorError):
+        return None
+    if any(tensors[name].dtype != torch.uint8 or tuple(tensors[name].shape) != shape
+           for name, (_, shape) in wanted.items()):
+        return None
+    return tensors
+
+
+def _write_cache(path: Path, tensors: dict[str, torch.Tensor], formats: dict[str, str]) -> list[str]:
+    partial = path.with_name(path.name + ".partial")
+    needed = sum(t.numel() for t in tensors.values())
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        free = shutil.disk_usage(path.parent).free
+        if needed + DISK_MARGIN > free:
+            return [f"the dense weights were converted but not cached ({needed / 2**30:.2f} GiB needed in "
+                    f"{path.parent}, {free / 2**30:.2f} GiB free): the next load converts them again"]
+        save_file(tensors, str(partial), metadata={"formats": json.dumps(formats)})
+        sync(partial)
+        os.replace(partial, path)
+    except OSError as exc:
+        partial.unlink(missing_ok=True)
+        return [f"the dense weights were converted but not cached ({exc.strerror or exc} in {path.parent}): "
+                "the next load converts them again"]
+    return []

@@ -12,7 +12,6 @@ model folder is never written.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import shutil
@@ -21,7 +20,6 @@ from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
-import platformdirs
 import torch
 from safetensors.torch import save_file
 
@@ -30,6 +28,7 @@ from engine.formats.blocks import BlockFormat
 from engine.formats.dequantize import dequantize
 from engine.formats.quantize import quantize
 from engine.model.checkpoint import read_safetensors_header
+from engine.model.conversion_cache import DISK_MARGIN, files_identity, quantized_root, sync
 from engine.model.dtypes import dtype_name, torch_dtype
 from engine.model.layout import ExpertParam, ExpertPiece, MoELayout, quantized_params
 from engine.offload.store import DiskStore
@@ -37,15 +36,10 @@ from engine.offload.store import DiskStore
 ProgressFn = Callable[[float, str], None]
 MANIFEST = "moescope-quantized.json"
 VERSION = 1
-DISK_MARGIN = 64 << 20  # free space left over after a conversion, at least
 
 
 class DiskSpaceError(MoEScopeError):
     kind = "disk-full"
-
-
-def quantized_root() -> Path:
-    return Path(platformdirs.user_cache_dir("moescope")) / "quantized"
 
 
 def quantize_layout(layout: MoELayout, fmt: BlockFormat, fingerprint: str, *, root: Path | None = None,
@@ -64,17 +58,9 @@ def quantize_layout(layout: MoELayout, fmt: BlockFormat, fingerprint: str, *, ro
 
 
 def source_identity(layout: MoELayout) -> str:
-    """The checkpoint files the experts are read from, as they are now: each one's resolved path (in
-    the Hugging Face cache, a content-named blob), size and modification time. The fingerprint names
-    the architecture only, which a base model and its fine-tune share: keyed by it alone, the second
-    would run on the first one's converted experts. A moved or rewritten checkpoint converts again."""
-    files = {p.file for per_layer in layout.pieces for per_expert in per_layer for piece in per_expert
-             for p in (piece, piece.scales) if p is not None}  # a few files, each named by thousands of pieces
-    digest = hashlib.sha256()
-    for name in sorted({str(Path(file).resolve()) for file in files}):
-        stat = os.stat(name)
-        digest.update(f"{name}:{stat.st_size}:{stat.st_mtime_ns};".encode())
-    return digest.hexdigest()[:12]
+    """The identity of the checkpoint files the experts are read from (conversion_cache.files_identity)."""
+    return files_identity({p.file for per_layer in layout.pieces for per_expert in per_layer for piece in per_expert
+                           for p in (piece, piece.scales) if p is not None})
 
 
 def _layer_file(folder: Path, layer: int) -> Path:
@@ -139,20 +125,13 @@ def _convert(layout: MoELayout, params: list[ExpertParam], fmt: BlockFormat, fol
                 progress((layer + 1) / layout.num_layers,
                          f"converting experts to {fmt.label}: MoE layer {layer + 1} of {layout.num_layers}")
         (partial / MANIFEST).write_text(json.dumps(_manifest(layout, params, fmt)))
-        _sync(partial)
+        sync(partial)
         os.replace(partial, folder)
     except OSError as exc:
         shutil.rmtree(partial, ignore_errors=True)
         raise DiskSpaceError(f"cannot write the converted experts to {partial}: {exc.strerror or exc}") from None
     finally:
         source.close()
-
-
-def _sync(folder: Path) -> None:
-    """Every file's bytes on disk before the folder is renamed into place."""
-    for path in folder.iterdir():
-        with open(path, "rb") as handle:
-            os.fsync(handle.fileno())
 
 
 def _pieces(folder: Path, layout: MoELayout, params: list[ExpertParam]) -> list[list[list[ExpertPiece]]]:
