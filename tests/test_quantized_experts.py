@@ -85,7 +85,7 @@ def test_dense_conversion_is_cached_and_a_damaged_cache_is_not_trusted(tmp_path)
     same blocks back from MoEScope's cache folder. A damaged cache file converts again."""
     import torch
 
-    from engine.model.dense_formats import QuantizedLinear, dense_cache_file
+    from engine.model.dense_formats import DenseCache, QuantizedLinear
 
     path = save_tiny_checkpoint("qwen2_moe", tmp_path / "model", seed=3, **WIDE["qwen2_moe"])
     before = tree_snapshot(path)
@@ -98,7 +98,7 @@ def test_dense_conversion_is_cached_and_a_damaged_cache_is_not_trusted(tmp_path)
         return tokens, runtime, seen, blocks
 
     tokens, runtime, seen, blocks = load()
-    cached = dense_cache_file(runtime.fingerprint, runtime.files.files, runtime.dtype, FORMATS["q6_k"])
+    cached = DenseCache.of(runtime.fingerprint, runtime.files.files, runtime.dtype, FORMATS["q6_k"]).path
     assert any("converting dense weights to" in line for line in seen) and cached.is_file() and blocks
     assert not str(cached).startswith(str(path)) and tree_snapshot(path) == before
     size = cached.stat().st_size
@@ -187,6 +187,35 @@ def test_two_checkpoints_of_one_architecture_never_share_a_conversion(tmp_path):
     seen: list[str] = []
     MoERuntime(LoadModel(path=str(second), expert_format="q8_0"), progress=lambda f, what: seen.append(what)).close()
     assert any("converting experts to 8-bit (Q8_0)" in line for line in seen)
+
+
+def test_conversions_of_rewritten_or_deleted_checkpoints_are_removed(tmp_path):
+    """A conversion whose checkpoint was rewritten or deleted can never be read again: the next
+    conversion removes it (and says so), and leaves the conversions of untouched checkpoints."""
+    import shutil
+
+    from engine.model.dense_formats import DenseCache
+
+    paths = {name: save_tiny_checkpoint("mixtral", tmp_path / name, seed=seed, **WIDE["mixtral"])
+             for seed, name in enumerate(("rewritten", "deleted", "kept"))}
+    settings = dict(budget="all", store="ram", dtype="bfloat16", expert_format="q4_k", dense_format="q8_0")
+    made = {}
+    for name, path in paths.items():
+        runtime = MoERuntime(LoadModel(path=str(path), **settings))
+        runtime.close()
+        made[name] = (runtime.layout.pieces[0][0][0].file.parent,
+                      DenseCache.of(runtime.fingerprint, runtime.files.files, runtime.dtype, FORMATS["q8_0"]).path)
+        assert all(p.exists() for p in made[name])
+    save_tiny_checkpoint("mixtral", paths["rewritten"], seed=7, **WIDE["mixtral"])  # a new version, in place
+    shutil.rmtree(paths["deleted"])
+    seen: list[str] = []
+    runtime = MoERuntime(LoadModel(path=str(paths["rewritten"]), **settings), progress=lambda f, what: seen.append(what))
+    runtime.close()
+    assert any("converting experts to" in line for line in seen)
+    assert any(line.startswith("removed ") and "checkpoints changed or are gone" in line for line in seen)
+    assert not any(p.exists() for p in made["rewritten"] + made["deleted"])
+    assert all(p.exists() for p in made["kept"])
+    assert runtime.layout.pieces[0][0][0].file.parent.is_dir()
 
 
 def test_a_conversion_killed_midway_is_never_trusted(wide, tmp_path):

@@ -27,7 +27,7 @@ from engine.formats.blocks import BlockFormat, format_name, parse_format
 from engine.formats.dequantize import reference_dequantizer
 from engine.hub.local import resolve_model
 from engine.model import experts_registry
-from engine.model.dense_formats import QuantizedLinear, dense_cache_file, quantize_dense
+from engine.model.dense_formats import DenseCache, QuantizedLinear, quantize_dense
 from engine.model.gguf_loader import gguf_tokenizer
 from engine.model.inspect import ModelInfo, describe, host_tensor_bytes
 from engine.model.loader import ProgressFn, build_model, resolve_device
@@ -89,9 +89,9 @@ class MoERuntime:
                                                   progress=progress)
             self.format_notes += notes
         if self.dense_format is not None:
-            cached_at = dense_cache_file(self.fingerprint, self.files.files, self.dtype, self.dense_format)
+            cache = DenseCache.of(self.fingerprint, self.files.files, self.dtype, self.dense_format)
             self.format_notes += quantize_dense(self.model, self.dense_format, set(self.layout.module_paths),
-                                                cached_at, progress)
+                                                cache, progress)
         for module in self.model.modules():  # converted above, or kept in a GGUF file's blocks
             if isinstance(module, QuantizedLinear):  # the native expansion once built: the same values
                 module.dequantizer = native.slot_dequantizer(reference_dequantizer)

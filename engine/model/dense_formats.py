@@ -17,6 +17,7 @@ import json
 import os
 import shutil
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -28,7 +29,16 @@ from safetensors.torch import save_file
 from engine.formats.blocks import BlockFormat, format_for
 from engine.formats.dequantize import Dequantizer, reference_dequantizer
 from engine.formats.quantize import quantize
-from engine.model.conversion_cache import DISK_MARGIN, files_identity, quantized_root, sync
+from engine.model.conversion_cache import (
+    DISK_MARGIN,
+    SOURCES,
+    Sources,
+    files_identity,
+    prune_stale,
+    quantized_root,
+    sources_of,
+    sync,
+)
 from engine.model.dtypes import dtype_name
 from engine.model.layout import ROUTER_NAMES
 
@@ -78,17 +88,29 @@ def dense_targets(model: torch.nn.Module, expert_modules: set[str]) -> list[tupl
     return targets
 
 
+@dataclass(frozen=True)
+class DenseCache:
+    """Where a model's dense conversion to one format is kept, and the files it comes from."""
+
+    path: Path
+    sources: Sources
+
+    @classmethod
+    def of(cls, fingerprint: str, files: list[Path], dtype: torch.dtype, fmt: BlockFormat) -> DenseCache:
+        name = f"{fingerprint[:20]}-{files_identity(files)}-{dtype_name(dtype)}-dense-{fmt.name}.safetensors"
+        return cls(quantized_root() / name, sources_of(files))
+
+
 def quantize_dense(model: torch.nn.Module, fmt: BlockFormat, expert_modules: set[str],
-                   cached_at: Path | None = None, progress: ProgressFn | None = None) -> list[str]:
+                   cache: DenseCache | None = None, progress: ProgressFn | None = None) -> list[str]:
     """Replace the dense linear layers by `QuantizedLinear`s in `fmt` (llama.cpp's fallback format
-    for narrow ones, as for experts); returns notes for the user. With `cached_at` (a file in
-    MoEScope's cache folder, keyed by the model's files, dtype and format: `dense_cache_file`), the
-    blocks of an earlier load are read back from it instead of quantizing again, and a new
-    conversion is written there (atomically; a cache that cannot be written costs only the reuse)."""
+    for narrow ones, as for experts); returns notes for the user. With a `cache`, the blocks of an
+    earlier load are read back from it instead of quantizing again, and a new conversion is
+    written there (atomically; a cache that cannot be written costs only the reuse)."""
     targets = [(name, module, format_for(fmt, module.in_features)) for name, module in dense_targets(model, expert_modules)]
     wanted = {name: (chosen, (module.out_features, chosen.row_bytes(module.in_features)))
               for name, module, chosen in targets if chosen is not None}
-    stored = _read_cached(cached_at, wanted) if cached_at is not None else None
+    stored = _read_cached(cache.path, wanted) if cache is not None else None
     if progress is not None:
         progress(1.0, f"dense weights in {fmt.label} from the cache" if stored is not None
                  else f"converting dense weights to {fmt.label}")
@@ -114,13 +136,9 @@ def quantize_dense(model: torch.nn.Module, fmt: BlockFormat, expert_modules: set
              for name, names in fallbacks.items()]
     if kept:
         notes.append(f"{len(kept)} dense weights no block format fits stay in the original dtype (e.g. '{kept[0]}')")
-    if cached_at is not None and converted:
-        notes += _write_cache(cached_at, converted, {name: chosen.name for name, (chosen, _) in wanted.items()})
+    if cache is not None and converted:
+        notes += _write_cache(cache, converted, {name: chosen.name for name, (chosen, _) in wanted.items()})
     return notes
-
-
-def dense_cache_file(fingerprint: str, files: list[Path], dtype: torch.dtype, fmt: BlockFormat) -> Path:
-    return quantized_root() / f"{fingerprint[:20]}-{files_identity(files)}-{dtype_name(dtype)}-dense-{fmt.name}.safetensors"
 
 
 def _read_cached(path: Path, wanted: dict[str, tuple[BlockFormat, tuple[int, int]]]) -> dict[str, torch.Tensor] | None:
@@ -140,16 +158,18 @@ def _read_cached(path: Path, wanted: dict[str, tuple[BlockFormat, tuple[int, int
     return tensors
 
 
-def _write_cache(path: Path, tensors: dict[str, torch.Tensor], formats: dict[str, str]) -> list[str]:
+def _write_cache(cache: DenseCache, tensors: dict[str, torch.Tensor], formats: dict[str, str]) -> list[str]:
+    path = cache.path
     partial = path.with_name(path.name + ".partial")
     needed = sum(t.numel() for t in tensors.values())
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
+        prune_stale(path.parent)
         free = shutil.disk_usage(path.parent).free
         if needed + DISK_MARGIN > free:
             return [f"the dense weights were converted but not cached ({needed / 2**30:.2f} GiB needed in "
                     f"{path.parent}, {free / 2**30:.2f} GiB free): the next load converts them again"]
-        save_file(tensors, str(partial), metadata={"formats": json.dumps(formats)})
+        save_file(tensors, str(partial), metadata={"formats": json.dumps(formats), SOURCES: json.dumps(cache.sources)})
         sync(partial)
         os.replace(partial, path)
     except OSError as exc:

@@ -28,13 +28,21 @@ from engine.formats.blocks import BlockFormat
 from engine.formats.dequantize import dequantize
 from engine.formats.quantize import quantize
 from engine.model.checkpoint import read_safetensors_header
-from engine.model.conversion_cache import DISK_MARGIN, files_identity, quantized_root, sync
+from engine.model.conversion_cache import (
+    DISK_MARGIN,
+    MANIFEST,
+    SOURCES,
+    files_identity,
+    prune_stale,
+    quantized_root,
+    sources_of,
+    sync,
+)
 from engine.model.dtypes import dtype_name, torch_dtype
 from engine.model.layout import ExpertParam, ExpertPiece, MoELayout, quantized_params
 from engine.offload.store import DiskStore
 
 ProgressFn = Callable[[float, str], None]
-MANIFEST = "moescope-quantized.json"
 VERSION = 1
 
 
@@ -59,8 +67,12 @@ def quantize_layout(layout: MoELayout, fmt: BlockFormat, fingerprint: str, *, ro
 
 def source_identity(layout: MoELayout) -> str:
     """The identity of the checkpoint files the experts are read from (conversion_cache.files_identity)."""
-    return files_identity({p.file for per_layer in layout.pieces for per_expert in per_layer for piece in per_expert
-                           for p in (piece, piece.scales) if p is not None})
+    return files_identity(_source_files(layout))
+
+
+def _source_files(layout: MoELayout) -> set[Path]:
+    return {p.file for per_layer in layout.pieces for per_expert in per_layer for piece in per_expert
+            for p in (piece, piece.scales) if p is not None}  # a few files, each named by thousands of pieces
 
 
 def _layer_file(folder: Path, layer: int) -> Path:
@@ -74,7 +86,8 @@ def _name(expert: int, param: str) -> str:
 def _manifest(layout: MoELayout, params: list[ExpertParam], fmt: BlockFormat) -> dict:
     return {"version": VERSION, "format": fmt.name, "compute_dtype": dtype_name(layout.compute_dtype),
             "layers": layout.num_layers, "experts": layout.num_experts,
-            "params": [[p.name, list(p.shape), p.fmt.name if p.fmt else None, p.nbytes] for p in params]}
+            "params": [[p.name, list(p.shape), p.fmt.name if p.fmt else None, p.nbytes] for p in params],
+            SOURCES: sources_of(_source_files(layout))}
 
 
 def _finished(folder: Path, layout: MoELayout, params: list[ExpertParam], fmt: BlockFormat) -> bool:
@@ -92,6 +105,9 @@ def _convert(layout: MoELayout, params: list[ExpertParam], fmt: BlockFormat, fol
     folder.parent.mkdir(parents=True, exist_ok=True)
     shutil.rmtree(partial, ignore_errors=True)  # a conversion that was stopped: never trusted, redone
     shutil.rmtree(folder, ignore_errors=True)  # finished for another layout version: redone
+    freed = prune_stale(folder.parent)
+    if freed and progress is not None:
+        progress(0.0, f"removed {freed / 2**30:.2f} GiB of converted weights whose checkpoints changed or are gone")
     needed = sum(p.nbytes for p in params) * layout.num_experts * layout.num_layers
     free = shutil.disk_usage(folder.parent).free
     if needed + DISK_MARGIN > free:
