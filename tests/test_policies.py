@@ -272,6 +272,23 @@ def test_crosslayer_guesses_from_the_same_token_only():
     assert policy.prefetch(0) == []
 
 
+def test_a_fine_tune_is_calibrated_on_its_own_routing(tmp_path):
+    """Two checkpoints of one architecture (a base model and its fine-tune share the fingerprint)
+    each get their own popularity profile, and a model's second load reuses its own."""
+    from tests.helpers.checkpoints import save_tiny_checkpoint
+
+    def profile_note(path) -> str:
+        runtime = MoERuntime(LoadModel(path=str(path), budget="30%", store="ram", policy="popularity"))
+        runtime.close()
+        return runtime.profile_note
+
+    base, tuned = (save_tiny_checkpoint("mixtral", tmp_path / name, seed=seed) for seed, name in enumerate(("base", "tuned")))
+    notes = [profile_note(base), profile_note(tuned), profile_note(base)]
+    assert notes[0].startswith("calibrated") and notes[1].startswith("calibrated")  # not the base model's
+    assert notes[0].rpartition(" ")[2] != notes[1].rpartition(" ")[2]  # two profile files
+    assert notes[2] == f"popularity profile from {notes[0].rpartition(' ')[2]}"
+
+
 def test_popularity_pins_the_profile_favourites():
     policy = make_policy("popularity")
     policy.reset(1, 8, 1)

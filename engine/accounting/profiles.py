@@ -1,8 +1,10 @@
 """Calibration profiles: how often each expert is routed to, per model (Fiddler's popularity).
 
 A profile is a [layers, experts] array of routing counts, saved as JSON under the user data
-folder: `<user_data_dir>/moescope/profiles/<fingerprint>.json`. The fingerprint hashes the
-model's config and tensor index, so a profile never applies to a different model. Profiles come
+folder: `<user_data_dir>/moescope/profiles/<fingerprint>-<files>.json`. The fingerprint hashes the
+model's config and tensor index, the second part the identity of its files
+(`engine.model.conversion_cache.files_identity`), so a profile never applies to a different model,
+not even a fine-tune of the same architecture. Profiles come
 from a calibration run (`calibrate`: a prefill over a few built-in prompts through the engine)
 or from a recorded trace (`engine.traces.trace.Trace.activation_counts`).
 """
@@ -42,8 +44,8 @@ def profiles_dir() -> Path:
     return Path(user_data_dir("moescope", appauthor=False)) / "profiles"
 
 
-def profile_path(model_fingerprint: str) -> Path:
-    return profiles_dir() / f"{model_fingerprint}.json"
+def profile_path(model_key: str) -> Path:
+    return profiles_dir() / f"{model_key}.json"
 
 
 def save_profile(path: Path, counts: np.ndarray, *, source: str) -> None:

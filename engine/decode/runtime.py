@@ -27,6 +27,7 @@ from engine.formats.blocks import BlockFormat, format_name, parse_format
 from engine.formats.dequantize import reference_dequantizer
 from engine.hub.local import resolve_model
 from engine.model import experts_registry
+from engine.model.conversion_cache import files_identity
 from engine.model.dense_formats import DenseCache, QuantizedLinear, quantize_dense
 from engine.model.gguf_loader import gguf_tokenizer
 from engine.model.inspect import ModelInfo, describe, host_tensor_bytes
@@ -263,7 +264,8 @@ class MoERuntime:
         """This model's saved calibration profile, else the routing seen so far, else a calibration run."""
         from engine.accounting import profiles
 
-        path = profiles.profile_path(self.fingerprint)
+        # keyed by the files too: a fine-tune shares its base model's fingerprint, not its routing
+        path = profiles.profile_path(f"{self.fingerprint}-{files_identity(self.files.files)}")
         counts = profiles.load_profile(path, (self.layout.num_layers, self.layout.num_experts))
         if counts is not None:
             self.profile_note = f"popularity profile from {path}"
