@@ -28,8 +28,7 @@ BLOCKS_PER_CHUNK = 1 << 10  # blocks one thread quantizes at once: bounds the se
 @cache
 def _pool() -> ThreadPoolExecutor:
     # numpy lets go of the GIL inside each array operation, so chunks quantize on all cores at once
-    return ThreadPoolExecutor(max(1, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity")
-                                  else os.cpu_count() or 1), thread_name_prefix="moescope-quantize")
+    return ThreadPoolExecutor(os.cpu_count() or 1, thread_name_prefix="moescope-quantize")
 
 
 def quantize(matrix: np.ndarray, fmt: BlockFormat) -> np.ndarray:

@@ -41,13 +41,33 @@ def sources_of(files: Iterable[Path]) -> Sources:
 
 
 def files_identity(files: Iterable[Path]) -> str:
-    """A short digest of `sources_of(files)`. A model's fingerprint names its architecture only,
+    """A short digest of `sources_of(files)`."""
+    return identity_of(sources_of(files))
+
+
+def identity_of(sources: Sources) -> str:
+    """A short digest of a sources record. A model's fingerprint names its architecture only,
     which a base model and its fine-tune share: keyed by it alone, the second would run on the
     first one's converted weights. A moved or rewritten checkpoint converts again."""
     digest = hashlib.sha256()
-    for name, size, mtime in sources_of(files):
+    for name, size, mtime in sources:
         digest.update(f"{name}:{size}:{mtime};".encode())
     return digest.hexdigest()[:12]
+
+
+def conversion_name(fingerprint: str, sources: Sources, dtype_label: str, what: str) -> str:
+    """A conversion's name in the cache folder: the model's architecture, its files, the compute
+    dtype and what was converted to which format."""
+    return f"{fingerprint[:20]}-{identity_of(sources)}-{dtype_label}-{what}"
+
+
+def room_for(folder: Path, needed: int) -> tuple[bool, int, int]:
+    """Make `folder`, remove the stale conversions beside it, and say whether `needed` bytes fit
+    with the margin left over: (fits, free bytes, bytes freed)."""
+    folder.mkdir(parents=True, exist_ok=True)
+    freed = prune_stale(folder)
+    free = shutil.disk_usage(folder).free
+    return needed + DISK_MARGIN <= free, free, freed
 
 
 def sync(path: Path) -> None:

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -29,16 +28,7 @@ from safetensors.torch import save_file
 from engine.formats.blocks import BlockFormat, format_for
 from engine.formats.dequantize import Dequantizer, reference_dequantizer
 from engine.formats.quantize import quantize
-from engine.model.conversion_cache import (
-    DISK_MARGIN,
-    SOURCES,
-    Sources,
-    files_identity,
-    prune_stale,
-    quantized_root,
-    sources_of,
-    sync,
-)
+from engine.model.conversion_cache import SOURCES, Sources, conversion_name, quantized_root, room_for, sources_of, sync
 from engine.model.dtypes import dtype_name
 from engine.model.layout import ROUTER_NAMES
 
@@ -97,8 +87,9 @@ class DenseCache:
 
     @classmethod
     def of(cls, fingerprint: str, files: list[Path], dtype: torch.dtype, fmt: BlockFormat) -> DenseCache:
-        name = f"{fingerprint[:20]}-{files_identity(files)}-{dtype_name(dtype)}-dense-{fmt.name}.safetensors"
-        return cls(quantized_root() / name, sources_of(files))
+        sources = sources_of(files)
+        return cls(quantized_root() / f"{conversion_name(fingerprint, sources, dtype_name(dtype), 'dense-' + fmt.name)}"
+                                      ".safetensors", sources)
 
 
 def quantize_dense(model: torch.nn.Module, fmt: BlockFormat, expert_modules: set[str],
@@ -163,10 +154,8 @@ def _write_cache(cache: DenseCache, tensors: dict[str, torch.Tensor], formats: d
     partial = path.with_name(path.name + ".partial")
     needed = sum(t.numel() for t in tensors.values())
     try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        prune_stale(path.parent)
-        free = shutil.disk_usage(path.parent).free
-        if needed + DISK_MARGIN > free:
+        fits, free, _ = room_for(path.parent, needed)
+        if not fits:
             return [f"the dense weights were converted but not cached ({needed / 2**30:.2f} GiB needed in "
                     f"{path.parent}, {free / 2**30:.2f} GiB free): the next load converts them again"]
         save_file(tensors, str(partial), metadata={"formats": json.dumps(formats), SOURCES: json.dumps(cache.sources)})

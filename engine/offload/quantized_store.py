@@ -29,12 +29,12 @@ from engine.formats.dequantize import dequantize
 from engine.formats.quantize import quantize
 from engine.model.checkpoint import read_safetensors_header
 from engine.model.conversion_cache import (
-    DISK_MARGIN,
     MANIFEST,
     SOURCES,
-    files_identity,
-    prune_stale,
+    Sources,
+    conversion_name,
     quantized_root,
+    room_for,
     sources_of,
     sync,
 )
@@ -55,24 +55,16 @@ def quantize_layout(layout: MoELayout, fmt: BlockFormat, fingerprint: str, *, ro
     """`layout` with its experts stored in `fmt`, converted now unless a finished conversion of this
     checkpoint to this format is in the cache folder already; and notes for the user."""
     params, slot_bytes, notes = quantized_params(layout.params, fmt)
-    key = f"{fingerprint[:20]}-{source_identity(layout)}-{dtype_name(layout.compute_dtype)}-{fmt.name}"
-    folder = (root or quantized_root()) / key
-    if not _finished(folder, layout, params, fmt):
-        _convert(layout, params, fmt, folder, progress)
+    sources = sources_of({p.file for per_layer in layout.pieces for per_expert in per_layer for piece in per_expert
+                          for p in (piece, piece.scales) if p is not None})  # few files, named by many pieces
+    manifest = _manifest(layout, params, fmt, sources)
+    folder = (root or quantized_root()) / conversion_name(fingerprint, sources, manifest["compute_dtype"], fmt.name)
+    if not _finished(folder, manifest, layout.num_layers):
+        _convert(layout, params, fmt, folder, manifest, progress)
     pieces = _pieces(folder, layout, params)
     on_disk = sum(piece.nbytes for per_layer in pieces for per_expert in per_layer for piece in per_expert)
     return replace(layout, params=params, slot_bytes=slot_bytes, pieces=pieces, expert_format=fmt,
                    expert_bytes_on_disk=on_disk), notes
-
-
-def source_identity(layout: MoELayout) -> str:
-    """The identity of the checkpoint files the experts are read from (conversion_cache.files_identity)."""
-    return files_identity(_source_files(layout))
-
-
-def _source_files(layout: MoELayout) -> set[Path]:
-    return {p.file for per_layer in layout.pieces for per_expert in per_layer for piece in per_expert
-            for p in (piece, piece.scales) if p is not None}  # a few files, each named by thousands of pieces
 
 
 def _layer_file(folder: Path, layer: int) -> Path:
@@ -83,34 +75,31 @@ def _name(expert: int, param: str) -> str:
     return f"expert-{expert}.{param}"
 
 
-def _manifest(layout: MoELayout, params: list[ExpertParam], fmt: BlockFormat) -> dict:
+def _manifest(layout: MoELayout, params: list[ExpertParam], fmt: BlockFormat, sources: Sources) -> dict:
     return {"version": VERSION, "format": fmt.name, "compute_dtype": dtype_name(layout.compute_dtype),
             "layers": layout.num_layers, "experts": layout.num_experts,
             "params": [[p.name, list(p.shape), p.fmt.name if p.fmt else None, p.nbytes] for p in params],
-            SOURCES: sources_of(_source_files(layout))}
+            SOURCES: sources}
 
 
-def _finished(folder: Path, layout: MoELayout, params: list[ExpertParam], fmt: BlockFormat) -> bool:
+def _finished(folder: Path, manifest: dict, num_layers: int) -> bool:
     try:
-        manifest = json.loads((folder / MANIFEST).read_text())
+        written = json.loads((folder / MANIFEST).read_text())
     except (OSError, ValueError):
         return False
-    return manifest == _manifest(layout, params, fmt) and all(
-        _layer_file(folder, layer).is_file() for layer in range(layout.num_layers))
+    return written == manifest and all(_layer_file(folder, layer).is_file() for layer in range(num_layers))
 
 
-def _convert(layout: MoELayout, params: list[ExpertParam], fmt: BlockFormat, folder: Path,
+def _convert(layout: MoELayout, params: list[ExpertParam], fmt: BlockFormat, folder: Path, manifest: dict,
              progress: ProgressFn | None) -> None:
     partial = folder.with_name(folder.name + ".partial")
-    folder.parent.mkdir(parents=True, exist_ok=True)
     shutil.rmtree(partial, ignore_errors=True)  # a conversion that was stopped: never trusted, redone
     shutil.rmtree(folder, ignore_errors=True)  # finished for another layout version: redone
-    freed = prune_stale(folder.parent)
+    needed = sum(p.nbytes for p in params) * layout.num_experts * layout.num_layers
+    fits, free, freed = room_for(folder.parent, needed)
     if freed and progress is not None:
         progress(0.0, f"removed {freed / 2**30:.2f} GiB of converted weights whose checkpoints changed or are gone")
-    needed = sum(p.nbytes for p in params) * layout.num_experts * layout.num_layers
-    free = shutil.disk_usage(folder.parent).free
-    if needed + DISK_MARGIN > free:
+    if not fits:
         raise DiskSpaceError(
             f"converting the experts to {fmt.name} needs {needed / 2**30:.2f} GiB in {folder.parent}, and "
             f"{free / 2**30:.2f} GiB is free; free some space there or keep the original format")
@@ -140,7 +129,7 @@ def _convert(layout: MoELayout, params: list[ExpertParam], fmt: BlockFormat, fol
             if progress is not None:
                 progress((layer + 1) / layout.num_layers,
                          f"converting experts to {fmt.label}: MoE layer {layer + 1} of {layout.num_layers}")
-        (partial / MANIFEST).write_text(json.dumps(_manifest(layout, params, fmt)))
+        (partial / MANIFEST).write_text(json.dumps(manifest))
         sync(partial)
         os.replace(partial, folder)
     except OSError as exc:
