@@ -16,7 +16,7 @@ from engine.cli.main import main as moescope
 from engine.decode.runtime import MoERuntime
 from engine.formats.blocks import FP8, MXFP4
 from engine.formats.dequantize import dequantize
-from engine.formats.relay import fp8_from_tiles, mxfp4_from_openai
+from engine.formats.relay import RELAY_CHUNK_BLOCKS, fp8_from_tiles, mxfp4_from_openai
 from tests.helpers.checkpoints import greedy_reply, reference_generate, set_config_field, tree_snapshot
 from tests.helpers.quantized_checkpoints import save_fp8, save_mxfp4_gpt_oss
 
@@ -91,6 +91,32 @@ def test_fp8_blocks_hold_transformers_values():
     packed = torch.empty(256, FP8.row_bytes(384), dtype=torch.uint8)
     fp8_from_tiles(data.view(torch.uint8), scale, packed)
     assert torch.equal(dequantize(packed, FP8, 384), theirs)
+
+
+def test_a_relay_reads_its_source_from_the_tail_of_its_own_output():
+    # The disk store reads a checkpoint's bytes into the end of the slot region they are relaid into
+    # (no expert-sized temporaries); across many chunks the blocks must come out as from a separate source.
+    generator = torch.Generator().manual_seed(2)
+    n = 3 * RELAY_CHUNK_BLOCKS + 5
+    blocks = torch.randint(0, 256, (n, 16), dtype=torch.uint8, generator=generator)
+    scales = torch.randint(110, 135, (n,), dtype=torch.uint8, generator=generator)
+    apart = torch.empty(n * MXFP4.block_bytes, dtype=torch.uint8)
+    mxfp4_from_openai(blocks, scales, apart)
+    shared = torch.empty(n * MXFP4.block_bytes, dtype=torch.uint8)
+    shared[n:].copy_(blocks.reshape(-1))
+    mxfp4_from_openai(shared[n:].view(n, 16), scales, shared)
+    assert torch.equal(shared, apart)
+
+    rows, cols = 1000, 640  # 5 blocks a row, row tiles of 128 (the last one short)
+    weight = torch.randint(0, 256, (rows, cols), dtype=torch.uint8, generator=generator)
+    scale_inv = torch.rand(8, cols // FP8.block, generator=generator)
+    apart = torch.empty(rows, FP8.row_bytes(cols), dtype=torch.uint8)
+    fp8_from_tiles(weight, scale_inv, apart)
+    shared = torch.empty(rows * FP8.row_bytes(cols), dtype=torch.uint8)
+    tail = shared[shared.numel() - weight.numel():]
+    tail.copy_(weight.reshape(-1))
+    fp8_from_tiles(tail.view(rows, cols), scale_inv, shared)
+    assert torch.equal(shared.view(rows, -1), apart)
 
 
 def test_an_fp8_tensor_without_its_scale_is_named(tmp_path, capsys):

@@ -16,13 +16,24 @@ import torch
 
 from engine.formats.blocks import FP8, MXFP4
 
+# blocks a chunk of the relay works on: small enough that its temporaries are a few hundred KiB
+RELAY_CHUNK_BLOCKS = 4096
+
 
 def mxfp4_from_openai(blocks: torch.Tensor, scales: torch.Tensor, out: torch.Tensor) -> None:
-    """uint8 `blocks` [rows * n, 16] and `scales` [rows * n] into `out` [rows * n, 17] (uint8)."""
+    """uint8 `blocks` [rows * n, 16] and `scales` [rows * n] into `out` [rows * n, 17] (uint8).
+
+    `blocks` may be the last 16/17 of `out`'s own bytes (the store reads a checkpoint's blocks there):
+    each chunk is copied out before its output is written, and output never reaches a later chunk's
+    input. Chunks bound the temporaries, whatever the matrix's size."""
     out = out.view(-1, MXFP4.block_bytes)
-    codes = torch.stack([blocks & 0x0F, blocks >> 4], dim=-1).reshape(-1, 32)  # element order
-    out[:, 0] = scales.reshape(-1)
-    torch.bitwise_or(codes[:, :16], codes[:, 16:] << 4, out=out[:, 1:])
+    scales = scales.reshape(-1)
+    for start in range(0, blocks.shape[0], RELAY_CHUNK_BLOCKS):
+        stop = min(start + RELAY_CHUNK_BLOCKS, blocks.shape[0])
+        chunk = blocks[start:stop].clone()
+        codes = torch.stack([chunk & 0x0F, chunk >> 4], dim=-1).reshape(-1, 32)  # element order
+        out[start:stop, 0] = scales[start:stop]
+        torch.bitwise_or(codes[:, :16], codes[:, 16:] << 4, out=out[start:stop, 1:])
 
 
 def openai_from_mxfp4(packed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -35,11 +46,17 @@ def openai_from_mxfp4(packed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]
 
 def fp8_from_tiles(weight: torch.Tensor, scale_inv: torch.Tensor, out: torch.Tensor) -> None:
     """e4m3 bytes `weight` [rows, cols] (uint8) and float32 `scale_inv` [row tiles, col tiles] into
-    `out` [rows, cols / 128 * 132] (uint8); tiles are 128 columns wide and rows / row tiles high."""
+    `out` [rows, cols / 128 * 132] (uint8); tiles are 128 columns wide and rows / row tiles high.
+
+    As above, `weight` may be the last 128/132 of `out`'s own bytes, and the work goes in bounded chunks."""
     rows, cols = weight.shape
     blocks = cols // FP8.block
     tile_rows = -(-rows // scale_inv.shape[0])
-    per_row = scale_inv.float().repeat_interleave(tile_rows, dim=0)[:rows]  # [rows, blocks]
+    scale_bytes = scale_inv.float().contiguous().view(torch.uint8).view(-1, blocks, 4)
     view = out.view(rows, blocks, FP8.block_bytes)
-    view[:, :, :4] = per_row.contiguous().view(torch.uint8).view(rows, blocks, 4)
-    view[:, :, 4:] = weight.view(rows, blocks, FP8.block)
+    step = max(1, RELAY_CHUNK_BLOCKS // blocks)
+    for start in range(0, rows, step):
+        stop = min(start + step, rows)
+        chunk = weight[start:stop].clone()
+        view[start:stop, :, :4] = scale_bytes[torch.arange(start, stop) // tile_rows]
+        view[start:stop, :, 4:] = chunk.view(-1, blocks, FP8.block)

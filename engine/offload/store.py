@@ -108,15 +108,16 @@ class DiskStore(ExpertStore):
         return sum(p.nbytes for p in pieces)
 
     def _fill_relayed(self, piece: ExpertPiece, slot: torch.Tensor) -> int:
-        """A quantized checkpoint's data and scales, read and laid into the slot's blocks."""
-        data = torch.empty(piece.nbytes, dtype=torch.uint8)
+        """A quantized checkpoint's data and scales, read and laid into the slot's blocks. The data is
+        read into the tail of its own place in the slot and relaid forward in bounded chunks, so a load
+        needs no expert-sized temporaries (they would come back as resident memory with every miss)."""
+        param = self._params[piece.param]
+        start = param.offset + piece.dst_offset
+        out = slot[start : start + param.fmt.packed_bytes(piece.shape)]
+        data = out[out.numel() - piece.nbytes :]
         scales = torch.empty(piece.scales.nbytes, dtype=torch.uint8)
         _pread_exact(self._fd(piece.file), data.numpy(), piece.file_offset)
         _pread_exact(self._fd(piece.scales.file), scales.numpy(), piece.scales.file_offset)
-        param = self._params[piece.param]
-        fmt = param.fmt
-        start = param.offset + piece.dst_offset
-        out = slot[start : start + fmt.packed_bytes(piece.shape)]
         if piece.relay == "mxfp4":
             relay.mxfp4_from_openai(data.view(-1, 16), scales, out)
         else:
