@@ -61,8 +61,8 @@ def test_an_mxfp4_checkpoint_is_budgeted_in_its_own_bytes(tmp_path, capsys):
     # 4 MoE layers x 64 gpt-oss-shaped experts kept MXFP4: 0.4 GiB (3.8x that in bf16), 25 % budget.
     # Issue 21's goal: the peak stays within dense + budget + the engine's own memory as the load
     # reported it (its first forward's peak included). oneDNN keeps a generated kernel for each new
-    # matrix shape the reply's prompt meets (docs/performance.md), hence the allowance; measured within
-    # the goal (0.1-0.2 MiB under) since a fast prompt's linears run on the native kernels.
+    # matrix shape the reply's prompt meets (docs/performance.md), and the reply's heap lands where it
+    # lands, hence the allowance; measured 0.1-0.5 MiB either side of the goal.
     path = write_large_mxfp4_gpt_oss(tmp_path / "gpt-oss-mxfp4", layers=4)
     info = moescope("info", "--model", str(path), "--json")
     assert info["expert_format"] == "mxfp4" and info["all_expert_bytes"] < 0.45 * 2**30
