@@ -101,7 +101,8 @@ def quantize_dense(model: torch.nn.Module, fmt: BlockFormat, expert_modules: set
     targets = [(name, module, format_for(fmt, module.in_features)) for name, module in dense_targets(model, expert_modules)]
     wanted = {name: (chosen, (module.out_features, chosen.row_bytes(module.in_features)))
               for name, module, chosen in targets if chosen is not None}
-    stored = _read_cached(cache.path, wanted) if cache is not None else None
+    formats = {name: chosen.name for name, (chosen, _) in wanted.items()}
+    stored = _read_cached(cache.path, wanted, formats) if cache is not None else None
     if progress is not None:
         progress(1.0, f"dense weights in {fmt.label} from the cache" if stored is not None
                  else f"converting dense weights to {fmt.label}")
@@ -128,17 +129,18 @@ def quantize_dense(model: torch.nn.Module, fmt: BlockFormat, expert_modules: set
     if kept:
         notes.append(f"{len(kept)} dense weights no block format fits stay in the original dtype (e.g. '{kept[0]}')")
     if cache is not None and converted:
-        notes += _write_cache(cache, converted, {name: chosen.name for name, (chosen, _) in wanted.items()})
+        notes += _write_cache(cache, converted, formats)
     return notes
 
 
-def _read_cached(path: Path, wanted: dict[str, tuple[BlockFormat, tuple[int, int]]]) -> dict[str, torch.Tensor] | None:
+def _read_cached(path: Path, wanted: dict[str, tuple[BlockFormat, tuple[int, int]]],
+                 formats: dict[str, str]) -> dict[str, torch.Tensor] | None:
     """The blocks of an earlier conversion, or None unless the file holds exactly the wanted
     tensors in the wanted formats and shapes (a truncated or foreign file is never trusted)."""
     try:
         with safe_open(path, framework="pt") as handle:
-            formats = json.loads((handle.metadata() or {}).get("formats", "{}"))
-            if set(handle.keys()) != set(wanted) or formats != {n: f.name for n, (f, _) in wanted.items()}:
+            written = json.loads((handle.metadata() or {}).get("formats", "{}"))
+            if set(handle.keys()) != set(wanted) or written != formats:
                 return None
             tensors = {name: handle.get_tensor(name) for name in wanted}
     except (OSError, ValueError, SafetensorError):
