@@ -619,6 +619,26 @@ inline void gemv_t_range(const Matrix& m, const bf16* x, int64_t begin, int64_t 
       for (int64_t t = j; t < end; ++t) out[t] += xi * to_float(row[t]);
     }
   }
+#elif defined(MOESCOPE_AVX2)
+  for (; i + 4 <= m.rows; i += 4) {
+    const bf16 *r0 = base + i * stride, *r1 = r0 + stride, *r2 = r1 + stride, *r3 = r2 + stride;
+    const __m256 s0 = _mm256_set1_ps(to_float(x[i])), s1 = _mm256_set1_ps(to_float(x[i + 1])),
+                 s2 = _mm256_set1_ps(to_float(x[i + 2])), s3 = _mm256_set1_ps(to_float(x[i + 3]));
+    int64_t j = begin;
+    for (; j + 8 <= end; j += 8) {
+      __m256 acc = _mm256_loadu_ps(out + j);
+      acc = _mm256_fmadd_ps(s0, widen_bf16_8(r0 + j), acc);
+      acc = _mm256_fmadd_ps(s1, widen_bf16_8(r1 + j), acc);
+      acc = _mm256_fmadd_ps(s2, widen_bf16_8(r2 + j), acc);
+      acc = _mm256_fmadd_ps(s3, widen_bf16_8(r3 + j), acc);
+      _mm256_storeu_ps(out + j, acc);
+    }
+    for (int64_t r = 0; r < 4; ++r) {
+      const float xi = to_float(x[i + r]);
+      const bf16* row = r0 + r * stride;
+      for (int64_t t = j; t < end; ++t) out[t] += xi * to_float(row[t]);
+    }
+  }
 #endif
   for (; i < m.rows; ++i) {
     const float xi = to_float(x[i]);
@@ -628,6 +648,10 @@ inline void gemv_t_range(const Matrix& m, const bf16* x, int64_t begin, int64_t 
     const __m512 scale = _mm512_set1_ps(xi);
     for (; j + 16 <= end; j += 16)
       _mm512_storeu_ps(out + j, _mm512_fmadd_ps(scale, widen_bf16(row + j), _mm512_loadu_ps(out + j)));
+#elif defined(MOESCOPE_AVX2)
+    const __m256 scale = _mm256_set1_ps(xi);
+    for (; j + 8 <= end; j += 8)
+      _mm256_storeu_ps(out + j, _mm256_fmadd_ps(scale, widen_bf16_8(row + j), _mm256_loadu_ps(out + j)));
 #endif
     for (; j < end; ++j) out[j] += xi * to_float(row[j]);
   }
