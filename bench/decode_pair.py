@@ -10,7 +10,10 @@ tokens would have taken at the bandwidth of their own moments, over how long the
 read between tokens also evicts the caches, so each token starts colder than in a plain reply:
 if anything, this flatters the limit.
 
-Stock transformers is measured the same way, the read done in its streamer's callback.
+Stock transformers is measured the same way, the read done in its streamer's callback. Greedy
+tokens are compared with transformers' default attention and, once more untimed, with its eager
+attention: the two can part at a near-tie (DeepSeek-V3-shaped at token 57, where eager's two best
+logits are the same bf16 value), and no other summation order can then equal both.
 
     python -m bench.decode_pair [--geometries qwen3moe-64e,mixtral-8e] [--decode 64] [--reps 3]
 """
@@ -82,11 +85,13 @@ def run_ours(path: Path, active: int, args, fast: bool) -> dict:
             "limit_tokens_per_s": (len(clock.read_s) - 1) / sum(clock.read_s[1:])}
 
 
-def run_stock(path: Path, active: int, args) -> dict:
+def run_stock(path: Path, active: int, args, attention: str | None = None) -> dict:
     import torch
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(path, dtype="auto", experts_implementation="grouped_mm")
+    chosen = {"attn_implementation": attention} if attention else {}
+    model = AutoModelForCausalLM.from_pretrained(path, dtype="auto", experts_implementation="grouped_mm", **chosen)
+    attention = model.config._attn_implementation
     ids = torch.tensor([prompt_ids(model.config.get_text_config().vocab_size, args.prompt_len)])
     clock = TokenAndRead(active)
 
@@ -110,7 +115,7 @@ def run_stock(path: Path, active: int, args) -> dict:
                              min_new_tokens=args.decode, streamer=Streamer(), pad_token_id=0)
     del model
     gc.collect()
-    return {"share": clock.share(), "token_ids": out[0, ids.shape[1]:].tolist(),
+    return {"share": clock.share(), "token_ids": out[0, ids.shape[1]:].tolist(), "attention": attention,
             "tokens_per_s": (len(clock.token_s) - 1) / sum(clock.token_s[1:]),
             "limit_tokens_per_s": (len(clock.read_s) - 1) / sum(clock.read_s[1:])}
 
@@ -137,11 +142,14 @@ def main(argv=None) -> int:
             runs["fast"].append(run_ours(path, active, args, fast=True))
             runs["stock"].append(run_stock(path, active, args))
         reference = runs["stock"][0]["token_ids"]
-        row = {"geometry": name, "active_bytes_per_token": active, "runs": runs}
+        eager = reference if runs["stock"][0]["attention"] == "eager" else run_stock(path, active, args, "eager")["token_ids"]
+        row = {"geometry": name, "active_bytes_per_token": active, "runs": runs, "stock_attention": runs["stock"][0]["attention"],
+               "eager_token_ids": eager}
         for mode, mode_runs in runs.items():
             row[f"{mode}_share"] = statistics.median(r["share"] for r in mode_runs)
             row[f"{mode}_tokens_per_s"] = statistics.median(r["tokens_per_s"] for r in mode_runs)
             row[f"{mode}_same_tokens"] = all(r["token_ids"] == reference for r in mode_runs)
+            row[f"{mode}_same_tokens_eager"] = all(r["token_ids"] == eager for r in mode_runs)
         rows.append(row)
         print(f"{name}: share of the limit, token by token: exact {row['exact_share']:.2f}, "
               f"fast {row['fast_share']:.2f}, transformers {row['stock_share']:.2f}", flush=True)
@@ -152,15 +160,20 @@ def main(argv=None) -> int:
         "times / sum of the tokens' times.",
         "",
         "| geometry | active MB/token | MoEScope exact: share (tok/s) | MoEScope --fast-decode: share (tok/s) "
-        "| transformers: share (tok/s) | same greedy tokens as transformers (exact / fast) |",
+        "| transformers: share (tok/s) | same greedy tokens as transformers, its default / eager attention: "
+        "exact; fast |",
         "|---|---|---|---|---|---|",
     ]
+
+    def same(r: dict, mode: str) -> str:
+        return " / ".join("yes" if r[key] else "no" for key in (f"{mode}_same_tokens", f"{mode}_same_tokens_eager"))
+
     for r in rows:
         lines.append(
             f"| {r['geometry']} | {r['active_bytes_per_token'] / 1e6:.0f} | {r['exact_share']:.2f} "
             f"({r['exact_tokens_per_s']:.1f}) | {r['fast_share']:.2f} ({r['fast_tokens_per_s']:.1f}) | "
-            f"{r['stock_share']:.2f} ({r['stock_tokens_per_s']:.1f}) | "
-            f"{'yes' if r['exact_same_tokens'] else 'no'} / {'yes' if r['fast_same_tokens'] else 'no'} |")
+            f"{r['stock_share']:.2f} ({r['stock_tokens_per_s']:.1f}, {r['stock_attention']}) | "
+            f"{same(r, 'exact')}; {same(r, 'fast')} |")
     write_report(args.out, "decode-pair", {"threads": args.threads, "rows": rows}, lines)
     return 0
 

@@ -54,6 +54,8 @@ def test_token_by_token_limit_and_prefill_pairs_run_and_report(tmp_path, mixtral
         (run,) = row["runs"][mode]
         assert len(run["token_ids"]) == 5
     assert row["exact_same_tokens"]  # the exact engine answers as transformers does
+    # and both are also held to transformers' eager attention (the two attentions can part at a near-tie)
+    assert row["stock_attention"] == "sdpa" and len(row["eager_token_ids"]) == 5 and "fast_same_tokens_eager" in row
     assert prefill_pair(["--geometries", str(mixtral_checkpoint), "--prompt-len", "12", "--turns", "2",
                          "--threads", "1", "--out", str(out)]) == 0
     (prefill_report,) = out.glob("prefill-pair-*.json")
