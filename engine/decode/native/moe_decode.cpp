@@ -589,6 +589,31 @@ ExpertWeights expert_weights(const Weight& gate_up, const Weight& down, int64_t 
   return out;
 }
 
+#if defined(MOESCOPE_AVX512BF16) || defined(MOESCOPE_AVX512F)
+// The float32 vector of the build, for loops written once for both widths.
+struct FloatVector {
+  static constexpr int64_t lanes = 16;
+  __m512 v;
+  static FloatVector all(float f) { return {_mm512_set1_ps(f)}; }
+  static FloatVector load(const float* p) { return {_mm512_loadu_ps(p)}; }
+  static FloatVector widen(const bf16* p) { return {widen_bf16(p)}; }
+  void store(float* p) const { _mm512_storeu_ps(p, v); }
+  FloatVector fma(FloatVector a, FloatVector b) const { return {_mm512_fmadd_ps(a.v, b.v, v)}; }  // a * b + this
+};
+#define MOESCOPE_FLOAT_VECTOR 1
+#elif defined(MOESCOPE_AVX2)
+struct FloatVector {
+  static constexpr int64_t lanes = 8;
+  __m256 v;
+  static FloatVector all(float f) { return {_mm256_set1_ps(f)}; }
+  static FloatVector load(const float* p) { return {_mm256_loadu_ps(p)}; }
+  static FloatVector widen(const bf16* p) { return {widen_bf16_8(p)}; }
+  void store(float* p) const { _mm256_storeu_ps(p, v); }
+  FloatVector fma(FloatVector a, FloatVector b) const { return {_mm256_fmadd_ps(a.v, b.v, v)}; }
+};
+#define MOESCOPE_FLOAT_VECTOR 1
+#endif
+
 // out[begin, end) = columns [begin, end) of x W for a [rows = len(x), cols] bf16 matrix read as
 // x @ W: row by row, each scaled by its x and added into the float32 sums (the rows stream in order).
 // Four rows per pass over the sums: one load and one store of a sum per four weight vectors, not per
@@ -599,40 +624,16 @@ inline void gemv_t_range(const Matrix& m, const bf16* x, int64_t begin, int64_t 
   const int64_t stride = m.row_bytes / 2;
   std::fill(out + begin, out + end, 0.f);
   int64_t i = 0;
-#if defined(MOESCOPE_AVX512BF16) || defined(MOESCOPE_AVX512F)
+#if defined(MOESCOPE_FLOAT_VECTOR)
+  using V = FloatVector;
   for (; i + 4 <= m.rows; i += 4) {
     const bf16 *r0 = base + i * stride, *r1 = r0 + stride, *r2 = r1 + stride, *r3 = r2 + stride;
-    const __m512 s0 = _mm512_set1_ps(to_float(x[i])), s1 = _mm512_set1_ps(to_float(x[i + 1])),
-                 s2 = _mm512_set1_ps(to_float(x[i + 2])), s3 = _mm512_set1_ps(to_float(x[i + 3]));
+    const V s0 = V::all(to_float(x[i])), s1 = V::all(to_float(x[i + 1])), s2 = V::all(to_float(x[i + 2])),
+            s3 = V::all(to_float(x[i + 3]));
     int64_t j = begin;
-    for (; j + 16 <= end; j += 16) {
-      __m512 acc = _mm512_loadu_ps(out + j);
-      acc = _mm512_fmadd_ps(s0, widen_bf16(r0 + j), acc);
-      acc = _mm512_fmadd_ps(s1, widen_bf16(r1 + j), acc);
-      acc = _mm512_fmadd_ps(s2, widen_bf16(r2 + j), acc);
-      acc = _mm512_fmadd_ps(s3, widen_bf16(r3 + j), acc);
-      _mm512_storeu_ps(out + j, acc);
-    }
-    for (int64_t r = 0; r < 4; ++r) {
-      const float xi = to_float(x[i + r]);
-      const bf16* row = r0 + r * stride;
-      for (int64_t t = j; t < end; ++t) out[t] += xi * to_float(row[t]);
-    }
-  }
-#elif defined(MOESCOPE_AVX2)
-  for (; i + 4 <= m.rows; i += 4) {
-    const bf16 *r0 = base + i * stride, *r1 = r0 + stride, *r2 = r1 + stride, *r3 = r2 + stride;
-    const __m256 s0 = _mm256_set1_ps(to_float(x[i])), s1 = _mm256_set1_ps(to_float(x[i + 1])),
-                 s2 = _mm256_set1_ps(to_float(x[i + 2])), s3 = _mm256_set1_ps(to_float(x[i + 3]));
-    int64_t j = begin;
-    for (; j + 8 <= end; j += 8) {
-      __m256 acc = _mm256_loadu_ps(out + j);
-      acc = _mm256_fmadd_ps(s0, widen_bf16_8(r0 + j), acc);
-      acc = _mm256_fmadd_ps(s1, widen_bf16_8(r1 + j), acc);
-      acc = _mm256_fmadd_ps(s2, widen_bf16_8(r2 + j), acc);
-      acc = _mm256_fmadd_ps(s3, widen_bf16_8(r3 + j), acc);
-      _mm256_storeu_ps(out + j, acc);
-    }
+    for (; j + V::lanes <= end; j += V::lanes)
+      V::load(out + j).fma(s0, V::widen(r0 + j)).fma(s1, V::widen(r1 + j)).fma(s2, V::widen(r2 + j))
+          .fma(s3, V::widen(r3 + j)).store(out + j);
     for (int64_t r = 0; r < 4; ++r) {
       const float xi = to_float(x[i + r]);
       const bf16* row = r0 + r * stride;
@@ -644,14 +645,10 @@ inline void gemv_t_range(const Matrix& m, const bf16* x, int64_t begin, int64_t 
     const float xi = to_float(x[i]);
     const bf16* row = base + i * stride;
     int64_t j = begin;
-#if defined(MOESCOPE_AVX512BF16) || defined(MOESCOPE_AVX512F)
-    const __m512 scale = _mm512_set1_ps(xi);
-    for (; j + 16 <= end; j += 16)
-      _mm512_storeu_ps(out + j, _mm512_fmadd_ps(scale, widen_bf16(row + j), _mm512_loadu_ps(out + j)));
-#elif defined(MOESCOPE_AVX2)
-    const __m256 scale = _mm256_set1_ps(xi);
-    for (; j + 8 <= end; j += 8)
-      _mm256_storeu_ps(out + j, _mm256_fmadd_ps(scale, widen_bf16_8(row + j), _mm256_loadu_ps(out + j)));
+#if defined(MOESCOPE_FLOAT_VECTOR)
+    const FloatVector scale = FloatVector::all(xi);
+    for (; j + FloatVector::lanes <= end; j += FloatVector::lanes)
+      FloatVector::load(out + j).fma(scale, FloatVector::widen(row + j)).store(out + j);
 #endif
     for (; j < end; ++j) out[j] += xi * to_float(row[j]);
   }
