@@ -11,8 +11,8 @@ read between tokens also evicts the caches, so each token starts colder than in 
 if anything, this flatters the limit.
 
 Stock transformers is measured the same way, the read done in its streamer's callback. Greedy
-tokens are compared with transformers' default attention and, once more untimed, with its eager
-attention: the two can part at a near-tie (DeepSeek-V3-shaped at token 57, where eager's two best
+tokens are compared with transformers' default attention and, in one more run whose times are not
+reported, with its eager attention: the two can part at a near-tie (DeepSeek-V3-shaped at token 57, where eager's two best
 logits are the same bf16 value), and no other summation order can then equal both.
 
     python -m bench.decode_pair [--geometries qwen3moe-64e,mixtral-8e] [--decode 64] [--reps 3]
@@ -91,7 +91,7 @@ def run_stock(path: Path, active: int, args, attention: str | None = None) -> di
 
     chosen = {"attn_implementation": attention} if attention else {}
     model = AutoModelForCausalLM.from_pretrained(path, dtype="auto", experts_implementation="grouped_mm", **chosen)
-    attention = model.config._attn_implementation
+    used = model.config._attn_implementation  # the model's default when none was asked for
     ids = torch.tensor([prompt_ids(model.config.get_text_config().vocab_size, args.prompt_len)])
     clock = TokenAndRead(active)
 
@@ -115,7 +115,7 @@ def run_stock(path: Path, active: int, args, attention: str | None = None) -> di
                              min_new_tokens=args.decode, streamer=Streamer(), pad_token_id=0)
     del model
     gc.collect()
-    return {"share": clock.share(), "token_ids": out[0, ids.shape[1]:].tolist(), "attention": attention,
+    return {"share": clock.share(), "token_ids": out[0, ids.shape[1]:].tolist(), "attention": used,
             "tokens_per_s": (len(clock.token_s) - 1) / sum(clock.token_s[1:]),
             "limit_tokens_per_s": (len(clock.read_s) - 1) / sum(clock.read_s[1:])}
 
