@@ -106,6 +106,19 @@ def test_quantized_gemv_is_the_dequantized_bf16_product(flavour, name, integer):
     assert (ours.double() - exact).abs().max() <= 0.01 * exact.abs().max()
 
 
+@pytest.mark.parametrize("name", ["mxfp4", "q8_0", "q4_0", "q5_0"])
+@pytest.mark.parametrize("columns", [96, 2880])
+def test_gemv_rows_that_end_inside_an_input_chunk(flavour, name, columns):
+    # the input's fixed point is scaled per 256 elements, and 32-element blocks need not fill the
+    # last chunk: gpt-oss's 2880 columns end 64 elements into one, 96 is an odd number of blocks
+    packed, reference = quantized(name, rows=40, columns=columns, seed=6)
+    x = (torch.randn(1, columns) * 0.5).to(torch.bfloat16)
+    ours = flavour.gemv(native.weight(flavour, packed, checkpoint_format(name), columns), x)
+    close(ours, F.linear(x, reference), f"{name} gemv over {columns} columns")
+    exact = x.double() @ reference.double().t()
+    assert (ours.double() - exact).abs().max() <= 0.01 * exact.abs().max()
+
+
 @pytest.mark.parametrize("name", KERNEL_FORMATS)
 def test_rows_times_a_quantized_matrix_is_the_dequantized_bf16_product(flavour, name):
     # a prompt's rows through one expert matrix (linear_rows): tiles of the matrix expanded in L1,

@@ -24,12 +24,18 @@
 // 16 elements the integer sum of the fixed-point values (for the mins and level offsets). The
 // planes are interleaved per 32 elements (32 hi bytes, then their 32 lo bytes): one 64-byte load
 // gives an AVX-512 kernel both planes of a 32-weight group.
+// idot_mxfp4 widens its codes to int16 levels with one table lookup, which leaves the table's first
+// entry in each high byte: every level arrives as level + kMxfp4Offset (unsigned levels 0..24, as
+// level + 12, plus 12 * 256), and the offset's products come off per block.
+constexpr int16_t kMxfp4Offset = 12 * 257;
+
 struct FixedInput {
   std::vector<int8_t> planes;
   std::vector<float> scale;     // per chunk: x ~= scale * (255 * hi + lo)
   std::vector<int32_t> sum16;   // per 16 elements: sum of (255 * hi + lo)
   std::vector<float> sum32;     // per 32 elements, as float (Q4_K's mins)
   std::vector<int16_t> wide;    // per element 255 * hi + lo itself (|v| <= 32512), for int16 products
+  std::vector<int32_t> mxfp4_offset;  // per 32 elements, 8 lanes: kMxfp4Offset * the lane's 4 values of `wide`
   std::vector<bf16> source;    // the x these were made from
 
   const int8_t* hi_at(int64_t i) const { return planes.data() + 2 * i - i % 32; }  // hi of elements i...
@@ -109,6 +115,13 @@ struct FixedInput {
     sum32.resize((count + 31) / 32);
     for (int64_t g = 0; g < static_cast<int64_t>(sum32.size()); ++g)
       sum32[g] = static_cast<float>(sum16[2 * g] + (2 * g + 1 < static_cast<int64_t>(sum16.size()) ? sum16[2 * g + 1] : 0));
+#if defined(__AVX2__)
+    mxfp4_offset.resize((count + 31) / 32 * 8);
+    for (int64_t g = 0; g < (count + 31) / 32; ++g)  // the lanes idot_mxfp4's products fall in
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(mxfp4_offset.data() + 8 * g),
+                          _mm256_add_epi32(_mm256_madd_epi16(_mm256_set1_epi16(kMxfp4Offset), _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wide.data() + 32 * g))),
+                                           _mm256_madd_epi16(_mm256_set1_epi16(kMxfp4Offset), _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wide.data() + 32 * g + 16)))));
+#endif
   }
 };
 
@@ -255,26 +268,49 @@ inline float idot_q8_0(const uint8_t* row, int64_t blocks, const FixedInput& in)
 // MXFP4: the 4-bit codes looked up as int8 levels (a pshufb table, as llama.cpp does), widened to
 // int16 and multiplied with the input's int16 fixed-point values (vpmaddwd): one product per weight,
 // where the two int8 planes of the other kernels take two plus the sign moves maddubs needs. Levels
-// are at most 12 in magnitude, so a pair of products stays far inside int32. The scale is 2^(e - 128).
+// are at most 12 in magnitude, so a pair of products stays far inside int32. The scale is 2^(e - 128),
+// read from a table (one load a block instead of rebuilding the float in scalar code, which took
+// most of this loop's instructions); the input chunk's scale is applied once per 8 blocks.
+inline const std::array<float, 256> kE8m0Half = [] {
+  std::array<float, 256> values{};
+  for (int e = 0; e < 256; ++e) values[e] = e8m0_half(static_cast<uint8_t>(e));
+  return values;
+}();
+
 inline float idot_mxfp4(const uint8_t* row, int64_t blocks, const FixedInput& in) {
-  __m256 acc0 = _mm256_setzero_ps(), acc1 = acc0;
-  const __m128i table = _mm_loadu_si128(reinterpret_cast<const __m128i*>(kMxfp4Values));
-  const __m128i low4 = _mm_set1_epi8(0x0F);
+  __m128i unsigned_levels;  // level + 12, in [0, 24]
+  for (int k = 0; k < 16; ++k) reinterpret_cast<uint8_t*>(&unsigned_levels)[k] = static_cast<uint8_t>(kMxfp4Values[k] + 12);
+  const __m256i table = _mm256_broadcastsi128_si256(unsigned_levels);
+  const __m256i low4 = _mm256_set1_epi16(0x0F);
+  // pointers taken once: `in` is the caller's thread_local, and read through it inside the loop
+  // the compiler fetched the thread's storage address again (a call) every block
   const int16_t* x = in.wide.data();
-  for (int64_t blk = 0; blk < blocks; ++blk) {
+  const int32_t* offsets = in.mxfp4_offset.data();
+  const float* chunk_scale = in.scale.data();
+  auto add_block = [&](int64_t blk, __m256 acc) {
     const uint8_t* b = row + blk * 17;
-    _mm_prefetch(reinterpret_cast<const char*>(b + kBlockPrefetchAhead), _MM_HINT_NTA);
-    const __m128i qs = _mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 1));
-    const __m128i first = _mm_shuffle_epi8(table, _mm_and_si128(qs, low4));  // elements 0-15: low nibbles
-    const __m128i second = _mm_shuffle_epi8(table, _mm_and_si128(_mm_srli_epi16(qs, 4), low4));  // 16-31
-    const __m256i sums = madd_wide(_mm256_cvtepi8_epi16(first), _mm256_cvtepi8_epi16(second), x + 32 * blk);
-    const __m256 d = _mm256_set1_ps(e8m0_half(b[0]) * in.scale[blk / 8]);
-    if (blk & 1)
-      acc1 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums), d, acc1);
-    else
-      acc0 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums), d, acc0);
+    // 16 code bytes as words: low nibbles are elements 0-15, high nibbles 16-31
+    const __m256i codes = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 1)));
+    const __m256i first = _mm256_shuffle_epi8(table, _mm256_and_si256(codes, low4));
+    const __m256i second = _mm256_shuffle_epi8(table, _mm256_srli_epi16(codes, 4));
+    const __m256i sums = _mm256_sub_epi32(madd_wide(first, second, x + 32 * blk),
+                                          load32(offsets + 8 * blk));
+    return _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums), _mm256_broadcast_ss(&kE8m0Half[b[0]]), acc);
+  };
+  __m256 total = _mm256_setzero_ps();
+  for (int64_t start = 0; start < blocks; start += 8) {  // the 8 blocks of one 256-element input chunk
+    const int64_t end = std::min(blocks, start + 8);
+    __m256 acc0 = _mm256_setzero_ps(), acc1 = acc0;
+    int64_t blk = start;
+    for (; blk + 2 <= end; blk += 2) {
+      _mm_prefetch(reinterpret_cast<const char*>(row + blk * 17 + kBlockPrefetchAhead), _MM_HINT_NTA);
+      acc0 = add_block(blk, acc0);
+      acc1 = add_block(blk + 1, acc1);
+    }
+    if (blk < end) acc0 = add_block(blk, acc0);
+    total = _mm256_fmadd_ps(_mm256_add_ps(acc0, acc1), _mm256_set1_ps(chunk_scale[start / 8]), total);
   }
-  return hsum_ps(_mm256_add_ps(acc0, acc1));
+  return hsum_ps(total);
 }
 
 // Q6_K: levels 0..63 (stored as 4 low bits + 2 high bits), minus 32, times a signed 8-bit scale
