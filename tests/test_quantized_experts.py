@@ -362,6 +362,40 @@ def test_a_prompt_multiplies_quantized_experts_in_their_blocks(wide, kernels, mo
     assert logits[True].argmax() == logits[False].argmax()
 
 
+def test_a_fast_prompt_never_expands_a_quantized_dense_matrix(wide, kernels):
+    """With fast decode and dense weights in a block format, a prompt's linears multiply the blocks
+    (`linear_rows`), and the one row its last position sends through the LM head takes the GEMV:
+    no dense matrix is expanded to bf16 (the exact path does, for transformers' products)."""
+    import torch
+
+    from engine.decode.kv_cache import new_cache
+    from engine.decode.paths.base import Step
+    from engine.model.dense_formats import QuantizedLinear
+
+    runtime = MoERuntime(LoadModel(path=str(wide["mixtral"]), budget="all", store="ram", device="cpu",
+                                   dtype="bfloat16", expert_format="q4_k", dense_format="q8_0", fast_decode=True))
+    expanded = []
+    try:
+        dense = [m for m in runtime.model.modules() if isinstance(m, QuantizedLinear)]
+        assert any(m is runtime.model.get_output_embeddings() for m in dense)
+        for module in dense:
+            def counting(packed, fmt, columns, out, module=module, expand=module.dequantizer):
+                expanded.append(module)
+                return expand(packed, fmt, columns, out)
+            module.dequantizer = counting
+        logits = {}
+        with torch.inference_mode():
+            for fast in (True, False):
+                runtime.set_fast_decode(fast)
+                expanded.clear()
+                step = Step(torch.tensor([PROMPT]), new_cache(runtime.model), 0)
+                logits[fast] = runtime.paths.choose(step)[0].run(step)
+                assert bool(expanded) == (not fast), fast
+    finally:
+        runtime.close()
+    assert logits[True].argmax() == logits[False].argmax()
+
+
 @pytest.mark.parametrize("family", ["mixtral", "qwen2_moe"])
 def test_fast_decode_gives_the_same_logits_at_every_budget(wide, kernels, family):
     """A decode token whose experts must first be loaded waits for them and then runs on the very

@@ -58,6 +58,16 @@ def _native_kernels(module: torch.nn.Module, x: torch.Tensor, weight: torch.Tens
     return native.ready()
 
 
+def _one_row_kernels(module: torch.nn.Module, x: torch.Tensor) -> ModuleType | None:
+    """The kernels for one bf16 CPU row through a linear (the GEMV): inside a native step, and in a
+    fast prompt, whose last position alone goes through the LM head (there a quantized head was
+    expanded whole to bf16 for torch's product: a few percent of a 128-token prompt)."""
+    switch = module.__dict__.get(SWITCH_ATTR)
+    if switch is None or not (switch.on or switch.rows) or x.dtype != torch.bfloat16 or x.device.type != "cpu":
+        return None
+    return native.ready()
+
+
 def _row_kernels(module: torch.nn.Module, x: torch.Tensor, quantized: bool) -> ModuleType | None:
     """The kernels, if `module`'s model is in a fast prompt and `linear_rows` takes these rows: bf16 on
     the CPU, whole 32-column groups, and for a bf16 weight where the native rows beat torch's bf16
@@ -83,7 +93,7 @@ class FastLinear(torch.nn.Linear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.numel() == self.in_features:
-            kernels = _native_kernels(self, x, self.weight)
+            kernels = _one_row_kernels(self, x) if self.weight.dtype == torch.bfloat16 else None
             if kernels is not None and _bf16_bias(self.bias):
                 return kernels.gemv(linear_weight(kernels, self), x, self.bias)
         elif self.weight.dtype == torch.bfloat16 and _bf16_bias(self.bias) \
@@ -102,9 +112,8 @@ class FastQuantizedLinear(QuantizedLinear):
         if x.numel() != self.in_features:
             kernels = _row_kernels(self, x, quantized=True) if _bf16_bias(self.bias) else None
             return super().forward(x) if kernels is None else _rows(kernels, self, x, self.bias)
-        switch = self.__dict__.get(SWITCH_ATTR)
-        kernels = native.ready() if switch is not None and switch.on else None
-        if kernels is None or x.dtype != torch.bfloat16 or x.device.type != "cpu" or not _bf16_bias(self.bias):
+        kernels = _one_row_kernels(self, x)
+        if kernels is None or not _bf16_bias(self.bias):
             return super().forward(x)
         return kernels.gemv(linear_weight(kernels, self), x, self.bias)
 
