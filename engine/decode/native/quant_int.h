@@ -20,15 +20,15 @@
 // (scale * level - min), not rounded to bf16 first: within bf16 tolerance of the reference, not
 // bit-equal to it (tests/test_quant_kernels.py holds every flavour to that tolerance).
 
-// x in fixed point: per 256-element chunk a float scale, per element hi/lo int8 planes, and per
-// 16 elements the integer sum of the fixed-point values (for the mins and level offsets). The
-// planes are interleaved per 32 elements (32 hi bytes, then their 32 lo bytes): one 64-byte load
-// gives an AVX-512 kernel both planes of a 32-weight group.
 // idot_mxfp4 widens its codes to int16 levels with one table lookup, which leaves the table's first
 // entry in each high byte: every level arrives as level + kMxfp4Offset (unsigned levels 0..24, as
 // level + 12, plus 12 * 256), and the offset's products come off per block.
 constexpr int16_t kMxfp4Offset = 12 * 257;
 
+// x in fixed point: per 256-element chunk a float scale, per element hi/lo int8 planes, and per
+// 16 elements the integer sum of the fixed-point values (for the mins and level offsets). The
+// planes are interleaved per 32 elements (32 hi bytes, then their 32 lo bytes): one 64-byte load
+// gives an AVX-512 kernel both planes of a 32-weight group.
 struct FixedInput {
   std::vector<int8_t> planes;
   std::vector<float> scale;     // per chunk: x ~= scale * (255 * hi + lo)
