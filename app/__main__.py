@@ -1,5 +1,3 @@
-import sys
+from app.launcher import entry
 
-from app.launcher import main
-
-sys.exit(main())
+entry()

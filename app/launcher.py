@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import sys
 from collections.abc import Sequence
+from typing import NoReturn
 
 ENGINE_COMMANDS_HINT = "generate, chat, serve, info, policies, models, trace, bench"
 
@@ -62,5 +63,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     return run_gui(args)
 
 
+def entry() -> NoReturn:
+    """The installed `moescope` command: main, then out without the interpreter's final collection
+    (seconds after an engine command, engine/system/process_exit.py)."""
+    from engine.system.process_exit import exit_process
+
+    exit_process(main())
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    entry()

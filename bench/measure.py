@@ -12,7 +12,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import sys
 import tempfile
 import time
 from contextlib import contextmanager
@@ -222,4 +221,6 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from engine.system.process_exit import exit_process
+
+    exit_process(main())

@@ -8,10 +8,9 @@ normal launcher follows: the window with no arguments, the engine CLI for a subc
 """
 
 import multiprocessing
-import sys
 
 if __name__ == "__main__":
     multiprocessing.freeze_support()
-    from app.launcher import main
+    from app.launcher import entry
 
-    sys.exit(main())
+    entry()

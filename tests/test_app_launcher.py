@@ -16,7 +16,8 @@ ALLOWED_ENGINE_IMPORTS = {"engine", "engine.protocol", "engine.process.client", 
                           # the torch-free server and remote client (tests/test_structure.py holds them torch-free)
                           "engine.errors", "engine.serve", "engine.serve.app", "engine.serve.hub", "engine.serve.runner",
                           "engine.remote.client",
-                          "engine.formats.blocks"}  # the weight formats' names, labels and sizes (numpy only)
+                          "engine.formats.blocks",  # the weight formats' names, labels and sizes (numpy only)
+                          "engine.system.process_exit"}  # the exit without the final collection (gc only)
 
 
 def test_subcommands_go_to_the_engine_cli(monkeypatch):
@@ -44,7 +45,7 @@ def test_gui_flags_go_to_the_window(monkeypatch):
 
 def test_pyproject_entry_point_is_the_launcher():
     text = (ROOT / "pyproject.toml").read_text()
-    assert 'moescope = "app.launcher:main"' in text
+    assert 'moescope = "app.launcher:entry"' in text
 
 
 def test_app_sources_import_only_the_engine_contract():

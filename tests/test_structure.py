@@ -30,7 +30,7 @@ ALLOWED = {
     "engine.decode": {"engine.errors", "engine.protocol", "engine.system", "engine.accounting", "engine.formats",
                       "engine.traces", "engine.model", "engine.hub", "engine.offload"},
     "engine.demo": {"engine.protocol", "engine.decode"},
-    "engine.process": {"engine.errors", "engine.protocol", "engine.accounting", "engine.hub", "engine.decode"},
+    "engine.process": {"engine.errors", "engine.protocol", "engine.system", "engine.accounting", "engine.hub", "engine.decode"},
     "engine.serve": {"engine.errors", "engine.protocol"},
     "engine.remote": {"engine.errors", "engine.protocol"},
     "engine.cli": {"engine.errors", "engine.protocol", "engine.system", "engine.accounting", "engine.formats", "engine.traces",

@@ -9,5 +9,7 @@ from __future__ import annotations
 
 def main(conn) -> None:
     from engine.process.worker import Worker
+    from engine.system.process_exit import exit_process
 
     Worker(conn).run()
+    exit_process(0)
