@@ -47,6 +47,7 @@ def measure(model: str) -> dict:
     points["+ transformers"] = rss()
     from engine.decode.generation import Generator
     from engine.decode.runtime import MoERuntime
+    from engine.process import worker  # noqa: F401  (the engine process's own imports)
     from engine.system.memory import baseline_rss_bytes, release_free_heap
 
     points["+ generation path imports"] = baseline_rss_bytes()  # the runtime's baseline: taken here, before the skeleton

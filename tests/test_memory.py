@@ -9,6 +9,7 @@ import sys
 import pytest
 import torch
 
+from engine.model.inspect import inspect_checkpoint
 from tests.helpers.checkpoints import write_large_qwen3_moe
 from tests.helpers.quantized_checkpoints import write_large_mxfp4_gpt_oss
 
@@ -40,16 +41,16 @@ def moescope(*args: str) -> dict:
 
 
 def test_peak_rss_stays_within_dense_plus_budget(large_checkpoint, capsys):
-    info = moescope("info", "--model", str(large_checkpoint), "--json")
-    assert info["all_expert_bytes"] >= 2**30
+    info = inspect_checkpoint(large_checkpoint)  # the sizes `moescope info` shows, from the headers
+    assert info.all_expert_bytes >= 2**30
     result = moescope("generate", "--device", "cpu", "--model", str(large_checkpoint),
                       "--store", "disk", "--budget", "128MiB",
                       "--prompt-ids", "1,5,9,200,33,7,80,12", "--raw", "--max-new-tokens", "4", "--json")
     stats = result["stats"]
-    limit = info["dense_bytes"] + BUDGET + SLACK
+    limit = info.dense_bytes + BUDGET + SLACK
     with capsys.disabled():
-        print(f"\n[honest memory] experts {info['all_expert_bytes'] / 2**30:.2f} GiB, dense "
-              f"{info['dense_bytes'] / 2**20:.0f} MiB, budget 128 MiB -> peak RSS {stats['peak_rss_bytes'] / 2**20:.0f} MiB "
+        print(f"\n[honest memory] experts {info.all_expert_bytes / 2**30:.2f} GiB, dense "
+              f"{info.dense_bytes / 2**20:.0f} MiB, budget 128 MiB -> peak RSS {stats['peak_rss_bytes'] / 2**20:.0f} MiB "
               f"(limit {limit / 2**20:.0f} MiB)")
     assert stats["budget_bytes"] <= BUDGET
     assert stats["bytes_loaded"] > 0
@@ -64,21 +65,21 @@ def test_an_mxfp4_checkpoint_is_budgeted_in_its_own_bytes(tmp_path, capsys):
     # matrix shape the reply's prompt meets (docs/performance.md), and the reply's heap lands where it
     # lands, hence the allowance; measured 0.1-0.5 MiB either side of the goal.
     path = write_large_mxfp4_gpt_oss(tmp_path / "gpt-oss-mxfp4", layers=4)
-    info = moescope("info", "--model", str(path), "--json")
-    assert info["expert_format"] == "mxfp4" and info["all_expert_bytes"] < 0.45 * 2**30
+    info = inspect_checkpoint(path)
+    assert info.expert_format == "mxfp4" and info.all_expert_bytes < 0.45 * 2**30
     result = moescope("generate", "--device", "cpu", "--model", str(path),
                       "--store", "disk", "--budget", "25%",
                       "--prompt-ids", "1,5,9,200,33,7,80,12", "--raw", "--max-new-tokens", "4", "--json")
     stats = result["stats"]
-    limit = info["dense_bytes"] + stats["budget_bytes"] + SLACK
-    reported = info["dense_bytes"] + stats["budget_bytes"] + result["engine_overhead_bytes"]
+    limit = info.dense_bytes + stats["budget_bytes"] + SLACK
+    reported = info.dense_bytes + stats["budget_bytes"] + result["engine_overhead_bytes"]
     with capsys.disabled():
-        print(f"\n[honest memory, mxfp4] experts {info['all_expert_bytes'] / 2**20:.0f} MiB, dense "
-              f"{info['dense_bytes'] / 2**20:.0f} MiB, budget {stats['budget_bytes'] / 2**20:.0f} MiB, reported "
+        print(f"\n[honest memory, mxfp4] experts {info.all_expert_bytes / 2**20:.0f} MiB, dense "
+              f"{info.dense_bytes / 2**20:.0f} MiB, budget {stats['budget_bytes'] / 2**20:.0f} MiB, reported "
               f"overhead {result['engine_overhead_bytes'] / 2**20:.0f} MiB -> peak RSS "
               f"{stats['peak_rss_bytes'] / 2**20:.0f} MiB (dense + budget + reported overhead "
               f"{reported / 2**20:.0f} MiB; limit {limit / 2**20:.0f} MiB)")
     assert result["engine_overhead_bytes"] <= SLACK
-    assert stats["budget_bytes"] <= info["all_expert_bytes"] // 4 + info["expert_bytes"]
+    assert stats["budget_bytes"] <= info.all_expert_bytes // 4 + info.expert_bytes
     assert stats["bytes_loaded"] > 0 and stats["peak_rss_bytes"] < limit
     assert stats["peak_rss_bytes"] <= reported + NEW_SHAPES_ALLOWANCE

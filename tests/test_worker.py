@@ -28,14 +28,26 @@ def endless_checkpoint(tmp_path_factory):
     return save_tiny_checkpoint("mixtral", tmp_path_factory.mktemp("endless") / "mixtral", eos_token_id=None)
 
 
-@pytest.fixture
-def engine(endless_checkpoint):
+def loaded_engine(checkpoint):
     client, log = started_client()
-    client.send(p.LoadModel(path=str(endless_checkpoint), budget="all", store="disk"))
+    client.send(p.LoadModel(path=str(checkpoint), budget="all", store="disk"))
     loaded = log.wait_for(lambda e: isinstance(e, (p.ModelLoaded, p.Error)))
     assert isinstance(loaded, p.ModelLoaded), loaded
     yield client, log
     client.stop()
+
+
+@pytest.fixture(scope="module")
+def engine(endless_checkpoint):
+    """One engine process for the tests that leave it as they found it (each with request ids of its
+    own): starting one and loading the model takes seconds."""
+    yield from loaded_engine(endless_checkpoint)
+
+
+@pytest.fixture
+def own_engine(endless_checkpoint):
+    """An engine process for a test that kills it."""
+    yield from loaded_engine(endless_checkpoint)
 
 
 def done_for(log, rid: str, start: int = 0, timeout: float = 60):
@@ -97,10 +109,13 @@ def test_budget_change_mid_reply_shows_in_the_next_snapshot_and_stays_exact(engi
     assert changed.slots_per_layer == minimum and "minimum" in changed.note
     assert snapshot.slots_per_layer == minimum and snapshot.state == "decoding"
     assert done.token_ids == expected
+    mark = log.mark()
+    client.send(p.SetBudget("all"))  # as the module's engine was loaded
+    log.wait_for(lambda e: isinstance(e, p.BudgetChanged), start=mark)
 
 
-def test_sigkill_mid_reply_is_reported_and_restart_reloads(engine):
-    client, log = engine
+def test_sigkill_mid_reply_is_reported_and_restart_reloads(own_engine):
+    client, log = own_engine
     killed = threading.Event()
     original = client.on_event
 
@@ -139,14 +154,10 @@ def test_kernel_switches_apply_live_and_survive_a_restart(endless_checkpoint, ke
         client.send(p.Generate("f", prompt_ids=PROMPT_IDS, sampling=p.SamplingSettings(temperature=0, max_new_tokens=8)))
         assert len(done_for(log, "f", mark).token_ids) == 8
         mark = log.mark()
-        client.restart(reload=True)  # e.g. after a crash: the switch stays as the user left it
-        reloaded = log.wait_for(lambda e: isinstance(e, (p.ModelLoaded, p.Error)), start=mark)
-        assert isinstance(reloaded, p.ModelLoaded) and not reloaded.fast_decode
-        mark = log.mark()
-        client.send(p.SetInt8Prompt(True))  # the System panel's lossy 8-bit prompt switch: live, and kept too
+        client.send(p.SetInt8Prompt(True))  # the System panel's lossy 8-bit prompt switch: live too
         assert log.wait_for(lambda e: isinstance(e, p.FastDecodeChanged), start=mark).int8_prompt
         mark = log.mark()
-        client.restart(reload=True)
+        client.restart(reload=True)  # e.g. after a crash: both switches stay as the user left them
         kept = log.wait_for(lambda e: isinstance(e, (p.ModelLoaded, p.Error)), start=mark)
         assert isinstance(kept, p.ModelLoaded) and kept.int8_prompt and not kept.fast_decode
         mark = log.mark()
