@@ -263,13 +263,19 @@ at::Tensor gemv(const Weight& weight, const at::Tensor& x, const c10::optional<a
   return y;
 }
 
-// The weight dequantized to bf16 into `out` [rows, cols] (the reference's values), rows split across threads.
+// The weight dequantized into `out` [rows, cols] (the reference's values), rows split across threads:
+// bf16, or float32 as the prompt tiles of builds without bf16 dot products expand it.
 void dequantize(const Weight& weight, at::Tensor out) {
   const Matrix w = matrix_of(weight, "weight");
-  TORCH_CHECK(out.scalar_type() == at::kBFloat16 && out.is_contiguous() && out.numel() == w.rows * w.cols,
-              "dequantize: a contiguous bf16 tensor of rows x cols is needed");
-  bf16* o = bf16_data(out);
-  at::parallel_for(0, w.rows, 16, [&](int64_t begin, int64_t end) { dequantize_rows(w, begin, end, o); });
+  const bool wide = out.scalar_type() == at::kFloat;
+  TORCH_CHECK((wide || out.scalar_type() == at::kBFloat16) && out.is_contiguous() && out.numel() == w.rows * w.cols,
+              "dequantize: a contiguous bf16 or float32 tensor of rows x cols is needed");
+  at::parallel_for(0, w.rows, 16, [&](int64_t begin, int64_t end) {
+    if (wide)
+      dequantize_rows_f32(w, begin, end, out.data_ptr<float>());
+    else
+      dequantize_rows(w, begin, end, bf16_data(out));
+  });
 }
 
 // A prompt's rows through one weight matrix (x W^T for x [m, cols]). Each tile of kTile rows of W is
@@ -2278,7 +2284,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         pybind11::arg("x"), pybind11::arg("bias") = pybind11::none());
   m.def("set_integer_dots", [](bool on) { integer_dots_enabled() = on; },
         "block types with an integer kernel use it (default) or the reference-exact float loops");
-  m.def("dequantize", &dequantize, "a weight matrix as bf16, the reference dequantizer's values");
+  m.def("dequantize", &dequantize, "a weight matrix as bf16 or float32, the reference dequantizer's values");
   m.def("bf16_dot_products", [] {
 #if defined(MOESCOPE_AVX512BF16)
     return true;

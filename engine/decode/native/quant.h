@@ -254,6 +254,14 @@ inline void group_weights(int32_t type, const uint8_t* b, const BlockScales& s, 
 }
 
 #if defined(__AVX2__)
+// 8 float32 rounded to bf16 (nearest even) and back, as torch rounds float32 weights to bf16.
+inline __m256 round_bf16_avx2(__m256 v) {
+  const __m256i bits = _mm256_castps_si256(v);
+  const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(bits, 16), _mm256_set1_epi32(1));
+  const __m256i rounded = _mm256_add_epi32(bits, _mm256_add_epi32(lsb, _mm256_set1_epi32(0x7fff)));
+  return _mm256_castsi256_ps(_mm256_and_si256(rounded, _mm256_set1_epi32(static_cast<int>(0xffff0000u))));
+}
+
 // The unsigned levels of group g (32 weights) of a block, 32 bytes at a time, as group_levels reads
 // them: Q6_K's 0..63 (32 above the signed level), Q2_K's 0..3, Q3_K's 0..7 with the mask bit on top
 // (4 above). Shared by the dequantizer and the integer dots (quant_int.h).
@@ -500,14 +508,6 @@ inline float qdot_row(const Matrix& m, int64_t r, const bf16* x) {
   return _mm512_reduce_add_ps(_mm512_add_ps(acc0, acc1));
 }
 #elif defined(MOESCOPE_AVX2)
-// 8 float32 rounded to bf16 (nearest even) and back, as torch rounds float32 weights to bf16.
-inline __m256 round_bf16_avx2(__m256 v) {
-  const __m256i bits = _mm256_castps_si256(v);
-  const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(bits, 16), _mm256_set1_epi32(1));
-  const __m256i rounded = _mm256_add_epi32(bits, _mm256_add_epi32(lsb, _mm256_set1_epi32(0x7fff)));
-  return _mm256_castsi256_ps(_mm256_and_si256(rounded, _mm256_set1_epi32(static_cast<int>(0xffff0000u))));
-}
-
 inline __m256 widen_bf16_avx2(const bf16* p) {
   return _mm256_castsi256_ps(
       _mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))), 16));
@@ -617,31 +617,86 @@ inline void dequantize_row_q4_k(const uint8_t* row, int64_t blocks, bf16* w) {
 #endif
 
 #if defined(__AVX2__)
+// The 4-bit codes of group g of a Q4_0, MXFP4 or Q4_K block, one byte each in element order: Q4_0's
+// and MXFP4's elements 0-15 are the low nibbles of 16 bytes and 16-31 their high nibbles, Q4_K's
+// groups take the low (even g) or high (odd g) nibbles of 32 bytes.
+inline __m256i group_codes_avx2(int32_t type, const uint8_t* b, int g) {
+  const __m256i low4 = _mm256_set1_epi8(0x0F);
+  if (type == kQ4_K) {
+    const __m256i q = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 16 + 32 * (g / 2)));
+    return _mm256_and_si256(g % 2 ? _mm256_srli_epi16(q, 4) : q, low4);
+  }
+  const __m128i q = _mm_loadu_si128(reinterpret_cast<const __m128i*>(b + (type == kQ4_0 ? 2 : 1)));
+  return _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(q, 4), q), low4);
+}
+
+// The 16 levels the codes of a Q4_0, MXFP4 or Q4_K group stand for, as float32 (codes 0-7 in `low`,
+// 8-15 in `high`); false for the other types.
+inline bool code_levels_avx2(int32_t type, __m256& low, __m256& high) {
+  switch (type) {
+    case kQ4_K:
+      low = _mm256_setr_ps(0, 1, 2, 3, 4, 5, 6, 7);
+      high = _mm256_setr_ps(8, 9, 10, 11, 12, 13, 14, 15);
+      return true;
+    case kQ4_0:
+      low = _mm256_setr_ps(-8, -7, -6, -5, -4, -3, -2, -1);
+      high = _mm256_setr_ps(0, 1, 2, 3, 4, 5, 6, 7);
+      return true;
+    case kMXFP4: {
+      const __m128i values = _mm_loadu_si128(reinterpret_cast<const __m128i*>(kMxfp4Values));
+      low = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(values));
+      high = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(values, 8)));
+      return true;
+    }
+    default:
+      return false;
+  }
+}
+
+// w[0..31] = the float32 weights of a group's 32 codes (bytes 0..15, element order) whose 16 levels
+// share one scale and min: each level's weight is computed and rounded once, as group_weights_f32
+// computes it, and the 32 are looked up with byte shuffles (a bf16's low and high bytes apart), in
+// about two thirds of the instructions of computing every weight.
+inline void lookup_group_f32(__m256i codes, __m256 low, __m256 high, float scale, float min, float* w) {
+  const __m256 s = _mm256_set1_ps(scale), o = _mm256_set1_ps(min);
+  auto top_half = [&](__m256 levels) {  // the bf16 values of 8 levels, in the low half of each lane
+    return _mm256_srli_epi32(_mm256_castps_si256(round_bf16_avx2(_mm256_sub_ps(_mm256_mul_ps(levels, s), o))), 16);
+  };
+  // the 16 values in order, then in each 128-bit lane 8 values' low bytes followed by their high bytes
+  const __m256i values = _mm256_permute4x64_epi64(_mm256_packus_epi32(top_half(low), top_half(high)), 0xD8);
+  const __m256i split = _mm256_shuffle_epi8(values, _mm256_setr_epi8(0, 2, 4, 6, 8, 10, 12, 14, 1, 3, 5, 7, 9, 11, 13, 15,
+                                                                     0, 2, 4, 6, 8, 10, 12, 14, 1, 3, 5, 7, 9, 11, 13, 15));
+  const __m256i low_bytes = _mm256_permute4x64_epi64(split, _MM_SHUFFLE(2, 0, 2, 0));
+  const __m256i high_bytes = _mm256_permute4x64_epi64(split, _MM_SHUFFLE(3, 1, 3, 1));
+  // codes 0-3, 8-11, 16-19, 24-27 in the low lane and the others in the high one, so that the
+  // unpacks below (which work within lanes) give elements 0-7, 8-15, 16-23, 24-31
+  const __m256i order = _mm256_permutevar8x32_epi32(codes, _mm256_setr_epi32(0, 2, 4, 6, 1, 3, 5, 7));
+  const __m256i l = _mm256_shuffle_epi8(low_bytes, order), h = _mm256_shuffle_epi8(high_bytes, order);
+  const __m256i first = _mm256_unpacklo_epi8(l, h), second = _mm256_unpackhi_epi8(l, h), zero = _mm256_setzero_si256();
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(w), _mm256_unpacklo_epi16(zero, first));
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(w + 8), _mm256_unpackhi_epi16(zero, first));
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(w + 16), _mm256_unpacklo_epi16(zero, second));
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(w + 24), _mm256_unpackhi_epi16(zero, second));
+}
+
 // Group g's 32 levels as signed bytes, for the types unpacked in vectors here (false: the others,
 // which take group_levels).
 inline bool group_levels_avx2(int32_t type, const uint8_t* b, int g, __m256i& bytes) {
-  const __m256i low4 = _mm256_set1_epi8(0x0F);
   switch (type) {
     case kQ8_0:
       bytes = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 2));
       return true;
     case kQ4_0:
-    case kMXFP4: {  // elements 0-15 the low nibbles of 16 bytes, 16-31 their high nibbles
-      const __m128i q = _mm_loadu_si128(reinterpret_cast<const __m128i*>(b + (type == kQ4_0 ? 2 : 1)));
-      const __m256i codes = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(q, 4), q), low4);
-      if (type == kQ4_0) {
-        bytes = _mm256_sub_epi8(codes, _mm256_set1_epi8(8));
-      } else {
-        const __m128i table = _mm_loadu_si128(reinterpret_cast<const __m128i*>(kMxfp4Values));
-        bytes = _mm256_shuffle_epi8(_mm256_set_m128i(table, table), codes);
-      }
+      bytes = _mm256_sub_epi8(group_codes_avx2(type, b, g), _mm256_set1_epi8(8));
+      return true;
+    case kMXFP4: {
+      const __m128i table = _mm_loadu_si128(reinterpret_cast<const __m128i*>(kMxfp4Values));
+      bytes = _mm256_shuffle_epi8(_mm256_set_m128i(table, table), group_codes_avx2(type, b, g));
       return true;
     }
-    case kQ4_K: {
-      const __m256i q = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 16 + 32 * (g / 2)));
-      bytes = _mm256_and_si256(g % 2 ? _mm256_srli_epi16(q, 4) : q, low4);
+    case kQ4_K:
+      bytes = group_codes_avx2(type, b, g);
       return true;
-    }
     case kQ6_K:
       bytes = _mm256_sub_epi8(q6_k_group_levels(b, g), _mm256_set1_epi8(32));
       return true;
@@ -661,6 +716,9 @@ inline bool group_levels_avx2(int32_t type, const uint8_t* b, int g, __m256i& by
 // as float32: 8 at a time for the types AVX2 unpacks in vectors.
 inline void group_weights_f32(int32_t type, const uint8_t* b, const BlockScales& s, int g, float* w) {
 #if defined(__AVX2__)
+  __m256 low, high;
+  if (code_levels_avx2(type, low, high))
+    return lookup_group_f32(group_codes_avx2(type, b, g), low, high, s.scale[2 * g], s.min[2 * g], w);
   __m256i bytes;
   if (group_levels_avx2(type, b, g, bytes)) {
     const __m128i halves[2] = {_mm256_castsi256_si128(bytes), _mm256_extracti128_si256(bytes, 1)};
@@ -669,10 +727,7 @@ inline void group_weights_f32(int32_t type, const uint8_t* b, const BlockScales&
       const int sub = (32 * g + 8 * part) / 16;
       const __m256 value = _mm256_sub_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(eight)),
                                                        _mm256_set1_ps(s.scale[sub])), _mm256_set1_ps(s.min[sub]));
-      __m256i bits = _mm256_castps_si256(value);  // round to nearest even at bf16, as to_bf16 (finite values)
-      bits = _mm256_add_epi32(bits, _mm256_add_epi32(_mm256_set1_epi32(0x7FFF),
-                                                     _mm256_and_si256(_mm256_srli_epi32(bits, 16), _mm256_set1_epi32(1))));
-      _mm256_storeu_ps(w + 8 * part, _mm256_castsi256_ps(_mm256_and_si256(bits, _mm256_set1_epi32(-65536))));
+      _mm256_storeu_ps(w + 8 * part, round_bf16_avx2(value));
     }
     return;
   }
