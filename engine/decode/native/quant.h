@@ -719,6 +719,14 @@ inline void group_weights_f32(int32_t type, const uint8_t* b, const BlockScales&
   __m256 low, high;
   if (code_levels_avx2(type, low, high))
     return lookup_group_f32(group_codes_avx2(type, b, g), low, high, s.scale[2 * g], s.min[2 * g], w);
+  if (type == kQ8_0) {  // the levels are the block's bytes and there is no min (x - 0 is x, -0 included)
+    const __m256 scale = _mm256_set1_ps(s.scale[0]);
+    for (int part = 0; part < 4; ++part) {
+      const __m256i level = _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(b + 2 + 8 * part)));
+      _mm256_storeu_ps(w + 8 * part, round_bf16_avx2(_mm256_mul_ps(_mm256_cvtepi32_ps(level), scale)));
+    }
+    return;
+  }
   __m256i bytes;
   if (group_levels_avx2(type, b, g, bytes)) {
     const __m128i halves[2] = {_mm256_castsi256_si128(bytes), _mm256_extracti128_si256(bytes, 1)};
