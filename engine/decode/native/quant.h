@@ -653,7 +653,7 @@ inline bool code_levels_avx2(int32_t type, __m256& low, __m256& high) {
   }
 }
 
-// w[0..31] = the float32 weights of a group's 32 codes (bytes 0..15, element order) whose 16 levels
+// w[0..31] = the float32 weights of a group's 32 codes (a byte each, 0..15, element order) whose 16 levels
 // share one scale and min: each level's weight is computed and rounded once, as group_weights_f32
 // computes it, and the 32 are looked up with byte shuffles (a bf16's low and high bytes apart), in
 // about two thirds of the instructions of computing every weight.
@@ -679,24 +679,10 @@ inline void lookup_group_f32(__m256i codes, __m256 low, __m256 high, float scale
   _mm256_storeu_si256(reinterpret_cast<__m256i*>(w + 24), _mm256_unpackhi_epi16(zero, second));
 }
 
-// Group g's 32 levels as signed bytes, for the types unpacked in vectors here (false: the others,
-// which take group_levels).
+// Group g's 32 levels as signed bytes, for the K-quants whose sub-blocks of 16 have their own
+// scales (false: the others; the 4-bit types and Q8_0 take group_weights_f32's own paths).
 inline bool group_levels_avx2(int32_t type, const uint8_t* b, int g, __m256i& bytes) {
   switch (type) {
-    case kQ8_0:
-      bytes = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 2));
-      return true;
-    case kQ4_0:
-      bytes = _mm256_sub_epi8(group_codes_avx2(type, b, g), _mm256_set1_epi8(8));
-      return true;
-    case kMXFP4: {
-      const __m128i table = _mm_loadu_si128(reinterpret_cast<const __m128i*>(kMxfp4Values));
-      bytes = _mm256_shuffle_epi8(_mm256_set_m128i(table, table), group_codes_avx2(type, b, g));
-      return true;
-    }
-    case kQ4_K:
-      bytes = group_codes_avx2(type, b, g);
-      return true;
     case kQ6_K:
       bytes = _mm256_sub_epi8(q6_k_group_levels(b, g), _mm256_set1_epi8(32));
       return true;
