@@ -291,6 +291,9 @@ def plot(report: dict, target: Path) -> None:
         return
     rows = [r for r in report["rows"] if r.get("budget_pct") is not None and "error" not in r["moescope"]]
     panels = sorted({(r["model"], r["prompt"], r["routing"]) for r in rows})
+    if not panels:  # every run failed: the table says why
+        print("no run finished: no plot", file=sys.stderr)
+        return
     policies = list(dict.fromkeys(r["policy"] for r in rows))
     cols = min(4, len(panels))
     grid_rows = -(-len(panels) // cols)
