@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # The checks that need a CUDA GPU, in one go: the engine's tests with the GPU as the default
-# device (every `--device auto` test then runs its cache on CUDA), then the GPU benchmark
-# (bench.run --device cuda; budgets 100 and 25 % so both fit one 10-minute device call after the tests).
-# Usage: bash bench/cuda_run.sh OUT_DIR [TEST_SECONDS] [BENCH_SECONDS]
+# device (every `--device auto` test then runs its cache on CUDA), then bf16 against 4-bit experts on
+# the GPU (quantized slots dequantized there) at budgets all and 25 % on a small model, then the GPU
+# benchmark (bench.run --device cuda, budgets 100 and 25 %), all inside one 10-minute device call.
+# Usage: bash bench/cuda_run.sh OUT_DIR [TEST_SECONDS] [SECONDS_PER_FORMAT_RUN] [BENCH_SECONDS]
 # Tests run on pytest-xdist workers where it is installed (WORKERS, default 8).
 set -uo pipefail
 out=${1:?output folder}
@@ -14,9 +15,17 @@ transformers.__version__, 'cuda', torch.cuda.is_available(), torch.cuda.get_devi
   2>&1 | tee "$out/machine.txt"
 workers=()  # xdist workers get 2 torch threads each, or they oversubscribe the cores
 "$python" -c "import xdist" 2>/dev/null && workers=(-n "${WORKERS:-8}") && export OMP_NUM_THREADS=${OMP_NUM_THREADS:-2}
-timeout "${2:-230}" "$python" -m pytest -p no:cacheprovider -q -rfEs "${workers[@]}" --junitxml "$out/tests.xml" \
+timeout "${2:-230}" "$python" -m pytest -p no:cacheprovider -q -rfEs "${workers[@]}" \
   tests/test_exactness.py tests/test_quantized_experts.py tests/test_quantized_checkpoints.py tests/test_gguf.py \
   tests/test_policies.py tests/test_live_budget.py tests/test_memory.py tests/test_decode_families.py \
   tests/test_formats.py tests/test_kv_cache.py 2>&1 | tee "$out/tests.log" | tail -60
-timeout "${3:-320}" "$python" -m bench.run --device cuda --models qwen3moe-64e --budgets 25,100 --prompts 128 \
-  --routings trace --decode 64 --accelerate-decode 16 --threads 8 --label cuda --out "$out" 2>&1 | tee "$out/bench.log"
+model=$("$python" -c "from bench.synthetic import build_checkpoint; print(build_checkpoint('qwen3moe-mini'))")
+for budget in all 25%; do  # one JSON line each, bf16 then Q4_K; the first Q4_K load converts the store (untimed)
+  for format in bf16 q4_k; do
+    echo "== qwen3moe-mini $format $budget" | tee -a "$out/formats.log"
+    timeout "${3:-60}" "$python" -m bench.measure ours --model "$model" --format $format --device cuda --store ram \
+      --budget "$budget" --routing trace --prompt-len 128 --decode 64 --threads 8 2>>"$out/formats.err" | tail -1 | tee -a "$out/formats.log"
+  done
+done
+timeout "${4:-240}" "$python" -m bench.run --device cuda --models qwen3moe-64e --budgets 25,100 --prompts 128 \
+  --routings trace --decode 32 --accelerate-decode 8 --threads 8 --label cuda --out "$out" 2>&1 | tee "$out/bench.log"
