@@ -59,6 +59,15 @@ def test_dense_model_is_named_as_not_moe(capsys, tmp_path):
     assert tree_snapshot(path) == before
 
 
+def test_a_transformers_too_old_for_the_engine_is_named_not_every_model_called_dense():
+    from engine.errors import MoEScopeError
+    from engine.model.experts_registry import check_transformers
+
+    with pytest.raises(MoEScopeError, match=r"transformers 5\.17\.0 is older than the 5\.24 .*pip install"):
+        check_transformers("5.17.0")
+    check_transformers()  # the installed one (pyproject.toml requires the same minimum)
+
+
 def test_pickle_only_is_refused_unless_allowed(capsys, tmp_path, mixtral_checkpoint):
     path = tmp_path / "pickled"
     path.mkdir()

@@ -9,11 +9,19 @@ with nothing attached was not offloaded and runs transformers' own forward.
 
 from __future__ import annotations
 
+from importlib.metadata import version
+
 import torch
+from packaging.version import Version
 from transformers.integrations.moe import ExpertsInterface
+
+from engine.errors import MoEScopeError
 
 IMPLEMENTATION_NAME = "moescope"
 RUNTIME_ATTR = "_moescope_runtime"
+# The decorator's flags the engine reads (`has_post_expert_norm`, `_is_expert_parallel`) are 5.24's;
+# an older transformers would show every model as dense. pyproject.toml requires the same.
+MIN_TRANSFORMERS = "5.24"
 
 
 def moescope_experts_forward(
@@ -31,5 +39,13 @@ def attach(module: torch.nn.Module, cache, layer: int) -> None:
     setattr(module, RUNTIME_ATTR, (cache, layer))
 
 
+def check_transformers(installed: str | None = None) -> None:
+    installed = installed or version("transformers")
+    if Version(installed) < Version(MIN_TRANSFORMERS):
+        raise MoEScopeError(f"transformers {installed} is older than the {MIN_TRANSFORMERS} MoEScope needs; "
+                            f"upgrade it: pip install 'transformers>={MIN_TRANSFORMERS},<6'")
+
+
 def register() -> None:
+    check_transformers()
     ExpertsInterface.register(IMPLEMENTATION_NAME, moescope_experts_forward)
