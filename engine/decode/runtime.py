@@ -155,6 +155,7 @@ class MoERuntime:
         if options.trace:
             self.start_trace(options.trace)
         memory.release_free_heap()
+        memory.keep_freed_heap()  # from here on the heap holds working memory, reused step after step
         self.overhead = memory.EngineOverhead(baseline, memory.rss_bytes(), host_tensor_bytes(self.model),
                                               self._host_expert_bytes(), forward_peak)
         memory.note_overhead(self.overhead)

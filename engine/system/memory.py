@@ -66,6 +66,28 @@ def release_free_heap() -> None:
     trim(0)
 
 
+# A forward's buffers (a prompt's activations, the kernels' scratch, torch's outputs) are freed and asked
+# for again at every step. With glibc's adaptive defaults a buffer of a few MiB comes from a fresh mmap,
+# or the freed top of the heap is handed back, and each prompt faults its working memory in again as
+# zeroed pages (a few percent of a prefill). Up to this much freed heap stays mapped instead: at most
+# that much resident memory beyond what is in use, well inside the fit estimate's activation margin.
+KEPT_FREE_HEAP = 32 * 1024**2  # glibc's own ceiling for the mmap threshold on 64-bit
+M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3  # mallopt's parameter numbers (malloc.h)
+
+
+def keep_freed_heap(limit: int = KEPT_FREE_HEAP) -> bool:
+    """Have glibc keep up to `limit` bytes of freed heap for the next step's buffers, and serve
+    allocations below it from the heap; False where the C library has no mallopt (elsewhere than
+    glibc) or refused. release_free_heap still hands everything back when called."""
+    if not sys.platform.startswith("linux"):
+        return False
+    try:
+        mallopt = ctypes.CDLL(None).mallopt
+    except (OSError, AttributeError):
+        return False
+    return bool(mallopt(M_MMAP_THRESHOLD, limit)) and bool(mallopt(M_TRIM_THRESHOLD, limit))
+
+
 def rss_bytes() -> int:
     """This process's resident memory now."""
     now = proc_bytes("/proc/self/status", "VmRSS")
