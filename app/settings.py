@@ -88,7 +88,7 @@ class AppSettings:
 
     @property
     def int8_prompt(self) -> bool:
-        """The lossy 8-bit prompt inputs for 4-bit experts (off by default)."""
+        """The lossy 8-bit prompt inputs for 4-bit weights (off by default)."""
         return self._flag("engine/int8_prompt")
 
     @int8_prompt.setter

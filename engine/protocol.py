@@ -90,8 +90,9 @@ class LoadModel:
     # built, transformers' kernels, and telemetry says why). False (`--exact`): transformers' kernels only,
     # bit-identical to stock transformers; the native ones sum in another order.
     fast_decode: bool = True
-    # opt-in, lossy: at prefill, Q4_K experts take their input rows rounded to 8 bits (one scale per 256
-    # values, as llama.cpp's Q8_K) and multiply them in integers; the System panel's switch is live
+    # opt-in, lossy: at prefill, Q4_K matrices (experts and dense linears) take their input rows rounded to
+    # 8 bits (one scale per 256 values, as llama.cpp's Q8_K) and multiply them in integers; the System
+    # panel's switch is live
     int8_prompt: bool = False
     expert_format: str = "original"  # routed experts: original | q8_0 | q6_k | q4_k | q3_k | q2_k (8bit, 4bit, ...)
     dense_format: str = "original"  # every other linear layer (not the routers): the same choices
@@ -271,7 +272,7 @@ class ModelLoaded:
     budget_note: str = ""  # e.g. the budget was clamped to the minimum
     fast_decode: bool = False  # the native decode kernels are on (asked for and available); else exact
     fast_decode_available: bool = False  # a CPU engine on a bf16 model: the switch changes something
-    int8_prompt: bool = False  # opt-in, lossy 8-bit prompt inputs for Q4_K experts (LoadModel.int8_prompt)
+    int8_prompt: bool = False  # opt-in, lossy 8-bit prompt inputs for Q4_K matrices (LoadModel.int8_prompt)
     expert_format: str = "original"  # as loaded: original | q8_0 | q6_k | q4_k | ... (engine.formats.blocks)
     dense_format: str = "original"  # the other linear layers, the same choices
     remote: str = ""  # the server's URL when the engine is a remote OpenAI-compatible server (engine.remote)

@@ -306,6 +306,25 @@ def q4_k_parts(packed: torch.Tensor, columns: int) -> tuple[torch.Tensor, torch.
     return weights + mins, mins
 
 
+@pytest.mark.parametrize("rows", [1, 8, 13])
+def test_8_bit_prompt_inputs_reach_a_q4_k_linear_and_no_other(flavour, rows):
+    # --int8-prompt also rounds the inputs of a prompt's dense Q4_K linears (attention's projections):
+    # the same arithmetic as the experts', with the bias added before the one rounding; a Q6_K linear
+    # is untouched, bit for bit
+    columns, out = 512, 40
+    x = (torch.randn(rows, columns, generator=torch.Generator().manual_seed(rows)) * 2).to(torch.bfloat16)
+    bias = torch.randn(out, generator=torch.Generator().manual_seed(9)).to(torch.bfloat16)
+    packed, _ = quantized("q4_k", out, columns, seed=60 + rows)
+    weight = native.weight(flavour, packed, checkpoint_format("q4_k"), columns)
+    ours = flavour.linear_rows(weight, x, bias, True)
+    scaled, mins = q4_k_parts(packed, columns)
+    reference = rounded_to_8_bits(x).double() @ scaled.double().T - x.double() @ mins.double().T + bias.double()
+    close(ours, reference.to(torch.bfloat16), f"{rows} rows")
+    assert not torch.equal(ours, flavour.linear_rows(weight, x, bias))  # the inputs really were rounded
+    q6 = native.weight(flavour, quantized("q6_k", out, columns, seed=61)[0], checkpoint_format("q6_k"), columns)
+    assert torch.equal(flavour.linear_rows(q6, x, bias, True), flavour.linear_rows(q6, x, bias))
+
+
 @pytest.mark.parametrize("down_format", ["q4_k", "q6_k"])
 def test_8_bit_prompt_inputs_round_only_the_scaled_products(flavour, down_format):
     # --int8-prompt (opt-in, lossy): Q4_K matrices multiply each row's inputs rounded to 8 bits per

@@ -476,20 +476,22 @@ def test_prompts_of_new_lengths_make_no_onednn_kernels_on_the_fast_path(wide, ke
     assert made[True] == []
 
 
-def test_8_bit_prompt_inputs_are_opt_in_labelled_and_close(wide, kernels, monkeypatch):
-    """--int8-prompt (lossy, off by default): a prompt's Q4_K experts take their inputs rounded to 8
-    bits. It changes the arithmetic (the logits are not the bf16 path's), the path says it is lossy,
-    teacher-forced scoring (`prompt_logits`, what bench.lossy_cost measures) goes through it, and
-    the logits stay close enough that the next token is the same."""
+@pytest.mark.parametrize("dense", ["original", "q4_k"])
+def test_8_bit_prompt_inputs_are_opt_in_labelled_and_close(wide, kernels, monkeypatch, dense):
+    """--int8-prompt (lossy, off by default): a prompt's Q4_K experts and dense linears take their
+    inputs rounded to 8 bits. It changes the arithmetic (the logits are not the bf16 path's), the path
+    says it is lossy, teacher-forced scoring (`prompt_logits`, what bench.lossy_cost measures) goes
+    through it, and the logits stay close enough that the next token is the same."""
     import torch
 
     from engine.decode.paths.base import Step
 
-    asked = []
-    moe_prompt = kernels.moe_prompt
+    asked, asked_dense = [], []
+    moe_prompt, linear_rows = kernels.moe_prompt, kernels.linear_rows
     monkeypatch.setattr(kernels, "moe_prompt", lambda *args: asked.append(args[-1]) or moe_prompt(*args))
+    monkeypatch.setattr(kernels, "linear_rows", lambda *args: asked_dense.append(args[3:]) or linear_rows(*args))
     runtime = MoERuntime(LoadModel(path=str(wide["mixtral"]), budget="all", store="ram", device="cpu",
-                                   dtype="bfloat16", expert_format="q4_k"))
+                                   dtype="bfloat16", expert_format="q4_k", dense_format=dense))
     assert runtime.int8_prompt is False  # opt-in only
     logits, labels = {}, {}
     try:
@@ -497,8 +499,11 @@ def test_8_bit_prompt_inputs_are_opt_in_labelled_and_close(wide, kernels, monkey
             runtime.int8_prompt = int8  # the System panel's switch is live
             labels[int8] = runtime.paths.choose(Step(torch.tensor([PROMPT]), None, 0))[0].label
             asked.clear()
+            asked_dense.clear()
             logits[int8] = runtime.prompt_logits(PROMPT)
             assert asked and set(asked) == {int8}
+            rounded = {a[0] for a in asked_dense if a}  # per dense linear's call (the routers' leave it out)
+            assert rounded == ({int8} if dense == "q4_k" else {False})
     finally:
         runtime.close()
     assert "lossy" not in labels[False] and "8-bit inputs" in labels[True] and "(lossy)" in labels[True]
@@ -506,6 +511,9 @@ def test_8_bit_prompt_inputs_are_opt_in_labelled_and_close(wide, kernels, monkey
     assert not torch.equal(logits[True], logits[False])
     ours, bf16 = logits[True].float().flatten(), logits[False].float().flatten()
     # a tiny random model amplifies any rounding; the demo model's answers are measured in bench.lossy_cost
-    assert torch.nn.functional.cosine_similarity(ours, bf16, dim=0) > 0.9
+    cosine = torch.nn.functional.cosine_similarity(ours, bf16, dim=0)
     same_top = logits[True].argmax(-1) == logits[False].argmax(-1)
-    assert same_top[-1] and same_top.float().mean() >= 0.75  # the next token, and most positions' top token
+    assert cosine > 0.95
+    # the next token, and most positions' top token (7 of 8 with bf16 attention). This tiny random model's
+    # logits are near ties: with its attention's inputs rounded too, 4 of 8 keep theirs (cosine 0.97)
+    assert same_top[-1] and same_top.float().mean() >= (0.75 if dense == "original" else 0.5)

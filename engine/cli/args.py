@@ -45,7 +45,7 @@ def add_model_args(parser: argparse.ArgumentParser) -> None:
                         "every expert is resident): the same arithmetic summed in another order, so not bit-identical "
                         "(bench.decode_pair counts the greedy tokens that still match)")
     parser.add_argument("--int8-prompt", action="store_true", default=LOAD["int8_prompt"],
-                        help="lossy, opt-in: at prefill, 4-bit (Q4_K) experts take their input rows rounded to 8 bits "
+                        help="lossy, opt-in: at prefill, 4-bit (Q4_K) experts and dense layers take their input rows rounded to 8 bits "
                         "(one scale per 256 values, as llama.cpp does) and multiply them in integers: faster prompts, "
                         "slightly different answers (docs/performance.md measures the cost)")
     parser.add_argument("--fast-decode", action=_Deprecated, nargs=0, help=argparse.SUPPRESS)

@@ -514,10 +514,47 @@ inline void tile_times_rows(const TileRows& w, const PromptInput& in, int64_t e,
 #endif
 }
 
+#include "prompt_int8.h"  // opt-in: a prompt's rows rounded to 8 bits for Q4_K matrices
+
+// One thread's buffers for prompt tiles: bf16 rows expanded from blocks, or Q4_K rows unpacked.
+struct TileScratch {
+  std::vector<bf16> expanded;
+  std::vector<float> wide;  // the tile's rows in float32 (builds without bf16 dot products)
+  Q4KRows q4k;
+  std::vector<float> sums;  // a tile's 8-bit products, [input row][kTile]
+};
+
+// The tile's kTile rows at[] of a Q4_K matrix times expert e's 8-bit input groups (its rows from
+// `first`), kInt8Rows rows of W at a time, then emitted together: emit(i, sums), sums[r] = x_i . w_r.
+template <class Emit>
+inline void int8_tile_times_rows(const Matrix& m, const int64_t* at, const Int8Groups& groups, int64_t e,
+                                 int64_t first, TileScratch& scratch, Emit&& emit) {
+  const int64_t g0 = groups.first[e], g1 = groups.first[e + 1];
+  scratch.sums.resize((g1 - g0) * 8 * kTile);
+  for (int64_t r0 = 0; r0 < kTile; r0 += kInt8Rows) {
+    int64_t part[kInt8Rows];
+    for (int j = 0; j < kInt8Rows; ++j) part[j] = at[std::min<int64_t>(r0 + j, kTile - 1)];
+    scratch.q4k.load(m, part);
+    for (int64_t g = g0; g < g1; ++g) {
+      float sums[8 * kInt8Rows];
+      int8_tile(scratch.q4k, groups, g, sums);
+      for (int64_t lane = 0; lane < 8; ++lane)
+        for (int64_t j = 0; j < kInt8Rows && r0 + j < kTile; ++j)
+          scratch.sums[((g - g0) * 8 + lane) * kTile + r0 + j] = sums[lane * kInt8Rows + j];
+    }
+  }
+  for (int64_t g = g0; g < g1; ++g) {
+    const auto [row0, n] = groups.rows[g];
+    for (int64_t lane = 0; lane < n; ++lane) emit(row0 - first + lane, &scratch.sums[((g - g0) * 8 + lane) * kTile]);
+  }
+}
+
 // y = x W^T (+ bias) for bf16 rows x [m, cols] and a bf16 or block-quantized W [rows, cols]: what
 // F.linear gives on the dequantized W (float32 sums of bf16 products, the bias added, one rounding),
-// within float32 summation order.
-at::Tensor linear_rows(const Weight& weight, const at::Tensor& x, const c10::optional<at::Tensor>& bias) {
+// within float32 summation order. With `int8_inputs` (opt-in, lossy) a Q4_K W takes x rounded to 8
+// bits (prompt_int8.h), as the prompt's experts do.
+at::Tensor linear_rows(const Weight& weight, const at::Tensor& x, const c10::optional<at::Tensor>& bias,
+                       bool int8_inputs) {
   const Matrix w = matrix_of(weight, "weight");
   TORCH_CHECK(x.dim() == 2 && x.size(1) == w.cols && x.scalar_type() == at::kBFloat16,
               "x: bf16 rows of the weight's width needed");
@@ -526,24 +563,38 @@ at::Tensor linear_rows(const Weight& weight, const at::Tensor& x, const c10::opt
   const at::Tensor xc = x.contiguous();
   const int64_t m = xc.size(0), n = w.rows, k = w.cols;
   at::Tensor y = at::empty({m, n}, x.options());
-  PromptInput in(bf16_data(xc), k, {0}, {m});
-  at::parallel_for(0, in.block_count(), 1, [&](int64_t first, int64_t last) { in.pack(first, last); });
+  const bool int8 = int8_inputs && w.type == kQ4_K && k % 256 == 0;
+  std::unique_ptr<Int8Groups> groups = int8 ? std::make_unique<Int8Groups>(std::vector<int64_t>{0},
+                                                                            std::vector<int64_t>{m}, k) : nullptr;
+  PromptInput in(bf16_data(xc), k, {0}, {int8 ? 0 : m});  // the 8-bit path reads no float32 blocks
+  if (int8)
+    at::parallel_for(0, groups->groups(), 1, [&](int64_t first, int64_t last) {
+      for (int64_t g = first; g < last; ++g) groups->fill(g, bf16_data(xc));
+    });
+  else
+    at::parallel_for(0, in.block_count(), 1, [&](int64_t first, int64_t last) { in.pack(first, last); });
   const bf16* b = bias.has_value() ? bf16_data(*bias) : nullptr;
   bf16* out = bf16_data(y);
   const int64_t tiles = (n + kTile - 1) / kTile;
   at::parallel_for(0, tiles, 1, [&](int64_t first_tile, int64_t last_tile) {
-    std::vector<bf16> expanded(w.type == kBF16 ? 0 : kTile * k);
-    std::vector<float> wide(in.block_count() ? kTile * k : 0);
+    TileScratch scratch;
+    scratch.expanded.resize(w.type == kBF16 || int8 ? 0 : kTile * k);
+    scratch.wide.resize(in.block_count() ? kTile * k : 0);
     for (int64_t t = first_tile; t < last_tile; ++t) {
       const int64_t r0 = t * kTile, r1 = std::min(n, r0 + kTile);
       int64_t at[kTile];
       for (int64_t r = 0; r < kTile; ++r) at[r] = std::min(r0 + r, r1 - 1);  // past the last row: the last again, its sums unused
-      TileRows rows;
-      tile_rows(w, at, rows, expanded.data(), wide.data());
-      tile_times_rows(rows, in, 0, 0, m, [&](int64_t i, const float* sums) {
+      auto emit = [&](int64_t i, const float* sums) {
         for (int64_t r = r0; r < r1; ++r)
           out[i * n + r] = to_bf16(b == nullptr ? sums[r - r0] : sums[r - r0] + to_float(b[r]));
-      });
+      };
+      if (int8) {
+        int8_tile_times_rows(w, at, *groups, 0, 0, scratch, emit);
+        continue;
+      }
+      TileRows rows;
+      tile_rows(w, at, rows, scratch.expanded.data(), scratch.wide.data());
+      tile_times_rows(rows, in, 0, 0, m, emit);
     }
   });
   return y;
@@ -841,16 +892,6 @@ std::vector<ExpertWeights> expert_list(const std::vector<Weight>& gate_up, const
   return out;
 }
 
-#include "prompt_int8.h"  // opt-in: a prompt's rows rounded to 8 bits for Q4_K experts
-
-// One thread's buffers for prompt tiles: bf16 rows expanded from blocks, or Q4_K rows unpacked.
-struct TileScratch {
-  std::vector<bf16> expanded;
-  std::vector<float> wide;  // the tile's rows in float32 (builds without bf16 dot products)
-  Q4KRows q4k;
-  std::vector<float> sums;  // a tile's 8-bit products, [input row][kTile]
-};
-
 // A prompt's rows through a layer's resident gated experts, in one call: the rows are sorted by
 // expert (as the expert cache gathers them), rows [start[e], start[e] + count[e]) going through
 // expert e, and each expert's output (its down projection, rounded where expert_mlp's torch ops
@@ -881,25 +922,8 @@ struct PromptExperts {
   template <class Emit>
   void tile(const Matrix& m, const int64_t* at, int64_t e, const PromptInput& input, const Int8Groups* groups,
             TileScratch& scratch, Emit&& emit) const {
-    if (groups != nullptr && m.type == kQ4_K) {  // the tile's rows kInt8Rows at a time, then emitted together
-      const int64_t g0 = groups->first[e], g1 = groups->first[e + 1];
-      scratch.sums.resize((g1 - g0) * 8 * kTile);
-      for (int64_t r0 = 0; r0 < kTile; r0 += kInt8Rows) {
-        int64_t part[kInt8Rows];
-        for (int j = 0; j < kInt8Rows; ++j) part[j] = at[std::min<int64_t>(r0 + j, kTile - 1)];
-        scratch.q4k.load(m, part);
-        for (int64_t g = g0; g < g1; ++g) {
-          float sums[8 * kInt8Rows];
-          int8_tile(scratch.q4k, *groups, g, sums);
-          for (int64_t lane = 0; lane < 8; ++lane)
-            for (int64_t j = 0; j < kInt8Rows && r0 + j < kTile; ++j)
-              scratch.sums[((g - g0) * 8 + lane) * kTile + r0 + j] = sums[lane * kInt8Rows + j];
-        }
-      }
-      for (int64_t g = g0; g < g1; ++g) {
-        const auto [row0, n] = groups->rows[g];
-        for (int64_t lane = 0; lane < n; ++lane) emit(row0 - start[e] + lane, &scratch.sums[((g - g0) * 8 + lane) * kTile]);
-      }
+    if (groups != nullptr && m.type == kQ4_K) {
+      int8_tile_times_rows(m, at, *groups, e, start[e], scratch, emit);
       return;
     }
     TileRows rows;
@@ -2308,7 +2332,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     return path;
   }, "which of the build flavours' code paths this build compiled (avx2, avx512-bf16-vnni, portable, ...)");
   m.def("linear_rows", &linear_rows, "bf16 rows times a weight matrix's transpose (plus a bias), as F.linear",
-        pybind11::arg("weight"), pybind11::arg("x"), pybind11::arg("bias") = pybind11::none());
+        pybind11::arg("weight"), pybind11::arg("x"), pybind11::arg("bias") = pybind11::none(),
+        pybind11::arg("int8_inputs") = false);
   m.def("rms_norm", &rms_norm, "RMSNorm of a few bf16 rows", pybind11::arg("x"), pybind11::arg("weight"),
         pybind11::arg("eps"), pybind11::arg("round_once") = false);
   m.def("qkv_rope", &qkv_rope, "one token's q, k, v: projections (optional biases), optional q/k norms, rotary embedding",

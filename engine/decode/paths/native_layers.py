@@ -80,9 +80,11 @@ def _row_kernels(module: torch.nn.Module, x: torch.Tensor, quantized: bool) -> M
     return kernels if kernels is not None and (quantized or native.rows_beat_torch_bf16(kernels)) else None
 
 
-def _rows(kernels: ModuleType, module: torch.nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+def _rows(kernels: ModuleType, module: torch.nn.Module, x: torch.Tensor, bias: torch.Tensor | None,
+          int8_inputs: bool = False) -> torch.Tensor:
     """x's rows (any leading shape) through `module`'s weight on `linear_rows`, as F.linear."""
-    return kernels.linear_rows(linear_weight(kernels, module), x.reshape(-1, x.shape[-1]), bias).view(*x.shape[:-1], -1)
+    rows = x.reshape(-1, x.shape[-1])
+    return kernels.linear_rows(linear_weight(kernels, module), rows, bias, int8_inputs).view(*x.shape[:-1], -1)
 
 
 class FastLinear(torch.nn.Linear):
@@ -111,7 +113,10 @@ class FastQuantizedLinear(QuantizedLinear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.numel() != self.in_features:
             kernels = _row_kernels(self, x, quantized=True) if _bf16_bias(self.bias) else None
-            return super().forward(x) if kernels is None else _rows(kernels, self, x, self.bias)
+            if kernels is None:
+                return super().forward(x)
+            int8 = self.__dict__[SWITCH_ATTR].int8_rows  # the opt-in 8-bit prompt inputs reach Q4_K linears too
+            return _rows(kernels, self, x, self.bias, int8)
         kernels = _one_row_kernels(self, x)
         if kernels is None or not _bf16_bias(self.bias):
             return super().forward(x)
@@ -383,7 +388,7 @@ class NativePromptPath(DecodePath):
 
     @property
     def label(self) -> str:
-        lossy = ", 8-bit inputs to 4-bit experts (lossy)" if self.runtime.int8_prompt else ""
+        lossy = ", 8-bit inputs to 4-bit matrices (lossy)" if self.runtime.int8_prompt else ""
         return f"fast: prompt's experts and linears on the native kernels{lossy}"
 
     def unavailable(self, step: Step) -> str | None:
@@ -400,7 +405,7 @@ class NativePromptPath(DecodePath):
         switch = self.runtime.native_layers.switch  # installed when fast decode was turned on
         with self.runtime.cache.prompt_kernels(PromptKernels(NativePromptExperts(kernels, self.runtime.int8_prompt),
                                                                    quantized_product(kernels))), \
-                switch.prompt_rows() if switch is not None else nullcontext():
+                switch.prompt_rows(int8=self.runtime.int8_prompt) if switch is not None else nullcontext():
             return model_forward(self.runtime.model, step)
 
 

@@ -13,11 +13,13 @@ SWITCH_ATTR = "_moescope_switch"
 class NativeSwitch:
     """On while a native decode step runs this model (one per loaded model). `rows` is on while a
     fast prompt runs it: then only the plain linears and routers take their rows through the native
-    kernels (no per-length oneDNN kernel is made for them); every other module stays transformers'."""
+    kernels (no per-length oneDNN kernel is made for them); every other module stays transformers'.
+    `int8_rows`: that prompt's Q4_K linears take their inputs rounded to 8 bits (opt-in, lossy)."""
 
     def __init__(self) -> None:
         self.on = False
         self.rows = False
+        self.int8_rows = False
 
     @contextmanager
     def active(self) -> Iterator[None]:
@@ -25,9 +27,13 @@ class NativeSwitch:
             yield
 
     @contextmanager
-    def prompt_rows(self) -> Iterator[None]:
-        with self._set("rows"):
-            yield
+    def prompt_rows(self, int8: bool = False) -> Iterator[None]:
+        self.int8_rows = int8
+        try:
+            with self._set("rows"):
+                yield
+        finally:
+            self.int8_rows = False
 
     @contextmanager
     def _set(self, flag: str) -> Iterator[None]:
