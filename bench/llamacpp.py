@@ -192,7 +192,7 @@ def table(rows: list[dict], args) -> list[str]:
         def prefill(r: dict, s: str, key: str, fmt: str) -> str:
             return fmt.format(r[f"{s}_{key}"]) if f"{s}_{key}" in r else "n/a"
 
-        lines += ["", "Opt-in, lossy `--int8-prompt` (Q4_K experts take their prompt rows rounded to 8 bits, as "
+        lines += ["", "Opt-in, lossy `--int8-prompt` (Q4_K experts and dense layers take their prompt rows rounded to 8 bits, as "
                   "llama.cpp's own CPU kernels do), MoEScope's Q4_K format and llama.cpp's GGUF file opened directly:",
                   "", "| geometry | format (llama.cpp type) | prefill tok/s: int8 / GGUF int8 / llama.cpp "
                   "| prefill ÷ llama.cpp: int8 / GGUF int8 | decode ÷ llama.cpp: int8 / GGUF int8 |",
