@@ -36,6 +36,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--fast-decode", action="store_true", help="decode GEMVs skip oneDNN (engine.decode.paths.native_layers)")
     parser.add_argument("--no-pack-weights", action="store_true", help="expert matrices in plain layout")
     parser.add_argument("--policy", default="lru", help="cache policy (its bookkeeping is counted)")
+    parser.add_argument("--format", default=None, help="a weight format of bench.formats (q4_k, q8_0, ...)")
     parser.add_argument("--label", default="", help="e.g. before/after: named in the results")
     parser.add_argument("--out", type=Path, default=RESULTS_DIR)
     args = parser.parse_args(argv)
@@ -43,6 +44,7 @@ def main(argv: list[str] | None = None) -> int:
     import torch
 
     import engine.offload.expert_cache as cache_module
+    from bench.formats import load_settings
     from bench.measure import prompt_ids
     from bench.synthetic import build_checkpoint
     from engine.decode.generation import Generator
@@ -55,7 +57,7 @@ def main(argv: list[str] | None = None) -> int:
     name = Path(args.model).name if args.model else args.geometry
     runtime = MoERuntime(LoadModel(path=model, budget="all", store="ram",
                                    fast_decode=args.fast_decode, pack_weights=not args.no_pack_weights,
-                                   policy=args.policy))
+                                   policy=args.policy, **(load_settings(args.format) if args.format else {})))
     clock = {"layer": 0.0, "kernels": 0.0, "whole_token_bookkeeping": 0.0, "policy_token_end": 0.0}
     in_layer: list[bool] = []
 
@@ -120,7 +122,7 @@ def main(argv: list[str] | None = None) -> int:
         "geometry": name, "threads": args.threads, "fast_decode": args.fast_decode, "decode_tokens_per_s": 1 / token_s,
         "ms_per_token": token_s * 1e3, "experts_ms": experts * 1e3, "bookkeeping_ms": bookkeeping * 1e3,
         "model_ms": (token_s - experts - bookkeeping) * 1e3, "bookkeeping_share": bookkeeping / token_s,
-        "label": args.label, "policy": args.policy, "whole_token_step": bool(phases),
+        "label": args.label, "policy": args.policy, "format": args.format or "checkpoint", "whole_token_step": bool(phases),
         "native_phase_ms": {k: v * 1e3 for k, v in phases.items()},
     }
     print(f"{name}, {args.threads} threads{', --fast-decode' if args.fast_decode else ''}: "
