@@ -110,28 +110,3 @@ def test_a_phase_peak_is_measured_apart_and_the_process_peak_is_kept():
     assert memory.reset_phase_peak()
     assert memory.phase_peak_rss_bytes() < high - 128 * 2**20
     assert memory.peak_rss_bytes() >= high - 2**20  # the kernel syncs its per-thread counters lazily
-
-
-@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's heap settings")
-def test_after_a_load_a_steps_freed_buffers_are_reused_not_faulted_in_again():
-    # every prompt frees and asks again for buffers of a few MiB (activations, the kernels' scratch); with
-    # glibc's adaptive defaults they often came back as fresh zeroed pages each time
-    import resource
-
-    import torch
-
-    from engine.decode.runtime import MoERuntime
-    from engine.protocol import LoadModel
-
-    runtime = MoERuntime(LoadModel(path="demo", budget="all", store="ram"))
-
-    def step() -> None:  # a step's working memory: 16 buffers of 1.2 MB (each below a 2 MiB huge page)
-        buffers = [torch.ones(300_000) for _ in range(16)]
-        del buffers
-
-    step()
-    before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
-    step()
-    faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before
-    runtime.close()
-    assert faults < 16 * 293 // 10, f"{faults} page faults: the freed buffers were handed back and faulted in again"
