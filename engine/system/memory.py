@@ -54,16 +54,22 @@ def reset_phase_peak() -> bool:
     return True
 
 
+def _glibc(function: str):
+    """A function of the C library this process already runs on, where it is glibc on Linux; None
+    elsewhere (another OS, or a libc without it, e.g. musl)."""
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        return getattr(ctypes.CDLL(None), function)
+    except (OSError, AttributeError):
+        return None
+
+
 def release_free_heap() -> None:
     """Hand the C heap's free pages back to the OS (glibc's malloc_trim). A load's conversions and
     temporaries leave freed memory that the process would otherwise keep resident; elsewhere a no-op."""
-    if not sys.platform.startswith("linux"):
-        return
-    try:
-        trim = ctypes.CDLL(None).malloc_trim  # the C library this process already runs on
-    except (OSError, AttributeError):  # a libc without malloc_trim (musl)
-        return
-    trim(0)
+    if (trim := _glibc("malloc_trim")) is not None:
+        trim(0)
 
 
 # A forward's buffers (a prompt's activations, the kernels' scratch, torch's outputs) are freed and asked
@@ -79,13 +85,8 @@ def keep_freed_heap(limit: int = KEPT_FREE_HEAP) -> bool:
     """Have glibc keep up to `limit` bytes of freed heap for the next step's buffers, and serve
     allocations below it from the heap; False where the C library has no mallopt (elsewhere than
     glibc) or refused. release_free_heap still hands everything back when called."""
-    if not sys.platform.startswith("linux"):
-        return False
-    try:
-        mallopt = ctypes.CDLL(None).mallopt
-    except (OSError, AttributeError):
-        return False
-    return bool(mallopt(M_MMAP_THRESHOLD, limit)) and bool(mallopt(M_TRIM_THRESHOLD, limit))
+    mallopt = _glibc("mallopt")
+    return mallopt is not None and bool(mallopt(M_MMAP_THRESHOLD, limit)) and bool(mallopt(M_TRIM_THRESHOLD, limit))
 
 
 def rss_bytes() -> int:
