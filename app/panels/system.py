@@ -23,8 +23,8 @@ EXACT_ONLY_TIP = ("This model decodes on transformers' kernels: the native ones 
 
 
 INT8_PROMPT_TEXT = "8-bit prompt inputs (LOSSY, faster prompts on 4-bit weights)"
-INT8_PROMPT_TIP = ("Off by default. On: while a prompt is read, 4-bit (Q4_K) experts take their inputs rounded to 8 "
-                   "bits (one scale per 256 values, as llama.cpp always does) and multiply them in integers: prompts "
+INT8_PROMPT_TIP = ("Off by default. On: while a prompt is read, 4-bit (Q4_K) experts and dense layers take their inputs "
+                   "rounded to 8 bits (one scale per 256 values, as llama.cpp always does) and multiply them in integers: prompts "
                    "run faster, and replies can differ from the exact ones (docs/performance.md measures how much). "
                    "Decode tokens are unchanged.")
 
