@@ -82,8 +82,10 @@ def test_mxfp4_at_every_block_exponent_is_the_reference(flavour):
     out = torch.empty_like(reference)
     flavour.dequantize(native.weight(flavour, packed, fmt, 64), out)
     assert torch.equal(out.view(torch.int16), reference.view(torch.int16))
-    x = (torch.randn(1, 64) * 0.5).to(torch.bfloat16)
-    normal = slice(2, 201)  # rows whose weights are normal and whose sums stay finite
+    x = (torch.randn(1, 64, generator=torch.Generator().manual_seed(5)) * 0.5).to(torch.bfloat16)
+    # rows whose products stay normal floats (AVX-512 BF16's dot products flush subnormal ones to zero,
+    # which on the rows scaled by 2^-126 cost more than 1 %) and whose sums stay finite
+    normal = slice(8, 201)
     ours = flavour.gemv(native.weight(flavour, packed[normal], fmt, 64), x).float()[0]
     exact = (x.double() @ reference[normal].double().t())[0]
     row_scale = x.double().abs().sum() * reference[normal].double().abs().amax(dim=1)  # each row's own magnitude
