@@ -1,10 +1,12 @@
 #!/usr/bin/env bash
 # The checks that need a CUDA GPU, in one go: the engine's tests with the GPU as the default
 # device (every `--device auto` test then runs its cache on CUDA), then bf16 against 4-bit experts on
-# the GPU (quantized slots dequantized there) at budgets all and 25 % on a small model, then the GPU
-# benchmark (bench.run --device cuda, budgets 100 and 25 %), all inside one 10-minute device call.
-# Usage: bash bench/cuda_run.sh OUT_DIR [TEST_SECONDS] [SECONDS_PER_FORMAT_RUN] [BENCH_SECONDS]
-# Tests run on pytest-xdist workers where it is installed (WORKERS, default 8).
+# the GPU (quantized slots dequantized there) at budgets all and 25 % on a small model, where a bf16
+# and a Q4_K decode token's host time goes (bench.profile_decode --device cuda), then the GPU
+# benchmark (bench.run --device cuda, BENCH_BUDGETS, default 25,100), all inside one 10-minute device call.
+# Usage: bash bench/cuda_run.sh OUT_DIR [TEST_SECONDS] [SECONDS_PER_FORMAT_RUN] [BENCH_SECONDS] [PROFILE_SECONDS]
+# Tests run on pytest-xdist workers where it is installed (WORKERS, default 8). At most 8 files land in
+# OUT_DIR (what one device call brings back).
 set -uo pipefail
 out=${1:?output folder}
 mkdir -p "$out"
@@ -25,9 +27,14 @@ for budget in all 25%; do  # one JSON line each, bf16 then Q4_K
     echo "== qwen3moe-mini $format $budget" | tee -a "$out/formats.log"
     limit=${3:-60}  # the first Q4_K load also converts the store (untimed, but inside the limit): twice as long
     [ "$format/$budget" = q4_k/all ] && limit=$((2 * limit))
-    timeout "$limit" "$python" -m bench.measure ours --model "$model" --format $format --device cuda --store ram \
-      --budget "$budget" --routing trace --prompt-len 128 --decode 64 --threads 8 2>>"$out/formats.err" | tail -1 | tee -a "$out/formats.log"
+    line=$(timeout "$limit" "$python" -m bench.measure ours --model "$model" --format $format --device cuda --store ram \
+      --budget "$budget" --routing trace --prompt-len 128 --decode 64 --threads 8 2>/tmp/formats.err | tail -1)
+    if [ -n "$line" ]; then echo "$line"; else echo "failed: $(tail -2 /tmp/formats.err)"; fi | tee -a "$out/formats.log"
   done
 done
-timeout "${4:-240}" "$python" -m bench.run --device cuda --models qwen3moe-64e --budgets 25,100 --prompts 128 \
+for format in bf16 q4_k; do  # the store converted above is reused
+  timeout "${5:-60}" "$python" -m bench.profile_decode --device cuda --geometry qwen3moe-mini --format $format \
+    --decode 16 --ops 20 --out /tmp/profile 2>&1 | grep -v '^USDT' | tee -a "$out/profile.log"
+done
+timeout "${4:-240}" "$python" -m bench.run --device cuda --models qwen3moe-64e --budgets "${BENCH_BUDGETS:-25,100}" --prompts 128 \
   --routings trace --decode 32 --accelerate-decode 8 --threads 8 --label cuda --out "$out" 2>&1 | tee "$out/bench.log"

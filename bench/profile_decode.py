@@ -37,6 +37,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--no-pack-weights", action="store_true", help="expert matrices in plain layout")
     parser.add_argument("--policy", default="lru", help="cache policy (its bookkeeping is counted)")
     parser.add_argument("--format", default=None, help="a weight format of bench.formats (q4_k, q8_0, ...)")
+    parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"],
+                        help="cuda: the split is host time (a GPU token is bound by its launches); the profile adds the GPU's")
     parser.add_argument("--label", default="", help="e.g. before/after: named in the results")
     parser.add_argument("--out", type=Path, default=RESULTS_DIR)
     args = parser.parse_args(argv)
@@ -55,7 +57,7 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(args.threads)
     model = args.model or str(build_checkpoint(args.geometry))
     name = Path(args.model).name if args.model else args.geometry
-    runtime = MoERuntime(LoadModel(path=model, budget="all", store="ram",
+    runtime = MoERuntime(LoadModel(path=model, budget="all", store="ram", device=args.device,
                                    fast_decode=args.fast_decode, pack_weights=not args.no_pack_weights,
                                    policy=args.policy, **(load_settings(args.format) if args.format else {})))
     clock = {"layer": 0.0, "kernels": 0.0, "whole_token_bookkeeping": 0.0, "policy_token_end": 0.0}
@@ -119,13 +121,13 @@ def main(argv: list[str] | None = None) -> int:
     experts = split["kernels"] + phases.get("experts", 0.0)
     bookkeeping = split["layer"] - split["kernels"] + split["whole_token_bookkeeping"] + split["policy_token_end"]
     report = {
-        "geometry": name, "threads": args.threads, "fast_decode": args.fast_decode, "decode_tokens_per_s": 1 / token_s,
+        "geometry": name, "device": args.device, "threads": args.threads, "fast_decode": args.fast_decode, "decode_tokens_per_s": 1 / token_s,
         "ms_per_token": token_s * 1e3, "experts_ms": experts * 1e3, "bookkeeping_ms": bookkeeping * 1e3,
         "model_ms": (token_s - experts - bookkeeping) * 1e3, "bookkeeping_share": bookkeeping / token_s,
         "label": args.label, "policy": args.policy, "format": args.format or "checkpoint", "whole_token_step": bool(phases),
         "native_phase_ms": {k: v * 1e3 for k, v in phases.items()},
     }
-    print(f"{name}, {args.threads} threads{', --fast-decode' if args.fast_decode else ''}: "
+    print(f"{name}, {args.device}, {args.threads} threads{', --fast-decode' if args.fast_decode else ''}: "
           f"{report['decode_tokens_per_s']:.1f} tok/s = "
           f"{report['ms_per_token']:.2f} ms/token: experts {report['experts_ms']:.2f} ms, "
           f"bookkeeping {report['bookkeeping_ms']:.2f} ms ({report['bookkeeping_share']:.1%}), "
@@ -138,7 +140,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.ops:  # torch.profiler over decode steps only: started at the first token, 8 tokens
         from torch.profiler import ProfilerActivity, profile
 
-        prof = profile(activities=[ProfilerActivity.CPU])
+        activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if args.device == "cuda" else [])
+        prof = profile(activities=activities)
         started: list[bool] = []
 
         def start_at_first_token(_token: int) -> None:
@@ -148,9 +151,13 @@ def main(argv: list[str] | None = None) -> int:
 
         generator.generate(ids, SamplingSettings(temperature=0, max_new_tokens=9), on_token=start_at_first_token)
         prof.stop()
-        table = prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=args.ops)
+        averages = prof.key_averages()
+        table = averages.table(sort_by="self_cpu_time_total", row_limit=args.ops)
+        launches = sum(e.count for e in averages if e.key.startswith("cudaLaunchKernel"))
+        if args.device == "cuda":
+            table += f"\nkernel launches per decode token: {launches / 8:.0f}\n"
         print(table)
-        mode = "fast-decode" if args.fast_decode else "default"
+        mode = ("fast-decode" if args.fast_decode else "default") + ("-cuda" if args.device == "cuda" else "")
         label = f"-{args.label}" if args.label else ""
         (args.out / f"{result_stem('profile-decode')}-{Path(name).stem}-{mode}{label}.txt").write_text(
             f"{name}, {args.threads} threads, {mode}{' (' + args.label + ')' if args.label else ''}: "
