@@ -63,6 +63,33 @@ def test_greedy_replies_equal_transformers_on_the_dequantized_experts(wide, refe
         assert runtime.layout.expert_format is FORMATS[fmt]
 
 
+@pytest.mark.parametrize("scratch", ["one expert", "whole layer"])
+@pytest.mark.parametrize("family", ["mixtral", "qwen2_moe", "gpt_oss"])
+def test_quantized_experts_run_grouped_as_on_a_gpu_and_stay_exact(wide, references, monkeypatch, family, scratch):
+    # On a GPU a step's experts run grouped (a few launches a layer: the prompt's and each decode token's),
+    # and quantized slots are first dequantized together into a bounded scratch; that path is
+    # device-agnostic, so it is held to the reference here: hits and misses, biases and transposed
+    # matrices (gpt-oss), shared experts, and a scratch too small for two experts (one at a time).
+    from engine.decode.generation import Generator
+    from engine.offload import expert_cache
+    from engine.protocol import SamplingSettings
+
+    if scratch == "one expert":
+        monkeypatch.setattr(expert_cache, "GROUPED_SCRATCH_BYTES", 1)
+    for budget in ("all", "30%"):
+        runtime = MoERuntime(LoadModel(path=str(wide[family]), budget=budget, store="ram", device="cpu",
+                                       fast_decode=False, expert_format="q4_k"))
+        try:
+            assert not runtime.cache.grouped  # on a CPU one expert at a time (oneDNN's matmuls are faster)
+            runtime.cache.grouped = runtime.cache.decode_grouped = True
+            reply = Generator(runtime).generate(PROMPT, SamplingSettings(temperature=0, max_new_tokens=NEW_TOKENS))
+            assert reply.token_ids == references(family, "q4_k"), budget
+            assert budget == "all" or runtime.counters.layer_misses.sum() > 0
+            assert any(name.endswith("/grouped") for name in runtime.cache.reader._scratch)  # the grouped copies
+        finally:
+            runtime.close()
+
+
 @pytest.mark.parametrize("family", ["mixtral", "qwen2_moe", "gpt_oss", "deepseek_v3"])
 def test_mixed_quantization_of_experts_and_dense_weights(wide, family):
     # Experts at 4 bits, every other linear layer (not the routers) at 8: the replies are those of

@@ -56,6 +56,8 @@ from engine.offload.store import ExpertStore
 from engine.system import huge_pages
 
 PREDICTION_WINDOW_TRACED = 3  # layers ahead recorded in traces (so promoe:k<=3 can be replayed)
+# Quantized slots run grouped from a dequantized copy of this many bytes at most (one expert at least).
+GROUPED_SCRATCH_BYTES = 128 << 20
 
 
 class LayerRouting:
@@ -159,20 +161,25 @@ class ExpertCache:
             self._copy_stream = torch.cuda.Stream(device)
         self._jobs: dict[tuple[int, int], LoadJob] = {}  # pending loads by (layer, expert)
         self._queue = LoadQueue(self._move_chunk, workers=load_threads)
-        # Resident experts of a prefill run as one grouped matmul per weight, read in place from the
-        # pool (packed matrices are not in the pool: each expert then runs on its own).
-        # Quantized experts are dequantized one at a time into a scratch, so they do not run grouped.
-        self._grouped = (grouped_available(self.pools[0]) if self.pools else False) and not self._packed \
-            and not layout.quantized
+        self.grouped = self._grouped_pays()  # a step's resident experts as grouped matmuls
         # A decode token's resident experts: on a GPU each kernel launch costs more than a small
         # expert's matmul, so they run grouped (a few launches a layer, not a few per expert); on a
         # CPU one-row matmuls straight from the slots skip the grouped path's gathers and scatters.
-        self.decode_grouped = self._grouped and self._cuda
+        self.decode_grouped = self.grouped and self._cuda
         self._dequantizer: Dequantizer = reference_dequantizer
         self.reader = SlotReader(self._pool_params, layout.compute_dtype, packed=self._packed)
         self._layer_readers = self._readers_by_layer()
         self._one_token: OneTokenExperts = torch_one_token  # a decode path may bring its own (`experts_kernel`)
         self._prompt: PromptKernels | None = None  # a prompt path may bring its own (`prompt_kernels`)
+
+    def _grouped_pays(self) -> bool:
+        """Whether a step's resident experts run as one grouped matmul per weight, read in place from the
+        pool. Not for packed matrices (they are not in the pool: each expert then runs on its own), nor
+        for quantized slots on a CPU: they are dequantized together into a bounded scratch first
+        (SlotReader.grouped), which pays on a GPU, where each expansion is a few dozen launches, but on
+        a CPU torch's grouped matmul runs slower than oneDNN's on one expanded expert at a time."""
+        return bool(self.pools) and grouped_available(self.pools[0]) and not self._packed \
+            and (self._cuda or not self.layout.quantized)
 
     def use_dequantizer(self, dequantizer: Dequantizer) -> None:
         """Quantized slots are expanded with `dequantizer` from now on (one giving the reference's
@@ -291,7 +298,7 @@ class ExpertCache:
         self._layer_readers = self._readers_by_layer()
         self.views = [self._typed_views(pool, layer) for layer, pool in enumerate(self.pools)]
         self.slot_views = [self._per_slot(views, pool.shape[0]) for views, pool in zip(self.views, self.pools, strict=True)]
-        self._grouped = grouped_available(self.pools[0]) if self.pools else False
+        self.grouped = self._grouped_pays()
 
     def warm(self, order: Sequence[Sequence[int]] | None = None) -> int:
         """Fill every free slot (at load, so the first tokens do not all miss); returns bytes read."""
@@ -573,7 +580,7 @@ class ExpertCache:
             return True
 
         # resident experts run while the misses load: on the prompt kernel a fast prompt brought, else grouped
-        if self._prompt is None and self._grouped and len(plan.ready) > 1:
+        if self._prompt is None and self.grouped and len(plan.ready) > 1:
             self._compute_grouped(layer, module, hidden_states, routing, plan.ready, weights, out)
         elif not (self._prompt is not None and plan.ready and compute_in_one_call(plan.ready)):
             for expert in plan.ready:
@@ -582,7 +589,14 @@ class ExpertCache:
             rows = routing.rows_of(expert)
             y = self.cpu_experts.run(layer, expert, module, hidden_states[rows // top_k])
             out[rows] = y.to(out_dtype) * weights[rows].unsqueeze(-1)
-        for job in plan.inflight + plan.loads:  # the ones already on their way, then those started now
+        jobs = plan.inflight + plan.loads  # the ones already on their way, then those started now
+        if routing.picks is not None and self.decode_grouped and len(jobs) > 1:
+            # A decode token's misses: their matmuls are small beside a load, their launches are not.
+            for job in jobs:
+                self._wait(job)
+            self._compute_grouped(layer, module, hidden_states, routing, [job.expert for job in jobs], weights, out)
+            jobs = []
+        for job in jobs:
             self._wait(job)
             compute(job.expert)
         rest, capacity = plan.waves, len(self.directory.expert_in[layer])
@@ -602,22 +616,42 @@ class ExpertCache:
 
     def _compute_grouped(self, layer: int, module: torch.nn.Module, hidden: torch.Tensor, routing: LayerRouting,
                          experts: list[int], weights: torch.Tensor, out: torch.Tensor) -> None:
-        """All `experts` (resident) of this layer in two grouped matmuls over the slot pool."""
-        slot_of = self.directory.slot_of[layer]
-        slot_by_expert = np.full(self.layout.num_experts, -1, dtype=np.int64)
-        slot_by_expert[experts] = [slot_of[e] for e in experts]
-        # Rows by expert in transformers' order (`by_expert`), then the experts' groups by slot.
+        """All `experts` (resident) of this layer in two grouped matmuls: straight from the slot pool,
+        or for quantized slots from their dequantized copies, as many experts at a time as fit in
+        GROUPED_SCRATCH_BYTES (at least one)."""
+        slot_of, reader = self.directory.slot_of[layer], self.reader_at(layer)
+        if not reader.quantized:
+            groups = np.full(self.layout.num_experts, -1, dtype=np.int64)
+            groups[experts] = [slot_of[e] for e in experts]
+            self._grouped_rows(module, hidden, routing, groups, len(self.directory.expert_in[layer]),
+                               self.views[layer], weights, out)
+            return
+        per_chunk = max(1, GROUPED_SCRATCH_BYTES // reader.scratch_bytes)
+        for start in range(0, len(experts), per_chunk):
+            chunk = experts[start : start + per_chunk]
+            slots = torch.tensor([slot_of[e] for e in chunk], device=self.pools[layer].device)
+            groups = np.full(self.layout.num_experts, -1, dtype=np.int64)
+            groups[chunk] = np.arange(len(chunk))
+            self._grouped_rows(module, hidden, routing, groups, len(chunk), reader.grouped(self.views[layer], slots),
+                               weights, out)
+
+    @staticmethod
+    def _grouped_rows(module: torch.nn.Module, hidden: torch.Tensor, routing: LayerRouting, group_of: np.ndarray,
+                      groups: int, stacked: dict[str, torch.Tensor], weights: torch.Tensor, out: torch.Tensor) -> None:
+        """The rows of the experts with a group (`group_of[expert] >= 0`) through `stacked`'s matrices
+        ([groups, ...] each), weighted, into `out`."""
+        # Rows by expert in transformers' order (`by_expert`), then the experts' groups in order.
         by_expert = routing.by_expert_host()
-        row_slot = slot_by_expert[routing.flat_host]
-        rows_host = by_expert[row_slot[by_expert] >= 0]
-        rows_host = rows_host[np.argsort(row_slot[rows_host], kind="stable")]
-        slots_sorted = row_slot[rows_host]
-        per_slot = np.bincount(slots_sorted, minlength=len(self.directory.expert_in[layer]))
+        row_group = group_of[routing.flat_host]
+        rows_host = by_expert[row_group[by_expert] >= 0]
+        rows_host = rows_host[np.argsort(row_group[rows_host], kind="stable")]
+        groups_sorted = row_group[rows_host]
+        per_group = np.bincount(groups_sorted, minlength=groups)
         device = hidden.device
         rows = torch.from_numpy(rows_host).to(device)
-        offsets = torch.from_numpy(np.cumsum(per_slot, dtype=np.int32)).to(device)
-        row_slots = torch.from_numpy(slots_sorted).to(device) if module.has_bias else None
-        y = grouped_expert_mlp(module, hidden[rows // routing.top_k], self.views[layer], offsets, row_slots)
+        offsets = torch.from_numpy(np.cumsum(per_group, dtype=np.int32)).to(device)
+        row_groups = torch.from_numpy(groups_sorted).to(device) if module.has_bias else None
+        y = grouped_expert_mlp(module, hidden[rows // routing.top_k], stacked, offsets, row_groups)
         out[rows] = y * weights[rows].unsqueeze(-1)
 
     def _observe_routing(self, layer: int, hidden: torch.Tensor, index: torch.Tensor, weights: torch.Tensor) -> None:

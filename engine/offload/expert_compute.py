@@ -90,6 +90,12 @@ class SlotReader:
         self.quantized = {p.name: p for p in params if p.fmt is not None}
         self._scratch: dict[str, torch.Tensor] = {} if scratch is None else scratch
 
+    @property
+    def scratch_bytes(self) -> int:
+        """One expert's quantized matrices dequantized, in the compute dtype."""
+        itemsize = torch.empty((), dtype=self.dtype).element_size()
+        return sum(p.rows_columns[0] * p.rows_columns[1] * itemsize for p in self.quantized.values())
+
     def with_params(self, params: list[ExpertParam]) -> SlotReader:
         """A reader of slots holding `params` (another layer's formats), sharing this one's scratch."""
         return SlotReader(params, self.dtype, self.packed, self.dequantizer, self._scratch)
@@ -112,6 +118,28 @@ class SlotReader:
             self.dequantizer(weights[name], p.fmt, columns, buffer)
             plain[name] = buffer.t() if p.transposed else buffer
         return plain
+
+    def grouped(self, views: dict[str, torch.Tensor], slots: torch.Tensor) -> dict[str, torch.Tensor]:
+        """Slots `slots` (an index tensor) of a layer's pool `views`, each param stacked as
+        [len(slots), ...] in the layout its module reads (for `grouped_expert_mlp`): quantized ones
+        dequantized together into a reused scratch (valid until the next call), the rest gathered.
+        One dequantization per param for all the experts: on a GPU each call is a few dozen kernel
+        launches, which one expert at a time cost more than its matmuls."""
+        count, stacked = slots.numel(), {}
+        for name, view in views.items():
+            p = self.quantized.get(name)
+            if p is None:
+                stacked[name] = view[slots]
+                continue
+            rows, columns = p.rows_columns
+            key = f"{name}/grouped"
+            buffer = self._scratch.get(key)
+            if buffer is None or buffer.device != view.device or buffer.shape[0] < count:
+                buffer = self._scratch[key] = torch.empty((count, rows, columns), dtype=self.dtype, device=view.device)
+            out = buffer[:count]
+            self.dequantizer(view[slots].reshape(count * rows, -1), p.fmt, columns, out.view(count * rows, columns))
+            stacked[name] = out.transpose(-2, -1) if p.transposed else out
+        return stacked
 
 
 class OneTokenExperts(Protocol):
