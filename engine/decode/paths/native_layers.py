@@ -396,7 +396,7 @@ class NativePromptPath(DecodePath):
             return "one-token steps take the decode paths"
         if problem := kernels_problem(self.runtime):
             return problem
-        if not self.runtime.cache.quantized_slots and not native.rows_beat_torch_bf16(native.ready()):
+        if not self.runtime.cache.quantized_slots and not native.bf16_prompt_beats_torch(native.ready()):
             return "the experts are bf16 and oneDNN's bf16 matmuls are the faster here: transformers' kernels run the prompt"
         return None
 
