@@ -47,6 +47,16 @@
 #define MOESCOPE_AVX2 1
 #endif
 
+// The hint bf16 weight rows are fetched ahead with in dot_row (kernels.py sets it per CPU vendor).
+// Non-temporal by default: on AMD cores the weights, read once a token, then no longer evict the KV
+// cache, the activations and the interpreter's data (steps 2-5 % faster). On an Intel core a
+// non-temporal line goes to the first-level cache alone, and dot_row's far-ahead stream ran at 0.39x
+// of T0's (docs/performance.md), so there the build takes T0. Quantized rows, fetched only a few
+// hundred bytes ahead, keep the non-temporal hint everywhere (T0 made Q4_K decode slower there).
+#ifndef MOESCOPE_PREFETCH_HINT
+#define MOESCOPE_PREFETCH_HINT _MM_HINT_NTA
+#endif
+
 namespace {
 
 using bf16 = uint16_t;
@@ -99,11 +109,9 @@ inline float hsum_ps(__m256 v) {
 }
 #endif
 
-// How far ahead (elements) dot_row asks for weight lines, with the non-temporal hint. The weights
-// stream through once per token; fetched as non-temporal they do not evict what is read again soon
-// (the KV cache, activations, the interpreter's own data between tokens), which the T0 hint did
-// less well in an A/B (docs/performance.md). A line past the end of a matrix is only a hint:
-// prefetches never fault. (2K-16K elements ahead were tried the same way: 4K was best or tied.)
+// How far ahead (elements) dot_row asks for weight lines, with MOESCOPE_PREFETCH_HINT. A line past the
+// end of a matrix is only a hint: prefetches never fault. (2K-16K elements ahead were tried the same
+// way: 4K was best or tied.)
 constexpr int64_t kPrefetchAhead = 4096;
 
 // One weight row with x, length k: four independent sums so the loads stream back to back.
@@ -117,8 +125,8 @@ inline float dot_row(const bf16* w, const bf16* x, int64_t k) {
   __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
   int64_t i = 0;
   for (; i + 128 <= k; i += 128) {
-    for (int line = 0; line < 4; ++line)  // non-temporal: weights are read once per token
-      _mm_prefetch(reinterpret_cast<const char*>(w + i + kPrefetchAhead + line * 32), _MM_HINT_NTA);
+    for (int line = 0; line < 4; ++line)
+      _mm_prefetch(reinterpret_cast<const char*>(w + i + kPrefetchAhead + line * 32), MOESCOPE_PREFETCH_HINT);
     a0 = dot(a0, w + i, x + i);
     a1 = dot(a1, w + i + 32, x + i + 32);
     a2 = dot(a2, w + i + 64, x + i + 64);
@@ -135,7 +143,7 @@ inline float dot_row(const bf16* w, const bf16* x, int64_t k) {
   __m512 a0 = _mm512_setzero_ps(), a1 = a0;
   int64_t i = 0;
   for (; i + 32 <= k; i += 32) {
-    _mm_prefetch(reinterpret_cast<const char*>(w + i + kPrefetchAhead), _MM_HINT_NTA);
+    _mm_prefetch(reinterpret_cast<const char*>(w + i + kPrefetchAhead), MOESCOPE_PREFETCH_HINT);
     a0 = _mm512_fmadd_ps(widen_bf16(w + i), widen_bf16(x + i), a0);
     a1 = _mm512_fmadd_ps(widen_bf16(w + i + 16), widen_bf16(x + i + 16), a1);
   }
@@ -146,7 +154,7 @@ inline float dot_row(const bf16* w, const bf16* x, int64_t k) {
   __m256 a0 = _mm256_setzero_ps(), a1 = a0;
   int64_t i = 0;
   for (; i + 16 <= k; i += 16) {
-    _mm_prefetch(reinterpret_cast<const char*>(w + i + kPrefetchAhead), _MM_HINT_NTA);
+    _mm_prefetch(reinterpret_cast<const char*>(w + i + kPrefetchAhead), MOESCOPE_PREFETCH_HINT);
     a0 = _mm256_fmadd_ps(widen_bf16_8(w + i), widen_bf16_8(x + i), a0);
     a1 = _mm256_fmadd_ps(widen_bf16_8(w + i + 8), widen_bf16_8(x + i + 8), a1);
   }

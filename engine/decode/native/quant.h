@@ -16,7 +16,7 @@ enum WeightType : int32_t {
   kBF16 = 0, kQ4_0 = 2, kQ5_0 = 6, kQ8_0 = 8, kQ2_K = 10, kQ3_K = 11, kQ4_K = 12, kQ6_K = 14, kMXFP4 = 39, kFP8 = 200
 };
 
-// How far ahead (bytes) a quantized row asks for weight lines, non-temporal as dot_row does. In an
+// How far ahead (bytes) a quantized row asks for weight lines, non-temporal on every CPU. In an
 // A/B over a model's worth of Q4_K and Q6_K experts (one process, interleaved), 128-384 bytes ahead
 // beat 1024 and 2048 by about a tenth; MXFP4 and Q8_0 did not care. (The hardware prefetchers
 // follow these short sequential rows themselves; a far hint mostly adds traffic.)
