@@ -35,6 +35,34 @@ CMAKE_OPTIONS = (
 )
 
 
+# x86 features GGML can be built for one by one, by the /proc/cpuinfo flag that says the CPU has it
+GGML_X86_FEATURES = {"sse4_2": "GGML_SSE42", "f16c": "GGML_F16C", "fma": "GGML_FMA", "bmi2": "GGML_BMI2",
+                     "avx": "GGML_AVX", "avx2": "GGML_AVX2", "avx_vnni": "GGML_AVX_VNNI", "avx512f": "GGML_AVX512",
+                     "avx512vbmi": "GGML_AVX512_VBMI", "avx512_vnni": "GGML_AVX512_VNNI",
+                     "avx512_bf16": "GGML_AVX512_BF16"}
+
+
+def cmake_options(cpu_flags: set[str] | None = None) -> list[str]:
+    """CMAKE_OPTIONS for this CPU. Where it has AMX, llama.cpp is built for its instruction set but
+    AMX: in 0.3.36's tree the AMX matmul segfaults on our MoE GGUFs at the first prompt
+    (ggml_backend_amx_mul_mat, a Sapphire Rapids VM, any load mode), and `--repack 0`, which avoids
+    it, also drops the repacked AVX-512 layouts; this keeps those."""
+    flags = _cpu_flags() if cpu_flags is None else cpu_flags
+    if "amx_int8" not in flags:
+        return list(CMAKE_OPTIONS)
+    features = [f"-D{option}={'ON' if flag in flags else 'OFF'}" for flag, option in GGML_X86_FEATURES.items()]
+    no_amx = ["-DGGML_AMX_TILE=OFF", "-DGGML_AMX_INT8=OFF", "-DGGML_AMX_BF16=OFF"]
+    return [o.replace("-DGGML_NATIVE=ON", "-DGGML_NATIVE=OFF") for o in CMAKE_OPTIONS] + features + no_amx
+
+
+def _cpu_flags() -> set[str]:
+    try:
+        line = next((line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags")), "")
+    except OSError:
+        return set()
+    return set(line.partition(":")[2].split())
+
+
 class LlamaCppUnavailable(RuntimeError):
     """llama.cpp cannot be fetched or built here; the message is one line for the user."""
 
@@ -111,7 +139,8 @@ def build_tools(version: str = VERSION, log=print) -> LlamaCpp:
     The stamp holds the options and targets; when they change, CMake rebuilds what they touch."""
     lc = ensure_source(version)
     stamp = lc.build_dir / ".moescope-stamp"
-    wanted = "\n".join([*CMAKE_OPTIONS, *TOOLS])
+    options = cmake_options()
+    wanted = "\n".join([*options, *TOOLS])
     if stamp.exists() and stamp.read_text() == wanted and all(lc.tool(t).exists() for t in TOOLS):
         return lc
     compilers = [c for c in ("c++", "g++", "clang++") if shutil.which(c)]
@@ -123,7 +152,7 @@ def build_tools(version: str = VERSION, log=print) -> LlamaCpp:
     jobs = str(os.cpu_count() or 1)
     if not all(lc.tool(t).exists() for t in TOOLS):
         log(f"building llama.cpp {version} ({', '.join(TOOLS)}) in {lc.build_dir}: several minutes, once")
-    for cmd in (["cmake", "-S", str(lc.source), "-B", str(lc.build_dir), *generator, *CMAKE_OPTIONS],
+    for cmd in (["cmake", "-S", str(lc.source), "-B", str(lc.build_dir), *generator, *options],
                 ["cmake", "--build", str(lc.build_dir), "--config", "Release", "-j", jobs, "--target", *TOOLS]):
         proc = subprocess.run(cmd, capture_output=True, text=True)
         if proc.returncode != 0:

@@ -82,6 +82,18 @@ def test_formats_name_their_llama_type_and_their_load_settings():
         formats.load_settings("fp4")
 
 
+def test_llamacpp_is_built_for_this_cpu_and_without_amx_where_its_amx_matmul_crashes():
+    from bench.llamacpp_build import CMAKE_OPTIONS, cmake_options
+
+    zen3 = {"sse4_2", "f16c", "fma", "bmi2", "avx", "avx2"}
+    assert cmake_options(zen3) == list(CMAKE_OPTIONS)  # -march=native
+    sapphire_rapids = zen3 | {"avx512f", "avx512_vnni", "avx512_bf16", "avx512vbmi", "avx_vnni", "amx_tile", "amx_int8"}
+    options = cmake_options(sapphire_rapids)
+    assert "-DGGML_NATIVE=OFF" in options and "-DGGML_NATIVE=ON" not in options
+    assert {"-DGGML_AVX512=ON", "-DGGML_AVX512_VNNI=ON", "-DGGML_AVX512_BF16=ON", "-DGGML_AVX2=ON"} <= set(options)
+    assert [o for o in options if "AMX" in o] == ["-DGGML_AMX_TILE=OFF", "-DGGML_AMX_INT8=OFF", "-DGGML_AMX_BF16=OFF"]
+
+
 def test_gguf_token_bytes_count_dense_tensors_and_top_k_experts(tmp_path):
     gguf = pytest.importorskip("gguf")
     import numpy as np
