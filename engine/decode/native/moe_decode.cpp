@@ -47,12 +47,12 @@
 #define MOESCOPE_AVX2 1
 #endif
 
-// The hint bf16 weight rows are fetched ahead with in dot_row (kernels.py sets it per CPU vendor).
-// Non-temporal by default: on AMD cores the weights, read once a token, then no longer evict the KV
-// cache, the activations and the interpreter's data (steps 2-5 % faster). On an Intel core a
-// non-temporal line goes to the first-level cache alone, and dot_row's far-ahead stream ran at 0.39x
-// of T0's (docs/performance.md), so there the build takes T0. Quantized rows, fetched only a few
-// hundred bytes ahead, keep the non-temporal hint everywhere (T0 made Q4_K decode slower there).
+// The hint weight rows are fetched ahead with by dot_row (bf16) and the Q8_0 and MXFP4 rows
+// (kernels.py sets it per CPU vendor). Non-temporal by default: on AMD cores the weights, read once
+// a token, then no longer evict the KV cache, the activations and the interpreter's data (steps
+// 2-5 % faster). On an Intel core a non-temporal line goes to the first-level cache alone, and
+// these streams ran at 0.4-0.6x of T0's (docs/performance.md), so there the build takes T0. The
+// K-quant rows keep the non-temporal hint everywhere: T0 made Q4_K decode slower there.
 #ifndef MOESCOPE_PREFETCH_HINT
 #define MOESCOPE_PREFETCH_HINT _MM_HINT_NTA
 #endif

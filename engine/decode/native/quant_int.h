@@ -252,7 +252,7 @@ inline float idot_q8_0(const uint8_t* row, int64_t blocks, const FixedInput& in)
   const int16_t* x = in.wide.data();
   for (int64_t blk = 0; blk < blocks; ++blk) {
     const uint8_t* b = row + blk * 34;
-    _mm_prefetch(reinterpret_cast<const char*>(b + kBlockPrefetchAhead), _MM_HINT_NTA);
+    _mm_prefetch(reinterpret_cast<const char*>(b + kBlockPrefetchAhead), MOESCOPE_PREFETCH_HINT);
     const __m128i first = _mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 2));
     const __m128i second = _mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 18));
     const __m256i sums = madd_wide(_mm256_cvtepi8_epi16(first), _mm256_cvtepi8_epi16(second), x + 32 * blk);
@@ -303,7 +303,7 @@ inline float idot_mxfp4(const uint8_t* row, int64_t blocks, const FixedInput& in
     __m256 acc0 = _mm256_setzero_ps(), acc1 = acc0;
     int64_t blk = start;
     for (; blk + 2 <= end; blk += 2) {
-      _mm_prefetch(reinterpret_cast<const char*>(row + blk * 17 + kBlockPrefetchAhead), _MM_HINT_NTA);
+      _mm_prefetch(reinterpret_cast<const char*>(row + blk * 17 + kBlockPrefetchAhead), MOESCOPE_PREFETCH_HINT);
       acc0 = add_block(blk, acc0);
       acc1 = add_block(blk + 1, acc1);
     }
