@@ -30,7 +30,7 @@ from pathlib import Path
 from bench import formats
 from bench.decode_limit import run_measure
 from bench.gguf_files import TokenBytes, ensure_ggufs, gguf_token_bytes
-from bench.llamacpp_build import VERSION, LlamaCpp, LlamaCppUnavailable, build_tools
+from bench.llamacpp_build import VERSION, LlamaCpp, LlamaCppUnavailable, build_target, build_tools
 from bench.output import RESULTS_DIR, write_report
 from bench.synthetic import build_checkpoint
 
@@ -147,7 +147,8 @@ def table(rows: list[dict], args) -> list[str]:
         return " / ".join(f"{r[f'{s}_{key}']:.2f}" if f"{s}_{key}" in r else "n/a" for s in ("exact", "fast"))
 
     lines = [
-        f"MoEScope against llama.cpp (llama-cpp-python {VERSION}'s vendored tree, built here: CPU, native, OpenMP) — "
+        f"MoEScope against llama.cpp (llama-cpp-python {VERSION}'s vendored tree, built here: CPU, {build_target()}, "
+        "OpenMP) — "
         f"{args.threads} threads, batch 1, {args.prompt_len}-token prompt, {args.decode} decode tokens, median of "
         f"{args.reps} interleaved repetitions. MoEScope: budget all, RAM store, exact and --fast-decode. llama.cpp: "
         f"llama-bench pp{args.prompt_len}, and tg{args.decode} after a {args.prompt_len}-token context (-d), -r 1 each "

@@ -55,6 +55,11 @@ def cmake_options(cpu_flags: set[str] | None = None) -> list[str]:
     return [o.replace("-DGGML_NATIVE=ON", "-DGGML_NATIVE=OFF") for o in CMAKE_OPTIONS] + features + no_amx
 
 
+def build_target() -> str:
+    """The instruction set llama.cpp is built for here, in words for the results."""
+    return "native" if "-DGGML_NATIVE=ON" in cmake_options() else "this CPU's x86 features but AMX"
+
+
 def _cpu_flags() -> set[str]:
     try:
         line = next((line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags")), "")

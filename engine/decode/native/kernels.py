@@ -58,11 +58,10 @@ def _cpu_vendor() -> str:
 
 def _cflags(flavour: str) -> list[str]:
     # -ffp-contract=off: a dequantized weight is a product then a difference, two roundings, as the
-    # reference computes it; a fused multiply-add would round once (quant.h). The prefetch hint: on
-    # Intel cores a non-temporal prefetch held bf16, Q8_0 and MXFP4 rows to 0.4-0.6x of T0's speed
-    # (moe_decode.cpp).
-    hint = ["-DMOESCOPE_PREFETCH_HINT=_MM_HINT_T0"] if _cpu_vendor() == "GenuineIntel" else []
-    return ["-O3", FLAVOURS[flavour], "-ffp-contract=off", "-fopenmp", *hint]
+    # reference computes it; a fused multiply-add would round once (quant.h). MOESCOPE_TUNE_INTEL: the
+    # prefetch hint and MXFP4's kernel that measured faster on Intel cores (moe_decode.cpp).
+    tune = ["-DMOESCOPE_TUNE_INTEL"] if _cpu_vendor() == "GenuineIntel" else []
+    return ["-O3", FLAVOURS[flavour], "-ffp-contract=off", "-fopenmp", *tune]
 
 
 def _build_name(flavour: str) -> str:
