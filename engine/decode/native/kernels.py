@@ -59,7 +59,7 @@ def _cpu_vendor() -> str:
 def _cflags(flavour: str) -> list[str]:
     # -ffp-contract=off: a dequantized weight is a product then a difference, two roundings, as the
     # reference computes it; a fused multiply-add would round once (quant.h). MOESCOPE_TUNE_INTEL: the
-    # prefetch hint and MXFP4's kernel that measured faster on Intel cores (moe_decode.cpp).
+    # prefetch hint and distance and MXFP4's kernel that measured faster on Intel cores (moe_decode.cpp).
     tune = ["-DMOESCOPE_TUNE_INTEL"] if _cpu_vendor() == "GenuineIntel" else []
     return ["-O3", FLAVOURS[flavour], "-ffp-contract=off", "-fopenmp", *tune]
 

@@ -49,11 +49,11 @@
 
 // MOESCOPE_TUNE_INTEL (kernels.py defines it where /proc/cpuinfo says GenuineIntel) picks what
 // measured faster on Intel cores (a Sapphire Rapids VM, docs/performance.md) than on AMD's:
-// - the hint weight rows are fetched ahead with by dot_row (bf16) and the Q8_0 and MXFP4 rows. On
-//   AMD cores non-temporal: the weights, read once a token, then no longer evict the KV cache, the
-//   activations and the interpreter's data (steps 2-5 % faster). On an Intel core a non-temporal
-//   line goes to the first-level cache alone, and these streams ran at 0.4-0.6x of T0's. The
-//   K-quant rows keep the non-temporal hint everywhere: T0 made Q4_K decode slower there;
+// - the hint weight rows are fetched ahead with. On AMD cores non-temporal: the weights, read once a
+//   token, then no longer evict the KV cache, the activations and the interpreter's data (steps
+//   2-5 % faster). On an Intel core a non-temporal line goes to the first-level cache alone, and
+//   bf16, Q8_0 and MXFP4 streams ran at 0.4-0.6x of T0's;
+// - how far ahead quantized rows are fetched (quant.h: kBlockPrefetchAhead);
 // - MXFP4 rows on the integer dots where the CPU has bf16 dot products too (quant_int.h).
 #if defined(MOESCOPE_TUNE_INTEL)
 #define MOESCOPE_PREFETCH_HINT _MM_HINT_T0

@@ -16,11 +16,16 @@ enum WeightType : int32_t {
   kBF16 = 0, kQ4_0 = 2, kQ5_0 = 6, kQ8_0 = 8, kQ2_K = 10, kQ3_K = 11, kQ4_K = 12, kQ6_K = 14, kMXFP4 = 39, kFP8 = 200
 };
 
-// How far ahead (bytes) a quantized row asks for weight lines (hint: moe_decode.cpp). In an
+// How far ahead (bytes) a quantized row asks for weight lines (hint: moe_decode.cpp). On Zen 4, in an
 // A/B over a model's worth of Q4_K and Q6_K experts (one process, interleaved), 128-384 bytes ahead
-// beat 1024 and 2048 by about a tenth; MXFP4 and Q8_0 did not care. (The hardware prefetchers
-// follow these short sequential rows themselves; a far hint mostly adds traffic.)
+// beat 1024 and 2048 by about a tenth; MXFP4 and Q8_0 did not care. On an Intel core (with the T0
+// hint) 4096 bytes ran the Qwen shape's Q4_K decode 2.2x and its Q8_0 1.8x faster than 256, and
+// gpt-oss's MXFP4 1.7x (docs/performance.md).
+#if defined(MOESCOPE_TUNE_INTEL)
+constexpr int64_t kBlockPrefetchAhead = 4096;
+#else
 constexpr int64_t kBlockPrefetchAhead = 256;
+#endif
 
 // Elements and bytes per block of each type.
 inline int64_t block_elements(int32_t type) {
@@ -434,7 +439,7 @@ inline float qdot_row_q4_k(const uint8_t* row, int64_t blocks, const bf16* x) {
   BlockScales s;
   for (int64_t blk = 0; blk < blocks; ++blk) {
     const uint8_t* b = row + blk * 144;
-    _mm_prefetch(reinterpret_cast<const char*>(b + kBlockPrefetchAhead), _MM_HINT_NTA);
+    _mm_prefetch(reinterpret_cast<const char*>(b + kBlockPrefetchAhead), MOESCOPE_PREFETCH_HINT);
     block_scales(kQ4_K, b, s);
     const bf16* xb = x + blk * 256;
     for (int c = 0; c < 4; ++c) {
@@ -488,7 +493,7 @@ inline float qdot_row(const Matrix& m, int64_t r, const bf16* x) {
   BlockScales s;
   for (int64_t blk = 0; blk < blocks; ++blk) {
     const uint8_t* b = row + blk * bb;
-    _mm_prefetch(reinterpret_cast<const char*>(b + kBlockPrefetchAhead), _MM_HINT_NTA);
+    _mm_prefetch(reinterpret_cast<const char*>(b + kBlockPrefetchAhead), MOESCOPE_PREFETCH_HINT);
     block_scales(m.type, b, s);
     for (int g = 0; g < groups; ++g) {
       __m512i lo, hi;
@@ -522,7 +527,7 @@ inline float qdot_row(const Matrix& m, int64_t r, const bf16* x) {
   alignas(32) int32_t q[32];
   for (int64_t blk = 0; blk < blocks; ++blk) {
     const uint8_t* b = row + blk * bb;
-    _mm_prefetch(reinterpret_cast<const char*>(b + kBlockPrefetchAhead), _MM_HINT_NTA);
+    _mm_prefetch(reinterpret_cast<const char*>(b + kBlockPrefetchAhead), MOESCOPE_PREFETCH_HINT);
     block_scales(m.type, b, s);
     for (int g = 0; g < groups; ++g) {
       group_levels(m.type, b, g, q);

@@ -221,7 +221,7 @@ inline float idot_q4_k(const uint8_t* row, int64_t blocks, const FixedInput& in)
   __m256 acc = _mm256_setzero_ps(), acc_min = acc;
   for (int64_t blk = 0; blk < blocks; ++blk) {
     const uint8_t* b = row + blk * 144;
-    _mm_prefetch(reinterpret_cast<const char*>(b + kBlockPrefetchAhead), _MM_HINT_NTA);
+    _mm_prefetch(reinterpret_cast<const char*>(b + kBlockPrefetchAhead), MOESCOPE_PREFETCH_HINT);
     const __m256i scales_mins = _mm256_cvtepu8_epi16(q4_k_scales_mins(b + 4));  // 8 scales, then 8 mins
     const __m256i scales = _mm256_permute2x128_si256(scales_mins, scales_mins, 0x00);
     __m256i acc_hi = _mm256_setzero_si256(), acc_lo = acc_hi;
@@ -322,7 +322,7 @@ inline float idot_q6_k(const uint8_t* row, int64_t blocks, const FixedInput& in)
   float offsets = 0.f;
   for (int64_t blk = 0; blk < blocks; ++blk) {
     const uint8_t* b = row + blk * 210;
-    _mm_prefetch(reinterpret_cast<const char*>(b + kBlockPrefetchAhead), _MM_HINT_NTA);
+    _mm_prefetch(reinterpret_cast<const char*>(b + kBlockPrefetchAhead), MOESCOPE_PREFETCH_HINT);
     const __m256i all = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 192)));
     __m256i by_lane[2];
     split_by_lane(all, by_lane);
@@ -385,7 +385,7 @@ inline float idot_q2_q3_k(const uint8_t* row, int64_t blocks, const FixedInput& 
   float offsets = 0.f;
   for (int64_t blk = 0; blk < blocks; ++blk) {
     const uint8_t* b = row + blk * (three ? 110 : 84);
-    _mm_prefetch(reinterpret_cast<const char*>(b + kBlockPrefetchAhead), _MM_HINT_NTA);
+    _mm_prefetch(reinterpret_cast<const char*>(b + kBlockPrefetchAhead), MOESCOPE_PREFETCH_HINT);
     // the 16 scales as int16, and what multiplies each sub-block's sum(x) to come off: the mins
     // (Q2_K) or 4 * scale (Q3_K); |offset| <= 16 * 15 * 16 * 32512 or 16 * 128 * 16 * 32512
     __m256i scales, offset_weights;
