@@ -20,6 +20,8 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
+from engine.system.cpu import cpuinfo_field
+
 VERSION = "0.3.36"  # llama-cpp-python; its vendored llama.cpp is what we build
 TOOLS = ("llama-bench", "llama-quantize")
 CMAKE_OPTIONS = (
@@ -47,7 +49,7 @@ def cmake_options(cpu_flags: set[str] | None = None) -> list[str]:
     AMX: in 0.3.36's tree the AMX matmul segfaults on our MoE GGUFs at the first prompt
     (ggml_backend_amx_mul_mat, a Sapphire Rapids VM, any load mode), and `--repack 0`, which avoids
     it, also drops the repacked AVX-512 layouts; this keeps those."""
-    flags = _cpu_flags() if cpu_flags is None else cpu_flags
+    flags = set(cpuinfo_field("flags").split()) if cpu_flags is None else cpu_flags
     if "amx_int8" not in flags:
         return list(CMAKE_OPTIONS)
     features = [f"-D{option}={'ON' if flag in flags else 'OFF'}" for flag, option in GGML_X86_FEATURES.items()]
@@ -58,14 +60,6 @@ def cmake_options(cpu_flags: set[str] | None = None) -> list[str]:
 def build_target() -> str:
     """The instruction set llama.cpp is built for here, in words for the results."""
     return "native" if "-DGGML_NATIVE=ON" in cmake_options() else "this CPU's x86 features but AMX"
-
-
-def _cpu_flags() -> set[str]:
-    try:
-        line = next((line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags")), "")
-    except OSError:
-        return set()
-    return set(line.partition(":")[2].split())
 
 
 class LlamaCppUnavailable(RuntimeError):

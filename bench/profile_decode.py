@@ -153,8 +153,8 @@ def main(argv: list[str] | None = None) -> int:
         prof.stop()
         averages = prof.key_averages()
         table = averages.table(sort_by="self_cpu_time_total", row_limit=args.ops)
-        launches = sum(e.count for e in averages if e.key.startswith("cudaLaunchKernel"))
         if args.device == "cuda":
+            launches = sum(e.count for e in averages if e.key.startswith("cudaLaunchKernel"))
             table += f"\nkernel launches per decode token: {launches / 8:.0f}\n"
         print(table)
         mode = ("fast-decode" if args.fast_decode else "default") + ("-cuda" if args.device == "cuda" else "")

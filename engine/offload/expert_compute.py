@@ -93,8 +93,7 @@ class SlotReader:
     @property
     def scratch_bytes(self) -> int:
         """One expert's quantized matrices dequantized, in the compute dtype."""
-        itemsize = torch.empty((), dtype=self.dtype).element_size()
-        return sum(p.rows_columns[0] * p.rows_columns[1] * itemsize for p in self.quantized.values())
+        return sum(p.rows_columns[0] * p.rows_columns[1] * self.dtype.itemsize for p in self.quantized.values())
 
     def with_params(self, params: list[ExpertParam]) -> SlotReader:
         """A reader of slots holding `params` (another layer's formats), sharing this one's scratch."""

@@ -25,6 +25,8 @@ from types import ModuleType
 import platformdirs
 import torch
 
+from engine.system.cpu import cpuinfo_field
+
 SOURCE = Path(__file__).with_name("moe_decode.cpp")
 HEADERS = tuple(Path(__file__).with_name(name) for name in ("quant.h", "quant_int.h", "prompt_int8.h"))  # included by SOURCE: part of what a build is keyed by
 # -march per build flavour: this CPU's best, AVX2 + FMA (laptops without AVX-512), and portable code
@@ -41,26 +43,14 @@ _problem = ""  # why the kernels are unavailable, once a build failed
 
 def _cpu_fingerprint() -> str:
     """What -march=native compiled for: a cached build must not run on a different CPU."""
-    try:
-        flags = next((line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags")), "")
-    except OSError:
-        flags = ""
-    return platform.machine() + flags
-
-
-def _cpu_vendor() -> str:
-    try:
-        line = next((line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("vendor_id")), "")
-    except OSError:
-        line = ""
-    return line.partition(":")[2].strip()
+    return platform.machine() + cpuinfo_field("flags")
 
 
 def _cflags(flavour: str) -> list[str]:
     # -ffp-contract=off: a dequantized weight is a product then a difference, two roundings, as the
     # reference computes it; a fused multiply-add would round once (quant.h). MOESCOPE_TUNE_INTEL: the
     # prefetch hint and distance and MXFP4's kernel that measured faster on Intel cores (moe_decode.cpp).
-    tune = ["-DMOESCOPE_TUNE_INTEL"] if _cpu_vendor() == "GenuineIntel" else []
+    tune = ["-DMOESCOPE_TUNE_INTEL"] if cpuinfo_field("vendor_id") == "GenuineIntel" else []
     return ["-O3", FLAVOURS[flavour], "-ffp-contract=off", "-fopenmp", *tune]
 
 
