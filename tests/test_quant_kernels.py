@@ -238,7 +238,8 @@ def test_a_prompts_rows_through_a_layers_experts_in_one_call(flavour, family, na
     # A prompt's rows sorted by expert (as the expert cache gathers them) through a layer's resident
     # experts in one native call (moe_prompt): every expert's rows equal transformers' recipe on the
     # same weights dequantized to bf16, to summation order; experts with 0, 1 and a count that is no
-    # multiple of the kernel's 4-row tiles; gpt-oss's biases, interleaved gate/up and clamped SwiGLU.
+    # multiple of the kernel's 4-row (16 on AMX) tiles; gpt-oss's biases, interleaved gate/up and
+    # clamped SwiGLU.
     from transformers import GptOssConfig, Qwen3MoeConfig
     from transformers.models.gpt_oss.modeling_gpt_oss import GptOssExperts
     from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeExperts
@@ -249,7 +250,7 @@ def test_a_prompts_rows_through_a_layers_experts_in_one_call(flavour, family, na
 
     # an odd width on bf16 weights: a lone last gate/up pair, and sums past the last 32 columns
     hidden, inter = 256, {"original": 97, "q8_0": 96, "mxfp4": 96}.get(name, 256)
-    counts = [5, 0, 16, 1, 7, 3]
+    counts = [5, 0, 16, 1, 7, 3, 40]  # 40: three blocks of rows on AMX tiles, then more
     if family == "gpt_oss":
         module = GptOssExperts(GptOssConfig(hidden_size=hidden, intermediate_size=inter, num_local_experts=6,
                                             num_experts_per_tok=2))
@@ -287,6 +288,51 @@ def test_a_prompts_rows_through_a_layers_experts_in_one_call(flavour, family, na
         part = slice(first, first + count)
         reference = expert_mlp(module, rows[part], reader.plain(chosen[e]))
         close(ours[part], reference, f"{family} {name} expert {e} ({count} rows)")
+
+
+@pytest.mark.parametrize("name", ["q4_k", "original"])
+def test_amx_tiles_and_dot_products_give_a_prompt_the_same_products(name):
+    # Beside AMX tiles a prompt's bf16 products run on them (prompt_amx.h) and the dot products are
+    # no longer the default; both stay the dequantized bf16 product to summation order: experts
+    # whose rows fill one to four 16-row blocks, a matrix whose height is no multiple of 16, a
+    # bf16 matrix read in place and one interleaved gate/up.
+    built = native.wait(timeout=600)
+    if built is None or not built.amx():
+        pytest.skip("no AMX tiles here (Intel Sapphire Rapids and later, Linux)")
+    hidden, inter, counts = 512, 256, [1, 16, 17, 33, 49, 64, 0]
+    fmt = None if name == "original" else checkpoint_format(name)
+
+    def matrix(rows: int, columns: int, seed: int) -> tuple:
+        if fmt is None:
+            w = (torch.randn(rows, columns, generator=torch.Generator().manual_seed(seed)) * 0.05).to(torch.bfloat16)
+            return native.weight(built, w), w
+        packed, reference = quantized(name, rows, columns, seed=seed)
+        return native.weight(built, packed, fmt, columns), reference
+
+    gate_up = [matrix(2 * inter, hidden, 10 + e) for e in range(len(counts))]
+    down = [matrix(hidden, inter, 30 + e) for e in range(len(counts))]
+    rows = (torch.randn(sum(counts), hidden, generator=torch.Generator().manual_seed(1)) * 2).to(torch.bfloat16)
+    start = [sum(counts[:e]) for e in range(len(counts))]
+    odd = matrix(100, hidden, 50)
+    try:
+        results = {}
+        for amx in (True, False):
+            built.set_amx(amx)
+            assert built.amx() == amx and ("-amx" in built.code_path()) == amx
+            results[amx] = (built.linear_rows(odd[0], rows[:37]),
+                            built.moe_prompt(rows, start, counts, [w for w, _ in gate_up], [w for w, _ in down]),
+                            built.moe_prompt(rows, start, counts, [w for w, _ in gate_up], [w for w, _ in down],
+                                             recipe=built.GateRecipe(interleaved=True)))
+    finally:
+        built.set_amx(True)
+    for amx, (linear, experts, interleaved) in results.items():
+        close(linear, F.linear(rows[:37], odd[1]), f"linear_rows, amx {amx}")
+        for e, (first, count) in enumerate(zip(start, counts[:-1], strict=False)):  # the last has no rows
+            x = rows[first:first + count]
+            for out, (gate, up) in ((experts, gate_up[e][1].chunk(2)), (interleaved, (gate_up[e][1][0::2], gate_up[e][1][1::2]))):
+                act = (F.silu(F.linear(x, gate)) * F.linear(x, up)).to(torch.bfloat16)
+                close(out[first:first + count], F.linear(act, down[e][1]), f"expert {e}, amx {amx}")
+    assert not torch.equal(results[True][1], results[False][1])  # two paths really ran
 
 
 def rounded_to_8_bits(x: torch.Tensor) -> torch.Tensor:

@@ -457,16 +457,17 @@ def test_fast_decode_gives_the_same_logits_at_every_budget(wide, kernels, family
 def test_a_bf16_prompt_takes_the_native_rows_where_torch_bf16_matmuls_are_slow(wide, kernels, monkeypatch, family):
     """On a CPU whose torch bf16 matmul has no oneDNN kernel (AVX2 without AVX-512, where it runs several
     times slower than float32), a bf16 model's prompt takes the native rows and layer call too, in
-    float32 tiles, and on one with bf16 dot products but no AMX tiles the native rows take it on those;
-    where oneDNN's bf16 kernels are the faster (AMX, or no bf16 dot products in the build), transformers'
-    kernels do. Either way the logits equal the exact path's to summation order."""
+    float32 tiles, and on one with bf16 dot products the native rows take it on those, or on AMX tiles
+    beside them; where oneDNN's bf16 kernels are the faster (AMX tiles the rows cannot use, or no bf16
+    dot products in the build), transformers' kernels do. Either way the logits equal the exact path's
+    to summation order."""
     import torch
 
     from engine.decode.native import kernels as native
     from tests.helpers.numerics import close
 
     onednn_bf16 = torch.ops.mkldnn._is_mkldnn_bf16_supported()
-    native_rows = (kernels.bf16_dot_products() or not onednn_bf16) and not native.amx_tiles()
+    native_rows = (kernels.bf16_dot_products() or not onednn_bf16) and (not native.amx_tiles() or kernels.amx())
     assert native.bf16_prompt_beats_torch(kernels) == native_rows
     logits = prompt_logits_fast_and_exact(
         LoadModel(path=str(wide[family]), budget="all", store="ram", device="cpu", dtype="bfloat16",

@@ -28,7 +28,7 @@ import torch
 from engine.system.cpu import cpuinfo_field
 
 SOURCE = Path(__file__).with_name("moe_decode.cpp")
-HEADERS = tuple(Path(__file__).with_name(name) for name in ("quant.h", "quant_int.h", "prompt_int8.h"))  # included by SOURCE: part of what a build is keyed by
+HEADERS = tuple(Path(__file__).with_name(name) for name in ("quant.h", "quant_int.h", "prompt_int8.h", "prompt_amx.h"))  # included by SOURCE: part of what a build is keyed by
 # -march per build flavour: this CPU's best, AVX2 + FMA (laptops without AVX-512), and portable code
 # the compiler vectorises for a baseline target (tests build each, tests/test_quant_kernels.py)
 FLAVOURS = {"native": "-march=native", "avx2": "-march=x86-64-v3", "portable": "-march=x86-64"}
@@ -181,10 +181,10 @@ def rows_beat_torch_bf16(kernels: ModuleType) -> bool:
 
 def bf16_prompt_beats_torch(kernels: ModuleType) -> bool:
     """Whether a bf16 model's whole prompt, experts included, is faster on the native rows than on
-    transformers' kernels: where the rows beat torch's bf16 matmul, but not beside AMX tiles, where
-    oneDNN's bf16 kernels run on them (a 128-token prompt ran 1.2-2.3x faster than on the dot
-    products; like the exact path, oneDNN then makes a kernel for each new prompt length)."""
-    return rows_beat_torch_bf16(kernels) and not amx_tiles()
+    transformers' kernels: where the rows beat torch's bf16 matmul, and beside AMX tiles only where
+    the rows run on them too (oneDNN's bf16 kernels use the tiles: a 128-token prompt ran 1.2-2.3x
+    faster there than on the dot products, and 1.1-1.6x slower than on the rows' own tiles)."""
+    return rows_beat_torch_bf16(kernels) and (not amx_tiles() or kernels.amx())
 
 
 @functools.cache

@@ -46,6 +46,11 @@
 #include <immintrin.h>
 #define MOESCOPE_AVX2 1
 #endif
+// AMX tiles for a prompt's bf16 products (prompt_amx.h), beside the bf16 dot products that stay the
+// path of the one-row products and of CPUs or kernels without AMX.
+#if defined(MOESCOPE_AVX512BF16) && defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__linux__)
+#define MOESCOPE_AMX 1
+#endif
 
 // MOESCOPE_TUNE_INTEL (kernels.py defines it where /proc/cpuinfo says GenuineIntel) picks what
 // measured faster on Intel cores (a Sapphire Rapids VM, docs/performance.md) than on AMD's:
@@ -82,7 +87,27 @@ inline bf16 to_bf16(float v) {  // round to nearest even, as torch does (NaN kep
 
 inline float round_bf16(float v) { return to_float(to_bf16(v)); }
 
+// exp16's and exp_shifted's constants: the clamps (below the first exp underflows, past the second
+// it overflows), log2(e), ln 2 in two parts, and the polynomial's coefficients from the highest power down
+constexpr float kExpFloor = -87.3f, kExpCeil = 88.8f, kLog2e = 1.44269504088896341f;
+constexpr float kLn2Hi = 0.693359375f, kLn2Lo = -2.12194440e-4f;
+constexpr float kExpPoly[6] = {1.9875691500e-4f, 1.3981999507e-3f, 8.3334519073e-3f,
+                               4.1665795894e-2f, 1.6666665459e-1f, 5.0000001201e-1f};
+
 #if defined(MOESCOPE_AVX512BF16) || defined(MOESCOPE_AVX512F)
+// exp(x) in 16 lanes (Cephes' single-precision polynomial, within ~2 ulp of std::exp): clamped
+// below (2^k stays a normal float) and above (past it exp overflows, and 2^128 gives infinity)
+inline __m512 exp16(__m512 x) {
+  x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(kExpFloor)), _mm512_set1_ps(kExpCeil));
+  const __m512 k = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(kLog2e)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m512 r = _mm512_fnmadd_ps(k, _mm512_set1_ps(kLn2Lo), _mm512_fnmadd_ps(k, _mm512_set1_ps(kLn2Hi), x));
+  __m512 p = _mm512_set1_ps(kExpPoly[0]);
+  for (int c = 1; c < 6; ++c) p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(kExpPoly[c]));
+  const __m512 y = _mm512_add_ps(_mm512_fmadd_ps(p, _mm512_mul_ps(r, r), r), _mm512_set1_ps(1.f));
+  return _mm512_scalef_ps(y, k);
+}
+
 // 16 bf16 values widened to float32 (a bf16 is the top half of a float32).
 inline __m512 widen_bf16(const bf16* p) {
   return _mm512_castsi512_ps(
@@ -527,6 +552,9 @@ inline void tile_times_rows(const TileRows& w, const PromptInput& in, int64_t e,
 }
 
 #include "prompt_int8.h"  // opt-in: a prompt's rows rounded to 8 bits for Q4_K matrices
+#include "prompt_amx.h"   // AMX tiles where the CPU has them
+
+constexpr int64_t kMaxTile = std::max(kTile, kAmxRows);  // rows of W per prompt tile, either path
 
 // One thread's buffers for prompt tiles: bf16 rows expanded from blocks, or Q4_K rows unpacked.
 struct TileScratch {
@@ -587,15 +615,28 @@ at::Tensor linear_rows(const Weight& weight, const at::Tensor& x, const c10::opt
     at::parallel_for(0, in.block_count(), 1, [&](int64_t first, int64_t last) { in.pack(first, last); });
   const bf16* b = bias.has_value() ? bf16_data(*bias) : nullptr;
   bf16* out = bf16_data(y);
-  const int64_t tiles = (n + kTile - 1) / kTile;
+#if defined(MOESCOPE_AMX)
+  std::unique_ptr<AmxInput> operands;
+  if (!int8 && amx_on()) {
+    operands = std::make_unique<AmxInput>(bf16_data(xc), k, std::vector<int64_t>{0}, std::vector<int64_t>{m});
+    at::parallel_for(0, operands->blocks(), 1, [&](int64_t first, int64_t last) { operands->pack(first, last); });
+  }
+  const int64_t height = operands ? kAmxRows : kTile;
+#else
+  const int64_t height = kTile;
+#endif
+  const int64_t tiles = (n + height - 1) / height;
   at::parallel_for(0, tiles, 1, [&](int64_t first_tile, int64_t last_tile) {
     TileScratch scratch;
-    scratch.expanded.resize(w.type == kBF16 || int8 ? 0 : kTile * k);
+    scratch.expanded.resize(int8 ? 0 : height * k);
     scratch.wide.resize(in.block_count() ? kTile * k : 0);
+#if defined(MOESCOPE_AMX)
+    if (operands) amx_configure();
+#endif
     for (int64_t t = first_tile; t < last_tile; ++t) {
-      const int64_t r0 = t * kTile, r1 = std::min(n, r0 + kTile);
-      int64_t at[kTile];
-      for (int64_t r = 0; r < kTile; ++r) at[r] = std::min(r0 + r, r1 - 1);  // past the last row: the last again, its sums unused
+      const int64_t r0 = t * height, r1 = std::min(n, r0 + height);
+      int64_t at[kMaxTile];
+      for (int64_t r = 0; r < height; ++r) at[r] = std::min(r0 + r, r1 - 1);  // past the last row: the last again, its sums unused
       auto emit = [&](int64_t i, const float* sums) {
         for (int64_t r = r0; r < r1; ++r)
           out[i * n + r] = to_bf16(b == nullptr ? sums[r - r0] : sums[r - r0] + to_float(b[r]));
@@ -604,10 +645,28 @@ at::Tensor linear_rows(const Weight& weight, const at::Tensor& x, const c10::opt
         int8_tile_times_rows(w, at, *groups, 0, 0, scratch, emit);
         continue;
       }
+#if defined(MOESCOPE_AMX)
+      if (operands) {
+        const __mmask16 keep = static_cast<__mmask16>((1u << (r1 - r0)) - 1);
+        const __m512 bias = b != nullptr ? widen_bf16_masked(b + r0, keep) : _mm512_setzero_ps();
+        amx_tile_times_rows(amx_rows(w, at, scratch.expanded.data()), *operands, 0, 0,
+                            [&](int64_t i0, int64_t rows, const float* c) {
+                              for (int64_t i = i0; i < i0 + rows; ++i) {
+                                const __m512 sums = amx_column(c, i - i0);
+                                _mm256_mask_storeu_epi16(out + i * n + r0, keep, (__m256i)_mm512_cvtneps_pbh(
+                                    b != nullptr ? _mm512_add_ps(sums, bias) : sums));
+                              }
+                            });
+        continue;
+      }
+#endif
       TileRows rows;
       tile_rows(w, at, rows, scratch.expanded.data(), scratch.wide.data());
       tile_times_rows(rows, in, 0, 0, m, emit);
     }
+#if defined(MOESCOPE_AMX)
+    if (operands) _tile_release();
+#endif
   });
   return y;
 }
@@ -783,6 +842,30 @@ inline bf16 activate(const GateRecipe& r, float gate_sum, float up_sum, const bf
   return to_bf16(round_bf16(u + 1.f) * glu);
 }
 
+#if defined(MOESCOPE_AMX)
+// activate() in 16 lanes, with each lane's gate and up bias (or none): the same ops and roundings
+// (exp16 for std::exp; min and max ordered as std::min and std::max, so a NaN goes where theirs does).
+inline __m256i activate16(const GateRecipe& r, __m512 g, __m512 u, const float* gate_bias, const float* up_bias) {
+  g = round16(g), u = round16(u);
+  if (gate_bias != nullptr) {
+    g = round16(_mm512_add_ps(g, _mm512_load_ps(gate_bias)));
+    u = round16(_mm512_add_ps(u, _mm512_load_ps(up_bias)));
+  }
+  const __m512 one = _mm512_set1_ps(1.f), zero = _mm512_setzero_ps();
+  if (!r.clamped_swiglu) {
+    const __m512 silu = round16(_mm512_div_ps(g, _mm512_add_ps(one, exp16(_mm512_sub_ps(zero, g)))));
+    return (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(silu, u));
+  }
+  const __m512 limit = _mm512_set1_ps(static_cast<float>(r.limit));
+  g = _mm512_min_ps(limit, g);
+  u = _mm512_max_ps(_mm512_min_ps(limit, u), _mm512_sub_ps(zero, limit));
+  const __m512 scaled = round16(_mm512_mul_ps(g, _mm512_set1_ps(static_cast<float>(r.alpha))));
+  const __m512 sigmoid = round16(_mm512_div_ps(one, _mm512_add_ps(one, exp16(_mm512_sub_ps(zero, scaled)))));
+  const __m512 glu = round16(_mm512_mul_ps(g, sigmoid));
+  return (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(round16(_mm512_add_ps(u, one)), glu));
+}
+#endif
+
 // The rows of an expert's gate/up projection that intermediate row i reads: gate and up halves
 // (gate first) or interleaved (gate at even rows).
 inline int64_t gate_row(const GateRecipe& r, int64_t i) { return r.interleaved ? 2 * i : i; }
@@ -928,46 +1011,111 @@ struct PromptExperts {
   bf16* out;  // [rows, hidden]
   const Int8Groups* x8 = nullptr;    // opt-in: x rounded to 8 bits, for Q4_K gate/up matrices
   const Int8Groups* act8 = nullptr;  // and the activation, for Q4_K down matrices
+#if defined(MOESCOPE_AMX)
+  const AmxInput* x_amx = nullptr;  // x and the activation as AMX operands, where the tiles are on
+  const AmxInput* act_amx = nullptr;
+#endif
+  int64_t height = kTile;  // rows of W per tile: kTile, or kAmxRows on the tiles
 
-  // The tile's kTile rows at[] of matrix m times each of expert e's rows of `input` (or their 8-bit groups
-  // where given and m is Q4_K): emit(i, sums) with sums[r] = x_i . w_r.
-  template <class Emit>
+  // The tile's `height` rows at[] of matrix m times each of expert e's rows of `input` (or their 8-bit
+  // groups where given and m is Q4_K, or AMX operands where given): emit(i, sums) with sums[r] = x_i . w_r.
+  // On AMX tiles emit_block(i0, n, c) gets a block of rows instead (amx_tile_times_rows).
+  template <class Emit, class EmitBlock>
   void tile(const Matrix& m, const int64_t* at, int64_t e, const PromptInput& input, const Int8Groups* groups,
-            TileScratch& scratch, Emit&& emit) const {
+            [[maybe_unused]] const void* amx_input, TileScratch& scratch, Emit&& emit,
+            [[maybe_unused]] EmitBlock&& emit_block) const {
     if (groups != nullptr && m.type == kQ4_K) {
       int8_tile_times_rows(m, at, *groups, e, start[e], scratch, emit);
       return;
     }
+#if defined(MOESCOPE_AMX)
+    if (amx_input != nullptr) {
+      amx_tile_times_rows(amx_rows(m, at, scratch.expanded.data()), *static_cast<const AmxInput*>(amx_input), e,
+                          start[e], emit_block);
+      return;
+    }
+#endif
     TileRows rows;
     tile_rows(m, at, rows, scratch.expanded.data(), scratch.wide.data());
     tile_times_rows(rows, input, e, start[e], count[e], emit);
   }
 
-  // Intermediate rows p .. p + kPairs - 1 of expert e for all its rows of x.
+  const void* amx_of(bool down) const {
+#if defined(MOESCOPE_AMX)
+    return down ? act_amx : x_amx;
+#else
+    (void)down;
+    return nullptr;
+#endif
+  }
+
+  // Intermediate rows p .. p + height / 2 - 1 of expert e for all its rows of x.
   void gate_up_tile(int64_t e, int64_t p, TileScratch& scratch) const {
     const ExpertWeights& w = experts[e];
-    const int64_t pairs = std::min<int64_t>(kPairs, inter - p);
-    int64_t at[kTile];
-    for (int j = 0; j < kPairs; ++j) {
+    const int64_t half = height / 2, pairs = std::min<int64_t>(half, inter - p);
+    int64_t at[kMaxTile];
+    for (int64_t j = 0; j < half; ++j) {
       const int64_t i = p + std::min<int64_t>(j, pairs - 1);  // past the last row: the last again, its sums unused
       at[j] = gate_row(recipe, i);
-      at[kPairs + j] = up_row(recipe, inter, i);
+      at[half + j] = up_row(recipe, inter, i);
     }
-    tile(w.gate_up, at, e, x, x8, scratch, [&](int64_t i, const float* sums) {
+    tile(w.gate_up, at, e, x, x8, amx_of(false), scratch, [&](int64_t i, const float* sums) {
       for (int64_t j = 0; j < pairs; ++j)
         activation_rows[(start[e] + i) * inter + p + j] =
-            activate(recipe, sums[j], sums[kPairs + j], w.gate_up_bias, at[j], at[kPairs + j]);
+            activate(recipe, sums[j], sums[half + j], w.gate_up_bias, at[j], at[half + j]);
+    }, [&]([[maybe_unused]] int64_t i0, [[maybe_unused]] int64_t n, [[maybe_unused]] const float* c) {
+#if defined(MOESCOPE_AMX)
+      gate_up_block(w, at, p, pairs, start[e] + i0, n, c);
+#endif
     });
   }
 
-  // Output columns h .. h + kTile - 1 of expert e for all its rows.
+#if defined(MOESCOPE_AMX)
+  // A gate/up tile's block of AMX sums (rows 0-7 gate, 8-15 up) as activation rows from `row` on,
+  // two rows at a time in the lanes of activate16.
+  void gate_up_block(const ExpertWeights& w, const int64_t* at, int64_t p, int64_t pairs, int64_t row, int64_t n,
+                     const float* c) const {
+    alignas(64) float gate_bias[16], up_bias[16];
+    const bool biased = w.gate_up_bias != nullptr;
+    for (int j = 0; j < 16 && biased; ++j) {
+      gate_bias[j] = to_float(w.gate_up_bias[at[j % 8]]);
+      up_bias[j] = to_float(w.gate_up_bias[at[8 + j % 8]]);
+    }
+    const __mmask8 keep = static_cast<__mmask8>((1u << pairs) - 1);
+    for (int64_t i = 0; i < n; i += 2) {
+      const int64_t i1 = std::min(i + 1, n - 1);
+      const __m256i act = activate16(recipe, amx_half_columns(c, i, i1, 0), amx_half_columns(c, i, i1, 128),
+                                     biased ? gate_bias : nullptr, biased ? up_bias : nullptr);
+      bf16* out_row = activation_rows + (row + i) * inter + p;
+      _mm_mask_storeu_epi16(out_row, keep, _mm256_castsi256_si128(act));
+      if (i1 != i) _mm_mask_storeu_epi16(out_row + inter, keep, _mm256_extracti128_si256(act, 1));
+    }
+  }
+
+  // A down tile's block of AMX sums (output columns h .. h + width - 1) into the output from `row` on.
+  void down_block(const ExpertWeights& w, int64_t h, int64_t width, int64_t row, int64_t n, const float* c) const {
+    const __mmask16 keep = static_cast<__mmask16>((1u << width) - 1);
+    const __m512 bias = w.down_bias != nullptr ? widen_bf16_masked(w.down_bias + h, keep) : _mm512_setzero_ps();
+    for (int64_t i = 0; i < n; ++i) {
+      __m512 v = round16(amx_column(c, i));
+      if (w.down_bias != nullptr) v = round16(_mm512_add_ps(v, bias));
+      _mm256_mask_storeu_epi16(out + (row + i) * hidden + h, keep, (__m256i)_mm512_cvtneps_pbh(v));
+    }
+  }
+#endif
+
+  // Output columns h .. h + height - 1 of expert e for all its rows.
   void down_tile(int64_t e, int64_t h, TileScratch& scratch) const {
     const ExpertWeights& w = experts[e];
-    const int64_t n = std::min<int64_t>(kTile, hidden - h);
-    int64_t at[kTile];
-    for (int j = 0; j < kTile; ++j) at[j] = h + std::min<int64_t>(j, n - 1);
-    tile(w.down, at, e, activation, act8, scratch, [&](int64_t i, const float* sums) {
+    const int64_t n = std::min<int64_t>(height, hidden - h);
+    int64_t at[kMaxTile];
+    for (int64_t j = 0; j < height; ++j) at[j] = h + std::min<int64_t>(j, n - 1);
+    tile(w.down, at, e, activation, act8, amx_of(true), scratch, [&](int64_t i, const float* sums) {
       for (int64_t j = 0; j < n; ++j) out[(start[e] + i) * hidden + h + j] = to_bf16(biased(sums[j], w.down_bias, h + j));
+    }, [&]([[maybe_unused]] int64_t i0, [[maybe_unused]] int64_t rows, [[maybe_unused]] const float* c) {
+#if defined(MOESCOPE_AMX)
+      down_block(w, h, n, start[e] + i0, rows, c);
+#endif
     });
   }
 };
@@ -1023,38 +1171,65 @@ at::Tensor moe_prompt(const at::Tensor& x, const std::vector<int64_t>& start, co
   std::vector<bf16> activation(rows * inter);
   const std::unique_ptr<Int8Groups> x8 = int8_groups(int8_inputs, experts, false, start, count, hidden);
   const std::unique_ptr<Int8Groups> act8 = int8_groups(int8_inputs, experts, true, start, count, inter);
+  // The 8-bit path is asked for Q4_K matrices only; with it the others keep the dot products' tiles.
+  const bool amx = amx_on() && !int8_inputs && hidden % 32 == 0 && inter % 32 == 0;
   PromptInput in(bf16_data(xc), hidden, start, count), act(activation.data(), inter, start, count);
-  const PromptExperts work{recipe, experts, start, count, in, hidden, inter, act, activation.data(), bf16_data(y),
-                           x8.get(), act8.get()};
-  const TileList gate_tiles(count, inter, kPairs), down_tiles(count, hidden, kTile);
+  PromptExperts work{recipe, experts, start, count, in, hidden, inter, act, activation.data(), bf16_data(y),
+                     x8.get(), act8.get()};
+#if defined(MOESCOPE_AMX)
+  std::unique_ptr<AmxInput> x_amx, act_amx;
+  if (amx) {
+    x_amx = std::make_unique<AmxInput>(bf16_data(xc), hidden, start, count);
+    act_amx = std::make_unique<AmxInput>(activation.data(), inter, start, count);
+    work.x_amx = x_amx.get(), work.act_amx = act_amx.get(), work.height = kAmxRows;
+  }
+#endif
+  const TileList gate_tiles(count, inter, work.height / 2), down_tiles(count, hidden, work.height);
   SpinBarrier barrier;
 #pragma omp parallel num_threads(std::max(1, at::get_num_threads()))
   {
     const int tid = omp_get_thread_num(), team = omp_get_num_threads();
     barrier.join(team);
     TileScratch scratch;
-    scratch.expanded.resize(kTile * std::max(hidden, inter));
+    scratch.expanded.resize(work.height * std::max(hidden, inter));
     if (in.block_count()) scratch.wide.resize(kTile * std::max(hidden, inter));
-    auto fill_share = [&](Int8Groups* groups, PromptInput& input) {  // this thread's part, then all are done
+    // this thread's part of a matrix's inputs in the layout its products read, then all are done
+    auto fill_share = [&](Int8Groups* groups, PromptInput& input, [[maybe_unused]] bool down) {
+      bool filled = false;
       if (input.block_count()) {
         const auto [first, last] = thread_share(input.block_count(), tid, team);
         input.pack(first, last);
+        filled = true;
       }
       if (groups != nullptr) {
         const auto [first, last] = thread_share(groups->groups(), tid, team);
         for (int64_t g = first; g < last; ++g) groups->fill(g, input.x);
+        filled = true;
       }
-      if (groups != nullptr || input.block_count()) barrier.wait();
+#if defined(MOESCOPE_AMX)
+      if (AmxInput* operands = down ? act_amx.get() : x_amx.get()) {
+        const auto [first, last] = thread_share(operands->blocks(), tid, team);
+        operands->pack(first, last);
+        filled = true;
+      }
+#endif
+      if (filled) barrier.wait();
     };
-    fill_share(x8.get(), in);
+#if defined(MOESCOPE_AMX)
+    if (amx) amx_configure();
+#endif
+    fill_share(x8.get(), in, false);
     const auto [g_first, g_last] = gate_tiles.share(tid, team);
     for (int64_t t = g_first; t < g_last; ++t)
       work.gate_up_tile(gate_tiles.tiles[t].first, gate_tiles.tiles[t].second, scratch);
     barrier.wait();  // every expert's activation rows are complete
-    fill_share(act8.get(), act);
+    fill_share(act8.get(), act, true);
     const auto [d_first, d_last] = down_tiles.share(tid, team);
     for (int64_t t = d_first; t < d_last; ++t)
       work.down_tile(down_tiles.tiles[t].first, down_tiles.tiles[t].second, scratch);
+#if defined(MOESCOPE_AMX)
+    if (amx) _tile_release();  // a thread holding tile state costs every context switch 8 KB more
+#endif
   }
   return y;
 }
@@ -1259,12 +1434,6 @@ std::vector<at::Tensor> qkv_rope(const at::Tensor& x, const Weight& wq, const We
   return {q, k, v};
 }
 
-// exp_shifted's constants: the clamp (below it exp underflows), log2(e), ln 2 in two parts, and the
-// polynomial's coefficients from the highest power down
-constexpr float kExpFloor = -87.3f, kLog2e = 1.44269504088896341f, kLn2Hi = 0.693359375f, kLn2Lo = -2.12194440e-4f;
-constexpr float kExpPoly[6] = {1.9875691500e-4f, 1.3981999507e-3f, 8.3334519073e-3f,
-                               4.1665795894e-2f, 1.6666665459e-1f, 5.0000001201e-1f};
-
 // v[i] = exp(v[i] - shift) for n values; returns their sum. Vectorized with AVX-512 or AVX2
 // (Cephes' single-precision polynomial, within ~2 ulp of std::exp): the softmax's exponentials
 // were a third of one-token attention's time.
@@ -1273,16 +1442,8 @@ inline float exp_shifted(float* v, int64_t n, float shift) {
   float total = 0.f;
 #if defined(MOESCOPE_AVX512BF16) || defined(MOESCOPE_AVX512F)
   __m512 sum = _mm512_setzero_ps();
-  const __m512 lo = _mm512_set1_ps(kExpFloor), log2e = _mm512_set1_ps(kLog2e);
-  const __m512 ln2_hi = _mm512_set1_ps(kLn2Hi), ln2_lo = _mm512_set1_ps(kLn2Lo);
   for (; i + 16 <= n; i += 16) {
-    const __m512 x = _mm512_max_ps(_mm512_sub_ps(_mm512_loadu_ps(v + i), _mm512_set1_ps(shift)), lo);
-    const __m512 k = _mm512_roundscale_ps(_mm512_mul_ps(x, log2e), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    const __m512 r = _mm512_fnmadd_ps(k, ln2_lo, _mm512_fnmadd_ps(k, ln2_hi, x));
-    __m512 p = _mm512_set1_ps(kExpPoly[0]);
-    for (int c = 1; c < 6; ++c) p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(kExpPoly[c]));
-    const __m512 y = _mm512_add_ps(_mm512_fmadd_ps(p, _mm512_mul_ps(r, r), r), _mm512_set1_ps(1.f));
-    const __m512 e = _mm512_scalef_ps(y, k);
+    const __m512 e = exp16(_mm512_sub_ps(_mm512_loadu_ps(v + i), _mm512_set1_ps(shift)));
     _mm512_storeu_ps(v + i, e);
     sum = _mm512_add_ps(sum, e);
   }
@@ -2328,6 +2489,14 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     return false;
 #endif
   }, "whether this build multiplies bf16 tiles with the CPU's bf16 dot products (as fast as oneDNN's on many rows)");
+  m.def("set_amx", [](bool on) {
+#if defined(MOESCOPE_AMX)
+    amx_wanted() = on;
+#else
+    (void)on;
+#endif
+  }, "a prompt's bf16 products on AMX tiles where the CPU and the OS allow (default) or on dot products");
+  m.def("amx", [] { return amx_on(); }, "whether a prompt's bf16 products run on AMX tiles");
   m.def("code_path", [] {
 #if defined(MOESCOPE_AVX512BF16)
     std::string path = "avx512-bf16";
@@ -2341,6 +2510,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
 #if defined(__AVX512VNNI__) || defined(__AVXVNNI__)
     path += "-vnni";
 #endif
+    if (amx_on()) path += "-amx";
     return path;
   }, "which of the build flavours' code paths this build compiled (avx2, avx512-bf16-vnni, portable, ...)");
   m.def("linear_rows", &linear_rows, "bf16 rows times a weight matrix's transpose (plus a bias), as F.linear",

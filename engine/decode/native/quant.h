@@ -127,6 +127,27 @@ inline void block_scales(int32_t type, const uint8_t* b, BlockScales& s) {
     case kQ4_K: {
       const float d = half_to_float(b), dmin = half_to_float(b + 2);
       const uint8_t* q = b + 4;
+#if defined(__AVX2__)
+      // The same values from 32-bit words (the unpacking's byte ops took as long as expanding the
+      // block's weights): each sub-block's 6-bit scale and min as bytes 0-7 of two words, widened
+      // and multiplied 8 at a time, each stored twice (scale[2j] and scale[2j + 1]).
+      uint32_t u[3];
+      std::memcpy(u, q, sizeof(u));
+      const uint64_t scales = (u[0] & 0x3f3f3f3fu) |
+                              static_cast<uint64_t>((u[2] & 0x0f0f0f0fu) | (((u[0] >> 6) & 0x03030303u) << 4)) << 32;
+      const uint64_t mins = (u[1] & 0x3f3f3f3fu) |
+                            static_cast<uint64_t>(((u[2] >> 4) & 0x0f0f0f0fu) | (((u[1] >> 6) & 0x03030303u) << 4)) << 32;
+      const __m256i first = _mm256_setr_epi32(0, 0, 1, 1, 2, 2, 3, 3), second = _mm256_setr_epi32(4, 4, 5, 5, 6, 6, 7, 7);
+      auto widen = [&](uint64_t bytes, float factor, float* out) {
+        const __m256 v = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_cvtsi64_si128(static_cast<int64_t>(bytes)))),
+                                       _mm256_set1_ps(factor));
+        _mm256_storeu_ps(out, _mm256_permutevar8x32_ps(v, first));
+        _mm256_storeu_ps(out + 8, _mm256_permutevar8x32_ps(v, second));
+      };
+      widen(scales, d, s.scale);
+      widen(mins, dmin, s.min);
+      return;
+#endif
       for (int j = 0; j < 4; ++j) {  // k4_scale_min unrolled: sub-blocks j and j + 4
         s.scale[2 * j] = s.scale[2 * j + 1] = d * static_cast<float>(q[j] & 63);
         s.min[2 * j] = s.min[2 * j + 1] = dmin * static_cast<float>(q[j + 4] & 63);
@@ -610,6 +631,7 @@ inline void dequantize_row_q4_k(const uint8_t* row, int64_t blocks, bf16* w) {
   BlockScales s;
   for (int64_t blk = 0; blk < blocks; ++blk, w += 256) {
     const uint8_t* b = row + blk * 144;
+    _mm_prefetch(reinterpret_cast<const char*>(b + kBlockPrefetchAhead), MOESCOPE_PREFETCH_HINT);
     block_scales(kQ4_K, b, s);
     for (int c = 0; c < 4; ++c) {
       __m512i lo, hi;
