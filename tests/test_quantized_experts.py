@@ -537,6 +537,7 @@ def test_8_bit_prompt_inputs_are_opt_in_labelled_and_close(wide, kernels, monkey
     finally:
         runtime.close()
     assert "lossy" not in labels[False] and "8-bit inputs" in labels[True] and "(lossy)" in labels[True]
+    assert ("(AMX tiles)" in labels[False]) == kernels.amx() and "AMX" not in labels[True]  # the path says which
     assert logits[True].shape == (len(PROMPT), runtime.model.config.vocab_size)
     assert not torch.equal(logits[True], logits[False])
     ours, bf16 = logits[True].float().flatten(), logits[False].float().flatten()

@@ -389,7 +389,9 @@ class NativePromptPath(DecodePath):
     @property
     def label(self) -> str:
         lossy = ", 8-bit inputs to 4-bit matrices (lossy)" if self.runtime.int8_prompt else ""
-        return f"fast: prompt's experts and linears on the native kernels{lossy}"
+        kernels = native.ready()
+        tiles = " (AMX tiles)" if kernels is not None and kernels.amx() and not self.runtime.int8_prompt else ""
+        return f"fast: prompt's experts and linears on the native kernels{tiles}{lossy}"
 
     def unavailable(self, step: Step) -> str | None:
         if not step.prefill:
