@@ -1011,10 +1011,8 @@ struct PromptExperts {
   bf16* out;  // [rows, hidden]
   const Int8Groups* x8 = nullptr;    // opt-in: x rounded to 8 bits, for Q4_K gate/up matrices
   const Int8Groups* act8 = nullptr;  // and the activation, for Q4_K down matrices
-#if defined(MOESCOPE_AMX)
   const AmxInput* x_amx = nullptr;  // x and the activation as AMX operands, where the tiles are on
   const AmxInput* act_amx = nullptr;
-#endif
   int64_t height = kTile;  // rows of W per tile: kTile, or kAmxRows on the tiles
 
   // The tile's `height` rows at[] of matrix m times each of expert e's rows of `input` (or their 8-bit
@@ -1022,7 +1020,7 @@ struct PromptExperts {
   // On AMX tiles emit_block(i0, n, c) gets a block of rows instead (amx_tile_times_rows).
   template <class Emit, class EmitBlock>
   void tile(const Matrix& m, const int64_t* at, int64_t e, const PromptInput& input, const Int8Groups* groups,
-            [[maybe_unused]] const void* amx_input, TileScratch& scratch, Emit&& emit,
+            [[maybe_unused]] const AmxInput* amx_input, TileScratch& scratch, Emit&& emit,
             [[maybe_unused]] EmitBlock&& emit_block) const {
     if (groups != nullptr && m.type == kQ4_K) {
       int8_tile_times_rows(m, at, *groups, e, start[e], scratch, emit);
@@ -1030,23 +1028,13 @@ struct PromptExperts {
     }
 #if defined(MOESCOPE_AMX)
     if (amx_input != nullptr) {
-      amx_tile_times_rows(amx_rows(m, at, scratch.expanded.data()), *static_cast<const AmxInput*>(amx_input), e,
-                          start[e], emit_block);
+      amx_tile_times_rows(amx_rows(m, at, scratch.expanded.data()), *amx_input, e, start[e], emit_block);
       return;
     }
 #endif
     TileRows rows;
     tile_rows(m, at, rows, scratch.expanded.data(), scratch.wide.data());
     tile_times_rows(rows, input, e, start[e], count[e], emit);
-  }
-
-  const void* amx_of(bool down) const {
-#if defined(MOESCOPE_AMX)
-    return down ? act_amx : x_amx;
-#else
-    (void)down;
-    return nullptr;
-#endif
   }
 
   // Intermediate rows p .. p + height / 2 - 1 of expert e for all its rows of x.
@@ -1059,7 +1047,7 @@ struct PromptExperts {
       at[j] = gate_row(recipe, i);
       at[half + j] = up_row(recipe, inter, i);
     }
-    tile(w.gate_up, at, e, x, x8, amx_of(false), scratch, [&](int64_t i, const float* sums) {
+    tile(w.gate_up, at, e, x, x8, x_amx, scratch, [&](int64_t i, const float* sums) {
       for (int64_t j = 0; j < pairs; ++j)
         activation_rows[(start[e] + i) * inter + p + j] =
             activate(recipe, sums[j], sums[half + j], w.gate_up_bias, at[j], at[half + j]);
@@ -1110,7 +1098,7 @@ struct PromptExperts {
     const int64_t n = std::min<int64_t>(height, hidden - h);
     int64_t at[kMaxTile];
     for (int64_t j = 0; j < height; ++j) at[j] = h + std::min<int64_t>(j, n - 1);
-    tile(w.down, at, e, activation, act8, amx_of(true), scratch, [&](int64_t i, const float* sums) {
+    tile(w.down, at, e, activation, act8, act_amx, scratch, [&](int64_t i, const float* sums) {
       for (int64_t j = 0; j < n; ++j) out[(start[e] + i) * hidden + h + j] = to_bf16(biased(sums[j], w.down_bias, h + j));
     }, [&]([[maybe_unused]] int64_t i0, [[maybe_unused]] int64_t rows, [[maybe_unused]] const float* c) {
 #if defined(MOESCOPE_AMX)

@@ -11,7 +11,7 @@
 // `cols` as the row stride; B is 16 input rows of the same 32 columns transposed in pairs (row p
 // holds columns 2p and 2p+1 of each input row), which AmxInput packs once per call; the float32
 // accumulator C[r][i] is w_r . x_i. Registers: A in 0, up to kAmxGroup inputs in 1.., their
-// accumulators in 4...
+// accumulators in 4.. (one block alone: its odd column groups' A and B in 2 and 3).
 
 #if defined(MOESCOPE_AMX)
 #include <sys/syscall.h>
@@ -167,13 +167,14 @@ inline void amx_tile_times_rows(const bf16* w, const AmxInput& in, int64_t e, in
   }
 }
 
-// Input i's sums in a block, lane r = row r of W; with `offset` 128, rows 8.. of W for inputs i
-// (lanes 0-7) and i1 (lanes 8-15): the gate and up halves of a gate/up tile for two inputs.
+// Input i's sums in a block, lane r = row r of W.
 inline __m512 amx_column(const float* c, int64_t i) {
   const __m512i rows = _mm512_setr_epi32(0, 16, 32, 48, 64, 80, 96, 112, 128, 144, 160, 176, 192, 208, 224, 240);
   return _mm512_i32gather_ps(_mm512_add_epi32(rows, _mm512_set1_epi32(static_cast<int>(i))), c, 4);
 }
 
+// Rows `offset` / 16 .. + 7 of W for inputs i (lanes 0-7) and i1 (lanes 8-15): with offsets 0 and
+// 128, the gate and the up halves of a gate/up tile for two inputs.
 inline __m512 amx_half_columns(const float* c, int64_t i, int64_t i1, int offset) {
   const __m512i rows = _mm512_setr_epi32(0, 16, 32, 48, 64, 80, 96, 112, 0, 16, 32, 48, 64, 80, 96, 112);
   const __m512i at = _mm512_add_epi32(
@@ -194,5 +195,6 @@ inline __m512 widen_bf16_masked(const bf16* p, __mmask16 keep) {
 
 #else
 constexpr int64_t kAmxRows = 0;
+struct AmxInput {};  // no tiles in this build: never made
 inline bool amx_on() { return false; }
 #endif
