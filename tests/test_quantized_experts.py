@@ -511,11 +511,13 @@ def test_8_bit_prompt_inputs_are_opt_in_labelled_and_close(wide, kernels, monkey
     """--int8-prompt (lossy, off by default): a prompt's Q4_K experts and dense linears take their
     inputs rounded to 8 bits. It changes the arithmetic (the logits are not the bf16 path's), the path
     says it is lossy, teacher-forced scoring (`prompt_logits`, what bench.lossy_cost measures) goes
-    through it, and the logits stay close enough that the next token is the same."""
+    through it, and the logits stay close enough that the next token is the same. (Beside AMX tiles the
+    path sets the 8-bit inputs aside, next test; here the tiles are off so that they apply.)"""
     import torch
 
     from engine.decode.paths.base import Step
 
+    kernels.set_amx(False)
     asked, asked_dense = [], []
     moe_prompt, linear_rows = kernels.moe_prompt, kernels.linear_rows
     monkeypatch.setattr(kernels, "moe_prompt", lambda *args: asked.append(args[-1]) or moe_prompt(*args))
@@ -536,8 +538,9 @@ def test_8_bit_prompt_inputs_are_opt_in_labelled_and_close(wide, kernels, monkey
             assert rounded == ({int8} if dense == "q4_k" else {False})
     finally:
         runtime.close()
+        kernels.set_amx(True)
     assert "lossy" not in labels[False] and "8-bit inputs" in labels[True] and "(lossy)" in labels[True]
-    assert ("(AMX tiles)" in labels[False]) == kernels.amx() and "AMX" not in labels[True]  # the path says which
+    assert "AMX" not in labels[False] + labels[True]
     assert logits[True].shape == (len(PROMPT), runtime.model.config.vocab_size)
     assert not torch.equal(logits[True], logits[False])
     ours, bf16 = logits[True].float().flatten(), logits[False].float().flatten()
@@ -552,3 +555,32 @@ def test_8_bit_prompt_inputs_are_opt_in_labelled_and_close(wide, kernels, monkey
     ranks = (logits[False] > logits[False].gather(-1, logits[True].argmax(-1, keepdim=True))).sum(-1)
     assert ranks.max() < 5, ranks
     assert dense != "original" or same_top.float().mean() >= 0.75
+
+
+def test_8_bit_prompt_inputs_are_set_aside_beside_amx_tiles(wide, kernels, monkeypatch):
+    """Beside AMX tiles a Q4_K prompt's bf16 products on the tiles are faster than the 8-bit dots, so
+    --int8-prompt buys only its loss there: the path sets it aside (the exact-precision inputs go to
+    the kernels) and its label says so; the tiles are named where they run."""
+    import torch
+
+    from engine.decode.paths.base import Step
+
+    if not kernels.amx():
+        pytest.skip("no AMX tiles here (Intel Sapphire Rapids and later, Linux)")
+    asked = []
+    moe_prompt = kernels.moe_prompt
+    monkeypatch.setattr(kernels, "moe_prompt", lambda *args: asked.append(args[-1]) or moe_prompt(*args))
+    runtime = MoERuntime(LoadModel(path=str(wide["mixtral"]), budget="all", store="ram", device="cpu",
+                                   dtype="bfloat16", expert_format="q4_k", int8_prompt=True))
+    try:
+        label = runtime.paths.choose(Step(torch.tensor([PROMPT]), None, 0))[0].label
+        asked_logits = runtime.prompt_logits(PROMPT)
+        runtime.int8_prompt = False
+        plain_label = runtime.paths.choose(Step(torch.tensor([PROMPT]), None, 0))[0].label
+        plain_logits = runtime.prompt_logits(PROMPT)
+    finally:
+        runtime.close()
+    assert asked and set(asked) == {False}
+    assert "not used" in label and "lossy" not in label and "(AMX tiles)" in label
+    assert "(AMX tiles)" in plain_label and "not used" not in plain_label
+    assert torch.equal(asked_logits, plain_logits)

@@ -26,7 +26,8 @@ INT8_PROMPT_TEXT = "8-bit prompt inputs (LOSSY, faster prompts on 4-bit weights)
 INT8_PROMPT_TIP = ("Off by default. On: while a prompt is read, 4-bit (Q4_K) experts and dense layers take their inputs "
                    "rounded to 8 bits (one scale per 256 values, as llama.cpp always does) and multiply them in integers: prompts "
                    "run faster, and replies can differ from the exact ones (docs/performance.md measures how much). "
-                   "Decode tokens are unchanged.")
+                   "Decode tokens are unchanged. On CPUs with AMX tiles (Intel Sapphire Rapids and later) prompts run "
+                   "faster without it, so there it is set aside and the path says so.")
 
 
 DECODE_PATH_TIP = ("How the last decode token ran. The whole-token native step needs every expert resident "

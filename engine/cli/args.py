@@ -47,7 +47,8 @@ def add_model_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--int8-prompt", action="store_true", default=LOAD["int8_prompt"],
                         help="lossy, opt-in: at prefill, 4-bit (Q4_K) experts and dense layers take their input rows rounded to 8 bits "
                         "(one scale per 256 values, as llama.cpp does) and multiply them in integers: faster prompts, "
-                        "slightly different answers (docs/performance.md measures the cost)")
+                        "slightly different answers (docs/performance.md measures the cost); set aside beside AMX tiles, "
+                        "where prompts run faster without it")
     parser.add_argument("--fast-decode", action=_Deprecated, nargs=0, help=argparse.SUPPRESS)
     parser.add_argument("--no-pack-weights", dest="pack_weights", action="store_false", default=LOAD["pack_weights"],
                         help="CPU bf16/fp16: keep expert matrices in the plain layout instead of pre-arranging them for "
