@@ -290,6 +290,27 @@ def test_a_prompts_rows_through_a_layers_experts_in_one_call(flavour, family, na
         close(ours[part], reference, f"{family} {name} expert {e} ({count} rows)")
 
 
+@pytest.mark.parametrize("weights_dtype", [torch.float32, torch.bfloat16])
+def test_a_prompts_expert_outputs_are_summed_as_the_expert_cache_sums_them(weights_dtype):
+    # combine_rows (the fast prompt's weighting, scatter and sum in one pass) gives the expert cache's
+    # torch ops bit for bit, with float32 routing weights (Mixtral) and bf16 ones (Qwen3-MoE)
+    built = native.wait(timeout=600)
+    if built is None:
+        pytest.skip(native.status())
+    generator = torch.Generator().manual_seed(2)
+    for tokens, top_k, hidden in ((37, 8, 96), (16, 2, 1024)):
+        y = (torch.randn(tokens * top_k, hidden, generator=generator) * 3).to(torch.bfloat16)
+        weights = torch.rand(tokens * top_k, 1, generator=generator).to(weights_dtype)
+        order = torch.randperm(tokens * top_k, generator=generator)
+        out_dtype = torch.promote_types(torch.bfloat16, weights_dtype)
+        outputs, scattered = torch.mul(y, weights).to(out_dtype), torch.empty(tokens * top_k, hidden, dtype=out_dtype)
+        scattered.index_copy_(0, order, outputs)
+        expected = scattered.view(tokens, top_k, -1).sum(dim=1).to(torch.bfloat16)
+        assert torch.equal(built.combine_rows(y, weights.view(-1), order, top_k), expected)
+    with pytest.raises(RuntimeError, match="not a permutation"):
+        built.combine_rows(y, weights.view(-1), torch.zeros_like(order), top_k)
+
+
 @pytest.mark.parametrize("name", ["q4_k", "original"])
 def test_amx_tiles_and_dot_products_give_a_prompt_the_same_products(name):
     # Beside AMX tiles a prompt's bf16 products run on them (prompt_amx.h) and the dot products are

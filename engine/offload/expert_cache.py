@@ -541,6 +541,7 @@ class ExpertCache:
         # (advanced indexing per expert cost more than a small expert's matmuls).
         by_expert: list[torch.Tensor] = []  # rows, routing weights and outputs in that order
         computed: list[slice] = []  # parts of the sorted order whose outputs are in by_expert[2]
+        combined: list[torch.Tensor] = []  # the layer's output, where the prompt path's combine made it
         reader = self.reader_at(layer)
 
         def sorted_rows() -> list[int]:
@@ -571,6 +572,13 @@ class ExpertCache:
             if y is None:
                 return False
             parts = [slice(s, s + c) for s, c in zip(start, count, strict=True) if c]
+            combine = self._prompt.combine
+            if sum(count) == rows.shape[0] and combine is not None and y.device.type == "cpu" \
+                    and routing_weights.dtype in (torch.float32, torch.bfloat16) \
+                    and y.dtype == hidden_states.dtype == torch.bfloat16:
+                # every row, and nothing else to add: weighted, scattered and summed in one call
+                combined.append(combine(y, routing_weights.view(-1), routing.by_expert()[0], top_k))
+                return True
             if sum(count) == rows.shape[0]:  # every row: one weighting
                 torch.mul(y, routing_weights, out=outputs)
             else:
@@ -605,6 +613,8 @@ class ExpertCache:
             for job in [self._start_load(layer, e, set(wave)) for e in wave]:
                 self._wait(job)
                 compute(job.expert)
+        if combined:  # the one call computed every row, so no other expert ran
+            return combined[0]
         if computed:
             order, outputs = routing.by_expert()[0], by_expert[2]
             if sum(part.stop - part.start for part in computed) == out.shape[0]:  # every row: one scatter

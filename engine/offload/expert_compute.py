@@ -162,14 +162,25 @@ class LayerExperts(Protocol):
                  chosen: list[dict[str, torch.Tensor]], reader: SlotReader) -> torch.Tensor | None: ...
 
 
+class CombineRows(Protocol):
+    """A layer's expert outputs weighted and summed per token in one call: `y` [n, hidden] bf16 rows
+    sorted by expert, `weights` [n] theirs (float32 or bf16), `order` [n] each sorted row's flat place
+    (token * top_k + pick); returns [n / top_k, hidden] bf16, as the expert cache's weighting, scatter
+    and sum."""
+
+    def __call__(self, y: torch.Tensor, weights: torch.Tensor, order: torch.Tensor, top_k: int) -> torch.Tensor: ...
+
+
 @dataclass(frozen=True)
 class PromptKernels:
-    """What a prompt path brings to the expert cache: a layer's resident experts in one call, and
-    for the experts that call leaves (and those computed as their bytes arrive) the product that
-    multiplies a quantized slot's matrix in its blocks."""
+    """What a prompt path brings to the expert cache: a layer's resident experts in one call, for
+    the experts that call leaves (and those computed as their bytes arrive) the product that
+    multiplies a quantized slot's matrix in its blocks, and optionally the weighted sum of the
+    outputs where the one call computed every row."""
 
     layer: LayerExperts
     product: QuantizedProduct
+    combine: CombineRows | None = None
 
 
 def torch_one_token(module: torch.nn.Module, hidden: torch.Tensor, chosen: list[dict[str, torch.Tensor]],

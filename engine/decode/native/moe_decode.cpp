@@ -1222,6 +1222,52 @@ at::Tensor moe_prompt(const at::Tensor& x, const std::vector<int64_t>& start, co
   return y;
 }
 
+// A prompt's expert outputs weighted and summed per token, as the expert cache's torch ops compute
+// them (engine/offload/expert_cache.py): `y` [n, hidden] bf16 rows sorted by expert, `weights` [n]
+// their routing weights (float32, or bf16 as some routers leave them), `order` [n] each sorted row's
+// flat place (token * top_k + pick). Token t's row is the sum over its picks j, in pick order, of
+// y * weight: each product rounded to float32 (to bf16 too where the weights are bf16, as torch's
+// bf16 product is), added to a float32 sum started at 0 (no fused multiply-add: -ffp-contract=off),
+// then rounded to bf16 once. One pass instead of a product, a scatter, a sum and a cast.
+at::Tensor combine_rows(const at::Tensor& y, const at::Tensor& weights, const at::Tensor& order, int64_t top_k) {
+  TORCH_CHECK(y.dim() == 2 && y.scalar_type() == at::kBFloat16, "combine_rows: bf16 rows");
+  const int64_t n = y.size(0), hidden = y.size(1);
+  TORCH_CHECK(top_k > 0 && n % top_k == 0, "combine_rows: whole tokens of top_k rows");
+  const bool bf16_weights = weights.scalar_type() == at::kBFloat16;
+  TORCH_CHECK((bf16_weights || weights.scalar_type() == at::kFloat) && weights.numel() == n,
+              "combine_rows: a float32 or bf16 weight per row");
+  TORCH_CHECK(order.scalar_type() == at::kLong && order.numel() == n, "combine_rows: an int64 place per row");
+  const at::Tensor yc = y.contiguous(), wc = weights.to(at::kFloat).contiguous(), oc = order.contiguous();
+  const int64_t* place = oc.data_ptr<int64_t>();
+  std::vector<int64_t> row_of(n, -1);  // flat place -> sorted row
+  for (int64_t r = 0; r < n; ++r) {
+    TORCH_CHECK(place[r] >= 0 && place[r] < n && row_of[place[r]] < 0, "combine_rows: order is not a permutation");
+    row_of[place[r]] = r;
+  }
+  const int64_t tokens = n / top_k;
+  at::Tensor out = at::empty({tokens, hidden}, y.options());
+  const bf16* rows = bf16_data(yc);
+  const float* w = wc.data_ptr<float>();
+  bf16* o = bf16_data(out);
+  at::parallel_for(0, tokens, 1, [&](int64_t first, int64_t last) {
+    std::vector<float> sum(hidden);
+    for (int64_t t = first; t < last; ++t) {
+      std::fill(sum.begin(), sum.end(), 0.f);
+      for (int64_t j = 0; j < top_k; ++j) {
+        const int64_t r = row_of[t * top_k + j];
+        const bf16* row = rows + r * hidden;
+        const float weight = w[r];
+        if (bf16_weights)
+          for (int64_t c = 0; c < hidden; ++c) sum[c] += round_bf16(to_float(row[c]) * weight);
+        else
+          for (int64_t c = 0; c < hidden; ++c) sum[c] += to_float(row[c]) * weight;
+      }
+      for (int64_t c = 0; c < hidden; ++c) o[t * hidden + c] = to_bf16(sum[c]);
+    }
+  });
+  return out;
+}
+
 at::Tensor moe_decode(const at::Tensor& x, const std::vector<Weight>& gate_up, const std::vector<Weight>& down,
                          const at::Tensor& weights, const std::vector<at::Tensor>& gate_up_bias,
                          const std::vector<at::Tensor>& down_bias, bool transposed, const GateRecipe& recipe) {
@@ -2524,6 +2570,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         pybind11::arg("gate_up_bias") = std::vector<at::Tensor>(),
         pybind11::arg("down_bias") = std::vector<at::Tensor>(), pybind11::arg("transposed") = false,
         pybind11::arg("recipe") = GateRecipe());
+  m.def("combine_rows", &combine_rows, "a prompt's expert outputs (rows sorted by expert) weighted and summed per token",
+        pybind11::arg("y"), pybind11::arg("weights"), pybind11::arg("order"), pybind11::arg("top_k"));
   m.def("moe_prompt", &moe_prompt, "a prompt's rows, sorted by expert, through a layer's gated experts",
         pybind11::arg("x"), pybind11::arg("start"), pybind11::arg("count"), pybind11::arg("gate_up"),
         pybind11::arg("down"), pybind11::arg("gate_up_bias") = std::vector<at::Tensor>(),

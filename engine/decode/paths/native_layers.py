@@ -416,7 +416,7 @@ class NativePromptPath(DecodePath):
         switch = self.runtime.native_layers.switch  # installed when fast decode was turned on
         int8 = self._int8()
         with self.runtime.cache.prompt_kernels(PromptKernels(NativePromptExperts(kernels, int8),
-                                                                   quantized_product(kernels))), \
+                                                                   quantized_product(kernels), kernels.combine_rows)), \
                 switch.prompt_rows(int8=int8) if switch is not None else nullcontext():
             return model_forward(self.runtime.model, step)
 
