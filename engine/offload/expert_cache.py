@@ -572,14 +572,14 @@ class ExpertCache:
             if y is None:
                 return False
             parts = [slice(s, s + c) for s, c in zip(start, count, strict=True) if c]
-            combine = self._prompt.combine
-            if sum(count) == rows.shape[0] and combine is not None and y.device.type == "cpu" \
+            every_row, combine = sum(count) == rows.shape[0], self._prompt.combine
+            if every_row and combine is not None and y.device.type == "cpu" \
                     and routing_weights.dtype in (torch.float32, torch.bfloat16) \
                     and y.dtype == hidden_states.dtype == torch.bfloat16:
-                # every row, and nothing else to add: weighted, scattered and summed in one call
+                # nothing else to add: weighted, scattered and summed in one call
                 combined.append(combine(y, routing_weights.view(-1), routing.by_expert()[0], top_k))
                 return True
-            if sum(count) == rows.shape[0]:  # every row: one weighting
+            if every_row:  # one weighting
                 torch.mul(y, routing_weights, out=outputs)
             else:
                 for part in parts:

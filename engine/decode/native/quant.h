@@ -122,30 +122,40 @@ struct BlockScales {
   float min[16];  // subtracted after the product; 0 for the symmetric types
 };
 
+#if defined(__AVX2__)
+// Q4_K's 8 scales then 8 mins (6 bits each, packed in the 12 bytes from q on; 16 bytes are read,
+// the block goes on past them) as 16 bytes, in vector registers: scales 0-3 and mins 0-3 are the
+// low 6 bits of bytes 0-3 and 4-7; scales and mins 4-7 take 4 bits from bytes 8-11 (low and high
+// nibble) and their top 2 from the top bits of bytes 0-3 and 4-7.
+inline __m128i q4_k_scales_mins(const uint8_t* q) {
+  const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(q));
+  const __m128i low = _mm_shuffle_epi8(v, _mm_setr_epi8(0, 1, 2, 3, 8, 9, 10, 11, 4, 5, 6, 7, 8, 9, 10, 11));
+  const __m128i top = _mm_shuffle_epi8(v, _mm_setr_epi8(-1, -1, -1, -1, 0, 1, 2, 3, -1, -1, -1, -1, 4, 5, 6, 7));
+  const __m128i six = _mm_and_si128(low, _mm_set1_epi8(0x3F));
+  const __m128i nibbles = _mm_and_si128(_mm_blend_epi32(low, _mm_srli_epi16(low, 4), 0x8), _mm_set1_epi8(0x0F));
+  const __m128i high = _mm_or_si128(nibbles, _mm_and_si128(_mm_srli_epi16(top, 2), _mm_set1_epi8(0x30)));
+  return _mm_blend_epi32(six, high, 0xA);
+}
+#endif
+
 inline void block_scales(int32_t type, const uint8_t* b, BlockScales& s) {
   switch (type) {
     case kQ4_K: {
       const float d = half_to_float(b), dmin = half_to_float(b + 2);
       const uint8_t* q = b + 4;
 #if defined(__AVX2__)
-      // The same values from 32-bit words (the unpacking's byte ops took as long as expanding the
-      // block's weights): each sub-block's 6-bit scale and min as bytes 0-7 of two words, widened
-      // and multiplied 8 at a time, each stored twice (scale[2j] and scale[2j + 1]).
-      uint32_t u[3];
-      std::memcpy(u, q, sizeof(u));
-      const uint64_t scales = (u[0] & 0x3f3f3f3fu) |
-                              static_cast<uint64_t>((u[2] & 0x0f0f0f0fu) | (((u[0] >> 6) & 0x03030303u) << 4)) << 32;
-      const uint64_t mins = (u[1] & 0x3f3f3f3fu) |
-                            static_cast<uint64_t>(((u[2] >> 4) & 0x0f0f0f0fu) | (((u[1] >> 6) & 0x03030303u) << 4)) << 32;
+      // The same values from q4_k_scales_mins' bytes, widened and multiplied 8 at a time (the
+      // unpacking byte by byte took as long as expanding the block's weights), each stored twice
+      // (scale[2j] and scale[2j + 1]).
+      const __m128i bytes = q4_k_scales_mins(q);
       const __m256i first = _mm256_setr_epi32(0, 0, 1, 1, 2, 2, 3, 3), second = _mm256_setr_epi32(4, 4, 5, 5, 6, 6, 7, 7);
-      auto widen = [&](uint64_t bytes, float factor, float* out) {
-        const __m256 v = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_cvtsi64_si128(static_cast<int64_t>(bytes)))),
-                                       _mm256_set1_ps(factor));
+      auto widen = [&](__m128i eight, float factor, float* out) {
+        const __m256 v = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(eight)), _mm256_set1_ps(factor));
         _mm256_storeu_ps(out, _mm256_permutevar8x32_ps(v, first));
         _mm256_storeu_ps(out + 8, _mm256_permutevar8x32_ps(v, second));
       };
-      widen(scales, d, s.scale);
-      widen(mins, dmin, s.min);
+      widen(bytes, d, s.scale);
+      widen(_mm_srli_si128(bytes, 8), dmin, s.min);
       return;
 #endif
       for (int j = 0; j < 4; ++j) {  // k4_scale_min unrolled: sub-blocks j and j + 4

@@ -166,20 +166,6 @@ inline void madd_planes(__m256i levels, const int8_t* xh, const int8_t* xl, __m2
   acc_lo = madd_acc(acc_lo, _mm256_maddubs_epi16(levels, load32(xl)), scale);
 }
 
-// Q4_K's 8 scales then 8 mins (6 bits each, packed in the 12 bytes from q on; 16 bytes are read,
-// the block goes on past them) as 16 bytes, in vector registers: scales 0-3 and mins 0-3 are the
-// low 6 bits of bytes 0-3 and 4-7; scales and mins 4-7 take 4 bits from bytes 8-11 (low and high
-// nibble) and their top 2 from the top bits of bytes 0-3 and 4-7.
-inline __m128i q4_k_scales_mins(const uint8_t* q) {
-  const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(q));
-  const __m128i low = _mm_shuffle_epi8(v, _mm_setr_epi8(0, 1, 2, 3, 8, 9, 10, 11, 4, 5, 6, 7, 8, 9, 10, 11));
-  const __m128i top = _mm_shuffle_epi8(v, _mm_setr_epi8(-1, -1, -1, -1, 0, 1, 2, 3, -1, -1, -1, -1, 4, 5, 6, 7));
-  const __m128i six = _mm_and_si128(low, _mm_set1_epi8(0x3F));
-  const __m128i nibbles = _mm_and_si128(_mm_blend_epi32(low, _mm_srli_epi16(low, 4), 0x8), _mm_set1_epi8(0x0F));
-  const __m128i high = _mm_or_si128(nibbles, _mm_and_si128(_mm_srli_epi16(top, 2), _mm_set1_epi8(0x30)));
-  return _mm_blend_epi32(six, high, 0xA);
-}
-
 // Shuffles that put int16 word 2p of a 128-bit lane in the low lane and word 2p + 1 in the high one:
 // with a block's 16 int16 scales split by lane (scales 0-7 in both lanes, then 8-15), one shuffle
 // gives the scale vector of 32 weights whose halves are sub-blocks 2p and 2p + 1.

@@ -388,19 +388,23 @@ class NativePromptPath(DecodePath):
 
     @property
     def label(self) -> str:
-        int8 = self._int8()
+        tiles = self._tiles()
+        asked = self.runtime.int8_prompt
+        if asked and not tiles:
+            return "fast: prompt's experts and linears on the native kernels, 8-bit inputs to 4-bit matrices (lossy)"
+        unused = "; 8-bit inputs not used: the tiles are faster" if asked else ""
+        return f"fast: prompt's experts and linears on the native kernels{' (AMX tiles)' if tiles else ''}{unused}"
+
+    @staticmethod
+    def _tiles() -> bool:
         kernels = native.ready()
-        tiles = " (AMX tiles)" if kernels is not None and kernels.amx() and not int8 else ""
-        lossy = ", 8-bit inputs to 4-bit matrices (lossy)" if int8 else ""
-        unused = "; 8-bit inputs not used: the tiles are faster" if self.runtime.int8_prompt and not int8 else ""
-        return f"fast: prompt's experts and linears on the native kernels{tiles}{lossy}{unused}"
+        return kernels is not None and kernels.amx()
 
     def _int8(self) -> bool:
         """The lossy 8-bit prompt inputs, where asked for and they pay: not beside AMX tiles, where the
         bf16 products on the tiles ran 128-token Q4_K prompts 1.6-1.9x faster than the 8-bit dots
         (docs/performance.md), so the request is set aside there and the path's label says so."""
-        kernels = native.ready()
-        return self.runtime.int8_prompt and not (kernels is not None and kernels.amx())
+        return self.runtime.int8_prompt and not self._tiles()
 
     def unavailable(self, step: Step) -> str | None:
         if not step.prefill:
