@@ -121,19 +121,21 @@ def test_attention_kernels_follow_the_cache_length(kernels):
 
 
 @pytest.mark.parametrize("head_dim", [32, 48, 64, 128])
-@pytest.mark.parametrize("length", [1, 15, 16, 47])
-def test_attention_matches_float32_attention_for_any_length_and_head_size(kernels, head_dim, length):
+@pytest.mark.parametrize("length", [1, 15, 16, 47, 300])
+@pytest.mark.parametrize("group", [2, 4, 8])
+def test_attention_matches_float32_attention_for_any_length_and_head_size(kernels, head_dim, length, group):
     """Keys are scored 16 (AVX-512) or 8 (AVX2) positions at a time where the head size allows, one
-    at a time for the rest, and values summed 32 columns at a time, then 8: every length and head
-    size must give the float32 attention of the same bf16 inputs."""
-    torch.manual_seed(head_dim + length)
-    query = torch.randn(1, 4, 1, head_dim).to(torch.bfloat16)
+    at a time for the rest, and values summed 32 columns at a time, then 8; with AVX-512 BF16 the
+    query heads sharing a kv head go together (16 / group positions a step): every length, head size
+    and group must give the float32 attention of the same bf16 inputs."""
+    torch.manual_seed(head_dim + length + group)
+    query = torch.randn(1, 2 * group, 1, head_dim).to(torch.bfloat16)
     keys = torch.randn(1, 2, length, head_dim).to(torch.bfloat16)
     values = torch.randn(1, 2, length, head_dim).to(torch.bfloat16)
     scale = head_dim ** -0.5
-    grouped = [t.float().repeat_interleave(2, dim=1) for t in (keys, values)]
+    grouped = [t.float().repeat_interleave(group, dim=1) for t in (keys, values)]
     weights = torch.softmax(query.float() @ grouped[0].transpose(-1, -2) * scale, dim=-1)
-    reference = (weights @ grouped[1]).transpose(1, 2).reshape(1, 1, 4 * head_dim)
+    reference = (weights @ grouped[1]).transpose(1, 2).reshape(1, 1, 2 * group * head_dim)
     ours = kernels.attend(query, keys, values, scale)
     assert ours.shape == reference.shape
     assert torch.allclose(ours.float(), reference, atol=0.02, rtol=0.02)

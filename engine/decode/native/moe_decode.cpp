@@ -1663,11 +1663,10 @@ struct AttendExtras {
   bool eager_rounding = false;
 };
 
-void attend_head(const bf16* q, int64_t d, int64_t g, CacheView keys, CacheView values, int64_t len, float scale,
-                 float* scores, float* acc, bf16* out, const AttendExtras& extras = {}, int64_t h = 0) {
+// Head h's scores (its keys' products, times `scale` unless eager: then 1, and scaled here) into
+// softmax probabilities in place; `top` is their largest.
+inline void softmax_scores(float* scores, int64_t len, float top, float scale, const AttendExtras& extras, int64_t h) {
   const bool eager = extras.eager_rounding;
-  float top = key_scores(q, d, keys.data + g * keys.head_stride, keys.position_stride, len, eager ? 1.f : scale,
-                         scores);
   if (eager) {
     top = -INFINITY;
     for (int64_t t = 0; t < len; ++t) top = std::max(top, scores[t] = round_bf16(round_bf16(scores[t]) * scale));
@@ -1680,17 +1679,147 @@ void attend_head(const bf16* q, int64_t d, int64_t g, CacheView keys, CacheView 
     top = 0.f;
   }
   const float total = exp_shifted(scores, len, top) + (extras.sinks != nullptr ? std::exp(sink - top) : 0.f);
-  for (int64_t t = 0; t < len; ++t) scores[t] = eager ? round_bf16(scores[t] / total) : scores[t] / total;
+  if (eager)
+    for (int64_t t = 0; t < len; ++t) scores[t] = round_bf16(scores[t] / total);
+  else
+    for (int64_t t = 0; t < len; ++t) scores[t] /= total;
+}
+
+void attend_head(const bf16* q, int64_t d, int64_t g, CacheView keys, CacheView values, int64_t len, float scale,
+                 float* scores, float* acc, bf16* out, const AttendExtras& extras = {}, int64_t h = 0) {
+  const float top = key_scores(q, d, keys.data + g * keys.head_stride, keys.position_stride, len,
+                               extras.eager_rounding ? 1.f : scale, scores);
+  softmax_scores(scores, len, top, scale, extras, h);
   weighted_rows(scores, values.data + g * values.head_stride, values.position_stride, len, d, acc);
   for (int64_t i = 0; i < d; ++i) out[i] = to_bf16(acc[i]);
+}
+
+#if defined(MOESCOPE_AVX512BF16)
+// The query heads that share a kv head, attended together: each key and value row is read and
+// widened once for the whole group instead of once per head, and the products of several heads
+// are independent sums, so they no longer wait on each other. The same arithmetic as attend_head,
+// in the same order per head, except that the few positions past its last 16-key step that fall
+// in a group's smaller steps take the dot products' order instead of one sum. Where it applies: head sizes of whole 64-column
+// steps, groups that divide 16 (16 / group positions of the group's heads per 16-lane reduction).
+inline bool group_attention_applies(int64_t group, int64_t d) { return d % 64 == 0 && group <= 16 && 16 % group == 0; }
+
+constexpr int64_t kKeysAhead = 16;  // cached positions a group's loops ask for ahead of the one they read
+
+// scores[j * len + t] = (key row t . q_j) * scale for the group's heads j, positions [0, len);
+// top[j] = head j's largest.
+template <int G>
+inline void group_key_scores(const bf16* q, int64_t d, const bf16* keys, int64_t stride, int64_t len, float scale,
+                             float* scores, float* top) {
+  constexpr int P = 16 / G;  // positions per reduction
+  __m512 running = _mm512_set1_ps(-INFINITY);
+  int64_t t = 0;
+  for (; t + P <= len; t += P) {
+    for (int p = 0; p < P; ++p)  // a long context's keys come from memory: ask for them 16 positions ahead
+      for (int64_t b = 0; b < 2 * d; b += 64)
+        _mm_prefetch(reinterpret_cast<const char*>(keys + (t + p + kKeysAhead) * stride) + b, _MM_HINT_T0);
+    __m512 acc[16];  // lane order j * P + p: head j's P positions side by side
+    for (auto& a : acc) a = _mm512_setzero_ps();
+    for (int64_t i = 0; i < d; i += 32) {  // 16 independent sums a step, each key vector loaded once
+#pragma GCC unroll 16
+      for (int p = 0; p < P; ++p) {
+        const __m512bh key = (__m512bh)_mm512_loadu_si512(keys + (t + p) * stride + i);
+#pragma GCC unroll 16
+        for (int j = 0; j < G; ++j)
+          acc[j * P + p] = _mm512_dpbf16_ps(acc[j * P + p], key, (__m512bh)_mm512_loadu_si512(q + j * d + i));
+      }
+    }
+    const __m512 block = _mm512_mul_ps(sum_lanes_16(acc), _mm512_set1_ps(scale));
+    for (int j = 0; j < G; ++j)  // lanes j * P .. j * P + P - 1 to head j's positions t ..
+      _mm512_mask_storeu_ps(scores + j * len + t - j * P, static_cast<__mmask16>(((1u << P) - 1) << (j * P)), block);
+    running = _mm512_max_ps(running, block);
+  }
+  alignas(64) float lanes[16];
+  _mm512_store_ps(lanes, running);
+  for (int j = 0; j < G; ++j) {
+    top[j] = -INFINITY;
+    for (int p = 0; p < P; ++p) top[j] = std::max(top[j], lanes[j * P + p]);
+  }
+  for (; t < len; ++t)
+    for (int j = 0; j < G; ++j) {
+      scores[j * len + t] = dot_row(keys + t * stride, q + j * d, d) * scale;
+      top[j] = std::max(top[j], scores[j * len + t]);
+    }
+}
+
+// out[j * d + c] = sum over t of p[j * len + t] * rows[t][c] for H heads j, columns of 64 at a
+// time: 4H sums in registers, each value row widened once per step for all of them.
+template <int H>
+inline void group_weighted_rows(const float* p, int64_t len, const bf16* rows, int64_t stride, int64_t d, float* out) {
+  for (int64_t c = 0; c < d; c += 64) {
+    __m512 acc[H][4];
+    for (auto& head : acc)
+      for (auto& v : head) v = _mm512_setzero_ps();
+    for (int64_t t = 0; t < len; ++t) {
+      const bf16* row = rows + t * stride + c;
+      _mm_prefetch(reinterpret_cast<const char*>(row + kKeysAhead * stride), _MM_HINT_T0);
+      _mm_prefetch(reinterpret_cast<const char*>(row + kKeysAhead * stride) + 64, _MM_HINT_T0);
+      const __m512 v[4] = {widen_bf16(row), widen_bf16(row + 16), widen_bf16(row + 32), widen_bf16(row + 48)};
+      for (int j = 0; j < H; ++j) {
+        const __m512 w = _mm512_set1_ps(p[j * len + t]);
+        for (int k = 0; k < 4; ++k) acc[j][k] = _mm512_fmadd_ps(w, v[k], acc[j][k]);
+      }
+    }
+    for (int j = 0; j < H; ++j)
+      for (int k = 0; k < 4; ++k) _mm512_storeu_ps(out + j * d + c + 16 * k, acc[j][k]);
+  }
+}
+
+template <int G>
+inline void attend_group_of(const bf16* q, int64_t d, int64_t g, CacheView keys, CacheView values, int64_t len,
+                            float scale, float* scores, float* acc, bf16* out, const AttendExtras& extras, int64_t h0) {
+  float top[G];
+  group_key_scores<G>(q, d, keys.data + g * keys.head_stride, keys.position_stride, len,
+                      extras.eager_rounding ? 1.f : scale, scores, top);
+  for (int j = 0; j < G; ++j) softmax_scores(scores + j * len, len, top[j], scale, extras, h0 + j);
+  constexpr int H = G < 4 ? G : 4;  // heads per pass over the values: 4H of the 32 registers hold sums
+  for (int j = 0; j < G; j += H)
+    group_weighted_rows<H>(scores + j * len, len, values.data + g * values.head_stride, values.position_stride, d,
+                           acc + j * d);
+  for (int64_t i = 0; i < G * d; ++i) out[i] = to_bf16(acc[i]);
+}
+#else
+inline bool group_attention_applies(int64_t, int64_t) { return false; }
+#endif
+
+// The `group` query heads h0 .. of kv head g into out[0, group * d): together where
+// group_attention_applies, else head by head. `scores`: group * len floats; `acc`: group * d floats.
+void attend_group(const bf16* q, int64_t group, int64_t d, int64_t g, CacheView keys, CacheView values, int64_t len,
+                  float scale, float* scores, float* acc, bf16* out, const AttendExtras& extras, int64_t h0) {
+#if defined(MOESCOPE_AVX512BF16)
+  if (group_attention_applies(group, d)) {
+    switch (group) {
+      case 1: return attend_group_of<1>(q, d, g, keys, values, len, scale, scores, acc, out, extras, h0);
+      case 2: return attend_group_of<2>(q, d, g, keys, values, len, scale, scores, acc, out, extras, h0);
+      case 4: return attend_group_of<4>(q, d, g, keys, values, len, scale, scores, acc, out, extras, h0);
+      case 8: return attend_group_of<8>(q, d, g, keys, values, len, scale, scores, acc, out, extras, h0);
+      default: return attend_group_of<16>(q, d, g, keys, values, len, scale, scores, acc, out, extras, h0);
+    }
+  }
+#endif
+  for (int64_t j = 0; j < group; ++j)
+    attend_head(q + j * d, d, g, keys, values, len, scale, scores, acc, out + j * d, extras, h0 + j);
 }
 
 void attend_into(const bf16* q, int64_t heads, int64_t d, int64_t kv_heads, CacheView keys, CacheView values,
                  int64_t len, float scale, bf16* out, const AttendExtras& extras) {
   const int64_t group = heads / kv_heads;
   // splitting heads across threads costs a wake-up: not worth it for the first few positions
-  const int64_t grain = heads * len * d >= (1 << 15) ? 1 : heads;
-  at::parallel_for(0, heads, grain, [&](int64_t first, int64_t last) {
+  const bool split = heads * len * d >= (1 << 15);
+  if (group_attention_applies(group, d) && (!split || kv_heads % at::get_num_threads() == 0)) {
+    at::parallel_for(0, kv_heads, split ? 1 : kv_heads, [&](int64_t first, int64_t last) {
+      std::vector<float> scores(group * len), acc(group * d);
+      for (int64_t g = first; g < last; ++g)
+        attend_group(q + g * group * d, group, d, g, keys, values, len, scale, scores.data(), acc.data(),
+                     out + g * group * d, extras, g * group);
+    });
+    return;
+  }
+  at::parallel_for(0, heads, split ? 1 : heads, [&](int64_t first, int64_t last) {
     std::vector<float> scores(len), acc(d);
     for (int64_t h = first; h < last; ++h)
       attend_head(q + h * d, d, h / group, keys, values, len, scale, scores.data(), acc.data(), out + h * d, extras, h);
@@ -2229,7 +2358,14 @@ class DecodeStep {
     std::vector<bf16> x(bf16_data(embed_) + in.token * embed_.stride(0),
                         bf16_data(embed_) + in.token * embed_.stride(0) + hidden_);
     std::vector<bf16> normed(hidden_), head_scratch(hidden_);
-    std::vector<float> scores(in.longest + 1), sums(hidden_);
+    int64_t group = 1, group_width = hidden_;  // the most query heads sharing a kv head, and their rows
+    for (const Layer& l : layers_)
+      if (!l.latent) {
+        const AttentionWeights& a = l.attention;
+        group = std::max(group, a.wq.rows / a.wk.rows);
+        group_width = std::max(group_width, a.wq.rows / (a.wk.rows / a.head_dim));
+      }
+    std::vector<float> scores(group * (in.longest + 1)), sums(group_width);
     std::vector<bf16> q_in(latent_in_.size());  // a latent layer's normed q_a rows
     LatentScratch latent_scratch;
     auto share = [&](int64_t n) { return thread_share(n, tid, team); };
@@ -2289,7 +2425,8 @@ class DecodeStep {
   }
 
   // This thread's part of layer i's Llama-style attention: q/k/v, the KV write, attention by heads
-  // (into attended_). `head_scratch`: hidden bf16; `scores`: longest + 1 floats; `sums`: hidden floats.
+  // (into attended_). `head_scratch`: hidden bf16; `scores`: group x (longest + 1) floats; `sums`: hidden
+  // floats or a group's rows, whichever is more.
   void attention_part(const Layer& l, const bf16* normed, const Shared& in, size_t i, SpinBarrier& barrier, int tid,
                       int team, bf16* head_scratch, float* scores, float* sums) {
     auto share = [&](int64_t n) { return thread_share(n, tid, team); };
@@ -2312,9 +2449,9 @@ class DecodeStep {
         project_head(a, 2, g, normed, in.cos, in.sin, rows, head_scratch,
                      value_rows + g * values.head_stride);
       }
-      for (int64_t h = first * group; h < last * group; ++h)
-        attend_head(query_.data() + h * d, d, h / group, keys, values, len, l.scale, scores, sums,
-                    attended_.data() + h * d, l.extras, h);
+      for (int64_t g = first; g < last; ++g)
+        attend_group(query_.data() + g * group * d, group, d, g, keys, values, len, l.scale, scores, sums,
+                     attended_.data() + g * group * d, l.extras, g * group);
     } else {
       // Too few kv heads to share out: projections by heads, then attention by query heads.
       const auto [first, last] = share(heads + 2 * kv_heads);
