@@ -34,6 +34,27 @@ def mixtral_checkpoint(tiny_checkpoints):
     return tiny_checkpoints["mixtral"]
 
 
+@pytest.fixture(scope="module", params=["native", "avx2", "portable"])
+def flavour(request):
+    """Each build flavour of the kernels (x86-64; elsewhere only the native one)."""
+    import platform
+
+    from engine.decode.native import kernels as native
+    from tests.helpers import kernel_builds
+
+    if request.param != "native" and platform.machine() not in ("x86_64", "AMD64"):
+        pytest.skip("the avx2 and portable flavours are x86-64 -march targets")
+    built = native.wait(timeout=600)
+    if request.param == "native":
+        if built is None:
+            pytest.skip(native.status())
+        return built
+    other = kernel_builds.flavour(request.param)
+    if other is None:
+        pytest.skip("the native build is the avx2 flavour on this CPU (AVX2 without AVX-512 or VNNI)")
+    return other
+
+
 @pytest.fixture(scope="session")
 def kernels():
     """--fast-decode's native kernels, built for this machine (skips where no C++ compiler is)."""
@@ -71,5 +92,5 @@ def pytest_collection_modifyitems(config, items) -> None:
     if any(item.get_closest_marker("kernels") for item in items):
         from tests.helpers import kernel_builds
 
-        flavours = ("avx2", "portable") if any("test_quant_kernels" in item.nodeid for item in items) else ()
+        flavours = ("avx2", "portable") if any("flavour" in getattr(item, "fixturenames", ()) for item in items) else ()
         kernel_builds.start(flavours)

@@ -123,11 +123,11 @@ def test_attention_kernels_follow_the_cache_length(kernels):
 @pytest.mark.parametrize("head_dim", [32, 48, 64, 128])
 @pytest.mark.parametrize("length", [1, 15, 16, 47, 300])
 @pytest.mark.parametrize("group", [2, 4, 8])
-def test_attention_matches_float32_attention_for_any_length_and_head_size(kernels, head_dim, length, group):
+def test_attention_matches_float32_attention_for_any_length_and_head_size(flavour, head_dim, length, group):
     """Keys are scored 16 (AVX-512) or 8 (AVX2) positions at a time where the head size allows, one
-    at a time for the rest, and values summed 32 columns at a time, then 8; with AVX-512 BF16 the
-    query heads sharing a kv head go together (16 / group positions a step): every length, head size
-    and group must give the float32 attention of the same bf16 inputs."""
+    at a time for the rest, and values summed 32 columns at a time, then 8; the query heads sharing
+    a kv head go together (16 or 8 / group positions a step): in every build flavour, every length,
+    head size and group must give the float32 attention of the same bf16 inputs."""
     torch.manual_seed(head_dim + length + group)
     query = torch.randn(1, 2 * group, 1, head_dim).to(torch.bfloat16)
     keys = torch.randn(1, 2, length, head_dim).to(torch.bfloat16)
@@ -136,7 +136,7 @@ def test_attention_matches_float32_attention_for_any_length_and_head_size(kernel
     grouped = [t.float().repeat_interleave(group, dim=1) for t in (keys, values)]
     weights = torch.softmax(query.float() @ grouped[0].transpose(-1, -2) * scale, dim=-1)
     reference = (weights @ grouped[1]).transpose(1, 2).reshape(1, 1, 2 * group * head_dim)
-    ours = kernels.attend(query, keys, values, scale)
+    ours = flavour.attend(query, keys, values, scale)
     assert ours.shape == reference.shape
     assert torch.allclose(ours.float(), reference, atol=0.02, rtol=0.02)
 

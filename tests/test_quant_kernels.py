@@ -4,8 +4,6 @@ with the dequantized matrix to float32 summation order — in every build flavou
 
 from __future__ import annotations
 
-import platform
-
 import numpy as np
 import pytest
 import torch
@@ -16,7 +14,6 @@ from engine.formats.blocks import FORMATS, checkpoint_format
 from engine.formats.dequantize import dequantize
 from engine.formats.quantize import quantize
 from engine.formats.relay import fp8_from_tiles
-from tests.helpers import kernel_builds
 from tests.helpers.numerics import close
 
 pytestmark = pytest.mark.kernels
@@ -43,22 +40,6 @@ def quantized(fmt_name: str, rows: int = 40, columns: int = 512, seed: int = 0) 
     else:
         packed = torch.from_numpy(quantize(x, fmt))
     return packed, dequantize(packed, fmt, columns, torch.bfloat16)
-
-
-@pytest.fixture(scope="module", params=["native", "avx2", "portable"])
-def flavour(request):
-    """Each build flavour of the kernels (x86-64; elsewhere only the native one)."""
-    if request.param != "native" and platform.machine() not in ("x86_64", "AMD64"):
-        pytest.skip("the avx2 and portable flavours are x86-64 -march targets")
-    built = native.wait(timeout=600)
-    if request.param == "native":
-        if built is None:
-            pytest.skip(native.status())
-        return built
-    other = kernel_builds.flavour(request.param)
-    if other is None:
-        pytest.skip("the native build is the avx2 flavour on this CPU (AVX2 without AVX-512 or VNNI)")
-    return other
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "float32"])
