@@ -110,3 +110,25 @@ def test_a_phase_peak_is_measured_apart_and_the_process_peak_is_kept():
     assert memory.reset_phase_peak()
     assert memory.phase_peak_rss_bytes() < high - 128 * 2**20
     assert memory.peak_rss_bytes() >= high - 2**20  # the kernel syncs its per-thread counters lazily
+
+def test_a_loaded_model_sits_out_the_cycle_collector_until_it_closes():
+    # every full pass of the cycle collector walked the whole loaded model, and one that fell inside a
+    # reply held that token up by it: after the load the model's objects are frozen out of those passes;
+    # closed, they are collectable again, so that the next model does not load beside this one
+    import gc
+    import weakref
+
+    from engine.decode.generation import Generator
+    from engine.decode.runtime import MoERuntime
+    from engine.protocol import LoadModel, SamplingSettings
+
+    runtime = MoERuntime(LoadModel(path="demo", budget="all", store="ram"))
+    model = weakref.ref(runtime.model)
+    assert gc.get_freeze_count() >= sum(1 for _ in runtime.model.modules())
+    reply = Generator(runtime).generate([3, 17, 42], SamplingSettings(temperature=0, max_new_tokens=4))
+    assert len(reply.token_ids) == 4
+    runtime.close()
+    del runtime, reply
+    assert gc.get_freeze_count() == 0
+    gc.collect()
+    assert model() is None

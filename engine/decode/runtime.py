@@ -37,7 +37,7 @@ from engine.offload import packed_linear
 from engine.offload.expert_cache import ExpertCache
 from engine.offload.quantized_store import quantize_layout
 from engine.offload.store import DiskStore, ExpertStore, RamStore
-from engine.system import memory
+from engine.system import collector, memory
 
 
 def _parse_format(name: str, what: str) -> BlockFormat | None:
@@ -154,6 +154,7 @@ class MoERuntime:
         self.tracer = None
         if options.trace:
             self.start_trace(options.trace)
+        collector.freeze_loaded()  # no full pass of the cycle collector walks the model mid-reply
         memory.release_free_heap()
         memory.keep_freed_heap()  # from here on the heap holds working memory, reused step after step
         self.overhead = memory.EngineOverhead(baseline, memory.rss_bytes(), host_tensor_bytes(self.model),
@@ -419,6 +420,7 @@ class MoERuntime:
         return info
 
     def close(self) -> None:
+        collector.unfreeze_for_unload()
         self.stop_trace()
         if self._restriction is not None:
             self._restriction.remove()
