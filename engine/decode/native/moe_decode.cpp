@@ -2345,14 +2345,14 @@ class DecodeStep {
     return layers_[layer];
   }
 
-  // The router's top-k experts (into `picked`, best first) and their weights, as transformers'
-  // Qwen3 / Mixtral routers compute them: bf16 logits, softmax in float32 (torch's own kernel, so
+  // The router's top-k experts (into `picked`, best first) and their weights from its float32 sums
+  // in router_acc_, as transformers' Qwen3 / Mixtral routers compute them: bf16 logits (the bias
+  // added first), softmax in float32 (torch's own kernel, so
   // the weights match the module path's), top-k, optionally renormalized, optionally cast to bf16.
-  void route(const Layer& l, const bf16* x, int64_t* picked, float* weights) {
+  void route(const Layer& l, int64_t* picked, float* weights) {
     const int64_t experts = l.router.rows;
-    std::vector<float> acc(experts);
     std::vector<bf16> logits(experts);
-    gemv_into(l.router, x, acc.data(), logits.data(), l.router_bias.defined() ? bf16_data(l.router_bias) : nullptr);
+    round_linear(router_acc_.data(), l.router_bias.defined() ? bf16_data(l.router_bias) : nullptr, experts, logits.data());
     if (softmax_of_top_) return route_softmax_of_top(logits.data(), experts, picked, weights);
     // softmax(bf16 logits, dtype=float32) is ATen's _softmax of the logits converted to float32;
     // called on buffers of our own, without the dispatch of the conversion and the allocations
@@ -2441,17 +2441,20 @@ class DecodeStep {
       clock.lap(kNorms);
       const bool routed = l.moe_row >= 0;
       int64_t* picked = in.picked + std::max<int64_t>(l.moe_row, 0) * top_k_;
-      if (routed && l.grouped) {
+      if (routed) {  // the router's rows shared out; then one thread picks from its logits
         const auto [first, last] = share(l.router.rows);
-        grouped_logits(l, normed.data(), first, last);
+        if (l.grouped)
+          grouped_logits(l, normed.data(), first, last);
+        else if (first < last)
+          gemv_range(l.router, normed.data(), first, last, router_acc_.data());
       }
       if (l.shared) shared_activation(l, normed.data(), share(l.shared_gate_proj.rows), tid);
-      if (routed && l.grouped) barrier.wait();  // every logit is in
+      if (routed) barrier.wait();  // every logit is in
       if (routed && tid == 0) {
         if (l.grouped)
           route_grouped(l, picked, route_.data());
         else
-          route(l, normed.data(), picked, route_.data());
+          route(l, picked, route_.data());
         for (int64_t e = 0; e < top_k_; ++e) chosen_[e] = &l.experts[picked[e]];
       }
       barrier.wait();
@@ -2687,7 +2690,7 @@ class DecodeStep {
   at::Tensor router_logits_;  // its bf16 logits (softmax_of_top)
   std::vector<bf16> query_, attended_, delta_, activation_;
   std::vector<bf16> latent_in_;  // a latent layer's q_a and kv_a rows, rounded
-  std::vector<float> router_acc_;  // a grouped router's float32 logits
+  std::vector<float> router_acc_;  // the router's float32 sums (a grouped router's: its logits)
   std::vector<const ExpertWeights*> chosen_;  // this layer's picked experts, in pick order
   std::array<double, kPhases> phase_seconds_{};
 };
