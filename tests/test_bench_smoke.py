@@ -138,6 +138,19 @@ def test_quantized_gemv_bench_sets_integer_dots_beside_the_float_loops(tmp_path,
     assert "| q4_k | 4.50 |" in next(tmp_path.glob("quant-gemv-*.md")).read_text()
 
 
+def test_attention_bench_sets_the_kernel_beside_torch_and_the_limit(tmp_path, kernels):
+    from bench.attention import LAYOUTS
+    from bench.attention import main as attention_main
+
+    assert attention_main(["--lengths", "40", "--rounds", "1", "--cycled-mib", "1", "--out", str(tmp_path)]) == 0
+    (payload,) = [json.loads(p.read_text()) for p in tmp_path.glob("attention-*.json")]
+    assert [r["layout"] for r in payload["rows"]] == list(LAYOUTS)
+    for row in payload["rows"]:
+        assert row["ours_s"] > 0 and row["torch_s"] > 0 and row["limit_s"] > 0
+        assert row["error"] < 0.02  # the same attention as torch's, within bf16 output rounding
+    assert "| gpt-oss-20b (64 / 8 x 64) | 40 |" in next(tmp_path.glob("attention-*.md")).read_text()
+
+
 @pytest.mark.parametrize("family", ["gpt_oss", "deepseek_v3"])
 def test_the_bandwidth_limit_counts_every_byte_a_token_reads(tiny_checkpoints, family):
     # decode_pair's limit: every weight but the embedding table, biases, routers' correction

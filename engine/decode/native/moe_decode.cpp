@@ -1794,15 +1794,19 @@ inline void group_key_scores(const bf16* q, int64_t d, const bf16* keys, int64_t
 }
 
 // out[j * d + c] = sum over t of p[j * len + t] * rows[t][c] for H heads j, kValueColumns columns
-// at a time: 4H sums in registers, each value row widened once per step for all of them.
+// at a time: 4H sums in registers, each value row widened once per step for all of them. Positions
+// [first, last) only, added to the sums already in `out` unless `first` is 0 (a float32 sum stored
+// and loaded again is the same sum, so blocks of positions give the one pass's result).
 template <int H>
-inline void group_weighted_rows(const float* p, int64_t len, const bf16* rows, int64_t stride, int64_t d, float* out) {
+inline void group_weighted_rows(const float* p, int64_t len, const bf16* rows, int64_t stride, int64_t d,
+                                int64_t first, int64_t last, float* out) {
   constexpr int64_t lanes = FloatVector::lanes;
   for (int64_t c = 0; c < d; c += kValueColumns) {
     FloatVector acc[H][4];
-    for (auto& head : acc)
-      for (auto& v : head) v = FloatVector::all(0.f);
-    for (int64_t t = 0; t < len; ++t) {
+    for (int j = 0; j < H; ++j)
+      for (int k = 0; k < 4; ++k)
+        acc[j][k] = first == 0 ? FloatVector::all(0.f) : FloatVector::load(out + j * d + c + lanes * k);
+    for (int64_t t = first; t < last; ++t) {
       const bf16* row = rows + t * stride + c;
       for (int64_t b = 0; b < 2 * kValueColumns; b += 64)
         _mm_prefetch(reinterpret_cast<const char*>(row + kKeysAhead * stride) + b, _MM_HINT_T0);
@@ -1818,6 +1822,11 @@ inline void group_weighted_rows(const float* p, int64_t len, const bf16* rows, i
   }
 }
 
+// Positions per block of the values' passes: where a group needs several passes (more heads than
+// one pass holds, or wider heads than one pass's columns), each block is read from memory once and
+// again from the first-level cache, instead of the whole cache once per pass.
+constexpr int64_t kValueBlock = 64;
+
 template <int G>
 inline void attend_group_of(const bf16* q, int64_t d, int64_t g, CacheView keys, CacheView values, int64_t len,
                             float scale, float* scores, float* acc, bf16* out, const AttendExtras& extras, int64_t h0) {
@@ -1827,9 +1836,10 @@ inline void attend_group_of(const bf16* q, int64_t d, int64_t g, CacheView keys,
   for (int j = 0; j < G; ++j) softmax_scores(scores + j * len, len, top[j], scale, extras, h0 + j);
   // heads per pass over the values: 4H sums and 4 value vectors in the 32 (AVX-512) or 16 registers
   constexpr int H = std::min(G, FloatVector::lanes == 16 ? 4 : 2);
-  for (int j = 0; j < G; j += H)
-    group_weighted_rows<H>(scores + j * len, len, values.data + g * values.head_stride, values.position_stride, d,
-                           acc + j * d);
+  for (int64_t first = 0; first < len; first += kValueBlock)
+    for (int j = 0; j < G; j += H)
+      group_weighted_rows<H>(scores + j * len, len, values.data + g * values.head_stride, values.position_stride, d,
+                             first, std::min(len, first + kValueBlock), acc + j * d);
   for (int64_t i = 0; i < G * d; ++i) out[i] = to_bf16(acc[i]);
 }
 #else
