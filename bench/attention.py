@@ -18,6 +18,7 @@ import sys
 import time
 from pathlib import Path
 
+from bench.native import ready_kernels
 from bench.output import RESULTS_DIR, write_report
 
 # name: (query heads, kv heads, head size)
@@ -43,13 +44,9 @@ def main(argv: list[str] | None = None) -> int:
     import torch.nn.functional as F
 
     from bench.bandwidth import memory_read_bandwidth
-    from engine.decode.native import kernels as native
 
-    kernels = native.wait(600)
-    if kernels is None:
-        print(native.status(), file=sys.stderr)
+    if (kernels := ready_kernels(args.threads)) is None:
         return 1
-    torch.set_num_threads(args.threads)
     rows = []
     for name, (heads, kv_heads, d) in LAYOUTS.items():
         for length in map(int, args.lengths.split(",")):

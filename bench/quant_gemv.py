@@ -17,6 +17,7 @@ import statistics
 import sys
 import time
 
+from bench.native import ready_kernels
 from bench.output import RESULTS_DIR, write_report
 
 DEFAULT_FORMATS = "q8_0,q6_k,q5_0,q4_k,q4_0,q3_k,q2_k"
@@ -51,11 +52,8 @@ def main(argv=None) -> int:
     from engine.formats.dequantize import dequantize
     from engine.formats.quantize import quantize
 
-    kernels = native.wait(600)
-    if kernels is None:
-        print(native.status(), file=sys.stderr)
+    if (kernels := ready_kernels(args.threads)) is None:
         return 1
-    torch.set_num_threads(args.threads)
     generator = torch.Generator().manual_seed(0)
     w = torch.randn(args.rows, args.cols, generator=generator) * 0.02
     x = torch.randn(1, args.cols, generator=generator).to(torch.bfloat16)
