@@ -15,7 +15,9 @@ import gc
 
 
 def freeze_loaded() -> None:
-    """After a load: free the load's own cyclic garbage, then freeze what is left."""
+    """After a load: free the load's own cyclic garbage (and that of a model dropped without closing,
+    frozen by its own load), then freeze what is left."""
+    gc.unfreeze()
     gc.collect()
     gc.freeze()
 
