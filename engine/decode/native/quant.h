@@ -18,14 +18,28 @@ enum WeightType : int32_t {
 
 // How far ahead (bytes) a quantized row asks for weight lines (hint: moe_decode.cpp). On Zen 4, in an
 // A/B over a model's worth of Q4_K and Q6_K experts (one process, interleaved), 128-384 bytes ahead
-// beat 1024 and 2048 by about a tenth; MXFP4 and Q8_0 did not care. On an Intel core (with the T0
-// hint) 4096 bytes ran the Qwen shape's Q4_K decode 2.2x and its Q8_0 1.8x faster than 256, and
-// gpt-oss's MXFP4 1.7x (docs/performance.md).
+// beat 1024 and 2048 by about a tenth; MXFP4 and Q8_0 did not care. On an Intel core (then with the
+// T0 hint) 4096 bytes ran the Qwen shape's Q4_K decode 2.2x and its Q8_0 1.8x faster than 256, and
+// gpt-oss's MXFP4 1.7x (docs/performance.md); 8192 and 2048 bytes ran Q4_K at 1.02x and 0.88x of 4096.
 #if defined(MOESCOPE_TUNE_INTEL)
 constexpr int64_t kBlockPrefetchAhead = 4096;
 #else
 constexpr int64_t kBlockPrefetchAhead = 256;
 #endif
+
+// Asks for the block `kBlockPrefetchAhead` bytes past `block` (`bytes` long). On an Intel core every
+// line of it (into the second-level cache there, moe_decode.cpp): the first line alone left the rest
+// of a K-quant block (144-210 bytes) to the hardware prefetchers and streamed Q4_K rows 7 % slower
+// (one process, interleaved, a Sapphire Rapids VM). Elsewhere the first line, as measured on Zen 4.
+inline void prefetch_block(const uint8_t* block, int64_t bytes) {
+  const char* ahead = reinterpret_cast<const char*>(block + kBlockPrefetchAhead);
+#if defined(MOESCOPE_TUNE_INTEL)
+  for (int64_t line = 0; line < bytes; line += 64) _mm_prefetch(ahead + line, MOESCOPE_PREFETCH_HINT);
+#else
+  (void)bytes;
+  _mm_prefetch(ahead, MOESCOPE_PREFETCH_HINT);
+#endif
+}
 
 // Elements and bytes per block of each type.
 inline int64_t block_elements(int32_t type) {
@@ -426,7 +440,7 @@ inline float qdot_row_mxfp4(const uint8_t* row, int64_t blocks, const bf16* x) {
   };
   int64_t blk = 0;
   for (; blk + 2 <= blocks; blk += 2) {
-    _mm_prefetch(reinterpret_cast<const char*>(row + blk * 17 + kBlockPrefetchAhead), MOESCOPE_PREFETCH_HINT);
+    prefetch_block(row + blk * 17, 34);
     step(blk, 0);
     step(blk + 1, 2);
   }
@@ -470,7 +484,7 @@ inline float qdot_row_q4_k(const uint8_t* row, int64_t blocks, const bf16* x) {
   BlockScales s;
   for (int64_t blk = 0; blk < blocks; ++blk) {
     const uint8_t* b = row + blk * 144;
-    _mm_prefetch(reinterpret_cast<const char*>(b + kBlockPrefetchAhead), MOESCOPE_PREFETCH_HINT);
+    prefetch_block(b, 144);
     block_scales(kQ4_K, b, s);
     const bf16* xb = x + blk * 256;
     for (int c = 0; c < 4; ++c) {
@@ -524,7 +538,7 @@ inline float qdot_row(const Matrix& m, int64_t r, const bf16* x) {
   BlockScales s;
   for (int64_t blk = 0; blk < blocks; ++blk) {
     const uint8_t* b = row + blk * bb;
-    _mm_prefetch(reinterpret_cast<const char*>(b + kBlockPrefetchAhead), MOESCOPE_PREFETCH_HINT);
+    prefetch_block(b, bb);
     block_scales(m.type, b, s);
     for (int g = 0; g < groups; ++g) {
       __m512i lo, hi;
@@ -558,7 +572,7 @@ inline float qdot_row(const Matrix& m, int64_t r, const bf16* x) {
   alignas(32) int32_t q[32];
   for (int64_t blk = 0; blk < blocks; ++blk) {
     const uint8_t* b = row + blk * bb;
-    _mm_prefetch(reinterpret_cast<const char*>(b + kBlockPrefetchAhead), MOESCOPE_PREFETCH_HINT);
+    prefetch_block(b, bb);
     block_scales(m.type, b, s);
     for (int g = 0; g < groups; ++g) {
       group_levels(m.type, b, g, q);
@@ -641,7 +655,7 @@ inline void dequantize_row_q4_k(const uint8_t* row, int64_t blocks, bf16* w) {
   BlockScales s;
   for (int64_t blk = 0; blk < blocks; ++blk, w += 256) {
     const uint8_t* b = row + blk * 144;
-    _mm_prefetch(reinterpret_cast<const char*>(b + kBlockPrefetchAhead), MOESCOPE_PREFETCH_HINT);
+    prefetch_block(b, 144);
     block_scales(kQ4_K, b, s);
     for (int c = 0; c < 4; ++c) {
       __m512i lo, hi;

@@ -207,7 +207,7 @@ inline float idot_q4_k(const uint8_t* row, int64_t blocks, const FixedInput& in)
   __m256 acc = _mm256_setzero_ps(), acc_min = acc;
   for (int64_t blk = 0; blk < blocks; ++blk) {
     const uint8_t* b = row + blk * 144;
-    _mm_prefetch(reinterpret_cast<const char*>(b + kBlockPrefetchAhead), MOESCOPE_PREFETCH_HINT);
+    prefetch_block(b, 144);
     const __m256i scales_mins = _mm256_cvtepu8_epi16(q4_k_scales_mins(b + 4));  // 8 scales, then 8 mins
     const __m256i scales = _mm256_permute2x128_si256(scales_mins, scales_mins, 0x00);
     __m256i acc_hi = _mm256_setzero_si256(), acc_lo = acc_hi;
@@ -239,7 +239,7 @@ inline float idot_q8_0(const uint8_t* row, int64_t blocks, const FixedInput& in)
   const int16_t* x = in.wide.data();
   for (int64_t blk = 0; blk < blocks; ++blk) {
     const uint8_t* b = row + blk * 34;
-    _mm_prefetch(reinterpret_cast<const char*>(b + kBlockPrefetchAhead), MOESCOPE_PREFETCH_HINT);
+    prefetch_block(b, 34);
     const __m128i first = _mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 2));
     const __m128i second = _mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 18));
     const __m256i sums = madd_wide(_mm256_cvtepi8_epi16(first), _mm256_cvtepi8_epi16(second), x + 32 * blk);
@@ -290,7 +290,7 @@ inline float idot_mxfp4(const uint8_t* row, int64_t blocks, const FixedInput& in
     __m256 acc0 = _mm256_setzero_ps(), acc1 = acc0;
     int64_t blk = start;
     for (; blk + 2 <= end; blk += 2) {
-      _mm_prefetch(reinterpret_cast<const char*>(row + blk * 17 + kBlockPrefetchAhead), MOESCOPE_PREFETCH_HINT);
+      prefetch_block(row + blk * 17, 34);
       acc0 = add_block(blk, acc0);
       acc1 = add_block(blk + 1, acc1);
     }
@@ -308,7 +308,7 @@ inline float idot_q6_k(const uint8_t* row, int64_t blocks, const FixedInput& in)
   float offsets = 0.f;
   for (int64_t blk = 0; blk < blocks; ++blk) {
     const uint8_t* b = row + blk * 210;
-    _mm_prefetch(reinterpret_cast<const char*>(b + kBlockPrefetchAhead), MOESCOPE_PREFETCH_HINT);
+    prefetch_block(b, 210);
     const __m256i all = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 192)));
     __m256i by_lane[2];
     split_by_lane(all, by_lane);
@@ -371,7 +371,7 @@ inline float idot_q2_q3_k(const uint8_t* row, int64_t blocks, const FixedInput& 
   float offsets = 0.f;
   for (int64_t blk = 0; blk < blocks; ++blk) {
     const uint8_t* b = row + blk * (three ? 110 : 84);
-    _mm_prefetch(reinterpret_cast<const char*>(b + kBlockPrefetchAhead), MOESCOPE_PREFETCH_HINT);
+    prefetch_block(b, three ? 110 : 84);
     // the 16 scales as int16, and what multiplies each sub-block's sum(x) to come off: the mins
     // (Q2_K) or 4 * scale (Q3_K); |offset| <= 16 * 15 * 16 * 32512 or 16 * 128 * 16 * 32512
     __m256i scales, offset_weights;
