@@ -1,7 +1,7 @@
 """Decode speed against the memory-bandwidth limit (issue 10), side by side in one run.
 
 For each geometry: the limit = (bytes of weights one decode token reads) / (memory read
-bandwidth measured now), our engine at budget `all` (default and --fast-decode kernels), and
+bandwidth measured now), our engine at budget `all` (--exact's transformers kernels and the native ones, the default), and
 stock transformers with its best experts implementation — 3 interleaved repetitions, median.
 Also the engine at a budget below `all` with the disk store, against time at `all` + the bytes it
 loaded per token / the disk bandwidth measured now (do loads overlap compute?).
@@ -167,9 +167,9 @@ def write_results(rows: list[dict], args) -> None:
         "repetition. The `/limit` columns set each run against the bandwidth measured in its own process just "
         "before and just after it (median of the runs' ratios); in brackets, against `limit`.",
         "",
-        "| geometry | active MB/token | read GB/s | limit tok/s | MoEScope tok/s | MoEScope --fast-decode tok/s "
+        "| geometry | active MB/token | read GB/s | limit tok/s | MoEScope --exact tok/s | MoEScope fast tok/s "
         "| transformers tok/s | MoEScope/limit | fast-decode/limit | transformers/limit | same tokens as transformers "
-        "(default / fast-decode) | prefill MoEScope / fast-decode / transformers tok/s |",
+        "(exact / fast-decode) | prefill MoEScope / fast-decode / transformers tok/s |",
         "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
@@ -186,15 +186,16 @@ def write_results(rows: list[dict], args) -> None:
     lines += [
         "",
         "Budget < all with the disk store (goal: time per token <= 1.3 x (time at all + loaded bytes / disk "
-        "bandwidth), i.e. loads overlap compute). Disk bandwidth: sequential 16 MiB reads, pages dropped (the "
-        "goal's bound); in brackets, reads of one expert's size at random offsets, the pattern of on-demand loads:",
+        "bandwidth), i.e. loads overlap compute; issue 20 takes the random-read bandwidth). Disk bandwidth: "
+        "sequential 16 MiB reads, pages dropped; in brackets, reads of one expert's size at random offsets, the "
+        "pattern of on-demand loads (the goal's bound):",
         "",
         "| geometry | budget | disk GB/s seq (random) | mode | ms/token at all | MB loaded/token | bound ms | ms/token "
         "| time/bound (at random-read bw) |",
         "|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
-        for mode, label in (("ours", "default"), ("fast", "--fast-decode")):
+        for mode, label in (("ours", "exact"), ("fast", "fast (default)")):
             lines.append(
                 f"| {r['geometry']} | {r['offload_budget']} | {r['disk_bytes_per_s'] / 1e9:.2f} "
                 f"({r['disk_random_bytes_per_s'] / 1e9:.2f}) | {label} | "
