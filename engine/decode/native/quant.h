@@ -30,16 +30,13 @@ constexpr int64_t kBlockPrefetchAhead = 256;
 // Asks for the block `kBlockPrefetchAhead` bytes past `block` (`bytes` long). On an Intel core every
 // line of it (into the second-level cache there, moe_decode.cpp): the first line alone left the rest
 // of a K-quant block (144-210 bytes) to the hardware prefetchers and streamed Q4_K rows 7 % slower
-// (one process, interleaved, a Sapphire Rapids VM). There the lines kNearPrefetch bytes ahead are
-// also moved on into the first-level cache (T0), which the loop's loads would otherwise wait for:
-// Q4_K and Q6_K rows 1.06x, MXFP4 1.04x, Q8_0 1.00-1.03x from memory (256-1024 bytes: the same).
-// Elsewhere the first line, as measured on Zen 4.
-constexpr int64_t kNearPrefetch = 512;
-
+// (one process, interleaved, a Sapphire Rapids VM); the lines kNearPrefetchBytes ahead are also
+// moved on into the first-level cache there (moe_decode.cpp). Elsewhere the first line, as measured
+// on Zen 4.
 inline void prefetch_block(const uint8_t* block, int64_t bytes) {
   const char* ahead = reinterpret_cast<const char*>(block + kBlockPrefetchAhead);
 #if defined(MOESCOPE_TUNE_INTEL)
-  const char* near = reinterpret_cast<const char*>(block + kNearPrefetch);
+  const char* near = reinterpret_cast<const char*>(block + kNearPrefetchBytes);
   for (int64_t line = 0; line < bytes; line += 64) {
     _mm_prefetch(ahead + line, MOESCOPE_PREFETCH_HINT);
     _mm_prefetch(near + line, _MM_HINT_T0);
