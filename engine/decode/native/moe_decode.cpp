@@ -2272,11 +2272,8 @@ class DecodeStep {
     int64_t router_width = 0;
     for (const Layer& l : layers_) router_width = std::max<int64_t>(router_width, l.router.rows);
     router_acc_.resize(router_width);
-    if (router_in_.numel() != router_width) {
-      router_in_ = at::empty({router_width}, at::kFloat);
-      router_probs_ = at::empty({router_width}, at::kFloat);
-      router_logits_ = at::empty({router_width}, at::kBFloat16);
-    }
+    router_probs_.resize(router_width);
+    if (router_logits_.numel() != router_width) router_logits_ = at::empty({router_width}, at::kBFloat16);
     at::Tensor logits = at::empty({1, 1, lm_head_.rows}, embed_.options());
     Shared shared{token, longest, lengths.data(), picks.data_ptr<int64_t>(), rotary.cos.data(), rotary.sin.data(),
                   key_views.data(), value_views.data(), bf16_data(logits)};
@@ -2368,21 +2365,21 @@ class DecodeStep {
 
   // The router's top-k experts (into `picked`, best first) and their weights from its float32 sums
   // in router_acc_, as transformers' Qwen3 / Mixtral routers compute them: bf16 logits (the bias
-  // added first), softmax in float32 (torch's own kernel, so
-  // the weights match the module path's), top-k, optionally renormalized, optionally cast to bf16.
+  // added first), softmax in float32, top-k, optionally renormalized, optionally cast to bf16.
+  // The softmax is exp_shifted's (within ~2 ulp of torch's): ATen's own kernel, called once a
+  // layer between streams of weights that evict its code and tables, took microseconds on
+  // every call while the other threads waited. The picks do not depend on it: distinct bf16
+  // logits stay distinct after any exp this close, and equal ones stay equal.
   void route(const Layer& l, int64_t* picked, float* weights) {
     const int64_t experts = l.router.rows;
     std::vector<bf16> logits(experts);
     round_linear(router_acc_.data(), l.router_bias.defined() ? bf16_data(l.router_bias) : nullptr, experts, logits.data());
     if (softmax_of_top_) return route_softmax_of_top(logits.data(), experts, picked, weights);
-    // softmax(bf16 logits, dtype=float32) is ATen's _softmax of the logits converted to float32;
-    // called on buffers of our own, without the dispatch of the conversion and the allocations
-    at::Tensor in = router_in_.size(0) == experts ? router_in_ : router_in_.narrow(0, 0, experts);
-    at::Tensor probs = router_probs_.size(0) == experts ? router_probs_ : router_probs_.narrow(0, 0, experts);
-    float* widened = in.data_ptr<float>();
-    for (int64_t e = 0; e < experts; ++e) widened[e] = to_float(logits[e]);
-    at::_softmax_out(probs, in, -1, false);
-    const float* p = probs.data_ptr<float>();
+    float* p = router_probs_.data();
+    float top = -std::numeric_limits<float>::infinity();
+    for (int64_t e = 0; e < experts; ++e) top = std::max(top, p[e] = to_float(logits[e]));
+    const float inverse = 1.f / exp_shifted(p, experts, top);  // times the reciprocal, as ATen's softmax
+    for (int64_t e = 0; e < experts; ++e) p[e] *= inverse;
     std::vector<int64_t> order(experts);
     for (int64_t e = 0; e < experts; ++e) order[e] = e;
     // best first; ties to the lower expert id
@@ -2707,7 +2704,7 @@ class DecodeStep {
   std::vector<float> scratch_, projected_, expert_out_, route_, shared_acc_;
   std::vector<bf16> shared_act_;  // a shared expert's activation
   float shared_scale_ = 1.f;  // its gate's sigmoid this layer
-  at::Tensor router_in_, router_probs_;  // the router's float32 logits and probabilities
+  std::vector<float> router_probs_;  // the router's float32 logits, then probabilities
   at::Tensor router_logits_;  // its bf16 logits (softmax_of_top)
   std::vector<bf16> query_, attended_, delta_, activation_;
   std::vector<bf16> latent_in_;  // a latent layer's q_a and kv_a rows, rounded
