@@ -37,7 +37,7 @@ from engine.offload import packed_linear
 from engine.offload.expert_cache import ExpertCache
 from engine.offload.quantized_store import quantize_layout
 from engine.offload.store import DiskStore, ExpertStore, RamStore
-from engine.system import collector, memory
+from engine.system import collector, huge_pages, memory
 
 
 def _parse_format(name: str, what: str) -> BlockFormat | None:
@@ -96,6 +96,7 @@ class MoERuntime:
         for module in self.model.modules():  # converted above, or kept in a GGUF file's blocks
             if isinstance(module, QuantizedLinear):  # the native expansion once built: the same values
                 module.dequantizer = native.slot_dequantizer(reference_dequantizer)
+        huge_pages.gather(self.model, skip=self._read_by_rows())  # the dense weights in 2 MiB pages, side by side
         self.tokenizer = None  # checkpoints without tokenizer files still run on token ids (--prompt-ids)
         if loaded.gguf is not None:
             self.tokenizer = gguf_tokenizer(loaded.gguf)
@@ -318,6 +319,15 @@ class MoERuntime:
         self.plan = self._plan(spec)
         self.cache.resize(self.plan.slots_per_layer)
         return self.plan
+
+    def _read_by_rows(self) -> list[torch.Tensor]:
+        """The input embedding, of which a token reads one row: left where it is (it can be the
+        largest dense tensor) unless the LM head shares it and reads all of it."""
+        embedding = getattr(self.model.get_input_embeddings(), "weight", None)
+        head = self.model.get_output_embeddings()
+        if embedding is None or (head is not None and getattr(head, "weight", None) is embedding):
+            return []
+        return [embedding]
 
     def _packable(self) -> frozenset[str]:
         """Expert matrices the cache can keep pre-arranged for oneDNN (CPU, bf16/fp16, [out, in]),

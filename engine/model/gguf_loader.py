@@ -27,7 +27,6 @@ from engine.model.gguf_convert import convert_experts
 from engine.model.gguf_file import GGUFModel, open_gguf
 from engine.model.gguf_layout import build_gguf_layout
 from engine.model.loader import LoadedWeights, ProgressFn, _set_tensor, tie_loaded
-from engine.system import huge_pages
 
 PERMUTED = ("attn_q", "attn_k")  # llama.cpp's LlamaModel.permute: q with the query heads, k with the kv heads
 
@@ -95,14 +94,13 @@ def _load_dense(model: torch.nn.Module, layout, gguf_model: GGUFModel, device: t
         if second is not None:  # MLA's kv_b_proj, split by the converter: joined, in floats
             values = gguf_mla.join_kv_b(_dequantize(raw, record, gguf), _dequantize(_read(second), second, gguf),
                                         text_config.num_attention_heads, text_config.kv_lora_rank)
-            _set_tensor(model, key, huge_pages.rehome(torch.from_numpy(values).to(device=device,
-                                                                                  dtype=state[key].dtype)))
+            _set_tensor(model, key, torch.from_numpy(values).to(device=device, dtype=state[key].dtype))
         elif leaf == "weight" and owner in linears and fmt is not None:  # kept in its blocks
             linear = linears[owner]
             packed = raw.reshape(linear.out_features, -1)
             if permute:
                 packed = _unpermute(packed, record.name, text_config)
-            module = QuantizedLinear(linear, fmt, huge_pages.rehome(torch.from_numpy(np.ascontiguousarray(packed)).to(device)))
+            module = QuantizedLinear(linear, fmt, torch.from_numpy(np.ascontiguousarray(packed)).to(device))
             parent, _, name = owner.rpartition(".")
             setattr(model.get_submodule(parent) if parent else model, name, module)
         elif key in state:
@@ -115,7 +113,7 @@ def _load_dense(model: torch.nn.Module, layout, gguf_model: GGUFModel, device: t
             if permute and values.ndim >= 1:
                 values = _unpermute(values, record.name, text_config)
             tensor = torch.from_numpy(np.ascontiguousarray(values)).to(device=device, dtype=target.dtype)
-            _set_tensor(model, key, huge_pages.rehome(tensor))
+            _set_tensor(model, key, tensor)
         if progress:
             progress(done / total, f"dense weights from {record.file.name}")
     tie_loaded(model)

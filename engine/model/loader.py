@@ -24,7 +24,6 @@ from engine.model.gguf_file import GGUFModel, is_gguf
 from engine.model.layout import MoELayout, build_layout
 from engine.model.model_class import model_class, text_generator
 from engine.model.prequantized import dequantize_tensor
-from engine.system import huge_pages
 
 ProgressFn = Callable[[float, str], None]
 
@@ -125,7 +124,7 @@ def _load_dense(model: torch.nn.Module, layout: MoELayout, device: torch.device,
         target = state[key]
         if tensor.shape != target.shape:
             raise CheckpointError(f"'{key}' in {source} has shape {tuple(tensor.shape)}, the model expects {tuple(target.shape)}")
-        tensor = huge_pages.rehome(tensor.to(device=device, dtype=target.dtype))  # decode streams these every token
+        tensor = tensor.to(device=device, dtype=target.dtype)  # the runtime gathers them into huge pages
         _set_tensor(model, key, tensor)
 
     unused: list[str] = []  # checkpoint tensors no model weight takes
