@@ -242,3 +242,15 @@ def test_a_build_lock_left_by_a_killed_process_does_not_block_the_next(kernels):
     thread.join(timeout=120)
     assert loaded and hasattr(loaded[0], "moe_decode"), "the next load waited on the stale lock"
     assert not stale.exists()
+
+
+def test_the_kernel_flavour_setting_names_a_flavour_or_says_which_exist(monkeypatch):
+    from engine.decode.native import kernels
+
+    monkeypatch.delenv(kernels.FLAVOUR_ENV, raising=False)
+    assert kernels.requested_flavour() == "native"
+    monkeypatch.setenv(kernels.FLAVOUR_ENV, "avx2")  # what an AVX2-only CPU runs, on any x86-64-v3 one
+    assert kernels.requested_flavour() == "avx2"
+    monkeypatch.setenv(kernels.FLAVOUR_ENV, "avx512")
+    with pytest.raises(ValueError, match="avx512 is not a build flavour: use native, avx2, portable"):
+        kernels.requested_flavour()

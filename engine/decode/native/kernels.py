@@ -32,6 +32,9 @@ HEADERS = tuple(Path(__file__).with_name(name) for name in ("quant.h", "quant_in
 # -march per build flavour: this CPU's best, AVX2 + FMA (laptops without AVX-512), and portable code
 # the compiler vectorises for a baseline target (tests build each, tests/test_quant_kernels.py)
 FLAVOURS = {"native": "-march=native", "avx2": "-march=x86-64-v3", "portable": "-march=x86-64"}
+# Which flavour the engine builds and runs: native unless this names another, e.g. `avx2` to run, on
+# an AVX-512 machine, what an AVX2-only laptop gets (bench.llamacpp --isa avx2 sets it)
+FLAVOUR_ENV = "MOESCOPE_KERNEL_FLAVOUR"
 LOAD_WAIT_S = 180.0  # a model loaded with fast decode waits this long for a build (usually well under)
 
 _lock = threading.Lock()
@@ -102,10 +105,18 @@ def _only_builder(directory: Path) -> Iterator[None]:
             fcntl.flock(handle, fcntl.LOCK_UN)
 
 
+def requested_flavour() -> str:
+    """The flavour FLAVOUR_ENV asks for (native when unset); ValueError naming the choices otherwise."""
+    flavour = os.environ.get(FLAVOUR_ENV, "").strip() or "native"
+    if flavour not in FLAVOURS:
+        raise ValueError(f"{FLAVOUR_ENV}={flavour} is not a build flavour: use {', '.join(FLAVOURS)}")
+    return flavour
+
+
 def _build() -> None:
     global _kernels, _problem
     try:
-        _kernels = compile_flavour("native")
+        _kernels = compile_flavour(requested_flavour())
     except Exception as exc:  # no compiler, no ninja, a failed build: decode keeps transformers' kernels
         first_line = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
         _problem = f"native decode kernels unavailable ({first_line[:200]})"
@@ -163,7 +174,8 @@ def failed() -> bool:
 def status() -> str:
     """One line for the user: ready, building, or why not."""
     if _kernels is not None:
-        return "native decode kernels ready"
+        flavour = os.environ.get(FLAVOUR_ENV, "").strip()
+        return "native decode kernels ready" + (f" ({flavour} build, {FLAVOUR_ENV})" if flavour not in ("", "native") else "")
     if _done.is_set():
         return _problem
     if _builder is not None:
