@@ -15,12 +15,14 @@ file's quant types); the order flips every repetition.
 Ratios are taken per repetition, then the median.
 
     python -m bench.llamacpp [--geometries qwen3moe-64e,mixtral-8e] [--formats bf16,q8_0,q4_k] [--reps 3]
+                             [--isa avx2]
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import shlex
 import statistics
 import subprocess
@@ -30,9 +32,11 @@ from pathlib import Path
 from bench import formats
 from bench.decode_limit import run_measure
 from bench.gguf_files import TokenBytes, ensure_ggufs, gguf_token_bytes
-from bench.llamacpp_build import VERSION, LlamaCpp, LlamaCppUnavailable, build_target, build_tools
+from bench.llamacpp_build import ISAS, VERSION, LlamaCpp, LlamaCppUnavailable, build_target, build_tools
 from bench.output import RESULTS_DIR, write_report
 from bench.synthetic import build_checkpoint
+from engine.decode.native.kernels import FLAVOUR_ENV
+from engine.system.cpu import cpuinfo_field
 
 # llama.cpp, MoEScope exact, MoEScope --fast-decode, MoEScope --fast-decode on the GGUF file, and the last
 # two with the opt-in lossy --int8-prompt: the run order
@@ -147,10 +151,11 @@ def table(rows: list[dict], args) -> list[str]:
         return " / ".join(f"{r[f'{s}_{key}']:.2f}" if f"{s}_{key}" in r else "n/a" for s in ("exact", "fast"))
 
     lines = [
-        f"MoEScope against llama.cpp (llama-cpp-python {VERSION}'s vendored tree, built here: CPU, {build_target()}, "
-        "OpenMP) — "
+        f"MoEScope against llama.cpp (llama-cpp-python {VERSION}'s vendored tree, built here: CPU, "
+        f"{build_target(args.isa)}, OpenMP) — "
         f"{args.threads} threads, batch 1, {args.prompt_len}-token prompt, {args.decode} decode tokens, median of "
-        f"{args.reps} interleaved repetitions. MoEScope: budget all, RAM store, exact and --fast-decode. llama.cpp: "
+        f"{args.reps} interleaved repetitions. MoEScope: budget all, RAM store, exact and --fast-decode"
+        f"{'' if args.isa == 'native' else f', its {args.isa} kernel flavour ({FLAVOUR_ENV}={args.isa})'}. llama.cpp: "
         f"llama-bench pp{args.prompt_len}, and tg{args.decode} after a {args.prompt_len}-token context (-d), -r 1 each "
         f"after its warm-up{'; ' + args.llama_bench_args if args.llama_bench_args else ''}. Ratios: MoEScope / "
         "llama.cpp per repetition, median. Limit: the memory read bandwidth (float32 sum over 1 GiB in 2 MiB pages, "
@@ -224,6 +229,9 @@ def main(argv=None) -> int:
     # timed tokens would fault in the pages of experts its one-token warm-up did not touch
     parser.add_argument("--llama-bench-args", default="-lm none",
                         help="llama-bench options beyond threads, tests and output (default: %(default)s)")
+    parser.add_argument("--isa", choices=ISAS, default="native",
+                        help="avx2: llama.cpp built for AVX2 and FMA only, against MoEScope's avx2 kernel flavour, "
+                             "on a CPU that has more: what an AVX2-only laptop of the same core would get")
     parser.add_argument("--prepare-only", action="store_true", help="build, convert and quantize; measure nothing")
     parser.add_argument("--out", type=Path, default=RESULTS_DIR)
     parser.add_argument("--label", default="", help="named in the results file (llamacpp-LABEL-...), so runs of "
@@ -234,8 +242,12 @@ def main(argv=None) -> int:
     unknown = [f for f in fmts if f not in formats.LLAMA_TYPE]
     if unknown:
         parser.error(f"unknown format(s) {', '.join(unknown)}: known {', '.join(formats.LLAMA_TYPE)}")
+    if args.isa != "native":
+        if args.isa not in cpuinfo_field("flags").split():
+            parser.error(f"--isa {args.isa} needs a CPU with {args.isa.upper()}; this one has not")
+        os.environ[FLAVOUR_ENV] = args.isa  # every bench.measure process below builds and runs that flavour
     try:
-        lc = build_tools()
+        lc = build_tools(isa=args.isa)
         paths = {Path(g).name if Path(g).is_dir() else g: Path(g) if Path(g).is_dir() else build_checkpoint(g)
                  for g in args.geometries.split(",")}  # a geometry of bench.synthetic or a folder
         for path in paths.values():  # every file first, so no conversion runs between timed runs
@@ -246,7 +258,7 @@ def main(argv=None) -> int:
     if args.prepare_only:
         return 0
     rows = [row for name, path in paths.items() for row in measure_geometry(lc, name, path, fmts, args)]
-    write_report(args.out, f"llamacpp-{args.label}" if args.label else "llamacpp", {"llamacpp_version": VERSION, "threads": args.threads, "reps": args.reps,
+    write_report(args.out, f"llamacpp-{args.label}" if args.label else "llamacpp", {"llamacpp_version": VERSION, "isa": args.isa, "threads": args.threads, "reps": args.reps,
                                         "prompt_len": args.prompt_len, "decode": args.decode,
                                         "llama_bench_args": args.llama_bench_args, "rows": rows}, table(rows, args))
     return 0

@@ -3,7 +3,7 @@
 CMake, CPU only, into the user cache folder and reused after.
 
     <cache>/llamacpp/<version>/source/   the sdist's vendor/llama.cpp (converter, gguf-py, CMake project)
-    <cache>/llamacpp/<version>/build/    the CMake build; tools in build/bin/
+    <cache>/llamacpp/<version>/build/    the CMake build; tools in build/bin/ (build-avx2/: --isa avx2)
     <cache>/llamacpp/<version>/gguf/     converted checkpoints (bench.gguf_files)
 
 `MOESCOPE_LLAMACPP_DIR` replaces `<cache>/llamacpp` (tests point it at an existing build).
@@ -17,7 +17,7 @@ import subprocess
 import sys
 import tarfile
 import tempfile
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from engine.system.cpu import cpuinfo_field
@@ -44,21 +44,32 @@ GGML_X86_FEATURES = {"sse4_2": "GGML_SSE42", "f16c": "GGML_F16C", "fma": "GGML_F
                      "avx512_bf16": "GGML_AVX512_BF16"}
 
 
-def cmake_options(cpu_flags: set[str] | None = None) -> list[str]:
+# Instruction sets llama.cpp can be built for: this CPU's, or AVX2 + FMA only (what a laptop without
+# AVX-512 has, measured on a CPU that has more, beside MoEScope's avx2 kernel flavour)
+ISAS = ("native", "avx2")
+BEYOND_AVX2 = ("avx512", "amx", "avx_vnni")  # flag prefixes an AVX2-only build leaves out
+
+
+def cmake_options(cpu_flags: set[str] | None = None, isa: str = "native") -> list[str]:
     """CMAKE_OPTIONS for this CPU. Where it has AMX, llama.cpp is built for its instruction set but
     AMX: in 0.3.36's tree the AMX matmul segfaults on our MoE GGUFs at the first prompt
     (ggml_backend_amx_mul_mat, a Sapphire Rapids VM, any load mode), and `--repack 0`, which avoids
-    it, also drops the repacked AVX-512 layouts; this keeps those."""
+    it, also drops the repacked AVX-512 layouts; this keeps those. `isa` avx2: this CPU's features
+    up to AVX2, nothing of AVX-512, VNNI or AMX."""
     flags = set(cpuinfo_field("flags").split()) if cpu_flags is None else cpu_flags
-    if "amx_int8" not in flags:
+    if isa == "avx2":
+        flags = {f for f in flags if not f.startswith(BEYOND_AVX2)}
+    elif "amx_int8" not in flags:
         return list(CMAKE_OPTIONS)
     features = [f"-D{option}={'ON' if flag in flags else 'OFF'}" for flag, option in GGML_X86_FEATURES.items()]
     no_amx = ["-DGGML_AMX_TILE=OFF", "-DGGML_AMX_INT8=OFF", "-DGGML_AMX_BF16=OFF"]
     return [o.replace("-DGGML_NATIVE=ON", "-DGGML_NATIVE=OFF") for o in CMAKE_OPTIONS] + features + no_amx
 
 
-def build_target() -> str:
+def build_target(isa: str = "native") -> str:
     """The instruction set llama.cpp is built for here, in words for the results."""
+    if isa == "avx2":
+        return "AVX2 and FMA only (no AVX-512, VNNI or AMX)"
     return "native" if "-DGGML_NATIVE=ON" in cmake_options() else "this CPU's x86 features but AMX"
 
 
@@ -79,6 +90,7 @@ class LlamaCpp:
     """One version's folder: its source tree, build and converted files."""
 
     root: Path
+    isa: str = "native"
 
     @property
     def source(self) -> Path:
@@ -86,7 +98,7 @@ class LlamaCpp:
 
     @property
     def build_dir(self) -> Path:
-        return self.root / "build"
+        return self.root / ("build" if self.isa == "native" else f"build-{self.isa}")
 
     @property
     def gguf_dir(self) -> Path:
@@ -132,13 +144,13 @@ def ensure_source(version: str = VERSION) -> LlamaCpp:
     return lc
 
 
-def build_tools(version: str = VERSION, log=print) -> LlamaCpp:
-    """llama-bench and llama-quantize, built once (Release, native, OpenMP, static) and reused.
+def build_tools(version: str = VERSION, log=print, isa: str = "native") -> LlamaCpp:
+    """llama-bench and llama-quantize, built once (Release, native or `isa`, OpenMP, static) and reused.
 
     The stamp holds the options and targets; when they change, CMake rebuilds what they touch."""
-    lc = ensure_source(version)
+    lc = replace(ensure_source(version), isa=isa)
     stamp = lc.build_dir / ".moescope-stamp"
-    options = cmake_options()
+    options = cmake_options(isa=isa)
     wanted = "\n".join([*options, *TOOLS])
     if stamp.exists() and stamp.read_text() == wanted and all(lc.tool(t).exists() for t in TOOLS):
         return lc

@@ -94,6 +94,19 @@ def test_llamacpp_is_built_for_this_cpu_and_without_amx_where_its_amx_matmul_cra
     assert [o for o in options if "AMX" in o] == ["-DGGML_AMX_TILE=OFF", "-DGGML_AMX_INT8=OFF", "-DGGML_AMX_BF16=OFF"]
 
 
+def test_an_avx2_build_of_llamacpp_leaves_out_everything_past_avx2():
+    from bench.llamacpp_build import LlamaCpp, cmake_options
+
+    zen4 = {"sse4_2", "f16c", "fma", "bmi2", "avx", "avx2", "avx512f", "avx512_vnni", "avx512_bf16", "avx512vbmi"}
+    for cpu in (zen4, zen4 | {"avx_vnni", "amx_tile", "amx_int8"}):
+        options = set(cmake_options(cpu, isa="avx2"))
+        assert {"-DGGML_NATIVE=OFF", "-DGGML_AVX2=ON", "-DGGML_FMA=ON", "-DGGML_F16C=ON"} <= options
+        assert {"-DGGML_AVX512=OFF", "-DGGML_AVX512_VNNI=OFF", "-DGGML_AVX512_BF16=OFF", "-DGGML_AVX_VNNI=OFF",
+                "-DGGML_AMX_INT8=OFF"} <= options
+    lc = LlamaCpp(Path("/cache/0.3.36"), isa="avx2")  # its own build folder, beside the native one
+    assert lc.build_dir == Path("/cache/0.3.36/build-avx2") and LlamaCpp(Path("/cache/0.3.36")).build_dir.name == "build"
+
+
 def test_gguf_token_bytes_count_dense_tensors_and_top_k_experts(tmp_path):
     gguf = pytest.importorskip("gguf")
     import numpy as np
@@ -138,10 +151,12 @@ def test_summary_takes_per_repetition_ratios_and_marks_missing_formats():
     assert row["llama_decode_over_limit"] == pytest.approx(0.5)
     missing = summarise("g", "q8_0", [_rep(1000.0, 5.0, 0.0)], (None, "MoEScope has no q8_0 format yet"), llama)
     assert "exact_decode_tokens_per_s" not in missing and missing["llama_decode_tokens_per_s"] == 5.0
-    args = SimpleNamespace(threads=2, prompt_len=128, decode=64, reps=3, llama_bench_args="")
+    args = SimpleNamespace(threads=2, prompt_len=128, decode=64, reps=3, llama_bench_args="", isa="native")
     lines = table([row, missing], args)
     assert lines[-1] == "n/a: q8_0: MoEScope has no q8_0 format yet."
     assert "| g | q8_0 (Q8_0) | n/a / 0 |" in lines[-3] and "n/a / n/a / 5.0" in lines[-3]
+    avx2 = table([row], SimpleNamespace(**{**vars(args), "isa": "avx2"}))[0]  # the header says what both ran
+    assert "AVX2 and FMA only (no AVX-512, VNNI or AMX)" in avx2 and "avx2 kernel flavour" in avx2
 
 
 def test_moescope_on_llamacpps_own_gguf_gets_its_own_ratios_and_table():
@@ -155,7 +170,7 @@ def test_moescope_on_llamacpps_own_gguf_gets_its_own_ratios_and_table():
     assert row["gguf_decode_over_llama"] == pytest.approx(1.2) and row["gguf_prefill_over_llama"] == pytest.approx(0.6)
     assert "fast_decode_tokens_per_s" not in row  # unavailable formats still compare the GGUF run
     lines = table([row, dict(row, format="q4_k-dq8_0")], SimpleNamespace(
-        threads=2, prompt_len=128, decode=64, reps=2, llama_bench_args=""))
+        threads=2, prompt_len=128, decode=64, reps=2, llama_bench_args="", isa="native"))
     assert lines[-1] == "| g | Q4_K_M | 9.0 / 7.5 | 1.20 | 45 / 75 | 0.60 |"  # one line per file
     assert "opening llama.cpp's GGUF file directly" in lines[-5]
 
