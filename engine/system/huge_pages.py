@@ -18,7 +18,7 @@ from collections.abc import Iterable
 import numpy as np
 import torch
 
-from engine.system.memory import proc_bytes
+from engine.system.memory import proc_bytes, release_free_heap
 
 HUGE_PAGE = 2 << 20
 WORTH_IT = HUGE_PAGE  # a smaller mapping could not hold a huge page
@@ -69,15 +69,40 @@ class Arena:
 
 
 GATHER_FROM = 4096  # smaller tensors (norm weights) sit in a page or two and in cache anyway
+TRIM_EVERY = 256 << 20  # bytes moved between handing the freed originals' heap pages back
 
 
 def gather(model: torch.nn.Module, skip: Iterable[torch.Tensor] = ()) -> int:
     """Move `model`'s contiguous CPU parameters and buffers of GATHER_FROM bytes or more (but
     `skip`) into one arena, in the order the modules list them, so a layer's weights lie side by
-    side; tied tensors stay tied. Each old tensor is let go as its copy takes its place, so the
-    load's peak grows by about one tensor, not by the model. Returns the bytes moved."""
-    skipped = {id(t) for t in skip}
-    holders: dict[int, list[tuple[dict, str]]] = {}  # by tensor: every (table, name) that holds it
+    side; tied tensors stay tied. Each old tensor is let go as its copy takes its place, and the
+    heap pages of those freed are handed back every TRIM_EVERY bytes (glibc keeps them otherwise),
+    so the load's peak grows by about that much, not by the model. Returns the bytes moved."""
+    holders, room = _holders(model, {id(t) for t in skip})
+    if not holders:
+        return 0
+    arena = Arena(room)
+    moved = untrimmed = 0
+    for places in holders.values():
+        table, name = places[0]
+        old = table[name]
+        copy = arena.place(old.detach())
+        new = torch.nn.Parameter(copy, requires_grad=old.requires_grad) if isinstance(old, torch.nn.Parameter) else copy
+        for table, name in places:
+            table[name] = new
+        moved += old.nbytes
+        untrimmed += old.nbytes
+        del old  # its last reference here, unless the caller kept one
+        if untrimmed >= TRIM_EVERY:
+            release_free_heap()
+            untrimmed = 0
+    release_free_heap()
+    return moved
+
+
+def _holders(model: torch.nn.Module, skipped: set[int]) -> tuple[dict[int, list[tuple[dict, str]]], int]:
+    """By tensor to gather: every (table, name) that holds it; and the arena room they need."""
+    holders: dict[int, list[tuple[dict, str]]] = {}
     room = 0
     for module in model.modules():
         for table in (module._parameters, module._buffers):
@@ -89,20 +114,7 @@ def gather(model: torch.nn.Module, skip: Iterable[torch.Tensor] = ()) -> int:
                     holders[id(tensor)] = []
                     room += Arena.room_for(tensor.nbytes)
                 holders[id(tensor)].append((table, name))
-    if not holders:
-        return 0
-    arena = Arena(room)
-    moved = 0
-    for places in holders.values():
-        table, name = places[0]
-        old = table[name]
-        copy = arena.place(old.detach())
-        new = torch.nn.Parameter(copy, requires_grad=old.requires_grad) if isinstance(old, torch.nn.Parameter) else copy
-        for table, name in places:
-            table[name] = new
-        moved += old.nbytes
-        del old  # its last reference here, unless the caller kept one
-    return moved
+    return holders, room
 
 
 def huge_bytes_of_process() -> int:
