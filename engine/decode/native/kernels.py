@@ -41,6 +41,7 @@ _lock = threading.Lock()
 _done = threading.Event()
 _builder: threading.Thread | None = None
 _kernels: ModuleType | None = None
+_flavour = "native"  # the flavour _kernels were built as
 _problem = ""  # why the kernels are unavailable, once a build failed
 
 
@@ -114,9 +115,10 @@ def requested_flavour() -> str:
 
 
 def _build() -> None:
-    global _kernels, _problem
+    global _kernels, _problem, _flavour
     try:
-        _kernels = compile_flavour(requested_flavour())
+        _flavour = requested_flavour()
+        _kernels = compile_flavour(_flavour)
     except Exception as exc:  # no compiler, no ninja, a failed build: decode keeps transformers' kernels
         first_line = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
         _problem = f"native decode kernels unavailable ({first_line[:200]})"
@@ -174,8 +176,7 @@ def failed() -> bool:
 def status() -> str:
     """One line for the user: ready, building, or why not."""
     if _kernels is not None:
-        flavour = os.environ.get(FLAVOUR_ENV, "").strip()
-        return "native decode kernels ready" + (f" ({flavour} build, {FLAVOUR_ENV})" if flavour not in ("", "native") else "")
+        return "native decode kernels ready" + (f" ({_flavour} build, {FLAVOUR_ENV})" if _flavour != "native" else "")
     if _done.is_set():
         return _problem
     if _builder is not None:
