@@ -27,7 +27,7 @@ from pathlib import Path
 import numpy as np
 
 from bench.routing import OLMOE_TRACE
-from engine.accounting.policies import POLICIES
+from engine.accounting.policies import POLICIES, make_policy
 from engine.accounting.policies.markov import MarkovPolicy
 from engine.accounting.routing import RoutingStep
 from engine.accounting.sizes import format_bytes, parse_budget
@@ -80,6 +80,22 @@ def next_step_bound(trace: Trace, budget: str) -> dict:
     return {"hits": hits, "loads": loads}
 
 
+def ranked_waves_study(trace: Trace, budget: str) -> dict:
+    """Loads per token with a step's experts streamed through the slots in id order (the engine's
+    waves) and in each policy's own order (`replay(ranked_waves=True)`), for Belady's MIN, lru and
+    markov, on the same split as `compare`."""
+    calibration, scored = trace.split(CALIBRATION)
+    slots, _ = plan_slots(calibration, resolve_slots(trace, parse_budget(budget), None), "uniform")
+    out = {}
+    for ranked in (False, True):
+        out[f"belady {'ranked' if ranked else 'ids'}"] = replay(scored, belady_for(scored), slots,
+                                                                ranked_waves=ranked).loads_per_token
+        for name in ("lru", "markov"):
+            out[f"{name} {'ranked' if ranked else 'ids'}"] = replay(
+                scored, make_policy(name), slots, history=calibration, ranked_waves=ranked).loads_per_token
+    return out
+
+
 def real_traces() -> tuple[dict[str, Trace], list[str]]:
     traces, notes = {}, []
     if OLMOE_TRACE.exists():
@@ -120,7 +136,7 @@ def row(c: Comparison) -> dict:
 def measure(traces: dict[str, Trace]) -> dict:
     report = {"date": dt.date.today().isoformat(), "calibration": CALIBRATION, "allocation": "uniform",
               "policies": {}, "oracle": {}, "fixed_decay": {}, "ablations": {}, "overlap": {}, "tuning": {},
-              "next_step": {}}
+              "next_step": {}, "ranked_waves": {}}
     calibrations = {name: trace.split(CALIBRATION)[0] for name, trace in traces.items()}
     for spec in TUNING:  # on the calibration parts only: what chose markov's defaults
         runs = [row(compare(part, spec, parse_budget(b), calibrate=1 / 3, allocation="uniform"))
@@ -137,6 +153,7 @@ def measure(traces: dict[str, Trace]) -> dict:
             report["oracle"][key] = row(compare(trace, "popularity", spec, allocation="uniform", oracle=True))
             report["ablations"][key] = [row(compare(trace, a, spec, allocation="uniform")) for a in ABLATIONS]
             report["next_step"][key] = next_step_bound(trace, budget)
+            report["ranked_waves"][key] = ranked_waves_study(trace, budget)
             # LFU with decay, one decay at a time: on the calibration part itself (its first third warms
             # up) against the scored part. Where the best decay moves, routing drifts.
             report["fixed_decay"][key] = {
@@ -207,6 +224,21 @@ def markdown(report: dict, traces: dict[str, Trace], notes: list[str]) -> str:
         markov = next(r for r in report["policies"][key] if r["policy"] == "markov")
         lines.append(f"| {name} | {budget} | {markov['hit_rate_vs_belady']:.3f} / {markov['loads_vs_belady']:.3f} | "
                      f"{bound['hits']:.3f} / {bound['loads']:.3f} |")
+    lines += ["", "## Study: which of a step's experts stay (loads per token)", "",
+              "A step that needs more experts than a layer has slots (a prompt) streams them through the slots in "
+              "waves. `ranked` (the engine since 2026-11-28, and every table above, Belady's MIN included): in the "
+              "policy's order, least wanted first, the resident ones it wants most held through the waves "
+              "(`CacheDirectory.wave_order`), so what stays is the policy's choice. `ids`: in expert id order, as "
+              "before, when the last wave stayed whatever it held. The last column: the id order's loads against "
+              "ranked Belady, where the engine stood against the tighter bound.", "",
+              "| trace | budget | Belady ids | Belady ranked | lru ids / ranked | markov ids / ranked | "
+              "x loads vs ranked Belady: lru ids, markov ids |", "|---|---|---|---|---|---|---|"]
+    for key, w in report["ranked_waves"].items():
+        name, budget = key.rsplit(" ", 1)
+        tight = w["belady ranked"]
+        lines.append(f"| {name} | {budget} | {w['belady ids']:.3f} | {tight:.3f} | {w['lru ids']:.3f} / "
+                     f"{w['lru ranked']:.3f} | {w['markov ids']:.3f} / {w['markov ranked']:.3f} | "
+                     f"{w['lru ids'] / tight:.3f}, {w['markov ids'] / tight:.3f} |")
     lines += ["", "## How the defaults were chosen: the calibration parts only", "",
               "Each trace's calibration part split again (its first third warms up, the rest is scored); the mean "
               "over the traces and both budgets of x hits and x loads. No scored routing is involved.", "",

@@ -21,6 +21,7 @@ from engine.decode.runtime import MoERuntime
 from engine.offload.loads import ChunkScheduler, LoadJob
 from engine.protocol import LoadModel, SamplingSettings
 from engine.traces.replay import belady_for, compare, replay
+from engine.traces.trace import Trace, TraceStep
 from tests.helpers.checkpoints import FAMILIES, reference_generate
 from tests.helpers.traces import cycle_trace, layer_pair_trace, request_types_trace
 
@@ -204,6 +205,26 @@ def test_lfu_evicts_the_least_frequently_used():
     misses = d.lookup(RoutingStep.of_layer(0, [2]))[0].missing
     _, evicted = d.assign(0, 2, {2})
     assert evicted == 1  # used once, although more recently than expert 0
+
+
+def test_a_prompt_wider_than_the_slots_leaves_what_the_policy_wants_most():
+    # One layer, 4 slots. A prompt needs experts 0-7; then the reply's tokens need 1 and 2. In id
+    # order the last wave (4-7) stayed; in the policy's order the experts it wants most stay, and
+    # resident ones it wants are held through the waves instead of being streamed out and back.
+    steps = [TraceStep(0, 0, 8, 0, list(range(8)), [1] * 8, [1.0] * 8)]
+    steps += [TraceStep(0, 8 + t, 1, 0, [1, 2], [1, 1], [1.0, 1.0]) for t in range(3)]
+    trace = Trace(1, 8, 2, steps)
+    by_id, ranked = (replay(trace, belady_for(trace), [4], ranked_waves=r) for r in (False, True))
+    assert by_id.misses == 4 + 2 and ranked.misses == 4  # the 4 not resident at the start, and 1, 2 again by id
+    policy = make_policy("lru")
+    policy.reset(1, 8, 2)
+    d = CacheDirectory([4], policy)
+    for e in (1, 2, 3, 0):  # 0 the most recently used, then 3, 2, 1
+        d.assign(0, e, ())
+        d.lookup(RoutingStep.of_layer(0, [e]))
+    d.lookup(RoutingStep.of_layer(0, [5, 6]))  # 5 and 6 used after them: LRU ranks them highest
+    order, held = d.wave_order(0, list(range(8)), [4, 5, 6, 7])
+    assert order[-2:] == [5, 6] and len(held) == 2 and held <= {0, 1, 2, 3}
 
 
 def test_markov_learns_which_expert_follows_and_beats_lru():

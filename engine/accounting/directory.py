@@ -151,6 +151,22 @@ class CacheDirectory:
             placed.append((layer, expert, slot))
         return placed
 
+    def wave_order(self, layer: int, needed: Sequence[int], missing: Sequence[int]) -> tuple[list[int], set[int]]:
+        """For a step that needs more of `layer`'s experts than fit beside the resident ones: the order
+        to stream `missing` through the slots, least wanted first (the policy's victims in turn over
+        `needed`), and the needed resident experts to hold through the waves: those among the
+        slots' worth the policy wants most, at most half the slots (so that a wave still streams
+        through the other half). What stays after the step is then the policy's choice, not the
+        last wave in id order."""
+        pool, order = list(needed), []
+        while pool:
+            victim = self.policy.choose_victim(layer, pool)
+            order.append(victim)
+            pool.remove(victim)
+        capacity, lost, slots = len(self.expert_in[layer]), set(missing), self.slot_of[layer]
+        held = [e for e in reversed(order[-capacity:]) if e in slots and e not in lost][: capacity // 2]
+        return [e for e in order if e in lost], set(held)
+
     def complete(self, layer: int, expert: int) -> None:
         """The load of `expert` finished: its bytes are in."""
         self.pending[layer].discard(expert)

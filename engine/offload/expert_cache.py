@@ -30,7 +30,7 @@ import threading
 import time
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -126,6 +126,7 @@ class LoadPlan:
     inflight: list[LoadJob]  # prefetches still loading, now needed
     loads: list[LoadJob]  # exact loads started for this step
     waves: list[int]  # misses beyond the free slots, streamed through them afterwards
+    held: set[int] = field(default_factory=set)  # resident experts the waves must not take (wave_order)
 
 
 class ExpertCache:
@@ -521,12 +522,16 @@ class ExpertCache:
             on_cpu = [e for e in missing if self.cpu_experts.prefers_cpu(int(routing.counts[e]))]
             missing = [e for e in missing if e not in on_cpu]
         room = len(self.directory.expert_in[layer]) - len(found.ready) - len(found.inflight)
+        held: set[int] = set()
+        if len(missing) > room:  # waves: stream the least wanted first, so the ones the policy keeps stay
+            missing, held = self.directory.wave_order(layer, routing.needed, missing)
         for expert in found.inflight:  # needed now: exact priority
             self._queue.promote(self._jobs[(layer, expert)])
         loads = [self._start_load(layer, e, protected) for e in missing[:room]]
         if self.policy.prefetches:
             self._prefetch(layer, protected)
-        return LoadPlan(found.ready, on_cpu, [self._jobs[(layer, e)] for e in found.inflight], loads, missing[room:])
+        return LoadPlan(found.ready, on_cpu, [self._jobs[(layer, e)] for e in found.inflight], loads, missing[room:],
+                        held)
 
     def _compute(self, layer: int, module: torch.nn.Module, hidden_states: torch.Tensor, routing: LayerRouting,
                  plan: LoadPlan, weights: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
@@ -607,10 +612,10 @@ class ExpertCache:
         for job in jobs:
             self._wait(job)
             compute(job.expert)
-        rest, capacity = plan.waves, len(self.directory.expert_in[layer])
-        while rest:  # more experts than slots: stream the remainder through the slots in waves
-            wave, rest = rest[:capacity], rest[capacity:]
-            for job in [self._start_load(layer, e, set(wave)) for e in wave]:
+        rest, size = plan.waves, len(self.directory.expert_in[layer]) - len(plan.held)
+        while rest:  # more experts than slots: stream the remainder through the other slots in waves
+            wave, rest = rest[:size], rest[size:]
+            for job in [self._start_load(layer, e, set(wave) | plan.held) for e in wave]:
                 self._wait(job)
                 compute(job.expert)
         if combined:  # the one call computed every row, so no other expert ran

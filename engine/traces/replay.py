@@ -17,7 +17,8 @@ the scored routing itself (knowing the future's expert frequencies) is only used
 
 Next to every online policy it runs Belady's MIN (offline optimal eviction, `BeladyPolicy`) on the
 scored part with the same slots, starting from the best possible cache (the experts needed
-soonest): no demand-loading policy, from any state, can load fewer experts there. A prefetching
+soonest), its prompts' waves streamed in its own order too (`CacheDirectory.wave_order`): no
+demand-loading policy, from any state, can load fewer experts there. A prefetching
 policy can show a higher hit rate than MIN (its prefetches are not misses), but never fewer loads.
 numpy only; no torch.
 """
@@ -117,11 +118,15 @@ def plan_slots(calibration: Trace, total_slots: int, allocation: str) -> tuple[l
 
 
 def replay(trace: Trace, policy: CachePolicy, slots_per_layer: list[int], *, history: Trace | None = None,
-           expert_bytes: int | None = None, warm: bool = True, profile: np.ndarray | None = None) -> ReplayResult:
+           expert_bytes: int | None = None, warm: bool = True, profile: np.ndarray | None = None,
+           ranked_waves: bool = True) -> ReplayResult:
     """Replay `history` unscored (the policy's warm-up, as earlier requests in the engine), then score `trace`.
 
     `profile`: calibration counts, required by `needs_profile` policies; never built here, so a
-    profile of the scored routing is always the caller's explicit choice (see `compare`)."""
+    profile of the scored routing is always the caller's explicit choice (see `compare`).
+    `ranked_waves`: a step that needs more experts than the layer has slots streams them in the
+    policy's order and holds the resident ones it wants most (`CacheDirectory.wave_order`), as the
+    engine does; False streams them in id order, as the engine did before (a study)."""
     L, E = trace.num_layers, trace.num_experts
     policy.reset(L, E, trace.top_k)
     if policy.needs_profile:
@@ -170,17 +175,21 @@ def replay(trace: Trace, policy: CachePolicy, slots_per_layer: list[int], *, his
         protected = set(experts)
         capacity = slots_per_layer[layer]
         room = capacity - len(found.ready)
-        first, rest = found.missing[:room], found.missing[room:]
+        missing, held = found.missing, set()
+        if ranked_waves and len(missing) > room:
+            missing, held = directory.wave_order(layer, experts, missing)
+        first, rest = missing[:room], missing[room:]
         for expert in first:
             directory.assign(layer, expert, protected)
         wanted = [(lyr, e) for lyr, e in policy.prefetch(layer) if lyr != layer]
         for lyr, expert, _ in directory.place_prefetches(wanted, {layer: protected}):
             directory.complete(lyr, expert)  # no time model: the prefetch arrives in time
             result.prefetch_loads += 1
+        size = capacity - len(held)
         while rest:
-            wave, rest = rest[:capacity], rest[capacity:]
+            wave, rest = rest[:size], rest[size:]
             for expert in wave:
-                directory.assign(layer, expert, set(wave))
+                directory.assign(layer, expert, set(wave) | held)
     if started:
         policy.on_token_end()
     result.extra = policy.stats()
