@@ -227,6 +227,19 @@ def test_a_prompt_wider_than_the_slots_leaves_what_the_policy_wants_most():
     assert order[-2:] == [5, 6] and len(held) == 2 and held <= {0, 1, 2, 3}
 
 
+def test_a_prompts_last_token_is_its_most_recent_use():
+    step = RoutingStep.of_layer(0, [0, 1, 2, 3, 4, 5], [3, 1, 1, 1, 1, 3], tokens=6, last=[5, 0, 7])
+    assert step.last.tolist() == [[0, 5]]  # sorted, and only experts the step needed
+    assert RoutingStep.of_layer(0, [2, 4], tokens=1, last=[2, 4]).last is None  # one token: its own experts
+    for name in ("lru", "markov"):
+        policy = make_policy(name)
+        policy.reset(1, 8, 2)
+        d = CacheDirectory([2], policy)
+        d.lookup(step)
+        order, _ = d.wave_order(0, list(range(6)), list(range(6)))
+        assert set(order[-2:]) == {0, 5}, name  # streamed last, so they stay
+
+
 def test_markov_learns_which_expert_follows_and_beats_lru():
     trace = cycle_trace(cycles=20)  # 0 1 2 0 1 2 ... through 2 slots
     lru = replay(trace, make_policy("lru"), [2], warm=False)

@@ -22,14 +22,21 @@ class RoutingStep:
     experts: np.ndarray  # [rows, width] int64, each row sorted and distinct
     counts: np.ndarray  # [rows, width] int64: tokens routed to each of those experts
     tokens: int = 1  # tokens in this step (a prefill has many)
+    # A many-token step's last token: the experts it picked, [1, k] sorted (one layer), or None. The
+    # next token follows this one, not the whole prompt: it is the most recent use.
+    last: np.ndarray | None = None
 
     @classmethod
     def of_layer(cls, layer: int, experts: Sequence[int], counts: Sequence[int] | None = None,
-                 tokens: int = 1) -> RoutingStep:
-        """One layer's needs: `experts` sorted and distinct, `counts` tokens each (None: one each)."""
+                 tokens: int = 1, last: Sequence[int] | None = None) -> RoutingStep:
+        """One layer's needs: `experts` sorted and distinct, `counts` tokens each (None: one each);
+        `last`: the experts of a many-token step's last token (those of them among `experts`)."""
         ids = np.asarray(experts, dtype=np.int64)[None, :]
         each = np.ones_like(ids) if counts is None else np.asarray(counts, dtype=np.int64)[None, :]
-        return cls(np.array([layer], dtype=np.int64), ids, each, tokens)
+        final = None
+        if last is not None and tokens > 1:
+            final = np.asarray(sorted(set(map(int, last)).intersection(map(int, experts))), dtype=np.int64)[None, :]
+        return cls(np.array([layer], dtype=np.int64), ids, each, tokens, final)
 
     @classmethod
     def of_token(cls, picks: np.ndarray) -> RoutingStep:

@@ -79,7 +79,8 @@ class LayerRouting:
             self.picks = None
             counts = self.counts
             self.needed = np.flatnonzero(counts).tolist()
-            self.step = RoutingStep.of_layer(layer, self.needed, counts[self.needed], self.num_tokens)
+            last = self.flat_host[-self.top_k:].tolist() if self.num_tokens > 1 else None
+            self.step = RoutingStep.of_layer(layer, self.needed, counts[self.needed], self.num_tokens, last)
 
     @property
     def flat_host(self) -> np.ndarray:

@@ -164,7 +164,7 @@ def replay(trace: Trace, policy: CachePolicy, slots_per_layer: list[int], *, his
             result.rerouted += len(experts) - len(keep)
             result.accesses += len(experts) - len(keep)
             experts, counts = [experts[i] for i in keep], [counts[i] for i in keep]
-        found = directory.lookup(RoutingStep.of_layer(layer, experts, counts, step.tokens))[0]
+        found = directory.lookup(RoutingStep.of_layer(layer, experts, counts, step.tokens, step.last))[0]
         result.accesses += len(experts)
         result.hits += len(found.ready)
         result.misses += len(found.missing)

@@ -62,6 +62,7 @@ class TraceStep:
     counts: list[int]  # tokens routed to each of `experts`
     mass: list[float]  # summed routing weight of each of `experts`
     predictions: dict[int, list[int]] = field(default_factory=dict)  # target layer -> experts
+    last: list[int] | None = None  # a many-token step's last token's experts (None: one token)
 
 
 @dataclass
@@ -258,8 +259,9 @@ def _step(request: int, token: int, layer: int, per_token: list[list[int]], weig
             counts[e] = counts.get(e, 0) + 1
             mass[e] = mass.get(e, 0.0) + w
     experts = sorted(counts)
+    last = sorted(set(per_token[-1])) if len(per_token) > 1 else None
     return TraceStep(request, token, len(per_token), layer, experts, [counts[e] for e in experts],
-                     [mass[e] for e in experts], predictions)
+                     [mass[e] for e in experts], predictions, last)
 
 
 def _check(path: Path, number: int, step: TraceStep, num_layers: int, num_experts: int, top_k: int | None) -> None:

@@ -20,18 +20,23 @@ class LRUPolicy(CachePolicy):
         # last_use[layer, expert]: a global counter value; 0 = never used.
         self._last_use = np.zeros((num_layers, num_experts), dtype=np.int64)
         self._accessed_at = np.full(num_layers, -1, dtype=np.int64)  # clock of each layer's latest access
+        self._last_at = np.full(num_layers, -1, dtype=np.int64)  # and of its last token, in a many-token step
 
     def on_access(self, step: RoutingStep) -> None:
         clocks = self._clock + np.arange(1, len(step.layers) + 1)  # one tick per layer, in layer order
         self._last_use[step.layers[:, None], step.experts] = clocks[:, None]
         self._accessed_at[step.layers] = clocks
         self._clock += len(step.layers)
+        if step.last is not None:  # a prompt's last token used its experts after the others: one tick later
+            self._clock += 1
+            self._last_use[step.layers[:, None], step.last] = self._clock
+            self._last_at[step.layers] = self._clock
 
     def on_insert(self, layer: int, expert: int) -> None:
         super().on_insert(layer, expert)
         # An expert loaded without being asked for right now (warm-up, prefetch) counts as just used,
         # or the next miss would evict it before it is ever needed.
-        if self._last_use[layer][expert] != self._accessed_at[layer]:
+        if self._last_use[layer][expert] not in (self._accessed_at[layer], self._last_at[layer]):
             self._clock += 1
             self._last_use[layer][expert] = self._clock
 

@@ -121,6 +121,12 @@ class MarkovPolicy(LRUPolicy):
         self._previous[rows] = none
         self._previous[rows, :width] = ids
         self._width[rows] = width
+        for step in steps:  # a prompt: the next token follows its last one, not the whole prompt
+            if step.last is not None:
+                layer, final = int(step.layers[0]), step.last[0]
+                self._previous[layer] = none
+                self._previous[layer, : len(final)] = final
+                self._width[layer] = len(final)
         self._fresh[rows] = False
 
     # ----- deciding -----
