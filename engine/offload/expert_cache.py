@@ -454,6 +454,18 @@ class ExpertCache:
         self.counters.record(step, hits, misses)
         return found
 
+    def record_resident(self, step: RoutingStep) -> None:
+        """`record` for a step whose every expert sits ready in its slot (the whole-token step's
+        condition, `whole_token_problem`): the same counts, without splitting each row's experts by
+        where they are. Run between tokens, after the weights' streams have evicted this code and
+        its data from the CPU caches, every call here costs several times its warm time."""
+        if any(self.directory.unused_prefetch):  # a prefetch's first use is counted by the split
+            self.record(step)
+            return
+        self.directory.policy.on_access(step)
+        hits = np.full(len(step.layers), step.experts.shape[1], dtype=np.int64)
+        self.counters.record(step, hits, np.zeros_like(hits))
+
     @contextmanager
     def experts_kernel(self, kernel: OneTokenExperts) -> Iterator[None]:
         """Within the block, a decode token whose picks are all resident runs on `kernel`."""

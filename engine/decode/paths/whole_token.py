@@ -25,6 +25,7 @@ from __future__ import annotations
 
 from functools import partial
 
+import numpy as np
 import torch
 
 from engine.accounting.routing import RoutingStep
@@ -260,6 +261,12 @@ class FusedDecoder:
                                                None if gate_row is None else gate_row.weight.reshape(-1))
         self._placed = (cache.slot_views, cache.directory.changes)
         self._picks = torch.empty((len(self.moe_layers), gate.top_k), dtype=torch.long)
+        # numpy views and the constant parts of each token's RoutingStep, made once: between tokens
+        # every numpy or torch call runs cold (the weight streams evict its code and data), so the
+        # per-token bookkeeping keeps to one sort
+        self._picks_np = self._picks.numpy()
+        self._rows = np.arange(len(self.moe_layers), dtype=np.int64)
+        self._ones = np.ones((len(self.moe_layers), gate.top_k), dtype=np.int64)
         # the rotary call reads the embedding row's dtype only
         self._rotary_rows = RotaryRows(inner.rotary_emb, inner.embed_tokens.weight[:1].unsqueeze(0),
                                        self._rotary_dim)
@@ -313,7 +320,7 @@ class FusedDecoder:
         logits = self._native.run(token, cos, sin, keys, values, starts, lengths, self._picks)
         for layer in past_key_values.layers:
             layer.grow_by_one()
-        cache.record(RoutingStep.of_token(self._picks.numpy()))
+        cache.record_resident(RoutingStep(self._rows, np.sort(self._picks_np, axis=1), self._ones))
         return logits
 
     def phase_seconds(self) -> dict[str, float]:
