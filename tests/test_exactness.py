@@ -89,6 +89,23 @@ def test_decode_tokens_through_the_grouped_experts_stay_exact(tiny_checkpoints, 
         runtime.close()
 
 
+def test_repetition_penalty_matches_transformers(mixtral_checkpoint):
+    # the sampler keeps the ids so far for the penalty only, in a buffer that outgrows its start
+    from engine.decode.generation import Generator
+    from engine.decode.runtime import MoERuntime
+    from engine.protocol import LoadModel, SamplingSettings
+
+    expected = reference_generate(mixtral_checkpoint, PROMPT, 80, generation_kwargs={"repetition_penalty": 1.5})
+    runtime = MoERuntime(LoadModel(path=str(mixtral_checkpoint), budget="30%", store="disk"))
+    try:
+        settings = SamplingSettings(temperature=0, max_new_tokens=80, repetition_penalty=1.5)
+        assert Generator(runtime).generate(PROMPT, settings).token_ids == expected
+        plain = Generator(runtime).generate(PROMPT, SamplingSettings(temperature=0, max_new_tokens=80)).token_ids
+        assert plain != expected  # the penalty changed the reply
+    finally:
+        runtime.close()
+
+
 def test_json_has_the_promised_stats(capsys, mixtral_checkpoint):
     stats = run_generate(capsys, mixtral_checkpoint, "30%", "disk")["stats"]
     for key in ("prefill_tokens", "decode_tokens", "ttft_s", "decode_tokens_per_s", "hit_rate", "bytes_loaded",

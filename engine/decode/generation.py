@@ -134,8 +134,7 @@ class Generator:
         rt = self.runtime
         counters = rt.counters
         prompt_length = ids.shape[1]
-        sampler = Sampler(settings, rt.device)
-        seen = ids[0].clone()
+        sampler = Sampler(settings, rt.device, ids[0])
         cache = new_cache(rt.model)
         counters.keep_token_picks = keep_routing
         counters.take_token_picks()
@@ -151,13 +150,13 @@ class Generator:
             picks = counters.take_token_picks()
             if step > 0 and picks is not None:
                 routed.append(picks)
-            token = sampler.next_token(logits[0, -1], seen)
+            token = sampler.next_token(logits)
             timeline.forward_done(decode=step > 0)
             if step == 0:
                 timeline.first_token_out()
             if not reply.take(token):
                 break
-            seen = torch.cat([seen, torch.tensor([token], device=rt.device)])
+            sampler.accept(token)
             step_input = torch.tensor([[token]], dtype=torch.long, device=rt.device)
         counters.keep_token_picks = False
         return routed

@@ -130,12 +130,13 @@ def save_tiny_checkpoint(family: str, path: Path, *, seed: int = 0, **overrides)
 
 
 def reference_generate(path: Path, prompt_ids: list[int], max_new_tokens: int, dtype=torch.float32,
-                       **load) -> list[int]:
-    """Plain transformers, everything in memory, greedy: the ground truth (`load`: more from_pretrained arguments)."""
+                       generation_kwargs: dict | None = None, **load) -> list[int]:
+    """Plain transformers, everything in memory, greedy: the ground truth (`load`: more from_pretrained
+    arguments; `generation_kwargs`: more generate arguments, e.g. a repetition penalty)."""
     model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, **load)
     ids = torch.tensor([prompt_ids])
     out = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=max_new_tokens,
-                         pad_token_id=0)
+                         pad_token_id=0, **(generation_kwargs or {}))
     return out[0, len(prompt_ids):].tolist()
 
 
