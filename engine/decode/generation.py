@@ -139,9 +139,9 @@ class Generator:
         counters.keep_token_picks = keep_routing
         counters.take_token_picks()
         routed: list[np.ndarray] = []  # one [layers, top_k] per step after the prompt (a generated token fed back)
-        step_input = ids
+        step_input, token = ids, None
         for step in range(reply.limit):
-            forward = Step(step_input, cache, prompt_length + len(reply.tokens) - step_input.shape[1])
+            forward = Step(step_input, cache, prompt_length + len(reply.tokens) - step_input.shape[1], token=token)
             path, reason = rt.paths.choose(forward)  # asked every step: the switches apply live
             if step > 0:
                 rt.decode_path, rt.decode_path_reason = path.label, reason

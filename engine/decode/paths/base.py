@@ -24,6 +24,7 @@ class Step:
     position: int  # tokens already in the KV cache
     # every position's logits, not only the last (teacher-forced scoring of a prompt); prompt paths only
     every_position: bool = False
+    token: int | None = None  # the last token as an int, where the caller has it (no device read)
 
     @property
     def prefill(self) -> bool:
@@ -31,7 +32,7 @@ class Step:
 
     @property
     def last_token(self) -> int:
-        return int(self.input_ids[0, -1])
+        return self.token if self.token is not None else int(self.input_ids[0, -1])
 
 
 class DecodePath(ABC):
