@@ -30,7 +30,8 @@ class LRUPolicy(CachePolicy):
         if step.last is not None:  # a prompt's last token used its experts after the others: one tick later
             self._clock += 1
             self._last_use[step.layers[:, None], step.last] = self._clock
-            self._last_at[step.layers] = self._clock
+        # only this access's ticks mean "asked for now" to on_insert, not an older prompt's last one
+        self._last_at[step.layers] = self._clock if step.last is not None else -1
 
     def on_insert(self, layer: int, expert: int) -> None:
         super().on_insert(layer, expert)
