@@ -28,7 +28,7 @@ import torch
 from engine.system.cpu import cpuinfo_field
 
 SOURCE = Path(__file__).with_name("moe_decode.cpp")
-HEADERS = tuple(Path(__file__).with_name(name) for name in ("quant.h", "quant_int.h", "prompt_int8.h", "prompt_amx.h"))  # included by SOURCE: part of what a build is keyed by
+HEADERS = tuple(Path(__file__).with_name(name) for name in ("quant.h", "quant_int.h", "prompt_int8.h", "prompt_fixed.h", "prompt_amx.h"))  # included by SOURCE: part of what a build is keyed by
 # -march per build flavour: this CPU's best, AVX2 + FMA (laptops without AVX-512), and portable code
 # the compiler vectorises for a baseline target (tests build each, tests/test_quant_kernels.py)
 FLAVOURS = {"native": "-march=native", "avx2": "-march=x86-64-v3", "portable": "-march=x86-64"}

@@ -394,6 +394,15 @@ inline void dot_tile_n(const bf16* const* w, const bf16* const* x, int64_t k, fl
 // fused multiply-adds busy (one-row dot products with 8 accumulators, tried first, ran at about
 // half that rate; torch's own bf16 matmul is slower still on such CPUs).
 constexpr int64_t kBlock = 16;
+#if defined(__AVX2__) && defined(__FMA__)
+#define MOESCOPE_FIXED_PROMPT 1  // Q4_K tiles multiplied in integers (prompt_fixed.h)
+// Within each 32 inputs the fixed-point tiles keep the even ones, then the odd ones: a Q4_K block's
+// 16-bit words hold its levels so (the low nibbles of a word's two bytes are an even level and the
+// odd one after it), and so a tile row is expanded with 16-bit shifts and masks (FixedTile::load in
+// prompt_fixed.h), where putting the levels back in order took a shuffle-port instruction for
+// every 16. The inputs are packed in the same order (PromptInput::pack_fixed).
+constexpr int fixed_order(int s) { return s < 16 ? 2 * s : 2 * (s - 16) + 1; }  // the input at place s of 32
+#endif
 
 // out[r * kBlock + i] = w_r . x_i for the tile's rows of W (float32) and one block of input rows: its
 // first 8 rows (kVectors 1: a block holding no more, the last of an expert's, need not pay for 16)
@@ -434,19 +443,26 @@ inline void block_product(const float* const* w, const float* block, int64_t k, 
 #endif
 
 // A prompt's input rows as the tile products read them: bf16, and, in builds without bf16 dot
-// products, widened to float32 once per call into blocks of kBlock rows of one expert (the last
-// padded with zeros), each laid [k][kBlock]; the threads fill the blocks in parts (`pack`).
+// products, in blocks of kBlock rows of one expert (the last padded with zeros): widened to float32,
+// each laid [k][kBlock], or, where `fixed` (every matrix reading them is Q4_K, prompt_fixed.h), in
+// fixed point. The threads fill the blocks in parts (`pack`).
 struct PromptInput {
   const bf16* x;
   int64_t k;
+  bool fixed = false;
 #if !defined(MOESCOPE_AVX512BF16)
   std::vector<int64_t> first_block;  // each expert's first block, then the total
   std::vector<int64_t> block_row;    // each block's first row of x
   std::vector<float> blocks;
+  std::vector<int16_t> fixed_values;  // per block [k / 2][kBlock][2]
+  std::vector<float> fixed_scale;     // per block [k / 256][kBlock]: x ~= scale * value
+  std::vector<float> fixed_sums;      // per block [k / 32][kBlock]: the float sums of x
 #endif
 
-  // `start`/`count`: each expert's rows of x (one expert: all of them)
-  PromptInput(const bf16* x_, int64_t k_, const std::vector<int64_t>& start, const std::vector<int64_t>& count)
+  // `start`/`count`: each expert's rows of x (one expert: all of them); `fixed_point`: the blocks in
+  // fixed point, where the build has that path
+  PromptInput(const bf16* x_, int64_t k_, const std::vector<int64_t>& start, const std::vector<int64_t>& count,
+              bool fixed_point = false)
       : x(x_), k(k_) {
 #if !defined(MOESCOPE_AVX512BF16)
     for (size_t e = 0; e < count.size(); ++e) {
@@ -457,9 +473,18 @@ struct PromptInput {
     row_end.assign(block_row.size(), 0);
     for (size_t e = 0; e < count.size(); ++e)
       for (int64_t b = first_block[e]; b < first_block[e + 1]; ++b) row_end[b] = start[e] + count[e];
-    blocks.resize(block_row.size() * kBlock * k);
+#if defined(MOESCOPE_FIXED_PROMPT)
+    fixed = fixed_point && k % 256 == 0;
+#endif
+    if (fixed) {
+      fixed_values.resize(block_row.size() * kBlock * k);
+      fixed_scale.resize(block_row.size() * kBlock * (k / 256));
+      fixed_sums.resize(block_row.size() * kBlock * (k / 32));
+    } else {
+      blocks.resize(block_row.size() * kBlock * k);
+    }
 #else
-    (void)start, (void)count;
+    (void)start, (void)count, (void)fixed_point;
 #endif
   }
 
@@ -480,8 +505,14 @@ struct PromptInput {
   void pack(int64_t first, int64_t last) {
     std::vector<float> row(k);
     for (int64_t b = first; b < last; ++b) {
-      float* out = blocks.data() + b * kBlock * k;
       const int64_t n = std::min(kBlock, row_end[b] - block_row[b]);
+#if defined(MOESCOPE_FIXED_PROMPT)
+      if (fixed) {
+        pack_fixed(b, n);
+        continue;
+      }
+#endif
+      float* out = blocks.data() + b * kBlock * k;
       for (int64_t i = 0; i < kBlock; ++i) {
         if (i < n) {
           const bf16* src = x + (block_row[b] + i) * k;
@@ -493,6 +524,63 @@ struct PromptInput {
       }
     }
   }
+
+#if defined(MOESCOPE_FIXED_PROMPT)
+  // Block b's n rows in fixed point: per 256 values a scale (max |x| / 32512) and each value rounded
+  // to the nearest multiple of it, as FixedInput puts a decode input (quant_int.h), in fixed_order;
+  // padded rows stay 0.
+  void pack_fixed(int64_t b, int64_t n) {
+    int16_t* values = fixed_values.data() + b * kBlock * k;
+    float* scale = fixed_scale.data() + b * kBlock * (k / 256);
+    float* sums = fixed_sums.data() + b * kBlock * (k / 32);
+    const __m256 no_sign = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF));
+    const __m256i low16 = _mm256_set1_epi32(0xFFFF);
+    alignas(32) int16_t chunk[256];
+    for (int64_t i = 0; i < n; ++i) {
+      const bf16* src = x + (block_row[b] + i) * k;
+      for (int64_t c = 0; c < k / 256; ++c) {
+        const bf16* v = src + 256 * c;
+        auto widen = [&](int at) {  // 8 values from v + at as float
+          return _mm256_castsi256_ps(_mm256_slli_epi32(
+              _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(v + at))), 16));
+        };
+        __m256 top = _mm256_setzero_ps();
+        for (int at = 0; at < 256; at += 8) top = _mm256_max_ps(top, _mm256_and_ps(widen(at), no_sign));
+        __m128 m = _mm_max_ps(_mm256_castps256_ps128(top), _mm256_extractf128_ps(top, 1));
+        m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+        const float amax = std::max(_mm_cvtss_f32(m), _mm_cvtss_f32(_mm_shuffle_ps(m, m, 1)));
+        const __m256 inv = _mm256_set1_ps(amax > 0.f ? 32512.f / amax : 0.f);
+        scale[c * kBlock + i] = amax / 32512.f;
+        for (int j = 0; j < 8; ++j) {
+          __m256i q[4];
+          __m256 total = _mm256_setzero_ps();
+          for (int part = 0; part < 4; ++part) {
+            const __m256 values8 = widen(32 * j + 8 * part);
+            total = _mm256_add_ps(total, values8);
+            // to nearest even, as FixedInput::fixed's nearbyint; |value * inv| <= 32512 already
+            q[part] = _mm256_cvtps_epi32(_mm256_mul_ps(values8, inv));
+          }
+          __m128 h = _mm_add_ps(_mm256_castps256_ps128(total), _mm256_extractf128_ps(total, 1));
+          h = _mm_add_ps(h, _mm_movehl_ps(h, h));
+          sums[(8 * c + j) * kBlock + i] = _mm_cvtss_f32(_mm_add_ss(h, _mm_shuffle_ps(h, h, 1)));
+          // the 32 values as int16 in order, then the even ones and the odd ones (fixed_order)
+          const __m256i first = _mm256_permute4x64_epi64(_mm256_packs_epi32(q[0], q[1]), 0xD8);
+          const __m256i second = _mm256_permute4x64_epi64(_mm256_packs_epi32(q[2], q[3]), 0xD8);
+          const __m256i even = _mm256_packus_epi32(_mm256_and_si256(first, low16), _mm256_and_si256(second, low16));
+          const __m256i odd = _mm256_packus_epi32(_mm256_srli_epi32(first, 16), _mm256_srli_epi32(second, 16));
+          _mm256_store_si256(reinterpret_cast<__m256i*>(chunk + 32 * j), _mm256_permute4x64_epi64(even, 0xD8));
+          _mm256_store_si256(reinterpret_cast<__m256i*>(chunk + 32 * j + 16), _mm256_permute4x64_epi64(odd, 0xD8));
+        }
+        for (int q = 0; q < 128; ++q)
+          std::memcpy(values + ((128 * c + q) * kBlock + i) * 2, chunk + 2 * q, 4);
+      }
+    }
+  }
+
+  const int16_t* fixed_block(int64_t b) const { return fixed_values.data() + b * kBlock * k; }
+  const float* fixed_scale_of(int64_t b) const { return fixed_scale.data() + b * kBlock * (k / 256); }
+  const float* fixed_sums_of(int64_t b) const { return fixed_sums.data() + b * kBlock * (k / 32); }
+#endif
 #else
   void pack(int64_t, int64_t) {}
 #endif
@@ -563,6 +651,7 @@ inline void tile_times_rows(const TileRows& w, const PromptInput& in, int64_t e,
 }
 
 #include "prompt_int8.h"  // opt-in: a prompt's rows rounded to 8 bits for Q4_K matrices
+#include "prompt_fixed.h"  // Q4_K tiles in integers where there are no bf16 dot products
 #include "prompt_amx.h"   // AMX tiles where the CPU has them
 
 constexpr int64_t kMaxTile = std::max(kTile, kAmxRows);  // rows of W per prompt tile, either path
@@ -573,6 +662,9 @@ struct TileScratch {
   std::vector<float> wide;  // the tile's rows in float32 (builds without bf16 dot products)
   Q4KRows q4k;
   std::vector<float> sums;  // a tile's 8-bit products, [input row][kTile]
+#if defined(MOESCOPE_FIXED_PROMPT)
+  FixedTile fixed;  // a Q4_K tile for fixed-point inputs
+#endif
 };
 
 // The tile's kTile rows at[] of a Q4_K matrix times expert e's 8-bit input groups (its rows from
@@ -617,7 +709,7 @@ at::Tensor linear_rows(const Weight& weight, const at::Tensor& x, const c10::opt
   const bool int8 = int8_inputs && w.type == kQ4_K && k % 256 == 0;
   std::unique_ptr<Int8Groups> groups = int8 ? std::make_unique<Int8Groups>(std::vector<int64_t>{0},
                                                                             std::vector<int64_t>{m}, k) : nullptr;
-  PromptInput in(bf16_data(xc), k, {0}, {int8 ? 0 : m});  // the 8-bit path reads no float32 blocks
+  PromptInput in(bf16_data(xc), k, {0}, {int8 ? 0 : m}, w.type == kQ4_K);  // the 8-bit path reads no blocks
   if (int8)
     at::parallel_for(0, groups->groups(), 1, [&](int64_t first, int64_t last) {
       for (int64_t g = first; g < last; ++g) groups->fill(g, bf16_data(xc));
@@ -640,7 +732,7 @@ at::Tensor linear_rows(const Weight& weight, const at::Tensor& x, const c10::opt
   at::parallel_for(0, tiles, 1, [&](int64_t first_tile, int64_t last_tile) {
     TileScratch scratch;
     scratch.expanded.resize(int8 ? 0 : height * k);
-    scratch.wide.resize(in.block_count() ? kTile * k : 0);
+    scratch.wide.resize(in.block_count() && !in.fixed ? kTile * k : 0);
 #if defined(MOESCOPE_AMX)
     if (operands) amx_configure();
 #endif
@@ -668,6 +760,12 @@ at::Tensor linear_rows(const Weight& weight, const at::Tensor& x, const c10::opt
                                     b != nullptr ? _mm512_add_ps(sums, bias) : sums));
                               }
                             });
+        continue;
+      }
+#endif
+#if defined(MOESCOPE_FIXED_PROMPT)
+      if (in.fixed) {
+        fixed_tile_times_rows(w, at, in, 0, 0, m, scratch.fixed, emit);
         continue;
       }
 #endif
@@ -1037,6 +1135,12 @@ struct PromptExperts {
       int8_tile_times_rows(m, at, *groups, e, start[e], scratch, emit);
       return;
     }
+#if defined(MOESCOPE_FIXED_PROMPT)
+    if (input.fixed) {
+      fixed_tile_times_rows(m, at, input, e, start[e], count[e], scratch.fixed, emit);
+      return;
+    }
+#endif
 #if defined(MOESCOPE_AMX)
     if (amx_input != nullptr) {
       amx_tile_times_rows(amx_rows(m, at, scratch.expanded.data()), *amx_input, e, start[e], emit_block);
@@ -1172,7 +1276,14 @@ at::Tensor moe_prompt(const at::Tensor& x, const std::vector<int64_t>& start, co
   const std::unique_ptr<Int8Groups> act8 = int8_groups(int8_inputs, experts, true, start, count, inter);
   // The 8-bit path is asked for Q4_K matrices only; with it the others keep the dot products' tiles.
   const bool amx = amx_on() && !int8_inputs && hidden % 32 == 0 && inter % 32 == 0;
-  PromptInput in(bf16_data(xc), hidden, start, count), act(activation.data(), inter, start, count);
+  // every expert Q4_K (and no 8-bit inputs asked for): the inputs in fixed point for prompt_fixed.h
+  auto all_q4_k = [&](bool down) {
+    return !int8_inputs && std::all_of(experts.begin(), experts.end(), [&](const ExpertWeights& w) {
+      return (down ? w.down : w.gate_up).type == kQ4_K;
+    });
+  };
+  PromptInput in(bf16_data(xc), hidden, start, count, all_q4_k(false)),
+      act(activation.data(), inter, start, count, all_q4_k(true));
   PromptExperts work{recipe, experts, start, count, in, hidden, inter, act, activation.data(), bf16_data(y),
                      x8.get(), act8.get()};
 #if defined(MOESCOPE_AMX)
@@ -1191,7 +1302,7 @@ at::Tensor moe_prompt(const at::Tensor& x, const std::vector<int64_t>& start, co
     barrier.join(team);
     TileScratch scratch;
     scratch.expanded.resize(work.height * std::max(hidden, inter));
-    if (in.block_count()) scratch.wide.resize(kTile * std::max(hidden, inter));
+    if (in.block_count() && !(in.fixed && act.fixed)) scratch.wide.resize(kTile * std::max(hidden, inter));
     // this thread's part of a matrix's inputs in the layout its products read, then all are done
     auto fill_share = [&](Int8Groups* groups, PromptInput& input, [[maybe_unused]] bool down) {
       bool filled = false;
