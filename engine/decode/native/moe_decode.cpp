@@ -442,6 +442,40 @@ inline void block_product(const float* const* w, const float* block, int64_t k, 
 }
 #endif
 
+#if defined(__AVX2__)
+// 256 bf16 values on a grid of `steps` levels either side of zero, x ~= amax / steps * level
+// (rounded to nearest even, as nearbyint): each sub-block of 32 handed to use(j, level, sum) as four
+// vectors of 8 int32 levels and the float sum of its values. Returns amax. The 8-bit prompt inputs
+// (prompt_int8.h) and the fixed-point ones (PromptInput::pack_fixed) both put their rows so.
+template <class Use>
+inline float round_chunk(const bf16* v, float steps, Use&& use) {
+  auto widen = [&](int at) {  // 8 values from v + at as float
+    return _mm256_castsi256_ps(_mm256_slli_epi32(
+        _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(v + at))), 16));
+  };
+  const __m256 no_sign = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF));
+  __m256 top = _mm256_setzero_ps();
+  for (int at = 0; at < 256; at += 8) top = _mm256_max_ps(top, _mm256_and_ps(widen(at), no_sign));
+  __m128 m = _mm_max_ps(_mm256_castps256_ps128(top), _mm256_extractf128_ps(top, 1));
+  m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+  const float amax = std::max(_mm_cvtss_f32(m), _mm_cvtss_f32(_mm_shuffle_ps(m, m, 1)));
+  const __m256 inv = _mm256_set1_ps(amax > 0.f ? steps / amax : 0.f);
+  for (int j = 0; j < 8; ++j) {
+    __m256i level[4];
+    __m256 sum = _mm256_setzero_ps();
+    for (int part = 0; part < 4; ++part) {
+      const __m256 x = widen(32 * j + 8 * part);
+      sum = _mm256_add_ps(sum, x);
+      level[part] = _mm256_cvtps_epi32(_mm256_mul_ps(x, inv));  // |x * inv| <= steps already
+    }
+    __m128 h = _mm_add_ps(_mm256_castps256_ps128(sum), _mm256_extractf128_ps(sum, 1));
+    h = _mm_add_ps(h, _mm_movehl_ps(h, h));
+    use(j, level, _mm_cvtss_f32(_mm_add_ss(h, _mm_shuffle_ps(h, h, 1))));
+  }
+  return amax;
+}
+#endif
+
 // A prompt's input rows as the tile products read them: bf16, and, in builds without bf16 dot
 // products, in blocks of kBlock rows of one expert (the last padded with zeros): widened to float32,
 // each laid [k][kBlock], or, where `fixed` (every matrix reading them is Q4_K, prompt_fixed.h), in
@@ -533,44 +567,22 @@ struct PromptInput {
     int16_t* values = fixed_values.data() + b * kBlock * k;
     float* scale = fixed_scale.data() + b * kBlock * (k / 256);
     float* sums = fixed_sums.data() + b * kBlock * (k / 32);
-    const __m256 no_sign = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF));
     const __m256i low16 = _mm256_set1_epi32(0xFFFF);
     alignas(32) int16_t chunk[256];
     for (int64_t i = 0; i < n; ++i) {
       const bf16* src = x + (block_row[b] + i) * k;
       for (int64_t c = 0; c < k / 256; ++c) {
-        const bf16* v = src + 256 * c;
-        auto widen = [&](int at) {  // 8 values from v + at as float
-          return _mm256_castsi256_ps(_mm256_slli_epi32(
-              _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(v + at))), 16));
-        };
-        __m256 top = _mm256_setzero_ps();
-        for (int at = 0; at < 256; at += 8) top = _mm256_max_ps(top, _mm256_and_ps(widen(at), no_sign));
-        __m128 m = _mm_max_ps(_mm256_castps256_ps128(top), _mm256_extractf128_ps(top, 1));
-        m = _mm_max_ps(m, _mm_movehl_ps(m, m));
-        const float amax = std::max(_mm_cvtss_f32(m), _mm_cvtss_f32(_mm_shuffle_ps(m, m, 1)));
-        const __m256 inv = _mm256_set1_ps(amax > 0.f ? 32512.f / amax : 0.f);
-        scale[c * kBlock + i] = amax / 32512.f;
-        for (int j = 0; j < 8; ++j) {
-          __m256i q[4];
-          __m256 total = _mm256_setzero_ps();
-          for (int part = 0; part < 4; ++part) {
-            const __m256 values8 = widen(32 * j + 8 * part);
-            total = _mm256_add_ps(total, values8);
-            // to nearest even, as FixedInput::fixed's nearbyint; |value * inv| <= 32512 already
-            q[part] = _mm256_cvtps_epi32(_mm256_mul_ps(values8, inv));
-          }
-          __m128 h = _mm_add_ps(_mm256_castps256_ps128(total), _mm256_extractf128_ps(total, 1));
-          h = _mm_add_ps(h, _mm_movehl_ps(h, h));
-          sums[(8 * c + j) * kBlock + i] = _mm_cvtss_f32(_mm_add_ss(h, _mm_shuffle_ps(h, h, 1)));
-          // the 32 values as int16 in order, then the even ones and the odd ones (fixed_order)
-          const __m256i first = _mm256_permute4x64_epi64(_mm256_packs_epi32(q[0], q[1]), 0xD8);
-          const __m256i second = _mm256_permute4x64_epi64(_mm256_packs_epi32(q[2], q[3]), 0xD8);
+        const float amax = round_chunk(src + 256 * c, 32512.f, [&](int j, const __m256i* level, float sum) {
+          sums[(8 * c + j) * kBlock + i] = sum;
+          // the 32 levels as int16 in order, then the even ones and the odd ones (fixed_order)
+          const __m256i first = _mm256_permute4x64_epi64(_mm256_packs_epi32(level[0], level[1]), 0xD8);
+          const __m256i second = _mm256_permute4x64_epi64(_mm256_packs_epi32(level[2], level[3]), 0xD8);
           const __m256i even = _mm256_packus_epi32(_mm256_and_si256(first, low16), _mm256_and_si256(second, low16));
           const __m256i odd = _mm256_packus_epi32(_mm256_srli_epi32(first, 16), _mm256_srli_epi32(second, 16));
           _mm256_store_si256(reinterpret_cast<__m256i*>(chunk + 32 * j), _mm256_permute4x64_epi64(even, 0xD8));
           _mm256_store_si256(reinterpret_cast<__m256i*>(chunk + 32 * j + 16), _mm256_permute4x64_epi64(odd, 0xD8));
-        }
+        });
+        scale[c * kBlock + i] = amax / 32512.f;
         for (int q = 0; q < 128; ++q)
           std::memcpy(values + ((128 * c + q) * kBlock + i) * 2, chunk + 2 * q, 4);
       }

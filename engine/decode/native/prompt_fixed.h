@@ -1,9 +1,9 @@
 // Prompt tiles of Q4_K matrices in integers, in builds without bf16 dot products (AVX2, AVX-512
 // without BF16).
 //
-// Included by moe_decode.cpp (inside its namespace). There a tile was dequantized to float32 and
-// multiplied with fused multiply-adds: 8 products an instruction, on the two ports that have them.
-// Here the tile's weights stay integers, each level times its sub-block's 6-bit scale (at most
+// Included by moe_decode.cpp (inside its namespace). Other types' tiles there are dequantized to
+// float32 and multiplied with fused multiply-adds: 8 products an instruction, on the two ports that
+// have them. Here a Q4_K tile's weights stay integers, each level times its sub-block's 6-bit scale (at most
 // 15 * 63, an int16), the input rows are put in fixed point as a decode input is (quant_int.h: per
 // 256 values a float scale, each value an int16 of at most 32512), and one vpmaddwd multiplies 16
 // pairs; its sums add up in int32 lanes for 64 inputs (32 pair sums of at most 2 * 945 * 32512 stay

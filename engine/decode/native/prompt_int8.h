@@ -48,32 +48,12 @@ struct Int8Groups {
   // the float sums of its sub-blocks of 32 (into sums[8 * j]); returns the scale.
   static float round_block(const bf16* v, int8_t* levels, float* sums) {
 #if defined(__AVX2__)
-    auto widen = [&](int i) {  // 8 values from v + i as float
-      return _mm256_castsi256_ps(_mm256_slli_epi32(
-          _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(v + i))), 16));
-    };
-    const __m256 no_sign = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF));
-    __m256 top = _mm256_setzero_ps();
-    for (int i = 0; i < 256; i += 8) top = _mm256_max_ps(top, _mm256_and_ps(widen(i), no_sign));
-    __m128 m = _mm_max_ps(_mm256_castps256_ps128(top), _mm256_extractf128_ps(top, 1));
-    m = _mm_max_ps(m, _mm_movehl_ps(m, m));
-    const float amax = std::max(_mm_cvtss_f32(m), _mm_cvtss_f32(_mm_shuffle_ps(m, m, 1)));
-    const __m256 inv = _mm256_set1_ps(amax > 0.f ? 127.f / amax : 0.f);
-    for (int j = 0; j < 8; ++j) {
-      __m256i q[4];
-      __m256 sum = _mm256_setzero_ps();
-      for (int part = 0; part < 4; ++part) {
-        const __m256 x = widen(32 * j + 8 * part);
-        sum = _mm256_add_ps(sum, x);
-        q[part] = _mm256_cvtps_epi32(_mm256_mul_ps(x, inv));  // to nearest even, as nearbyint
-      }
+    const float amax = round_chunk(v, 127.f, [&](int j, const __m256i* q, float sum) {
       const __m256i words = _mm256_packs_epi16(_mm256_packs_epi32(q[0], q[1]), _mm256_packs_epi32(q[2], q[3]));
       _mm256_storeu_si256(reinterpret_cast<__m256i*>(levels + 32 * j),
                           _mm256_permutevar8x32_epi32(words, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)));
-      __m128 h = _mm_add_ps(_mm256_castps256_ps128(sum), _mm256_extractf128_ps(sum, 1));
-      h = _mm_add_ps(h, _mm_movehl_ps(h, h));
-      sums[8 * j] = _mm_cvtss_f32(_mm_add_ss(h, _mm_shuffle_ps(h, h, 1)));
-    }
+      sums[8 * j] = sum;
+    });
     return amax / 127.f;
 #else
     float amax = 0.f;
