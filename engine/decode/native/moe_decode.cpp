@@ -395,7 +395,7 @@ inline void dot_tile_n(const bf16* const* w, const bf16* const* x, int64_t k, fl
 // half that rate; torch's own bf16 matmul is slower still on such CPUs).
 constexpr int64_t kBlock = 16;
 #if defined(__AVX2__) && defined(__FMA__)
-#define MOESCOPE_FIXED_PROMPT 1  // Q4_K tiles multiplied in integers (prompt_fixed.h)
+#define MOESCOPE_FIXED_PROMPT 1  // Q4_K and Q6_K tiles multiplied in integers (prompt_fixed.h)
 // Within each 32 inputs the fixed-point tiles keep the even ones, then the odd ones: a Q4_K block's
 // 16-bit words hold its levels so (the low nibbles of a word's two bytes are an even level and the
 // odd one after it), and so a tile row is expanded with 16-bit shifts and masks (FixedTile::load in
@@ -478,8 +478,8 @@ inline float round_chunk(const bf16* v, float steps, Use&& use) {
 
 // A prompt's input rows as the tile products read them: bf16, and, in builds without bf16 dot
 // products, in blocks of kBlock rows of one expert (the last padded with zeros): widened to float32,
-// each laid [k][kBlock], or, where `fixed` (every matrix reading them is Q4_K, prompt_fixed.h), in
-// fixed point. The threads fill the blocks in parts (`pack`).
+// each laid [k][kBlock], or, where `fixed` (every matrix reading them has integer tiles, prompt_fixed.h),
+// in fixed point. The threads fill the blocks in parts (`pack`).
 struct PromptInput {
   const bf16* x;
   int64_t k;
@@ -663,7 +663,7 @@ inline void tile_times_rows(const TileRows& w, const PromptInput& in, int64_t e,
 }
 
 #include "prompt_int8.h"  // opt-in: a prompt's rows rounded to 8 bits for Q4_K matrices
-#include "prompt_fixed.h"  // Q4_K tiles in integers where there are no bf16 dot products
+#include "prompt_fixed.h"  // Q4_K and Q6_K tiles in integers where there are no bf16 dot products
 #include "prompt_amx.h"   // AMX tiles where the CPU has them
 
 constexpr int64_t kMaxTile = std::max(kTile, kAmxRows);  // rows of W per prompt tile, either path
@@ -721,7 +721,7 @@ at::Tensor linear_rows(const Weight& weight, const at::Tensor& x, const c10::opt
   const bool int8 = int8_inputs && w.type == kQ4_K && k % 256 == 0;
   std::unique_ptr<Int8Groups> groups = int8 ? std::make_unique<Int8Groups>(std::vector<int64_t>{0},
                                                                             std::vector<int64_t>{m}, k) : nullptr;
-  PromptInput in(bf16_data(xc), k, {0}, {int8 ? 0 : m}, w.type == kQ4_K);  // the 8-bit path reads no blocks
+  PromptInput in(bf16_data(xc), k, {0}, {int8 ? 0 : m}, has_fixed_tiles(w.type));  // the 8-bit path reads no blocks
   if (int8)
     at::parallel_for(0, groups->groups(), 1, [&](int64_t first, int64_t last) {
       for (int64_t g = first; g < last; ++g) groups->fill(g, bf16_data(xc));
@@ -1288,14 +1288,15 @@ at::Tensor moe_prompt(const at::Tensor& x, const std::vector<int64_t>& start, co
   const std::unique_ptr<Int8Groups> act8 = int8_groups(int8_inputs, experts, true, start, count, inter);
   // The 8-bit path is asked for Q4_K matrices only; with it the others keep the dot products' tiles.
   const bool amx = amx_on() && !int8_inputs && hidden % 32 == 0 && inter % 32 == 0;
-  // every expert Q4_K (and no 8-bit inputs asked for): the inputs in fixed point for prompt_fixed.h
-  auto all_q4_k = [&](bool down) {
-    return !int8_inputs && std::all_of(experts.begin(), experts.end(), [&](const ExpertWeights& w) {
-      return (down ? w.down : w.gate_up).type == kQ4_K;
+  // every expert's matrix a type with integer tiles, and the inputs not rounded to 8 bits for them
+  // (those go to Q4_K matrices alone): the inputs in fixed point for prompt_fixed.h
+  auto all_fixed = [&](bool down, const Int8Groups* groups) {
+    return groups == nullptr && std::all_of(experts.begin(), experts.end(), [&](const ExpertWeights& w) {
+      return has_fixed_tiles((down ? w.down : w.gate_up).type);
     });
   };
-  PromptInput in(bf16_data(xc), hidden, start, count, all_q4_k(false)),
-      act(activation.data(), inter, start, count, all_q4_k(true));
+  PromptInput in(bf16_data(xc), hidden, start, count, all_fixed(false, x8.get())),
+      act(activation.data(), inter, start, count, all_fixed(true, act8.get()));
   PromptExperts work{recipe, experts, start, count, in, hidden, inter, act, activation.data(), bf16_data(y),
                      x8.get(), act8.get()};
 #if defined(MOESCOPE_AMX)

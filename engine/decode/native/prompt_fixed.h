@@ -1,58 +1,103 @@
-// Prompt tiles of Q4_K matrices in integers, in builds without bf16 dot products (AVX2, AVX-512
-// without BF16).
+// Prompt tiles of Q4_K and Q6_K matrices in integers, in builds without bf16 dot products (AVX2,
+// AVX-512 without BF16).
 //
 // Included by moe_decode.cpp (inside its namespace). Other types' tiles there are dequantized to
 // float32 and multiplied with fused multiply-adds: 8 products an instruction, on the two ports that
-// have them. Here a Q4_K tile's weights stay integers, each level times its sub-block's 6-bit scale (at most
-// 15 * 63, an int16), the input rows are put in fixed point as a decode input is (quant_int.h: per
-// 256 values a float scale, each value an int16 of at most 32512), and one vpmaddwd multiplies 16
-// pairs; its sums add up in int32 lanes for 64 inputs (32 pair sums of at most 2 * 945 * 32512 stay
-// below 2^31), then once in float with the block's d and the input chunk's scale. The mins multiply
-// the float sums of x, as in the decode kernels. The reference is the same as theirs: the products
+// have them. Here a tile's weights stay integers, each level times its sub-block's scale (Q4_K: at
+// most 15 * 63; Q6_K: 32 * 128 in magnitude; an int16 either way), the input rows are put in fixed
+// point as a decode input is (quant_int.h: per 256 values a float scale, each value an int16 of at
+// most 32512), and one vpmaddwd multiplies 16 pairs; its sums add up in int32 lanes over a span of
+// inputs short enough to stay below 2^31 (Q4_K 64: 64 * 945 * 32512; Q6_K 16: 16 * 4096 * 32512),
+// then once in float with the block's d and the input chunk's scale. Q4_K's mins multiply the float
+// sums of x, as in the decode kernels. The reference is the same as theirs: the products
 // with the float32 dequantized weights, to within the input's fixed-point rounding (below 2^-15 of
 // a chunk's largest value), not rounded to bf16 first; tests/test_quant_kernels.py holds the
 // prompt paths of every build flavour to it.
 
+// Whether this build multiplies a prompt's tiles of this type in integers.
+inline bool has_fixed_tiles([[maybe_unused]] int32_t type) {
 #if defined(MOESCOPE_FIXED_PROMPT)
-constexpr int64_t kFixedSpan = 64;  // inputs summed in int32 before the float step
+  return type == kQ4_K || type == kQ6_K;
+#else
+  return false;
+#endif
+}
 
-// A tile's kTile rows of a Q4_K matrix for fixed_block_product: per row its weights as int16
-// (level * scale, in fixed_order), per 256 its d and per 32 its min (dmin * m, the reference's
-// float product).
+#if defined(MOESCOPE_FIXED_PROMPT)
+
+// Inputs summed in int32 before the float step (the bounds above).
+inline int64_t fixed_span(int32_t type) { return type == kQ4_K ? 64 : 16; }
+
+// A tile's kTile rows of a Q4_K or Q6_K matrix for fixed_block_product: per row its weights as int16
+// (level * scale, in fixed_order), per 256 its d, and Q4_K's mins per 32 (dmin * m, the
+// reference's float product).
 struct FixedTile {
   std::vector<int16_t> weights;  // [kTile][k]
   std::vector<float> d;          // [kTile][k / 256]
-  std::vector<float> min;        // [kTile][k / 32]
-  int64_t k = 0;
+  std::vector<float> min;        // [kTile][k / 32]; none for Q6_K
+  int64_t k = 0, span = 64;
 
   void load(const Matrix& m, const int64_t* at) {
     k = m.cols;
+    span = fixed_span(m.type);
     weights.resize(kTile * k);
     d.resize(kTile * (k / 256));
-    min.resize(kTile * (k / 32));
-    const __m256i low4 = _mm256_set1_epi16(0x000F);
-    __m256i pick[8];  // int16 scale j (bytes 2j, 2j + 1) in every lane
-    for (int j = 0; j < 8; ++j) pick[j] = _mm256_set1_epi16(static_cast<int16_t>((2 * j) | ((2 * j + 1) << 8)));
-    for (int r = 0; r < kTile; ++r) {
-      const uint8_t* row = m.row(at[r]);
+    min.resize(m.type == kQ4_K ? kTile * (k / 32) : 0);
+    for (int r = 0; r < kTile; ++r)
       for (int64_t blk = 0; blk < k / 256; ++blk) {
-        const uint8_t* b = row + blk * 144;
-        const __m128i scales_mins = q4_k_scales_mins(b + 4);  // 8 scales, then 8 mins
-        const __m256i wide = _mm256_cvtepu8_epi16(scales_mins);
-        const __m256i scales = _mm256_permute2x128_si256(wide, wide, 0x00);
-        d[r * (k / 256) + blk] = half_to_float(b);
-        _mm256_storeu_ps(min.data() + r * (k / 32) + blk * 8,
-                         _mm256_mul_ps(_mm256_set1_ps(half_to_float(b + 2)),
-                                       _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(scales_mins, 8)))));
         int16_t* out = weights.data() + r * k + blk * 256;
-        for (int c = 0; c < 4; ++c) {  // 32 bytes: sub-block 2c in the low nibbles, 2c + 1 in the high ones
-          const __m256i words = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 16 + 32 * c));
-          const __m256i low = _mm256_shuffle_epi8(scales, pick[2 * c]), high = _mm256_shuffle_epi8(scales, pick[2 * c + 1]);
-          const __m256i levels[4] = {_mm256_and_si256(words, low4), _mm256_and_si256(_mm256_srli_epi16(words, 8), low4),
-                                     _mm256_and_si256(_mm256_srli_epi16(words, 4), low4), _mm256_srli_epi16(words, 12)};
-          for (int part = 0; part < 4; ++part)
-            _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + 64 * c + 16 * part),
-                                _mm256_mullo_epi16(levels[part], part < 2 ? low : high));
+        if (m.type == kQ4_K)
+          q4_k_block(m.row(at[r]) + blk * 144, out, &d[r * (k / 256) + blk], &min[r * (k / 32) + blk * 8]);
+        else
+          q6_k_block(m.row(at[r]) + blk * 210, out, &d[r * (k / 256) + blk]);
+      }
+  }
+
+  // A Q4_K block's 16-bit words hold an even level and the odd one after it in their two low
+  // nibbles (and the next sub-block's pair in the high ones): fixed_order, with shifts and masks.
+  static void q4_k_block(const uint8_t* b, int16_t* out, float* d, float* mins) {
+    const __m256i low4 = _mm256_set1_epi16(0x000F);
+    const __m128i scales_mins = q4_k_scales_mins(b + 4);  // 8 scales, then 8 mins
+    const __m256i wide = _mm256_cvtepu8_epi16(scales_mins);
+    const __m256i scales = _mm256_permute2x128_si256(wide, wide, 0x00);
+    *d = half_to_float(b);
+    _mm256_storeu_ps(mins, _mm256_mul_ps(_mm256_set1_ps(half_to_float(b + 2)),
+                                         _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(scales_mins, 8)))));
+    for (int c = 0; c < 4; ++c) {  // 32 bytes: sub-block 2c in the low nibbles, 2c + 1 in the high ones
+      const __m256i words = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 16 + 32 * c));
+      // int16 scale j (bytes 2j, 2j + 1) in every lane
+      const __m256i low = _mm256_shuffle_epi8(scales, _mm256_set1_epi16(static_cast<int16_t>((4 * c) | ((4 * c + 1) << 8))));
+      const __m256i high = _mm256_shuffle_epi8(scales, _mm256_set1_epi16(static_cast<int16_t>((4 * c + 2) | ((4 * c + 3) << 8))));
+      const __m256i levels[4] = {_mm256_and_si256(words, low4), _mm256_and_si256(_mm256_srli_epi16(words, 8), low4),
+                                 _mm256_and_si256(_mm256_srli_epi16(words, 4), low4), _mm256_srli_epi16(words, 12)};
+      for (int part = 0; part < 4; ++part)
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + 64 * c + 16 * part),
+                            _mm256_mullo_epi16(levels[part], part < 2 ? low : high));
+    }
+  }
+
+  // A Q6_K block: per 128 levels, 64 bytes of low nibbles and 32 of high bit pairs, read as 16-bit
+  // words the same way (quant.h's group_levels says which bits are whose). Each 16 levels has its
+  // own int8 scale: in fixed_order the even (or odd) levels 0-14 of a sub-block are the low 128-bit
+  // lane and 16-30 the high one.
+  static void q6_k_block(const uint8_t* b, int16_t* out, float* d) {
+    const __m256i low4 = _mm256_set1_epi16(0x000F), low2 = _mm256_set1_epi16(0x0003), offset = _mm256_set1_epi16(32);
+    *d = half_to_float(b + 208);
+    const int8_t* sc = reinterpret_cast<const int8_t*>(b + 192);
+    for (int half = 0; half < 2; ++half) {
+      const uint8_t* ql = b + 64 * half;
+      const __m256i high_bits = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 128 + 32 * half));
+      for (int j = 0; j < 4; ++j) {  // sub-block j of this half: ql bytes 32 * (j & 1) on, nibble j >> 1, bits 2j
+        const __m256i words = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(ql + 32 * (j & 1)));
+        const int nibble = 4 * (j >> 1), bits = 2 * j;
+        const int sub = 4 * half + j;
+        const __m256i scale = _mm256_set_m128i(_mm_set1_epi16(sc[2 * sub + 1]), _mm_set1_epi16(sc[2 * sub]));
+        for (int odd = 0; odd < 2; ++odd) {
+          const __m256i level = _mm256_or_si256(
+              _mm256_and_si256(_mm256_srl_epi16(words, _mm_cvtsi32_si128(nibble + 8 * odd)), low4),
+              _mm256_slli_epi16(_mm256_and_si256(_mm256_srl_epi16(high_bits, _mm_cvtsi32_si128(bits + 8 * odd)), low2), 4));
+          _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + 128 * half + 32 * j + 16 * odd),
+                              _mm256_mullo_epi16(_mm256_sub_epi16(level, offset), scale));
         }
       }
     }
@@ -74,14 +119,14 @@ inline void fixed_block_product(const FixedTile& w, const PromptInput& in, int64
     __m256 acc[kTile], mins[kTile];
 #pragma GCC unroll 8
     for (int r = 0; r < kTile; ++r) acc[r] = mins[r] = _mm256_setzero_ps();
-    for (int64_t span = 0; span < k; span += kFixedSpan) {
+    for (int64_t span = 0; span < k; span += w.span) {
       __m256i sums[kTile];
 #pragma GCC unroll 8
       for (int r = 0; r < kTile; ++r) sums[r] = _mm256_setzero_si256();
       const int16_t* weights = w.weights.data() + span;
       const int16_t* xs = x + span * kBlock + 16 * v;
 #pragma GCC unroll 4
-      for (int64_t p = 0; p < kFixedSpan; p += 2) {
+      for (int64_t p = 0; p < w.span; p += 2) {
         const __m256i xv = load32(xs + p * kBlock);
 #pragma GCC unroll 8
         for (int r = 0; r < kTile; ++r) {
@@ -97,8 +142,8 @@ inline void fixed_block_product(const FixedTile& w, const PromptInput& in, int64
         acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums[r]), _mm256_mul_ps(_mm256_set1_ps(w.d[r * (k / 256) + chunk]), scale),
                                  acc[r]);
     }
-    // the mins times the float sums of x, per sub-block of 32
-    for (int64_t sub = 0; sub < k / 32; ++sub) {
+    // Q4_K's mins times the float sums of x, per sub-block of 32
+    for (int64_t sub = 0; sub < static_cast<int64_t>(w.min.size()) / kTile; ++sub) {
       const __m256 sums = _mm256_loadu_ps(x_sums + sub * kBlock + 8 * v);
 #pragma GCC unroll 8
       for (int r = 0; r < kTile; ++r) mins[r] = _mm256_fmadd_ps(_mm256_set1_ps(w.min[r * (k / 32) + sub]), sums, mins[r]);
@@ -108,12 +153,12 @@ inline void fixed_block_product(const FixedTile& w, const PromptInput& in, int64
   }
 }
 
-// The tile's kTile rows at[] of a Q4_K matrix times expert e's rows of `in` (fixed point; rows first ..
+// The tile's kTile rows at[] of a Q4_K or Q6_K matrix times expert e's rows of `in` (fixed point; rows first ..
 // first + m - 1 of x): emit(i, sums) with sums[r] = x_(first + i) . w_r.
 template <class Emit>
 inline void fixed_tile_times_rows(const Matrix& w, const int64_t* at, const PromptInput& in, int64_t e,
                                   int64_t first, int64_t m, FixedTile& tile, Emit&& emit) {
-  TORCH_CHECK(w.type == kQ4_K && w.cols == in.k, "fixed-point prompt tiles: a Q4_K matrix of the input's width");
+  TORCH_CHECK(has_fixed_tiles(w.type) && w.cols == in.k, "fixed-point prompt tiles: a Q4_K or Q6_K matrix of the input's width");
   tile.load(w, at);
   alignas(32) float out[kTile * kBlock];
   float sums[kTile];
