@@ -395,7 +395,7 @@ inline void dot_tile_n(const bf16* const* w, const bf16* const* x, int64_t k, fl
 // half that rate; torch's own bf16 matmul is slower still on such CPUs).
 constexpr int64_t kBlock = 16;
 #if defined(__AVX2__) && defined(__FMA__)
-#define MOESCOPE_FIXED_PROMPT 1  // Q4_K and Q6_K tiles multiplied in integers (prompt_fixed.h)
+#define MOESCOPE_FIXED_PROMPT 1  // Q4_K, Q6_K and Q8_0 tiles multiplied in integers (prompt_fixed.h)
 // Within each 32 inputs the fixed-point tiles keep the even ones, then the odd ones: a Q4_K block's
 // 16-bit words hold its levels so (the low nibbles of a word's two bytes are an even level and the
 // odd one after it), and so a tile row is expanded with 16-bit shifts and masks (FixedTile::load in
@@ -663,7 +663,7 @@ inline void tile_times_rows(const TileRows& w, const PromptInput& in, int64_t e,
 }
 
 #include "prompt_int8.h"  // opt-in: a prompt's rows rounded to 8 bits for Q4_K matrices
-#include "prompt_fixed.h"  // Q4_K and Q6_K tiles in integers where there are no bf16 dot products
+#include "prompt_fixed.h"  // Q4_K, Q6_K and Q8_0 tiles in integers without bf16 dot products
 #include "prompt_amx.h"   // AMX tiles where the CPU has them
 
 constexpr int64_t kMaxTile = std::max(kTile, kAmxRows);  // rows of W per prompt tile, either path

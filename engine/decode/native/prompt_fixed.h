@@ -1,14 +1,15 @@
-// Prompt tiles of Q4_K and Q6_K matrices in integers, in builds without bf16 dot products (AVX2,
-// AVX-512 without BF16).
+// Prompt tiles of Q4_K, Q6_K and Q8_0 matrices in integers, in builds without bf16 dot products
+// (AVX2, AVX-512 without BF16).
 //
 // Included by moe_decode.cpp (inside its namespace). Other types' tiles there are dequantized to
 // float32 and multiplied with fused multiply-adds: 8 products an instruction, on the two ports that
 // have them. Here a tile's weights stay integers, each level times its sub-block's scale (Q4_K: at
-// most 15 * 63; Q6_K: 32 * 128 in magnitude; an int16 either way), the input rows are put in fixed
-// point as a decode input is (quant_int.h: per 256 values a float scale, each value an int16 of at
-// most 32512), and one vpmaddwd multiplies 16 pairs; its sums add up in int32 lanes over a span of
-// inputs short enough to stay below 2^31 (Q4_K 64: 64 * 945 * 32512; Q6_K 16: 16 * 4096 * 32512),
-// then once in float with the block's d and the input chunk's scale. Q4_K's mins multiply the float
+// most 15 * 63; Q6_K: 32 * 128 in magnitude; Q8_0: the level itself; an int16 each way), the input
+// rows are put in fixed point as a decode input is (quant_int.h: per 256 values a float scale, each
+// value an int16 of at most 32512), and one vpmaddwd multiplies 16 pairs; its sums add up in int32
+// lanes over a span of inputs short enough to stay below 2^31 (Q4_K 64: 64 * 945 * 32512; Q6_K 16:
+// 16 * 4096 * 32512; Q8_0 its block of 32), then once in float with the span's d and the input
+// chunk's scale. Q4_K's mins multiply the float
 // sums of x, as in the decode kernels. The reference is the same as theirs: the products
 // with the float32 dequantized weights, to within the input's fixed-point rounding (below 2^-15 of
 // a chunk's largest value), not rounded to bf16 first; tests/test_quant_kernels.py holds the
@@ -17,7 +18,7 @@
 // Whether this build multiplies a prompt's tiles of this type in integers.
 inline bool has_fixed_tiles([[maybe_unused]] int32_t type) {
 #if defined(MOESCOPE_FIXED_PROMPT)
-  return type == kQ4_K || type == kQ6_K;
+  return type == kQ4_K || type == kQ6_K || type == kQ8_0;
 #else
   return false;
 #endif
@@ -25,15 +26,15 @@ inline bool has_fixed_tiles([[maybe_unused]] int32_t type) {
 
 #if defined(MOESCOPE_FIXED_PROMPT)
 
-// Inputs summed in int32 before the float step (the bounds above).
-inline int64_t fixed_span(int32_t type) { return type == kQ4_K ? 64 : 16; }
+// Inputs summed in int32 before the float step (the bounds above), and the d each span has.
+inline int64_t fixed_span(int32_t type) { return type == kQ4_K ? 64 : type == kQ6_K ? 16 : 32; }
 
-// A tile's kTile rows of a Q4_K or Q6_K matrix for fixed_block_product: per row its weights as int16
-// (level * scale, in fixed_order), per 256 its d, and Q4_K's mins per 32 (dmin * m, the
+// A tile's kTile rows of a Q4_K, Q6_K or Q8_0 matrix for fixed_block_product: per row its weights as
+// int16 (level * scale, in fixed_order), each span's d, and Q4_K's mins per 32 (dmin * m, the
 // reference's float product).
 struct FixedTile {
   std::vector<int16_t> weights;  // [kTile][k]
-  std::vector<float> d;          // [kTile][k / 256]
+  std::vector<float> d;          // [kTile][k / span]: each span's d
   std::vector<float> min;        // [kTile][k / 32]; none for Q6_K
   int64_t k = 0, span = 64;
 
@@ -41,26 +42,32 @@ struct FixedTile {
     k = m.cols;
     span = fixed_span(m.type);
     weights.resize(kTile * k);
-    d.resize(kTile * (k / 256));
+    d.resize(kTile * (k / span));
     min.resize(m.type == kQ4_K ? kTile * (k / 32) : 0);
-    for (int r = 0; r < kTile; ++r)
-      for (int64_t blk = 0; blk < k / 256; ++blk) {
-        int16_t* out = weights.data() + r * k + blk * 256;
-        if (m.type == kQ4_K)
-          q4_k_block(m.row(at[r]) + blk * 144, out, &d[r * (k / 256) + blk], &min[r * (k / 32) + blk * 8]);
-        else
-          q6_k_block(m.row(at[r]) + blk * 210, out, &d[r * (k / 256) + blk]);
+    for (int r = 0; r < kTile; ++r) {
+      const uint8_t* row = m.row(at[r]);
+      int16_t* out = weights.data() + r * k;
+      float* spans = d.data() + r * (k / span);
+      if (m.type == kQ8_0) {
+        for (int64_t blk = 0; blk < k / 32; ++blk) q8_0_block(row + blk * 34, out + blk * 32, spans + blk);
+        continue;
       }
+      for (int64_t blk = 0; blk < k / 256; ++blk) {
+        const float block_d = m.type == kQ4_K
+            ? q4_k_block(row + blk * 144, out + blk * 256, &min[r * (k / 32) + blk * 8])
+            : q6_k_block(row + blk * 210, out + blk * 256);
+        std::fill(spans + blk * (256 / span), spans + (blk + 1) * (256 / span), block_d);
+      }
+    }
   }
 
   // A Q4_K block's 16-bit words hold an even level and the odd one after it in their two low
   // nibbles (and the next sub-block's pair in the high ones): fixed_order, with shifts and masks.
-  static void q4_k_block(const uint8_t* b, int16_t* out, float* d, float* mins) {
+  static float q4_k_block(const uint8_t* b, int16_t* out, float* mins) {
     const __m256i low4 = _mm256_set1_epi16(0x000F);
     const __m128i scales_mins = q4_k_scales_mins(b + 4);  // 8 scales, then 8 mins
     const __m256i wide = _mm256_cvtepu8_epi16(scales_mins);
     const __m256i scales = _mm256_permute2x128_si256(wide, wide, 0x00);
-    *d = half_to_float(b);
     _mm256_storeu_ps(mins, _mm256_mul_ps(_mm256_set1_ps(half_to_float(b + 2)),
                                          _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(scales_mins, 8)))));
     for (int c = 0; c < 4; ++c) {  // 32 bytes: sub-block 2c in the low nibbles, 2c + 1 in the high ones
@@ -74,15 +81,15 @@ struct FixedTile {
         _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + 64 * c + 16 * part),
                             _mm256_mullo_epi16(levels[part], part < 2 ? low : high));
     }
+    return half_to_float(b);
   }
 
   // A Q6_K block: per 128 levels, 64 bytes of low nibbles and 32 of high bit pairs, read as 16-bit
   // words the same way (quant.h's group_levels says which bits are whose). Each 16 levels has its
   // own int8 scale: in fixed_order the even (or odd) levels 0-14 of a sub-block are the low 128-bit
   // lane and 16-30 the high one.
-  static void q6_k_block(const uint8_t* b, int16_t* out, float* d) {
+  static float q6_k_block(const uint8_t* b, int16_t* out) {
     const __m256i low4 = _mm256_set1_epi16(0x000F), low2 = _mm256_set1_epi16(0x0003), offset = _mm256_set1_epi16(32);
-    *d = half_to_float(b + 208);
     const int8_t* sc = reinterpret_cast<const int8_t*>(b + 192);
     for (int half = 0; half < 2; ++half) {
       const uint8_t* ql = b + 64 * half;
@@ -101,6 +108,18 @@ struct FixedTile {
         }
       }
     }
+    return half_to_float(b + 208);
+  }
+
+  // A Q8_0 block: its 32 int8 levels, the even ones then the odd ones (one shuffle per 128-bit
+  // lane gathers each lane's 8 of either), and its d.
+  static void q8_0_block(const uint8_t* b, int16_t* out, float* d) {
+    const __m256i split = _mm256_broadcastsi128_si256(_mm_setr_epi8(0, 2, 4, 6, 8, 10, 12, 14, 1, 3, 5, 7, 9, 11, 13, 15));
+    const __m256i bytes = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 2));
+    const __m256i halves = _mm256_permute4x64_epi64(_mm256_shuffle_epi8(bytes, split), 0xD8);  // evens, then odds
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(out), _mm256_cvtepi8_epi16(_mm256_castsi256_si128(halves)));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + 16), _mm256_cvtepi8_epi16(_mm256_extracti128_si256(halves, 1)));
+    *d = half_to_float(b);
   }
 };
 
@@ -135,12 +154,11 @@ inline void fixed_block_product(const FixedTile& w, const PromptInput& in, int64
           sums[r] = madd_acc(sums[r], _mm256_set1_epi32(pair), xv);
         }
       }
-      const int64_t chunk = span / 256;
-      const __m256 scale = _mm256_loadu_ps(x_scale + chunk * kBlock + 8 * v);
+      const __m256 scale = _mm256_loadu_ps(x_scale + (span / 256) * kBlock + 8 * v);
+      const float* d = w.d.data() + span / w.span;
 #pragma GCC unroll 8
       for (int r = 0; r < kTile; ++r)
-        acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums[r]), _mm256_mul_ps(_mm256_set1_ps(w.d[r * (k / 256) + chunk]), scale),
-                                 acc[r]);
+        acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums[r]), _mm256_mul_ps(_mm256_set1_ps(d[r * (k / w.span)]), scale), acc[r]);
     }
     // Q4_K's mins times the float sums of x, per sub-block of 32
     for (int64_t sub = 0; sub < static_cast<int64_t>(w.min.size()) / kTile; ++sub) {
@@ -153,12 +171,12 @@ inline void fixed_block_product(const FixedTile& w, const PromptInput& in, int64
   }
 }
 
-// The tile's kTile rows at[] of a Q4_K or Q6_K matrix times expert e's rows of `in` (fixed point; rows first ..
-// first + m - 1 of x): emit(i, sums) with sums[r] = x_(first + i) . w_r.
+// The tile's kTile rows at[] of a matrix with integer tiles times expert e's rows of `in` (fixed
+// point; rows first .. first + m - 1 of x): emit(i, sums) with sums[r] = x_(first + i) . w_r.
 template <class Emit>
 inline void fixed_tile_times_rows(const Matrix& w, const int64_t* at, const PromptInput& in, int64_t e,
                                   int64_t first, int64_t m, FixedTile& tile, Emit&& emit) {
-  TORCH_CHECK(has_fixed_tiles(w.type) && w.cols == in.k, "fixed-point prompt tiles: a Q4_K or Q6_K matrix of the input's width");
+  TORCH_CHECK(has_fixed_tiles(w.type) && w.cols == in.k, "fixed-point prompt tiles: a Q4_K, Q6_K or Q8_0 matrix of the input's width");
   tile.load(w, at);
   alignas(32) float out[kTile * kBlock];
   float sums[kTile];
