@@ -396,11 +396,11 @@ inline void dot_tile_n(const bf16* const* w, const bf16* const* x, int64_t k, fl
 constexpr int64_t kBlock = 16;
 #if defined(__AVX2__) && defined(__FMA__)
 #define MOESCOPE_FIXED_PROMPT 1  // Q4_K, Q6_K and Q8_0 tiles multiplied in integers (prompt_fixed.h)
-// Within each 32 inputs the fixed-point tiles keep the even ones, then the odd ones: a Q4_K block's
-// 16-bit words hold its levels so (the low nibbles of a word's two bytes are an even level and the
-// odd one after it), and so a tile row is expanded with 16-bit shifts and masks (FixedTile::load in
-// prompt_fixed.h), where putting the levels back in order took a shuffle-port instruction for
-// every 16. The inputs are packed in the same order (PromptInput::pack_fixed).
+// Within each 32 inputs the fixed-point tiles keep the even ones, then the odd ones: a Q4_K (or
+// Q6_K) block's 16-bit words hold its levels so (the low nibbles of a word's two bytes are an even
+// level and the odd one after it), and so a tile row is expanded with 16-bit shifts and masks
+// (FixedTile in prompt_fixed.h), where putting the levels back in order took a shuffle-port
+// instruction for every 16. The inputs are packed in the same order (PromptInput::pack_fixed).
 constexpr int fixed_order(int s) { return s < 16 ? 2 * s : 2 * (s - 16) + 1; }  // the input at place s of 32
 #endif
 
@@ -675,7 +675,7 @@ struct TileScratch {
   Q4KRows q4k;
   std::vector<float> sums;  // a tile's 8-bit products, [input row][kTile]
 #if defined(MOESCOPE_FIXED_PROMPT)
-  FixedTile fixed;  // a Q4_K tile for fixed-point inputs
+  FixedTile fixed;  // a tile in integers for fixed-point inputs
 #endif
 };
 

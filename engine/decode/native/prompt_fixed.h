@@ -35,7 +35,7 @@ inline int64_t fixed_span(int32_t type) { return type == kQ4_K ? 64 : type == kQ
 struct FixedTile {
   std::vector<int16_t> weights;  // [kTile][k]
   std::vector<float> d;          // [kTile][k / span]: each span's d
-  std::vector<float> min;        // [kTile][k / 32]; none for Q6_K
+  std::vector<float> min;        // [kTile][k / 32]; none for the symmetric types
   int64_t k = 0, span = 64;
 
   void load(const Matrix& m, const int64_t* at) {
@@ -44,19 +44,17 @@ struct FixedTile {
     weights.resize(kTile * k);
     d.resize(kTile * (k / span));
     min.resize(m.type == kQ4_K ? kTile * (k / 32) : 0);
+    const int64_t elements = block_elements(m.type), bytes = block_bytes(m.type), spans_per_block = elements / span;
     for (int r = 0; r < kTile; ++r) {
       const uint8_t* row = m.row(at[r]);
-      int16_t* out = weights.data() + r * k;
       float* spans = d.data() + r * (k / span);
-      if (m.type == kQ8_0) {
-        for (int64_t blk = 0; blk < k / 32; ++blk) q8_0_block(row + blk * 34, out + blk * 32, spans + blk);
-        continue;
-      }
-      for (int64_t blk = 0; blk < k / 256; ++blk) {
-        const float block_d = m.type == kQ4_K
-            ? q4_k_block(row + blk * 144, out + blk * 256, &min[r * (k / 32) + blk * 8])
-            : q6_k_block(row + blk * 210, out + blk * 256);
-        std::fill(spans + blk * (256 / span), spans + (blk + 1) * (256 / span), block_d);
+      for (int64_t blk = 0; blk < k / elements; ++blk) {
+        const uint8_t* b = row + blk * bytes;
+        int16_t* out = weights.data() + r * k + blk * elements;
+        const float block_d = m.type == kQ4_K   ? q4_k_block(b, out, &min[r * (k / 32) + blk * 8])
+                              : m.type == kQ6_K ? q6_k_block(b, out)
+                                                : q8_0_block(b, out);
+        std::fill(spans + blk * spans_per_block, spans + (blk + 1) * spans_per_block, block_d);
       }
     }
   }
@@ -112,14 +110,14 @@ struct FixedTile {
   }
 
   // A Q8_0 block: its 32 int8 levels, the even ones then the odd ones (one shuffle per 128-bit
-  // lane gathers each lane's 8 of either), and its d.
-  static void q8_0_block(const uint8_t* b, int16_t* out, float* d) {
+  // lane gathers each lane's 8 of either); returns its d.
+  static float q8_0_block(const uint8_t* b, int16_t* out) {
     const __m256i split = _mm256_broadcastsi128_si256(_mm_setr_epi8(0, 2, 4, 6, 8, 10, 12, 14, 1, 3, 5, 7, 9, 11, 13, 15));
     const __m256i bytes = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 2));
     const __m256i halves = _mm256_permute4x64_epi64(_mm256_shuffle_epi8(bytes, split), 0xD8);  // evens, then odds
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(out), _mm256_cvtepi8_epi16(_mm256_castsi256_si128(halves)));
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + 16), _mm256_cvtepi8_epi16(_mm256_extracti128_si256(halves, 1)));
-    *d = half_to_float(b);
+    return half_to_float(b);
   }
 };
 
