@@ -32,10 +32,10 @@ from pathlib import Path
 from bench import formats
 from bench.decode_limit import run_measure
 from bench.gguf_files import TokenBytes, ensure_ggufs, gguf_token_bytes
-from bench.llamacpp_build import ISAS, VERSION, LlamaCpp, LlamaCppUnavailable, build_target, build_tools
+from bench.llamacpp_build import ISA_VARIANT, ISAS, VERSION, LlamaCpp, LlamaCppUnavailable, build_target, build_tools
 from bench.output import RESULTS_DIR, write_report
 from bench.synthetic import build_checkpoint
-from engine.decode.native.kernels import FLAVOUR_ENV
+from engine.decode.native.library import VARIANT_ENV
 from engine.system.cpu import cpuinfo_field
 
 # llama.cpp, MoEScope exact, MoEScope --fast-decode, MoEScope --fast-decode on the GGUF file, and the last
@@ -155,7 +155,7 @@ def table(rows: list[dict], args) -> list[str]:
         f"{build_target(args.isa)}, OpenMP) — "
         f"{args.threads} threads, batch 1, {args.prompt_len}-token prompt, {args.decode} decode tokens, median of "
         f"{args.reps} interleaved repetitions. MoEScope: budget all, RAM store, exact and --fast-decode"
-        f"{'' if args.isa == 'native' else f', its {args.isa} kernel flavour ({FLAVOUR_ENV}={args.isa})'}. llama.cpp: "
+        f"{'' if args.isa == 'native' else f', its {ISA_VARIANT[args.isa]} kernel variant ({VARIANT_ENV}={ISA_VARIANT[args.isa]})'}. llama.cpp: "
         f"llama-bench pp{args.prompt_len}, and tg{args.decode} after a {args.prompt_len}-token context (-d), -r 1 each "
         f"after its warm-up{'; ' + args.llama_bench_args if args.llama_bench_args else ''}. Ratios: MoEScope / "
         "llama.cpp per repetition, median. Limit: the memory read bandwidth (float32 sum over 1 GiB in 2 MiB pages, "
@@ -245,7 +245,7 @@ def main(argv=None) -> int:
     if args.isa != "native":
         if args.isa not in cpuinfo_field("flags").split():
             parser.error(f"--isa {args.isa} needs a CPU with {args.isa.upper()}; this one has not")
-        os.environ[FLAVOUR_ENV] = args.isa  # every bench.measure process below builds and runs that flavour
+        os.environ[VARIANT_ENV] = ISA_VARIANT[args.isa]  # every bench.measure process below runs that variant
     try:
         lc = build_tools(isa=args.isa)
         paths = {Path(g).name if Path(g).is_dir() else g: Path(g) if Path(g).is_dir() else build_checkpoint(g)

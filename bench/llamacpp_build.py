@@ -47,6 +47,8 @@ GGML_X86_FEATURES = {"sse4_2": "GGML_SSE42", "f16c": "GGML_F16C", "fma": "GGML_F
 # Instruction sets llama.cpp can be built for: this CPU's, or AVX2 + FMA only (what a laptop without
 # AVX-512 has, measured on a CPU that has more, beside MoEScope's avx2 kernel flavour)
 ISAS = ("native", "avx2")
+# the MoEScope kernel variant each --isa runs (native: the best this CPU runs)
+ISA_VARIANT = {"native": "", "avx2": "x86-64-v3"}
 BEYOND_AVX2 = ("avx512", "amx", "avx_vnni")  # flag prefixes an AVX2-only build leaves out
 
 

@@ -91,7 +91,6 @@ def measure(setting: Setting, n: int, reference: dict | None) -> dict:
     and the float row keeps its log-probabilities for the rows after it."""
     from bench.answer_scores import answer_logprobs, compare, heldout_chats
     from engine.decode.native import kernels as native
-    from engine.decode.native.kernels import LOAD_WAIT_S
     from engine.decode.runtime import MoERuntime
     from engine.demo.corpus import SKILLS, heldout
     from engine.demo.engine_backend import engine_answer_fn
@@ -105,7 +104,7 @@ def measure(setting: Setting, n: int, reference: dict | None) -> dict:
                                    int8_prompt=setting.kernels == "fast-int8"))
     # Beside AMX tiles the prompt path sets the 8-bit inputs aside (faster without them); their cost is
     # measured as they run where they apply, on the dot products.
-    kernels = native.wait(LOAD_WAIT_S) if setting.kernels == "fast-int8" else None
+    kernels = native.load() if setting.kernels == "fast-int8" else None
     if kernels is not None:
         kernels.set_amx(False)
     try:

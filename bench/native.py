@@ -3,17 +3,18 @@
 from __future__ import annotations
 
 import sys
-from types import ModuleType
+
+from engine.decode.native.library import Kernels
 
 
-def ready_kernels(threads: int) -> ModuleType | None:
-    """This machine's kernel build, with torch set to `threads` threads; None where they cannot be
-    built (the build's status printed to stderr)."""
+def ready_kernels(threads: int) -> Kernels | None:
+    """This machine's kernel variant, with torch set to `threads` threads; None where none loads
+    (why printed to stderr)."""
     import torch
 
     from engine.decode.native import kernels as native
 
-    kernels = native.wait(600)
+    kernels = native.load()
     if kernels is None:
         print(native.status(), file=sys.stderr)
         return None

@@ -34,40 +34,42 @@ def mixtral_checkpoint(tiny_checkpoints):
     return tiny_checkpoints["mixtral"]
 
 
-@pytest.fixture(scope="module", params=["native", "avx2", "portable"])
-def flavour(request):
-    """Each build flavour of the kernels (x86-64; elsewhere only the native one)."""
-    import platform
+def _runnable_variants() -> list[str]:
+    """The kernel variants of this install the CPU can run (their names), best first."""
+    from engine.decode.native import library
 
-    from engine.decode.native import kernels as native
-    from tests.helpers import kernel_builds
+    try:
+        features = library.cpu_features()
+    except (OSError, KeyError):
+        return []
+    return [v.name for v in library.variants() if set(v.requires) <= features]
 
-    if request.param != "native" and platform.machine() not in ("x86_64", "AMD64"):
-        pytest.skip("the avx2 and portable flavours are x86-64 -march targets")
-    built = native.wait(timeout=600)
-    if request.param == "native":
-        if built is None:
-            pytest.skip(native.status())
-        return built
-    other = kernel_builds.flavour(request.param)
-    if other is None:
-        pytest.skip("the native build is the avx2 flavour on this CPU (AVX2 without AVX-512 or VNNI)")
-    return other
+
+@pytest.fixture(scope="module", params=_runnable_variants() or ["none"])
+def variant(request):
+    """Each variant of the native kernels this CPU can run, held to the same reference."""
+    from engine.decode.native import library
+
+    if request.param == "none":
+        pytest.skip(library.choose().problem or "no kernel variant of this install runs here")
+    chosen = next(v for v in library.variants() if v.name == request.param)
+    return library.Kernels(library.LIB_DIR / chosen.file, chosen)
 
 
 @pytest.fixture(scope="session")
 def kernels():
-    """--fast-decode's native kernels, built for this machine (skips where no C++ compiler is)."""
+    """--fast-decode's native kernels, the variant this machine runs (skips where the install has none)."""
     import shutil
 
     from engine.decode.native import kernels as decode_kernels
 
-    built = decode_kernels.wait(timeout=600)
-    if built is None:
+    loaded = decode_kernels.load()
+    if loaded is None:
         if shutil.which("g++") or shutil.which("c++"):
-            pytest.fail(f"a C++ compiler is here but the kernels did not build: {decode_kernels.status()}")
+            pytest.fail(f"a C++ compiler is here but no kernels loaded: {decode_kernels.status()} "
+                        "(run pip install -e . to build them)")
         pytest.skip(decode_kernels.status())
-    return built
+    return loaded
 
 
 HEAVY = ("kernels", "process", "bench")  # what `--quick` leaves out
@@ -79,18 +81,12 @@ def pytest_addoption(parser) -> None:
 
 
 def pytest_collection_modifyitems(config, items) -> None:
-    """Tests that use the native kernels carry the `kernels` marker; `--quick` deselects the heavy ones;
-    the kernel builds the remaining tests need start now, in the background (tests/helpers/kernel_builds.py)."""
+    """Tests that use the native kernels carry the `kernels` marker; `--quick` deselects the heavy ones."""
     for item in items:
-        if "kernels" in getattr(item, "fixturenames", ()):
+        if {"kernels", "variant"} & set(getattr(item, "fixturenames", ())):
             item.add_marker(pytest.mark.kernels)
     if config.getoption("--quick"):
         heavy = [item for item in items if any(item.get_closest_marker(m) for m in HEAVY)]
         if heavy:
             config.hook.pytest_deselected(items=heavy)
             items[:] = [item for item in items if item not in heavy]
-    if any(item.get_closest_marker("kernels") for item in items):
-        from tests.helpers import kernel_builds
-
-        flavours = ("avx2", "portable") if any("flavour" in getattr(item, "fixturenames", ()) for item in items) else ()
-        kernel_builds.start(flavours)

@@ -1,5 +1,5 @@
-"""The native one-token kernels behind --fast-decode (engine/decode/native/moe_decode.cpp): they build on
-a machine with a C++ compiler and compute what transformers' modules compute, to bf16 rounding."""
+"""The native one-token kernels behind --fast-decode (engine/decode/native/src): they compute what
+transformers' modules compute, to bf16 rounding."""
 
 from __future__ import annotations
 
@@ -123,10 +123,10 @@ def test_attention_kernels_follow_the_cache_length(kernels):
 @pytest.mark.parametrize("head_dim", [32, 48, 64, 128])
 @pytest.mark.parametrize("length", [1, 15, 16, 47, 300])
 @pytest.mark.parametrize("group", [2, 4, 8])
-def test_attention_matches_float32_attention_for_any_length_and_head_size(flavour, head_dim, length, group):
+def test_attention_matches_float32_attention_for_any_length_and_head_size(variant, head_dim, length, group):
     """Keys are scored 16 (AVX-512) or 8 (AVX2) positions at a time where the head size allows, one
     at a time for the rest, and values summed 32 columns at a time, then 8; the query heads sharing
-    a kv head go together (16 or 8 / group positions a step): in every build flavour, every length,
+    a kv head go together (16 or 8 / group positions a step): in every build variant, every length,
     head size and group must give the float32 attention of the same bf16 inputs."""
     torch.manual_seed(head_dim + length + group)
     query = torch.randn(1, 2 * group, 1, head_dim).to(torch.bfloat16)
@@ -136,7 +136,7 @@ def test_attention_matches_float32_attention_for_any_length_and_head_size(flavou
     grouped = [t.float().repeat_interleave(group, dim=1) for t in (keys, values)]
     weights = torch.softmax(query.float() @ grouped[0].transpose(-1, -2) * scale, dim=-1)
     reference = (weights @ grouped[1]).transpose(1, 2).reshape(1, 1, 2 * group * head_dim)
-    ours = flavour.attend(query, keys, values, scale)
+    ours = variant.attend(query, keys, values, scale)
     assert ours.shape == reference.shape
     assert torch.allclose(ours.float(), reference, atol=0.02, rtol=0.02)
 
@@ -225,32 +225,3 @@ def test_gpt_oss_experts_run_on_the_kernel(kernels, width, inter):
                                [w["gate_up_proj_bias"] for w in slots], [w["down_proj_bias"] for w in slots], True, gate)
     assert fused.shape == reference.shape and fused.dtype == torch.bfloat16
     close(fused, reference, "moe_decode (GPT-OSS)")
-
-
-def test_a_build_lock_left_by_a_killed_process_does_not_block_the_next(kernels):
-    # torch's extension builder takes a `lock` file even to load a finished build; a process killed
-    # during the first build (the window closed, a CLI run that ended first) leaves it behind
-    import threading
-
-    from engine.decode.native import kernels as native
-
-    stale = native.build_directory("native") / "lock"
-    stale.touch()
-    loaded: list = []
-    thread = threading.Thread(target=lambda: loaded.append(native.compile_flavour("native")), daemon=True)
-    thread.start()
-    thread.join(timeout=120)
-    assert loaded and hasattr(loaded[0], "moe_decode"), "the next load waited on the stale lock"
-    assert not stale.exists()
-
-
-def test_the_kernel_flavour_setting_names_a_flavour_or_says_which_exist(monkeypatch):
-    from engine.decode.native import kernels
-
-    monkeypatch.delenv(kernels.FLAVOUR_ENV, raising=False)
-    assert kernels.requested_flavour() == "native"
-    monkeypatch.setenv(kernels.FLAVOUR_ENV, "avx2")  # what an AVX2-only CPU runs, on any x86-64-v3 one
-    assert kernels.requested_flavour() == "avx2"
-    monkeypatch.setenv(kernels.FLAVOUR_ENV, "avx512")
-    with pytest.raises(ValueError, match="avx512 is not a build flavour: use native, avx2, portable"):
-        kernels.requested_flavour()

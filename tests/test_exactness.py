@@ -205,7 +205,7 @@ def test_bf16_switching_exact_off_unpacks_experts_and_keeps_answers(demo_chats):
 
     chats = demo_chats[:4]
     stock = [reference_generate(DEMO_MODEL_DIR, ids, 32, dtype=torch.bfloat16) for ids in chats]
-    decode_kernels.wait(timeout=600)
+    decode_kernels.load()
     runtime = MoERuntime(LoadModel(path="demo", budget="all", store="ram", device="cpu", dtype="bfloat16",
                                    fast_decode=False))
     try:

@@ -156,7 +156,7 @@ def test_summary_takes_per_repetition_ratios_and_marks_missing_formats():
     assert lines[-1] == "n/a: q8_0: MoEScope has no q8_0 format yet."
     assert "| g | q8_0 (Q8_0) | n/a / 0 |" in lines[-3] and "n/a / n/a / 5.0" in lines[-3]
     avx2 = table([row], SimpleNamespace(**{**vars(args), "isa": "avx2"}))[0]  # the header says what both ran
-    assert "AVX2 and FMA only (no AVX-512, VNNI or AMX)" in avx2 and "avx2 kernel flavour" in avx2
+    assert "AVX2 and FMA only (no AVX-512, VNNI or AMX)" in avx2 and "x86-64-v3 kernel variant" in avx2
 
 
 def test_moescope_on_llamacpps_own_gguf_gets_its_own_ratios_and_table():

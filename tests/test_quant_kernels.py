@@ -1,6 +1,6 @@
 """The native kernels on block-quantized weights: they dequantize to the reference's very values
 (engine.formats.dequantize, itself the gguf package's), and their products equal the bf16 product
-with the dequantized matrix to float32 summation order — in every build flavour."""
+with the dequantized matrix to float32 summation order — in every variant."""
 
 from __future__ import annotations
 
@@ -44,15 +44,15 @@ def quantized(fmt_name: str, rows: int = 40, columns: int = 512, seed: int = 0) 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "float32"])
 @pytest.mark.parametrize("name", KERNEL_FORMATS)
-def test_native_dequantization_is_the_reference_bit_for_bit(flavour, name, dtype):
+def test_native_dequantization_is_the_reference_bit_for_bit(variant, name, dtype):
     # float32: what the prompt tiles expand a matrix into where the CPU has no bf16 dot products
     packed, reference = quantized(name)
     out = torch.empty(reference.shape, dtype=dtype)
-    flavour.dequantize(native.weight(flavour, packed, checkpoint_format(name), reference.shape[1]), out)
+    variant.dequantize(native.weight(variant, packed, checkpoint_format(name), reference.shape[1]), out)
     assert torch.equal(out.float().view(torch.int32), reference.float().view(torch.int32))
 
 
-def test_mxfp4_at_every_block_exponent_is_the_reference(flavour):
+def test_mxfp4_at_every_block_exponent_is_the_reference(variant):
     # the AVX-512 path adds the block scale to the bf16 exponent field, which holds only where the
     # weights stay normal: every exponent byte, including those that make them subnormal or infinite
     fmt = checkpoint_format("mxfp4")
@@ -61,13 +61,13 @@ def test_mxfp4_at_every_block_exponent_is_the_reference(flavour):
     packed[:, 0] = packed[:, 17] = torch.arange(256, dtype=torch.uint8)
     reference = dequantize(packed, fmt, 64, torch.bfloat16)
     out = torch.empty_like(reference)
-    flavour.dequantize(native.weight(flavour, packed, fmt, 64), out)
+    variant.dequantize(native.weight(variant, packed, fmt, 64), out)
     assert torch.equal(out.view(torch.int16), reference.view(torch.int16))
     x = (torch.randn(1, 64, generator=torch.Generator().manual_seed(5)) * 0.5).to(torch.bfloat16)
     # rows whose products stay normal floats (AVX-512 BF16's dot products flush subnormal ones to zero,
     # which on the rows scaled by 2^-126 cost more than 1 %) and whose sums stay finite
     normal = slice(8, 201)
-    ours = flavour.gemv(native.weight(flavour, packed[normal], fmt, 64), x).float()[0]
+    ours = variant.gemv(native.weight(variant, packed[normal], fmt, 64), x).float()[0]
     exact = (x.double() @ reference[normal].double().t())[0]
     row_scale = x.double().abs().sum() * reference[normal].double().abs().amax(dim=1)  # each row's own magnitude
     assert ((ours.double() - exact).abs() <= 0.01 * row_scale).all()
@@ -75,16 +75,16 @@ def test_mxfp4_at_every_block_exponent_is_the_reference(flavour):
 
 @pytest.mark.parametrize("name", KERNEL_FORMATS)
 @pytest.mark.parametrize("integer", [True, False], ids=["integer-dots", "float-loops"])
-def test_quantized_gemv_is_the_dequantized_bf16_product(flavour, name, integer):
-    # integer dots (quant_int.h, the default where a type has one) and the reference-exact float loops
+def test_quantized_gemv_is_the_dequantized_bf16_product(variant, name, integer):
+    # integer dots (dots/fixed_input.h, the default where a type has one) and the reference-exact float loops
     packed, reference = quantized(name, rows=300, columns=1024, seed=2)
     x = (torch.randn(1, 1024) * 0.5).to(torch.bfloat16)
     x[0, :7] = torch.tensor([3.0, -3.0, 1e-3, -1e-3, 0.0, 2.5, -2.99])  # extremes of the fixed-point planes
-    flavour.set_integer_dots(integer)
+    variant.set_integer_dots(integer)
     try:
-        ours = flavour.gemv(native.weight(flavour, packed, checkpoint_format(name), 1024), x)
+        ours = variant.gemv(native.weight(variant, packed, checkpoint_format(name), 1024), x)
     finally:
-        flavour.set_integer_dots(True)
+        variant.set_integer_dots(True)
     assert ours.shape == (1, 300) and ours.dtype == torch.bfloat16
     close(ours, F.linear(x, reference), f"{name} gemv")
     exact = x.double() @ reference.double().t()  # the same products, summed exactly
@@ -93,37 +93,37 @@ def test_quantized_gemv_is_the_dequantized_bf16_product(flavour, name, integer):
 
 @pytest.mark.parametrize("name", ["mxfp4", "q8_0", "q4_0", "q5_0"])
 @pytest.mark.parametrize("columns", [96, 2880])
-def test_gemv_rows_that_end_inside_an_input_chunk(flavour, name, columns):
+def test_gemv_rows_that_end_inside_an_input_chunk(variant, name, columns):
     # the input's fixed point is scaled per 256 elements, and 32-element blocks need not fill the
     # last chunk: gpt-oss's 2880 columns end 64 elements into one, 96 is an odd number of blocks
     packed, reference = quantized(name, rows=40, columns=columns, seed=6)
     x = (torch.randn(1, columns) * 0.5).to(torch.bfloat16)
-    ours = flavour.gemv(native.weight(flavour, packed, checkpoint_format(name), columns), x)
+    ours = variant.gemv(native.weight(variant, packed, checkpoint_format(name), columns), x)
     close(ours, F.linear(x, reference), f"{name} gemv over {columns} columns")
     exact = x.double() @ reference.double().t()
     assert (ours.double() - exact).abs().max() <= 0.01 * exact.abs().max()
 
 
 @pytest.mark.parametrize("name", KERNEL_FORMATS)
-def test_rows_times_a_quantized_matrix_is_the_dequantized_bf16_product(flavour, name):
+def test_rows_times_a_quantized_matrix_is_the_dequantized_bf16_product(variant, name):
     # a prompt's rows through one expert matrix (linear_rows): tiles of the matrix expanded in L1,
     # any number of rows and a matrix height that is no multiple of the tile
     packed, reference = quantized(name, rows=258, columns=512, seed=3)
-    weight = native.weight(flavour, packed, checkpoint_format(name), 512)
+    weight = native.weight(variant, packed, checkpoint_format(name), 512)
     bias = (torch.randn(258) * 0.1).to(torch.bfloat16)
     for rows in (1, 5, 16):
         x = (torch.randn(rows, 512) * 0.5).to(torch.bfloat16)
-        ours = flavour.linear_rows(weight, x)
+        ours = variant.linear_rows(weight, x)
         assert ours.shape == (rows, 258) and ours.dtype == torch.bfloat16
         close(ours, F.linear(x, reference), f"{name} x {rows} rows")
         exact = x.double() @ reference.double().t()
         assert (ours.double() - exact).abs().max() <= 0.01 * exact.abs().max()
-        close(flavour.linear_rows(weight, x, bias), F.linear(x, reference, bias), f"{name} with a bias")
+        close(variant.linear_rows(weight, x, bias), F.linear(x, reference, bias), f"{name} with a bias")
 
 
 @pytest.mark.parametrize("name", ["q8_0", "q4_k", "q6_k", "q3_k", "q2_k", "q5_0", "mxfp4", "fp8"])
 @pytest.mark.parametrize("seed", [0, 4])
-def test_quantized_experts_in_one_call(flavour, name, seed):
+def test_quantized_experts_in_one_call(variant, name, seed):
     # One token through 8 quantized experts of [2I, H] / [H, I], weighted and summed, set against
     # the same computation in float32 on the float32 dequantized weights. The reference the
     # engine's exact path computes (bf16 weights, transformers' bf16 roundings) is itself some way
@@ -155,25 +155,25 @@ def test_quantized_experts_in_one_call(flavour, name, seed):
 
     truth, reference = through_torch(torch.float32), through_torch(torch.bfloat16)
     for integer in (True, False):
-        flavour.set_integer_dots(integer)
+        variant.set_integer_dots(integer)
         try:
-            ours = flavour.moe_decode(x, [native.weight(flavour, g, fmt, hidden) for g, _ in experts],
-                                      [native.weight(flavour, d, fmt, inter) for _, d in experts], route).float()
+            ours = variant.moe_decode(x, [native.weight(variant, g, fmt, hidden) for g, _ in experts],
+                                      [native.weight(variant, d, fmt, inter) for _, d in experts], route).float()
         finally:
-            flavour.set_integer_dots(True)
+            variant.set_integer_dots(True)
         scale = truth.abs().max()
         assert (ours - truth).abs().max() <= 2 * (reference - truth).abs().max() + 0.01 * scale, (name, integer)
         if not integer:
             close(ours, reference, f"{name} experts")  # the float loops: the reference's own values
 
 
-def test_a_matrix_that_does_not_match_its_type_is_refused(flavour):
+def test_a_matrix_that_does_not_match_its_type_is_refused(variant):
     packed, _ = quantized("q4_k")
     with pytest.raises(RuntimeError, match="columns do not match"):
-        flavour.gemv(native.weight(flavour, packed, FORMATS["q4_k"], 256), torch.zeros(1, 256, dtype=torch.bfloat16))
+        variant.gemv(native.weight(variant, packed, FORMATS["q4_k"], 256), torch.zeros(1, 256, dtype=torch.bfloat16))
 
 
-def test_gpt_oss_experts_in_one_call(flavour):
+def test_gpt_oss_experts_in_one_call(variant):
     # gpt-oss's experts (biases, interleaved gate/up, clamped SwiGLU) on MXFP4 slots, one call,
     # against transformers' recipe on the same weights dequantized to bf16 (the engine's exact path)
     from transformers import GptOssConfig
@@ -203,19 +203,19 @@ def test_gpt_oss_experts_in_one_call(flavour):
     x = (torch.randn(1, hidden, generator=generator) * 2).to(torch.bfloat16)
     route = torch.softmax(torch.randn(4, generator=generator), dim=0).to(torch.bfloat16)
     reference = torch_one_token(module, x, chosen, route, torch.bfloat16, reader)
-    flavour.set_integer_dots(False)  # the float loops: the reference's weights, summed in another order
+    variant.set_integer_dots(False)  # the float loops: the reference's weights, summed in another order
     try:
-        ours = NativeExperts(flavour)(module, x, chosen, route, torch.bfloat16, reader)
+        ours = NativeExperts(variant)(module, x, chosen, route, torch.bfloat16, reader)
     finally:
-        flavour.set_integer_dots(True)
+        variant.set_integer_dots(True)
     close(ours, reference, "gpt-oss experts")
-    ours_int = NativeExperts(flavour)(module, x, chosen, route, torch.bfloat16, reader)
+    ours_int = NativeExperts(variant)(module, x, chosen, route, torch.bfloat16, reader)
     assert (ours_int.float() - reference.float()).abs().max() <= 0.05 * reference.float().abs().max()
 
 
 @pytest.mark.parametrize(("family", "name"), [("qwen3_moe", "q4_k"), ("qwen3_moe", "q8_0"), ("qwen3_moe", "q6_k"),
                                               ("qwen3_moe", "original"), ("gpt_oss", "mxfp4")])
-def test_a_prompts_rows_through_a_layers_experts_in_one_call(flavour, family, name):
+def test_a_prompts_rows_through_a_layers_experts_in_one_call(variant, family, name):
     # A prompt's rows sorted by expert (as the expert cache gathers them) through a layer's resident
     # experts in one native call (moe_prompt): every expert's rows equal transformers' recipe on the
     # same weights dequantized to bf16, to summation order; experts with 0, 1 and a count that is no
@@ -261,7 +261,7 @@ def test_a_prompts_rows_through_a_layers_experts_in_one_call(flavour, family, na
     reader = SlotReader(params, torch.bfloat16)
     rows = (torch.randn(sum(counts), hidden, generator=generator) * 2).to(torch.bfloat16)
     start = [sum(counts[:e]) for e in range(len(counts))]
-    ours = NativePromptExperts(flavour)(module, rows, start, counts, chosen, reader)
+    ours = NativePromptExperts(variant)(module, rows, start, counts, chosen, reader)
     assert ours is not None and ours.shape == rows.shape and ours.dtype == torch.bfloat16
     for e, (first, count) in enumerate(zip(start, counts, strict=True)):
         if count == 0:
@@ -272,12 +272,10 @@ def test_a_prompts_rows_through_a_layers_experts_in_one_call(flavour, family, na
 
 
 @pytest.mark.parametrize("weights_dtype", [torch.float32, torch.bfloat16])
-def test_a_prompts_expert_outputs_are_summed_as_the_expert_cache_sums_them(weights_dtype):
+def test_a_prompts_expert_outputs_are_summed_as_the_expert_cache_sums_them(variant, weights_dtype):
     # combine_rows (the fast prompt's weighting, scatter and sum in one pass) gives the expert cache's
     # torch ops bit for bit, with float32 routing weights (Mixtral) and bf16 ones (Qwen3-MoE)
-    built = native.wait(timeout=600)
-    if built is None:
-        pytest.skip(native.status())
+    built = variant
     generator = torch.Generator().manual_seed(2)
     for tokens, top_k, hidden in ((37, 8, 96), (16, 2, 1024)):
         y = (torch.randn(tokens * top_k, hidden, generator=generator) * 3).to(torch.bfloat16)
@@ -294,11 +292,11 @@ def test_a_prompts_expert_outputs_are_summed_as_the_expert_cache_sums_them(weigh
 
 @pytest.mark.parametrize("name", ["q4_k", "original"])
 def test_amx_tiles_and_dot_products_give_a_prompt_the_same_products(name):
-    # Beside AMX tiles a prompt's bf16 products run on them (prompt_amx.h) and the dot products are
+    # Beside AMX tiles a prompt's bf16 products run on them (arch/x86/prompt_amx.h) and the dot products are
     # no longer the default; both stay the dequantized bf16 product to summation order: experts
     # whose rows fill one to four 16-row blocks, a matrix whose height is no multiple of 16, a
     # bf16 matrix read in place and one interleaved gate/up.
-    built = native.wait(timeout=600)
+    built = native.load()
     if built is None or not built.amx():
         pytest.skip("no AMX tiles here (Intel Sapphire Rapids and later, Linux)")
     hidden, inter, counts = 512, 256, [1, 16, 17, 33, 49, 64, 0]
@@ -357,7 +355,7 @@ def q4_k_parts(packed: torch.Tensor, columns: int) -> tuple[torch.Tensor, torch.
 
 
 @pytest.mark.parametrize("rows", [1, 8, 13])
-def test_8_bit_prompt_inputs_reach_a_q4_k_linear_and_no_other(flavour, rows):
+def test_8_bit_prompt_inputs_reach_a_q4_k_linear_and_no_other(variant, rows):
     # --int8-prompt also rounds the inputs of a prompt's dense Q4_K linears (attention's projections):
     # the same arithmetic as the experts', with the bias added before the one rounding; a Q6_K linear
     # is untouched, bit for bit
@@ -365,18 +363,18 @@ def test_8_bit_prompt_inputs_reach_a_q4_k_linear_and_no_other(flavour, rows):
     x = (torch.randn(rows, columns, generator=torch.Generator().manual_seed(rows)) * 2).to(torch.bfloat16)
     bias = torch.randn(out, generator=torch.Generator().manual_seed(9)).to(torch.bfloat16)
     packed, _ = quantized("q4_k", out, columns, seed=60 + rows)
-    weight = native.weight(flavour, packed, checkpoint_format("q4_k"), columns)
-    ours = flavour.linear_rows(weight, x, bias, True)
+    weight = native.weight(variant, packed, checkpoint_format("q4_k"), columns)
+    ours = variant.linear_rows(weight, x, bias, True)
     scaled, mins = q4_k_parts(packed, columns)
     reference = rounded_to_8_bits(x).double() @ scaled.double().T - x.double() @ mins.double().T + bias.double()
     close(ours, reference.to(torch.bfloat16), f"{rows} rows")
-    assert not torch.equal(ours, flavour.linear_rows(weight, x, bias))  # the inputs really were rounded
-    q6 = native.weight(flavour, quantized("q6_k", out, columns, seed=61)[0], checkpoint_format("q6_k"), columns)
-    assert torch.equal(flavour.linear_rows(q6, x, bias, True), flavour.linear_rows(q6, x, bias))
+    assert not torch.equal(ours, variant.linear_rows(weight, x, bias))  # the inputs really were rounded
+    q6 = native.weight(variant, quantized("q6_k", out, columns, seed=61)[0], checkpoint_format("q6_k"), columns)
+    assert torch.equal(variant.linear_rows(q6, x, bias, True), variant.linear_rows(q6, x, bias))
 
 
 @pytest.mark.parametrize("down_format", ["q4_k", "q6_k"])
-def test_8_bit_prompt_inputs_round_only_the_scaled_products(flavour, down_format):
+def test_8_bit_prompt_inputs_round_only_the_scaled_products(variant, down_format):
     # --int8-prompt (opt-in, lossy): Q4_K matrices multiply each row's inputs rounded to 8 bits per
     # 256 values in integers; the mins multiply the exact inputs. Every expert's rows equal that
     # arithmetic done in float64 on the reference's terms (to bf16 rounding); matrices of other types
@@ -388,9 +386,9 @@ def test_8_bit_prompt_inputs_round_only_the_scaled_products(flavour, down_format
     down = [quantized(down_format, hidden, inter, seed=80 + e)[0] for e in range(len(counts))]
     rows = (torch.randn(sum(counts), hidden, generator=torch.Generator().manual_seed(3)) * 2).to(torch.bfloat16)
     start = [sum(counts[:e]) for e in range(len(counts))]
-    args = (rows, start, counts, [native.weight(flavour, w, fmt, hidden) for w in gate_up],
-            [native.weight(flavour, w, down_fmt, inter) for w in down])
-    ours, bf16_inputs = flavour.moe_prompt(*args, int8_inputs=True), flavour.moe_prompt(*args)
+    args = (rows, start, counts, [native.weight(variant, w, fmt, hidden) for w in gate_up],
+            [native.weight(variant, w, down_fmt, inter) for w in down])
+    ours, bf16_inputs = variant.moe_prompt(*args, int8_inputs=True), variant.moe_prompt(*args)
 
     def product(x: torch.Tensor, packed: torch.Tensor, columns: int, name: str) -> torch.Tensor:
         if name != "q4_k":
@@ -406,7 +404,7 @@ def test_8_bit_prompt_inputs_round_only_the_scaled_products(flavour, down_format
         close(ours[first:first + count], reference, f"expert {e} ({count} rows)")
     assert not torch.equal(ours, bf16_inputs)  # the inputs really were rounded
     if down_format == "q6_k":  # experts with no Q4_K matrix at all: the switch changes no bit
-        gate_up_q6 = [native.weight(flavour, quantized("q6_k", 2 * inter, hidden, seed=90 + e)[0], down_fmt, hidden)
+        gate_up_q6 = [native.weight(variant, quantized("q6_k", 2 * inter, hidden, seed=90 + e)[0], down_fmt, hidden)
                       for e in range(len(counts))]
         plain = (rows, start, counts, gate_up_q6, args[4])
-        assert torch.equal(flavour.moe_prompt(*plain, int8_inputs=True), flavour.moe_prompt(*plain))
+        assert torch.equal(variant.moe_prompt(*plain, int8_inputs=True), variant.moe_prompt(*plain))

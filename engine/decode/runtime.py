@@ -118,11 +118,11 @@ class MoERuntime:
             # the native experts kernel reads plain weights faster than oneDNN reads packed ones
             packed_params=self._packable() if options.pack_weights and not native_first else frozenset(),
         )
-        if self.layout.quantized:  # the native expansion once the kernels are built: the same values, faster
+        if self.layout.quantized:  # the native expansion where the kernels load: the same values, faster
             self.cache.use_dequantizer(native.slot_dequantizer(reference_dequantizer))
-            # built in the background with --exact too: the torch reference expands a slot through
-            # float32 temporaries several times its size, which a prefill pays in time and memory
-            native.start_build()
+            # loaded with --exact too: the torch reference expands a slot through float32
+            # temporaries several times its size, which a prefill pays in time and memory
+            native.load()
         for module_path, layer in self.layout.experts_modules():
             experts_registry.attach(self.model.get_submodule(module_path), self.cache, layer)
         self._restriction: RoutingRestriction | None = None
@@ -136,11 +136,7 @@ class MoERuntime:
         self.set_fast_decode(options.fast_decode)
         self.int8_prompt = options.int8_prompt  # live (the System panel's switch); the prompt path reads it
         if native_first:
-            if progress is not None and native.ready() is None:
-                progress(1.0, "building native decode kernels (first use on this machine)")
-            # Asked for at load: the first tokens should not run on the slower kernels. Bounded, since
-            # torch's builder waits on a lock file that a build killed midway leaves behind.
-            native.wait(timeout=native.LOAD_WAIT_S)
+            native.load()  # at load: the first tokens should not run on the slower kernels
         self._prepare(policy)
         self.warm_bytes = self.cache.warm() if options.warm else 0
         self.cpu_experts_note = self._setup_cpu_experts(options.cpu_experts)

@@ -24,12 +24,12 @@ from __future__ import annotations
 
 from contextlib import nullcontext
 from functools import cache
-from types import ModuleType
 
 import torch
 import torch.nn.functional as F
 
 from engine.decode.native import kernels as native
+from engine.decode.native.library import Kernels
 from engine.decode.paths import one_query_attention
 from engine.decode.paths.base import DecodePath, Step
 from engine.decode.paths.expert_recipe import ExpertsRecipe, experts_recipe
@@ -49,7 +49,7 @@ from engine.model.dense_formats import QuantizedLinear
 from engine.offload.expert_compute import PromptKernels, QuantizedProduct, SlotReader, torch_one_token
 
 
-def _native_kernels(module: torch.nn.Module, x: torch.Tensor, weight: torch.Tensor) -> ModuleType | None:
+def _native_kernels(module: torch.nn.Module, x: torch.Tensor, weight: torch.Tensor) -> Kernels | None:
     """The kernels, if `module`'s model is in a native step and they apply: bf16 input and weight, CPU."""
     switch = module.__dict__.get(SWITCH_ATTR)
     if switch is None or not switch.on or x.dtype != torch.bfloat16 or weight.dtype != torch.bfloat16 \
@@ -58,7 +58,7 @@ def _native_kernels(module: torch.nn.Module, x: torch.Tensor, weight: torch.Tens
     return native.ready()
 
 
-def _one_row_kernels(module: torch.nn.Module, x: torch.Tensor) -> ModuleType | None:
+def _one_row_kernels(module: torch.nn.Module, x: torch.Tensor) -> Kernels | None:
     """The kernels for one bf16 CPU row through a linear (the GEMV): inside a native step, and in a
     fast prompt, whose last position alone goes through the LM head (there a quantized head was
     expanded whole to bf16 for torch's product: a few percent of a 128-token prompt)."""
@@ -68,7 +68,7 @@ def _one_row_kernels(module: torch.nn.Module, x: torch.Tensor) -> ModuleType | N
     return native.ready()
 
 
-def _row_kernels(module: torch.nn.Module, x: torch.Tensor, quantized: bool) -> ModuleType | None:
+def _row_kernels(module: torch.nn.Module, x: torch.Tensor, quantized: bool) -> Kernels | None:
     """The kernels, if `module`'s model is in a fast prompt and `linear_rows` takes these rows: bf16 on
     the CPU, whole 32-column groups, and for a bf16 weight where the native rows beat torch's bf16
     matmul (`native.rows_beat_torch_bf16`; a quantized weight always gains, being multiplied in its
@@ -80,7 +80,7 @@ def _row_kernels(module: torch.nn.Module, x: torch.Tensor, quantized: bool) -> M
     return kernels if kernels is not None and (quantized or native.rows_beat_torch_bf16(kernels)) else None
 
 
-def _rows(kernels: ModuleType, module: torch.nn.Module, x: torch.Tensor, bias: torch.Tensor | None,
+def _rows(kernels: Kernels, module: torch.nn.Module, x: torch.Tensor, bias: torch.Tensor | None,
           int8_inputs: bool = False) -> torch.Tensor:
     """x's rows (any leading shape) through `module`'s weight on `linear_rows`, as F.linear."""
     rows = x.reshape(-1, x.shape[-1])
@@ -128,7 +128,7 @@ def _bf16_bias(bias: torch.Tensor | None) -> bool:
     return bias is None or (bias.dtype == torch.bfloat16 and bias.is_contiguous())
 
 
-def linear_weight(kernels: ModuleType, module: torch.nn.Module):
+def linear_weight(kernels: Kernels, module: torch.nn.Module):
     """A linear layer's weight as the kernels take it (bf16, or its blocks), made once per module."""
     source = module.packed if isinstance(module, QuantizedLinear) else module.weight
     cached = module.__dict__.get("_moescope_weight")
@@ -252,7 +252,7 @@ class NativeExperts:
     for every experts module whose recipe the kernel computes (engine.decode.paths.expert_recipe:
     gated, with or without biases, halves or interleaved, [out, in] or transposed)."""
 
-    def __init__(self, kernels: ModuleType) -> None:
+    def __init__(self, kernels: Kernels) -> None:
         self.kernels = kernels
 
     def __call__(self, module: torch.nn.Module, hidden: torch.Tensor, chosen: list[dict[str, torch.Tensor]],
@@ -270,7 +270,7 @@ class NativePromptExperts:
     """A prompt's resident experts of one layer in one native call (`moe_prompt`), for the modules
     the one-token kernel also computes (engine.decode.paths.expert_recipe), laid out [out, in]."""
 
-    def __init__(self, kernels: ModuleType, int8_inputs: bool = False) -> None:
+    def __init__(self, kernels: Kernels, int8_inputs: bool = False) -> None:
         self.kernels = kernels
         self.int8_inputs = int8_inputs  # opt-in, lossy: Q4_K matrices take their inputs rounded to 8 bits
 
@@ -302,7 +302,7 @@ def mixed_layout(recipe: ExpertsRecipe, reader: SlotReader) -> bool:
     return recipe.transposed and 0 < len(reader.quantized) < 2
 
 
-def expert_extras(kernels: ModuleType, reader: SlotReader, chosen: list[dict[str, torch.Tensor]],
+def expert_extras(kernels: Kernels, reader: SlotReader, chosen: list[dict[str, torch.Tensor]],
                   recipe: ExpertsRecipe) -> tuple[list, list, bool, object]:
     """What the kernels take beside the matrices of the experts in `chosen`: their gate_up and down
     biases (or none), whether the matrices are read as x @ W, and their gate."""
@@ -313,11 +313,11 @@ def expert_extras(kernels: ModuleType, reader: SlotReader, chosen: list[dict[str
 
 
 @cache
-def _gate(kernels: ModuleType, recipe: ExpertsRecipe):
+def _gate(kernels: Kernels, recipe: ExpertsRecipe):
     return kernels.GateRecipe(recipe.interleaved, recipe.clamped_swiglu, recipe.alpha, recipe.limit)
 
 
-def expert_weights(kernels: ModuleType, reader: SlotReader, chosen: list[dict[str, torch.Tensor]]) -> tuple[list, list]:
+def expert_weights(kernels: Kernels, reader: SlotReader, chosen: list[dict[str, torch.Tensor]]) -> tuple[list, list]:
     """The (gate_up, down) matrices of each expert in `chosen` (views of their slots), as the
     kernels take them: bf16, or blocks of the experts' format."""
     out = []
@@ -365,7 +365,7 @@ def native_problem(runtime, step: Step) -> str | None:
     return None
 
 
-def quantized_product(kernels: ModuleType) -> QuantizedProduct:
+def quantized_product(kernels: Kernels) -> QuantizedProduct:
     """Rows times a quantized slot's matrix on the native kernels: each tile of the matrix is expanded
     once in L1 and multiplied by all rows (`linear_rows`), never the whole expert into a scratch."""
 
@@ -439,10 +439,10 @@ class NativeLayersPath(DecodePath):
         return self._switch
 
     def enable(self) -> None:
-        """Fast decode was asked for: patch the model's modules (once) and start building the kernels."""
+        """Fast decode was asked for: patch the model's modules (once) and load the kernels."""
         if self._switch is None:
             self._switch = install(self.runtime.model)
-        native.start_build()
+        native.load()
 
     def unavailable(self, step: Step) -> str | None:
         problem = native_problem(self.runtime, step)

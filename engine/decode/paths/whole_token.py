@@ -365,7 +365,7 @@ class WholeTokenPath(DecodePath):
     def decoder(self) -> FusedDecoder:
         """The native step of this model, made on first use (call only when `recognise` accepts it)."""
         if self._decoder is None:
-            self._decoder = FusedDecoder(self.runtime.model, self.runtime.cache, native.wait())
+            self._decoder = FusedDecoder(self.runtime.model, self.runtime.cache, native.load())
         return self._decoder
 
 

@@ -1,11 +1,11 @@
 // Prompt tiles of Q4_K, Q6_K and Q8_0 matrices in integers, in builds without bf16 dot products
 // (AVX2, AVX-512 without BF16).
 //
-// Included by moe_decode.cpp (inside its namespace). Other types' tiles there are dequantized to
+// Other types' tiles there are dequantized to
 // float32 and multiplied with fused multiply-adds: 8 products an instruction, on the two ports that
 // have them. Here a tile's weights stay integers, each level times its sub-block's scale (Q4_K: at
 // most 15 * 63; Q6_K: 32 * 128 in magnitude; Q8_0: the level itself; an int16 each way), the input
-// rows are put in fixed point as a decode input is (quant_int.h: per 256 values a float scale, each
+// rows are put in fixed point as a decode input is (dots/fixed_input.h: per 256 values a float scale, each
 // value an int16 of at most 32512), and one vpmaddwd multiplies 16 pairs; its sums add up in int32
 // lanes over a span of inputs short enough to stay below 2^31 (Q4_K 64: 64 * 945 * 32512; Q6_K 16:
 // 16 * 4096 * 32512; Q8_0 its block of 32), then once in float with the span's d and the input
@@ -13,7 +13,23 @@
 // sums of x, as in the decode kernels. The reference is the same as theirs: the products
 // with the float32 dequantized weights, to within the input's fixed-point rounding (below 2^-15 of
 // a chunk's largest value), not rounded to bf16 first; tests/test_quant_kernels.py holds the
-// prompt paths of every build flavour to it.
+// prompt paths of every variant to it.
+
+#pragma once
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+#include "../../base/features.h"
+#include "../../base/scalar.h"
+#include "../../formats/types.h"
+#include "../../prompt/tiles.h"
+#include "quant_int.h"
+#include "unpack.h"
+
+namespace moescope {
 
 // Whether this build multiplies a prompt's tiles of this type in integers.
 inline bool has_fixed_tiles([[maybe_unused]] int32_t type) {
@@ -83,7 +99,7 @@ struct FixedTile {
   }
 
   // A Q6_K block: per 128 levels, 64 bytes of low nibbles and 32 of high bit pairs, read as 16-bit
-  // words the same way (quant.h's group_levels says which bits are whose). Each 16 levels has its
+  // words the same way (formats/blocks.h's group_levels says which bits are whose). Each 16 levels has its
   // own int8 scale: in fixed_order the even (or odd) levels 0-14 of a sub-block are the low 128-bit
   // lane and 16-30 the high one.
   static float q6_k_block(const uint8_t* b, int16_t* out) {
@@ -174,7 +190,6 @@ inline void fixed_block_product(const FixedTile& w, const PromptInput& in, int64
 template <class Emit>
 inline void fixed_tile_times_rows(const Matrix& w, const int64_t* at, const PromptInput& in, int64_t e,
                                   int64_t first, int64_t m, FixedTile& tile, Emit&& emit) {
-  TORCH_CHECK(has_fixed_tiles(w.type) && w.cols == in.k, "fixed-point prompt tiles: a Q4_K, Q6_K or Q8_0 matrix of the input's width");
   tile.load(w, at);
   alignas(32) float out[kTile * kBlock];
   float sums[kTile];
@@ -191,3 +206,5 @@ inline void fixed_tile_times_rows(const Matrix& w, const int64_t* at, const Prom
   }
 }
 #endif
+
+}  // namespace moescope

@@ -1,7 +1,7 @@
 // Opt-in lossy prompt path: a prompt's rows rounded to 8 bits and multiplied by Q4_K experts in
 // integers, as llama.cpp's CPU kernels do (its Q8_K activations).
 //
-// Included by moe_decode.cpp (inside its namespace), used by moe_prompt when asked. Why: at
+// Used by moe_prompt and linear_rows when asked. Why: at
 // prefill the bf16 tile path is bound by the bf16 dot-product rate, and an 8-bit dot product
 // (4 byte products summed into an int32 lane per instruction) does more than twice the work per
 // instruction on the CPUs that have it. What it costs: each 256 values of an input row share one
@@ -14,6 +14,22 @@
 // lanes and one dpbusd gives 8 rows' partial sums. A sub-block's scale is one number for the whole
 // register, so it is applied once per 32 inputs in float; the block's mins multiply the exact
 // float sums of x (not the rounded ones), so only the scaled products carry the 8-bit rounding.
+#pragma once
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <utility>
+#include <vector>
+
+#include "../base/features.h"
+#include "../base/scalar.h"
+#include "../formats/blocks.h"
+#include "../formats/types.h"
+#include "tiles.h"
+
+namespace moescope {
 
 // Rows of W per int8_tile, 8 input rows at a time: 3 fit AVX2's registers (6 spilled and ran at two
 // thirds of the speed) and split the prompt's 6-row tile evenly (4 wasted a quarter of the work).
@@ -47,7 +63,7 @@ struct Int8Groups {
   // 256 values of x as levels (x ~= scale * level, scale = max|x| / 127, rounded to nearest even) and
   // the float sums of its sub-blocks of 32 (into sums[8 * j]); returns the scale.
   static float round_block(const bf16* v, int8_t* levels, float* sums) {
-#if defined(__AVX2__)
+#if defined(MOESCOPE_AVX2_INT)
     const float amax = round_chunk(v, 127.f, [&](int j, const __m256i* q, float sum) {
       const __m256i words = _mm256_packs_epi16(_mm256_packs_epi32(q[0], q[1]), _mm256_packs_epi32(q[2], q[3]));
       _mm256_storeu_si256(reinterpret_cast<__m256i*>(levels + 32 * j),
@@ -114,7 +130,7 @@ struct Q4KRows {
         uint8_t* out = levels.data() + r * k + b * 256;
         const uint8_t* qs = block + 16;
         for (int c = 0; c < 4; ++c) {  // 32 bytes: elements 64c + i (low nibble) and 64c + 32 + i (high)
-#if defined(__AVX2__)
+#if defined(MOESCOPE_AVX2_INT)
           const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qs + 32 * c));
           const __m256i nibble = _mm256_set1_epi8(0x0F);
           _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + 64 * c), _mm256_and_si256(v, nibble));
@@ -132,7 +148,7 @@ struct Q4KRows {
   }
 };
 
-#if defined(__AVX2__)
+#if defined(MOESCOPE_AVX2_INT)
 // One weight row's sub-block (32 levels) times the 8 rows' 32 inputs x[0..7] (4 a register), summed per
 // row in an int32 lane: with VNNI one dpbusd per 4 levels; else one maddubs per 4 levels, whose pair
 // sums (at most 2 * 15 * 127 = 3810: levels are below 16, inputs within +-127) add up in int16 all 8
@@ -164,7 +180,7 @@ inline void int8_tile(const Q4KRows& w, const Int8Groups& x, int64_t g, float* o
   const int8_t* xq = x.q_of(g);
   const float* xs = x.scale_of(g);
   const float* xsum = x.sums_of(g);
-#if defined(__AVX2__)
+#if defined(MOESCOPE_AVX2_INT)
   __m256 acc[kInt8Rows], mins[kInt8Rows];
   for (int r = 0; r < kInt8Rows; ++r) acc[r] = mins[r] = _mm256_setzero_ps();
   for (int64_t b = 0; b < blocks; ++b) {
@@ -208,3 +224,5 @@ inline void int8_tile(const Q4KRows& w, const Int8Groups& x, int64_t g, float* o
     }
 #endif
 }
+
+}  // namespace moescope

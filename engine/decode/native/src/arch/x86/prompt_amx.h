@@ -1,7 +1,7 @@
 // A prompt's bf16 products on AMX tiles (Intel Sapphire Rapids and later), where the CPU and the
 // kernel (Linux asks each process to request the tile state) allow them.
 //
-// Included by moe_decode.cpp (inside its namespace). Why: a prompt's tile of W is dequantized once
+// Why: a prompt's tile of W is dequantized once
 // and multiplied by all of its expert's rows, and with AVX-512 BF16 dot products those products,
 // not the dequantization, took most of the time (32 products an instruction). One tile instruction
 // makes 16 x 16 x 32 = 8192, so what is left is reading and expanding W. The arithmetic is that of
@@ -13,23 +13,41 @@
 // accumulator C[r][i] is w_r . x_i. Registers: A in 0, up to kAmxGroup inputs in 1.., their
 // accumulators in 4.. (one block alone: its odd column groups' A and B in 2 and 3).
 
+#pragma once
+
+#include <algorithm>
+#include <cstdint>
+#include <utility>
+#include <vector>
+
+#include "../../base/features.h"
+#include "../../base/scalar.h"
+#include "../../base/simd.h"
+#include "../../formats/types.h"
+#include "../../kernels/experts.h"
+#include "../../kernels/gemv.h"
+
 #if defined(MOESCOPE_AMX)
 #include <sys/syscall.h>
 #include <unistd.h>
+#endif
 
+namespace moescope {
+
+#if defined(MOESCOPE_AMX)
 constexpr int64_t kAmxRows = 16;  // rows of W per tile (an accumulator's rows)
 constexpr int64_t kAmxBlock = 16;  // input rows per block (an accumulator's columns)
 constexpr int kAmxGroup = 3;      // input blocks per pass over a tile of W: 1 + 3 + 3 of the 8 registers
 
 // Tests compare the two paths on one machine; the user never needs to switch.
-bool& amx_wanted() {
+inline bool& amx_wanted() {
   static bool on = true;
   return on;
 }
 
 // Whether the kernel grants this process the tile state (arch_prctl ARCH_REQ_XCOMP_PERM for
 // XFEATURE_XTILEDATA; granted once for the whole process, as oneDNN asks too).
-bool amx_granted() {
+inline bool amx_granted() {
   static const bool granted = [] {
     constexpr long kReqXcompPerm = 0x1023, kXtileData = 18;
     return syscall(SYS_arch_prctl, kReqXcompPerm, kXtileData) == 0;
@@ -37,7 +55,7 @@ bool amx_granted() {
   return granted;
 }
 
-bool amx_on() { return amx_wanted() && amx_granted(); }
+inline bool amx_on() { return amx_wanted() && amx_granted(); }
 
 // Every register 16 rows of 64 bytes. Loaded at the start of each thread's share: oneDNN, on the
 // same threads between our calls, loads configurations of its own.
@@ -193,8 +211,31 @@ inline __m512 widen_bf16_masked(const bf16* p, __mmask16 keep) {
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(keep, p)), 16));
 }
 
+// activate() in 16 lanes, with each lane's gate and up bias (or none): the same ops and roundings
+// (exp16 for std::exp; min and max ordered as std::min and std::max, so a NaN goes where theirs does).
+inline __m256i activate16(const GateRecipe& r, __m512 g, __m512 u, const float* gate_bias, const float* up_bias) {
+  g = round16(g), u = round16(u);
+  if (gate_bias != nullptr) {
+    g = round16(_mm512_add_ps(g, _mm512_load_ps(gate_bias)));
+    u = round16(_mm512_add_ps(u, _mm512_load_ps(up_bias)));
+  }
+  const __m512 one = _mm512_set1_ps(1.f), zero = _mm512_setzero_ps();
+  if (!r.clamped_swiglu) {
+    const __m512 silu = round16(_mm512_div_ps(g, _mm512_add_ps(one, exp16(_mm512_sub_ps(zero, g)))));
+    return (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(silu, u));
+  }
+  const __m512 limit = _mm512_set1_ps(static_cast<float>(r.limit));
+  g = _mm512_min_ps(limit, g);
+  u = _mm512_max_ps(_mm512_min_ps(limit, u), _mm512_sub_ps(zero, limit));
+  const __m512 scaled = round16(_mm512_mul_ps(g, _mm512_set1_ps(static_cast<float>(r.alpha))));
+  const __m512 sigmoid = round16(_mm512_div_ps(one, _mm512_add_ps(one, exp16(_mm512_sub_ps(zero, scaled)))));
+  const __m512 glu = round16(_mm512_mul_ps(g, sigmoid));
+  return (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(round16(_mm512_add_ps(u, one)), glu));
+}
 #else
 constexpr int64_t kAmxRows = 0;
 struct AmxInput {};  // no tiles in this build: never made
 inline bool amx_on() { return false; }
 #endif
+
+}  // namespace moescope

@@ -1,143 +1,37 @@
-// Integer dot products of block-quantized rows with one input row, for one-token decode.
-//
-// Included by quant.h (inside moe_decode.cpp's namespace). Dequantizing each weight to float,
-// as quant.h's reference-exact loops do, costs several instructions a weight and leaves a 4-bit
-// row compute-bound at a fraction of what memory can deliver. Here, as in llama.cpp's CPU
-// kernels, the weight levels stay integers: the input is put in fixed point once per call, the
-// level-times-input products are summed in int16/int32 lanes (maddubs, madd), and each block's
-// scales are applied once per sub-block in integers and once per block in float.
-//
-// Unlike llama.cpp, which rounds the input to 8 bits (Q8_K), the input keeps about 16 bits: each
-// 256-element chunk of x is scaled so its largest magnitude is 32512 and split into two int8
-// planes, x = 255 * hi + lo with both in [-127, 127] (base 255, not 256, so that negating a plane,
-// as the Q8_0 kernel does to move the weights' signs, never overflows), and both planes are
-// multiplied. The input's rounding error is then below 2^-15 of the chunk's largest value, far
-// under the bf16 rounding the input already has. The value itself (255 * hi + lo) is kept as int16
-// too: types whose levels are signed or fit a byte as they are (Q8_0, MXFP4, Q4_0, Q5_0) widen the
-// levels to int16 and take one vpmaddwd product per weight, where the planes need two maddubs
-// products plus sign moves; the K-quants, whose sub-block scales ride in the madd, keep the planes.
-// What this computes is sum_i w_i * x_i with w_i the reference's float32 dequantized weight
-// (scale * level - min), not rounded to bf16 first: within bf16 tolerance of the reference, not
-// bit-equal to it (tests/test_quant_kernels.py holds every flavour to that tolerance).
+// Integer dots of block-quantized rows with a fixed-point input (x86, AVX2 lanes on every AVX2 and
+// AVX-512 variant): dots/fixed_input.h says what they compute and to what reference.
+#pragma once
 
-// idot_mxfp4 widens its codes to int16 levels with one table lookup, which leaves the table's first
-// entry in each high byte: every level arrives as level + kMxfp4Offset (unsigned levels 0..24, as
-// level + 12, plus 12 * 256), and the offset's products come off per block.
-constexpr int16_t kMxfp4Offset = 12 * 257;
+#include <array>
+#include <cstdint>
+#include <cstring>
 
-// x in fixed point: per 256-element chunk a float scale, per element hi/lo int8 planes, and per
-// 16 elements the integer sum of the fixed-point values (for the mins and level offsets). The
-// planes are interleaved per 32 elements (32 hi bytes, then their 32 lo bytes): one 64-byte load
-// gives an AVX-512 kernel both planes of a 32-weight group.
-struct FixedInput {
-  std::vector<int8_t> planes;
-  std::vector<float> scale;     // per chunk: x ~= scale * (255 * hi + lo)
-  std::vector<int32_t> sum16;   // per 16 elements: sum of (255 * hi + lo)
-  std::vector<float> sum32;     // per 32 elements, as float (Q4_K's mins)
-  std::vector<int16_t> wide;    // per element 255 * hi + lo itself (|v| <= 32512), for int16 products
-  std::vector<int32_t> mxfp4_offset;  // per 32 elements, 8 lanes: kMxfp4Offset * the lane's 4 values of `wide`
-  std::vector<bf16> source;    // the x these were made from
+#include "../../base/features.h"
+#include "../../base/scalar.h"
+#include "../../base/simd.h"
+#include "../../base/tune.h"
+#include "../../dots/fixed_input.h"
+#include "../../formats/types.h"
+#include "fixed_convert.h"
+#include "unpack.h"
 
-  const int8_t* hi_at(int64_t i) const { return planes.data() + 2 * i - i % 32; }  // hi of elements i...
+namespace moescope {
 
-  static int32_t fixed(float value, float inv) {
-    const int32_t v = static_cast<int32_t>(std::nearbyint(value * inv));
-    return std::max(-32512, std::min(32512, v));
-  }
+#if defined(MOESCOPE_AVX2_INT)
+#define MOESCOPE_HAS_IDOT_ROW 1
+#define MOESCOPE_HAS_FLOAT_DOT_PREFERENCE 1
 
-#if defined(__AVX2__)
-  // Elements i..i+31 (i a multiple of 32): both planes and the two sums of 16, eight at a time.
-  // cvtps rounds to nearest even as nearbyint does; v / 255 is never a half (255 is odd), so the
-  // float quotient rounds to the same `high` as the integer formula of the scalar path.
-  void convert_group(const bf16* x, float inv, int64_t i) {
-    __m256i high[4], low[4], v[4];
-    for (int part = 0; part < 4; ++part) {
-      const __m256 values = _mm256_castsi256_ps(_mm256_slli_epi32(
-          _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(x + 8 * part))), 16));
-      v[part] = _mm256_min_epi32(_mm256_set1_epi32(32512), _mm256_max_epi32(_mm256_set1_epi32(-32512),
-                    _mm256_cvtps_epi32(_mm256_mul_ps(values, _mm256_set1_ps(inv)))));
-      high[part] = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_cvtepi32_ps(v[part]), _mm256_set1_ps(1.f / 255.f)));
-      low[part] = _mm256_sub_epi32(v[part], _mm256_mullo_epi32(high[part], _mm256_set1_epi32(255)));
-    }
-    const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
-    auto pack = [&](const __m256i* w) {  // 32 int32 in [-127, 127] to 32 int8, in order
-      const __m256i words = _mm256_packs_epi16(_mm256_packs_epi32(w[0], w[1]), _mm256_packs_epi32(w[2], w[3]));
-      return _mm256_permutevar8x32_epi32(words, order);
-    };
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(planes.data() + 2 * i), pack(high));
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(planes.data() + 2 * i + 32), pack(low));
-    for (int half = 0; half < 2; ++half)  // packs interleaves 128-bit lanes; the permute puts them in order
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(wide.data() + i + 16 * half),
-                          _mm256_permute4x64_epi64(_mm256_packs_epi32(v[2 * half], v[2 * half + 1]), 0xD8));
-    for (int half = 0; half < 2; ++half) {
-      const __m256i pair = _mm256_add_epi32(v[2 * half], v[2 * half + 1]);
-      __m128i t = _mm_add_epi32(_mm256_castsi256_si128(pair), _mm256_extracti128_si256(pair, 1));
-      t = _mm_add_epi32(t, _mm_shuffle_epi32(t, 0x4E));
-      t = _mm_add_epi32(t, _mm_shuffle_epi32(t, 0xB1));
-      sum16[i / 16 + half] = _mm_cvtsi128_si32(t);
-    }
-  }
+// MXFP4 with bf16 dot products keeps its reference-exact loop (quant_dot.h: qdot_row_mxfp4), which
+// is also the faster one on AMD's Zen 4; on an Intel core the integer dot ran gpt-oss's experts
+// faster (docs/performance.md).
+inline bool prefers_float_dot([[maybe_unused]] int32_t type) {
+#if defined(MOESCOPE_AVX512BF16)
+  return type == kMXFP4 && !kTune.intel;
+#else
+  return false;
 #endif
-  const int8_t* lo_at(int64_t i) const { return hi_at(i) + 32; }
-  int32_t value(int64_t i) const { return 255 * hi_at(i)[0] + lo_at(i)[0]; }
-
-  // Fixed point of x, reused when this thread's last call had the same x (the gate/up input of
-  // every expert of a layer): comparing 2 bytes an element costs far less than converting them.
-  void prepare(const bf16* x, int64_t count) {
-    if (static_cast<int64_t>(source.size()) == count && std::memcmp(source.data(), x, count * sizeof(bf16)) == 0)
-      return;
-    source.assign(x, x + count);
-    const int64_t chunks = (count + 255) / 256;
-    planes.assign(2 * ((count + 31) / 32 * 32), 0);
-    wide.assign((count + 31) / 32 * 32, 0);
-    scale.resize(chunks);
-    sum16.resize((count + 15) / 16);
-    for (int64_t c = 0; c < chunks; ++c) {
-      const int64_t begin = c * 256, end = std::min(count, begin + 256);
-      float amax = 0.f;
-      for (int64_t i = begin; i < end; ++i) amax = std::max(amax, std::fabs(to_float(x[i])));
-      const float s = amax > 0.f ? amax / 32512.f : 1.f;
-      scale[c] = s;
-      int64_t i = begin;
-#if defined(__AVX2__)
-      for (; i + 32 <= end; i += 32) convert_group(x + i, 1.f / s, i);
-#endif
-      for (; i < end; ++i) {
-        const int32_t v = fixed(to_float(x[i]), 1.f / s);
-        const int32_t high = (v + (v >= 0 ? 127 : -127)) / 255;  // nearest: |v - 255 * high| <= 127
-        planes[2 * i - i % 32] = static_cast<int8_t>(high);
-        planes[2 * i - i % 32 + 32] = static_cast<int8_t>(v - 255 * high);
-        wide[i] = static_cast<int16_t>(v);
-        if (i % 16 == 0) sum16[i / 16] = 0;
-        sum16[i / 16] += v;
-      }
-    }
-    sum32.resize((count + 31) / 32);
-    for (int64_t g = 0; g < static_cast<int64_t>(sum32.size()); ++g)
-      sum32[g] = static_cast<float>(sum16[2 * g] + (2 * g + 1 < static_cast<int64_t>(sum16.size()) ? sum16[2 * g + 1] : 0));
-#if defined(__AVX2__)
-    mxfp4_offset.resize((count + 31) / 32 * 8);
-    for (int64_t g = 0; g < (count + 31) / 32; ++g)  // the lanes idot_mxfp4's products fall in
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(mxfp4_offset.data() + 8 * g),
-                          _mm256_add_epi32(_mm256_madd_epi16(_mm256_set1_epi16(kMxfp4Offset), _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wide.data() + 32 * g))),
-                                           _mm256_madd_epi16(_mm256_set1_epi16(kMxfp4Offset), _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wide.data() + 32 * g + 16)))));
-#endif
-  }
-};
-
-// Types with an integer kernel here; the others keep quant.h's float loops. MXFP4 with bf16 dot
-// products has its reference-exact loop (quant.h: qdot_row_mxfp4), which is also the faster one on
-// AMD's Zen 4; on an Intel core the integer dot ran gpt-oss's experts 1.45x faster (moe_decode.cpp).
-inline bool has_integer_dot(int32_t type) {
-#if defined(MOESCOPE_AVX512BF16) && !defined(MOESCOPE_TUNE_INTEL)
-  if (type == kMXFP4) return false;
-#endif
-  return type == kQ4_K || type == kQ8_0 || type == kQ6_K || type == kQ4_0 || type == kQ5_0 || type == kQ3_K ||
-         type == kQ2_K || type == kMXFP4;
 }
 
-#if defined(__AVX2__)
-inline __m256i load32(const void* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); }
 
 // acc + the int16 products of a and b summed in pairs (vpmaddwd then vpaddd): one VNNI instruction
 // (vpdpwssd) where the CPU has it. On a cache-resident matrix the K-quant dots are bound by their
@@ -410,41 +304,11 @@ inline float idot_q2_q3_k(const uint8_t* row, int64_t blocks, const FixedInput& 
   return hsum_ps(acc) - offsets;
 }
 
-#else
-// Portable: quant.h's levels and scales of each block (group_levels, block_scales) times the same
-// fixed-point input, summed in integers per 16 weights; the scales and mins applied in float.
-inline float idot_portable(int32_t type, const uint8_t* row, int64_t blocks, const FixedInput& in) {
-  const int64_t be = block_elements(type), bb = block_bytes(type);
-  const int groups = static_cast<int>(be / 32);
-  BlockScales s;
-  int32_t q[32];
-  float sum = 0.f;
-  for (int64_t blk = 0; blk < blocks; ++blk) {
-    const uint8_t* b = row + blk * bb;
-    block_scales(type, b, s);
-    const int64_t first = blk * be;
-    float block = 0.f;
-    for (int g = 0; g < groups; ++g) {
-      group_levels(type, b, g, q);
-      for (int half = 0; half < 2; ++half) {
-        const int64_t at = first + 32 * g + 16 * half;
-        int64_t t = 0;
-        for (int l = 0; l < 16; ++l) t += static_cast<int64_t>(q[16 * half + l]) * in.value(at + l);
-        const int sub = 2 * g + half;
-        block += s.scale[sub] * static_cast<float>(t) - s.min[sub] * static_cast<float>(in.sum16[at / 16]);
-      }
-    }
-    sum += block * in.scale[first / 256];
-  }
-  return sum;
-}
-#endif
 
-// sum over the row of (dequantized weight) * x for the types of has_integer_dot.
+// sum over the row of (dequantized weight) * x for the types with an integer dot.
 inline float idot_row(const Matrix& m, int64_t r, const FixedInput& in) {
   const uint8_t* row = m.row(r);
   const int64_t blocks = m.cols / block_elements(m.type);
-#if defined(__AVX2__)
   switch (m.type) {
     case kQ4_K: return idot_q4_k(row, blocks, in);
     case kQ6_K: return idot_q6_k(row, blocks, in);
@@ -453,9 +317,10 @@ inline float idot_row(const Matrix& m, int64_t r, const FixedInput& in) {
     case kQ3_K: return idot_q2_q3_k(row, blocks, in, true);
     case kQ2_K: return idot_q2_q3_k(row, blocks, in, false);
     case kMXFP4: return idot_mxfp4(row, blocks, in);
-    default: return idot_q8_0(row, blocks, in);
+    case kQ8_0: return idot_q8_0(row, blocks, in);
+    default: return idot_row_generic(m, r, in);
   }
-#else
-  return idot_portable(m.type, row, blocks, in);
-#endif
 }
+#endif
+
+}  // namespace moescope

@@ -1,0 +1,577 @@
+// The whole-token step (decode_step.h): its setters, run, and each thread's part of a token.
+#include "decode_step.h"
+
+#include <omp.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <limits>
+#include <numeric>
+
+#include "../attention/attend.h"
+#include "../attention/norms.h"
+#include "../base/check.h"
+#include "../kernels/gemv.h"
+
+namespace moescope {
+
+namespace {
+
+void check_bf16_matrix(const Matrix& m, const char* name) {
+  MOESCOPE_CHECK(m.type == kBF16 && m.data != nullptr && m.rows > 0 && m.row_bytes >= 2 * m.cols, name,
+                 ": a bf16 matrix with contiguous rows is needed");
+}
+
+}  // namespace
+
+DecodeStep::DecodeStep(const Matrix& embed, const Vector& final_norm, double final_eps, const Matrix& lm_head,
+                       int64_t top_k, bool normalize, bool cast_back, bool softmax_of_top, bool norms_round_once)
+    : embed_(embed), lm_head_(lm_head), final_eps_(static_cast<float>(final_eps)), top_k_(top_k),
+      normalize_(normalize), cast_back_(cast_back), softmax_of_top_(softmax_of_top),
+      norms_round_once_(norms_round_once) {
+  check_bf16_matrix(embed_, "embed_tokens");
+  hidden_ = embed_.cols;
+  final_norm_ = checked(final_norm, hidden_, "norm");
+  MOESCOPE_CHECK(final_norm_ != nullptr, "norm: the final norm's weight is needed");
+  MOESCOPE_CHECK(lm_head_.cols == hidden_ && top_k_ > 0, "lm_head: [vocab, hidden]; top_k > 0");
+}
+
+DecodeStep::Layer& DecodeStep::at_layer(int64_t layer, const char* who) {
+  MOESCOPE_CHECK(layer >= 0 && layer < static_cast<int64_t>(layers_.size()), who, ": no such layer");
+  return layers_[layer];
+}
+
+int64_t DecodeStep::moe_layer_count() const {
+  return std::count_if(layers_.begin(), layers_.end(), [](const Layer& l) { return l.router.rows > 0; });
+}
+
+void DecodeStep::add_layer(const Vector& input_norm, double input_eps, const Matrix& wo, const Vector& post_norm,
+                           double post_eps) {
+  Layer layer;
+  layer.input_norm = checked(input_norm, hidden_, "input_layernorm");
+  layer.post_norm = checked(post_norm, hidden_, "post_attention_layernorm");
+  MOESCOPE_CHECK(layer.input_norm != nullptr && layer.post_norm != nullptr, "a layer's two norms are needed");
+  layer.wo = wo;
+  MOESCOPE_CHECK(layer.wo.rows == hidden_, "o_proj: [hidden, heads * head_dim]");
+  layer.input_eps = static_cast<float>(input_eps);
+  layer.post_eps = static_cast<float>(post_eps);
+  layers_.push_back(std::move(layer));
+}
+
+void DecodeStep::set_attention(int64_t layer, const Matrix& wq, const Matrix& wk, const Matrix& wv,
+                               const Vector& q_norm, const Vector& k_norm, double qk_eps, int64_t head_dim,
+                               double scale, int64_t rotary_dim) {
+  Layer& l = at_layer(layer, "set_attention");
+  l.attention = attention_weights(wq, wk, wv, q_norm, k_norm, qk_eps, head_dim, hidden_);
+  MOESCOPE_CHECK(rotary_dim > 0 && rotary_dim % 2 == 0 && rotary_dim <= head_dim,
+                 "set_attention: an even rotary size of at most the head size");
+  l.attention.rotary_dim = rotary_dim;
+  MOESCOPE_CHECK(l.wo.cols == l.attention.wq.rows, "o_proj: [hidden, heads * head_dim]");
+  l.scale = static_cast<float>(scale);
+  l.latent = false;
+}
+
+void DecodeStep::set_latent_attention(int64_t layer, const Matrix& q_a, const Vector& q_a_norm, double q_a_eps,
+                                      const Matrix& q_b, const Matrix& kv_a, const Vector& kv_a_norm,
+                                      double kv_a_eps, const Matrix& up, int64_t heads, int64_t nope, int64_t rope,
+                                      int64_t v_dim, double scale, bool interleaved) {
+  Layer& l = at_layer(layer, "set_latent_attention");
+  LatentAttention& m = l.mla;
+  m.shape = LatentShape{heads, nope, rope, v_dim, kv_a_norm.len};
+  const bool lora = q_a.rows > 0;
+  MOESCOPE_CHECK(lora == (q_a_norm.data != nullptr), "set_latent_attention: q_a_proj and its norm, or neither");
+  m.q_a = q_a;
+  if (lora) {
+    m.q_a_norm = checked(q_a_norm, m.q_a.rows, "q_a_layernorm");
+    MOESCOPE_CHECK(m.q_a.cols == hidden_, "q_a_proj: [q_lora_rank, hidden]");
+  }
+  m.q_b = q_b;
+  m.kv_a = kv_a;
+  m.kv_a_norm = checked(kv_a_norm, m.shape.rank, "kv_a_layernorm");
+  check_bf16_matrix(up, "kv_b_proj");
+  MOESCOPE_CHECK(heads > 0 && rope > 0 && rope % 2 == 0 && m.q_b.rows == heads * (nope + rope) &&
+                     m.q_b.cols == (lora ? m.q_a.rows : hidden_),
+                 "q_b_proj: [heads * (nope + rope), q_lora_rank or hidden]");
+  MOESCOPE_CHECK(m.kv_a.rows == m.shape.rank + rope && m.kv_a.cols == hidden_, "kv_a_proj_with_mqa: [rank + rope, hidden]");
+  MOESCOPE_CHECK(up.row_bytes == 2 * up.cols && up.rows == heads * (nope + v_dim) && up.cols == m.shape.rank,
+                 "kv_b_proj: a contiguous [heads * (nope + v), rank] matrix");
+  MOESCOPE_CHECK(l.wo.cols == heads * v_dim, "o_proj: [hidden, heads * v_head_dim]");
+  m.up = up;
+  m.q_a_eps = static_cast<float>(q_a_eps);
+  m.kv_a_eps = static_cast<float>(kv_a_eps);
+  m.interleaved = interleaved;
+  l.scale = static_cast<float>(scale);
+  l.latent = true;
+}
+
+void DecodeStep::set_router(int64_t layer, const Matrix& router) {
+  Layer& l = at_layer(layer, "set_router");
+  check_bf16_matrix(router, "router");
+  MOESCOPE_CHECK(router.cols == hidden_ && router.rows >= top_k_, "router: [experts >= top_k, hidden]");
+  l.router = router;
+  l.grouped = false;
+}
+
+void DecodeStep::set_grouped_router(int64_t layer, const float* weight, int64_t experts, int64_t hidden,
+                                    const float* correction, int64_t groups, int64_t top_groups, double routed_scale) {
+  Layer& l = at_layer(layer, "set_grouped_router");
+  MOESCOPE_CHECK(weight != nullptr && hidden == hidden_ && experts >= top_k_,
+                 "grouped router: a contiguous float32 [experts >= top_k, hidden] weight");
+  MOESCOPE_CHECK(correction != nullptr, "grouped router: a float32 correction bias per expert");
+  MOESCOPE_CHECK(groups > 0 && experts % groups == 0 && experts / groups >= 2 && top_groups > 0 &&
+                     top_groups <= groups && top_groups * (experts / groups) >= top_k_,
+                 "grouped router: groups of at least two experts, enough of them for the top k");
+  l.grouped_weight = weight;
+  l.correction = correction;
+  l.router = Matrix();
+  l.router.rows = experts;
+  l.router.cols = hidden_;
+  l.groups = groups;
+  l.top_groups = top_groups;
+  l.routed_scale = static_cast<float>(routed_scale);
+  l.grouped = true;
+}
+
+void DecodeStep::set_experts(int64_t layer, std::vector<ExpertWeights> experts, const GateRecipe& recipe) {
+  Layer& l = at_layer(layer, "set_experts");
+  MOESCOPE_CHECK(static_cast<int64_t>(experts.size()) == l.router.rows,
+                 "set_experts: one gate_up and one down for every expert the router scores");
+  for (const ExpertWeights& e : experts)
+    MOESCOPE_CHECK(e.inter == experts[0].inter && e.gate_up.cols == (e.transposed ? 2 * e.inter : hidden_) &&
+                       e.transposed == experts[0].transposed,
+                   "set_experts: every expert of one intermediate size and layout, over the hidden size");
+  l.experts = std::move(experts);
+  l.gate = recipe;
+  l.inter = l.experts[0].inter;
+}
+
+void DecodeStep::set_attention_biases(int64_t layer, const Vector& q, const Vector& k, const Vector& v) {
+  at_layer(layer, "set_attention_biases").attention.set_biases(q, k, v);
+}
+
+void DecodeStep::set_attention_extras(int64_t layer, const Vector& sinks, bool eager_rounding, const Vector& o_bias) {
+  Layer& l = at_layer(layer, "set_attention_extras");
+  l.extras.eager_rounding = eager_rounding;
+  l.extras.sinks = checked(sinks, l.attention.head_dim > 0 ? l.attention.wq.rows / l.attention.head_dim : 0, "sinks");
+  l.o_bias = checked(o_bias, hidden_, "o_proj bias");
+}
+
+void DecodeStep::set_router_bias(int64_t layer, const Vector& bias) {
+  Layer& l = at_layer(layer, "set_router_bias");
+  l.router_bias = checked(bias, l.router.rows, "router bias");
+}
+
+void DecodeStep::set_shared_expert(int64_t layer, const Matrix& gate_proj, const Matrix& up_proj,
+                                   const Matrix& down_proj, const Vector& gate) {
+  Layer& l = at_layer(layer, "set_shared_expert");
+  l.shared_gate_proj = gate_proj;
+  l.shared_up_proj = up_proj;
+  l.shared_down_proj = down_proj;
+  const int64_t inter = l.shared_gate_proj.rows;
+  MOESCOPE_CHECK(l.shared_gate_proj.cols == hidden_ && l.shared_up_proj.cols == hidden_ &&
+                     l.shared_up_proj.rows == inter && l.shared_down_proj.rows == hidden_ &&
+                     l.shared_down_proj.cols == inter,
+                 "shared expert: gate/up [I, hidden] and down [hidden, I]");
+  l.shared_gated = gate.data != nullptr;
+  if (l.shared_gated) {
+    checked(gate, hidden_, "shared_expert_gate");
+    l.shared_gate = Matrix{reinterpret_cast<const uint8_t*>(gate.data), kBF16, 1, hidden_, 2 * hidden_};
+  }
+  l.shared = true;
+}
+
+void DecodeStep::size_buffers(int64_t widest, int64_t widest_inter, int64_t latent_in) {
+  latent_in_.resize(latent_in);
+  scratch_.resize(std::max<int64_t>({widest, hidden_, lm_head_.rows}));
+  query_.resize(widest);
+  attended_.resize(widest);
+  delta_.resize(hidden_);
+  int64_t widest_shared = 0;
+  for (const Layer& l : layers_) widest_shared = std::max<int64_t>(widest_shared, l.shared ? l.shared_gate_proj.rows : 0);
+  shared_acc_.resize(2 * widest_shared + hidden_);
+  shared_act_.resize(widest_shared);
+  projected_.resize(top_k_ * 2 * widest_inter);
+  activation_.resize(top_k_ * widest_inter);
+  expert_out_.resize(top_k_ * hidden_);
+  route_.resize(top_k_);
+  chosen_.resize(top_k_);
+  int64_t router_width = 0;
+  for (const Layer& l : layers_) router_width = std::max<int64_t>(router_width, l.router.rows);
+  router_acc_.resize(router_width);
+  router_probs_.resize(router_width);
+}
+
+void DecodeStep::run(int64_t token, const Vector& cos, const Vector& sin, const KvBuffer* keys, const KvBuffer* values,
+                     const int64_t* starts, const int64_t* lengths, int64_t layers, int64_t* picks, int64_t picks_len,
+                     bf16* logits, int64_t logits_len) {
+  MOESCOPE_CHECK(token >= 0 && token < embed_.rows, "run: token id outside the vocabulary");
+  MOESCOPE_CHECK(layers == static_cast<int64_t>(layers_.size()),
+                 "run: one key and one value buffer, start and length per layer");
+  // Every check before the parallel region: nothing may throw inside it.
+  std::vector<CacheView> key_views, value_views;
+  int64_t widest = 0, widest_inter = 0, longest = 0, routed = 0, latent_in = 0;
+  MOESCOPE_CHECK(layers > 0, "run: add_layer was not called");
+  const int64_t rotary_dim = layers_[0].rotary_dim();
+  MOESCOPE_CHECK(cos.len == sin.len && cos.data != nullptr && sin.data != nullptr, "run: one cos and one sin row");
+  const RotaryRows rotary(cos.data, sin.data, cos.len, rotary_dim, "run");
+  for (int64_t i = 0; i < layers; ++i) {
+    Layer& l = layers_[i];
+    MOESCOPE_CHECK(l.rotary_dim() > 0, "run: layer ", i, " has no attention (set_attention or set_latent_attention)");
+    MOESCOPE_CHECK(l.rotary_dim() == rotary_dim, "run: every layer of one rotary size");
+    MOESCOPE_CHECK(starts[i] >= 0 && lengths[i] >= 0, "run: starts and lengths are positions");
+    const AttentionWeights& a = l.attention;
+    const int64_t kv_heads = l.latent ? 1 : a.wk.rows / a.head_dim;
+    const int64_t widths[2] = {l.latent ? l.mla.shape.rank : a.head_dim, l.latent ? l.mla.shape.rope : a.head_dim};
+    for (int m = 0; m < 2; ++m) {
+      const KvBuffer& t = m == 0 ? keys[i] : values[i];
+      MOESCOPE_CHECK(t.data != nullptr && t.heads == kv_heads && t.capacity > starts[i] + lengths[i] &&
+                         t.width == widths[m] && t.element_stride == 1,
+                     "run: layer ", i, "'s key/value buffers [1, kv_heads, capacity > start + length, width] in bf16");
+    }
+    // the views begin at the first position attended to
+    key_views.push_back({keys[i].data + starts[i] * keys[i].position_stride, keys[i].head_stride, keys[i].position_stride});
+    value_views.push_back(
+        {values[i].data + starts[i] * values[i].position_stride, values[i].head_stride, values[i].position_stride});
+    longest = std::max(longest, lengths[i]);
+    if (l.latent) {
+      const LatentShape& s = l.mla.shape;
+      latent_in = std::max<int64_t>(latent_in, l.mla.q_a.rows + l.mla.kv_a.rows);
+      widest = std::max<int64_t>({widest, s.heads * (s.nope + s.rope), s.heads * s.v_dim, latent_in});
+    } else {
+      widest = std::max<int64_t>(widest, a.wq.rows + 2 * a.wk.rows);
+    }
+    l.moe_row = l.router.rows > 0 ? routed++ : -1;
+    MOESCOPE_CHECK(l.router.rows == 0 || !l.experts.empty(), "run: set_experts was not called for layer ", i);
+    MOESCOPE_CHECK(l.router.rows > 0 || l.shared, "run: layer ", i, " has neither a router nor an MLP");
+    widest_inter = std::max<int64_t>(widest_inter, l.inter);
+  }
+  MOESCOPE_CHECK(picks != nullptr && picks_len == routed * top_k_, "run: picks must be [MoE layers, top_k] int64");
+  MOESCOPE_CHECK(logits != nullptr && logits_len == lm_head_.rows, "run: logits must hold the vocabulary's ",
+                 lm_head_.rows, " values");
+  size_buffers(widest, widest_inter, latent_in);
+  Shared shared{token, longest, lengths, picks, rotary.cos.data(), rotary.sin.data(),
+                key_views.data(), value_views.data(), logits};
+  SpinBarrier barrier;
+#pragma omp parallel num_threads(threads())
+  {
+    barrier.join(omp_get_num_threads());  // the team may be smaller than asked for
+    step_thread(shared, barrier, omp_get_thread_num(), omp_get_num_threads());
+  }
+}
+
+// GPT-OSS's routing: torch's top-k of the bf16 logits, in its order among ties, then a softmax over
+// those k rounded to bf16, as the router module calls them. The top-k is torch's CPU kernel's own
+// algorithm (aten/src/ATen/native/cpu/SortingKernel.cpp, topk_impl_loop: (value, index) pairs with
+// NaN largest, nth_element then a sort of the first k - 1, or a partial sort where k * 64 <= n) on
+// the same standard library algorithms, so equal logits come out in the same order.
+void DecodeStep::route_softmax_of_top(const bf16* logits, int64_t experts, int64_t* picked, float* weights) const {
+  using Entry = std::pair<float, int64_t>;
+  std::vector<Entry> queue(experts);
+  for (int64_t e = 0; e < experts; ++e) queue[e] = {to_float(logits[e]), e};
+  const auto larger = [](const Entry& x, const Entry& y) {
+    return (std::isnan(x.first) && !std::isnan(y.first)) || (x.first > y.first);
+  };
+  if (top_k_ * 64 <= experts) {
+    std::partial_sort(queue.begin(), queue.begin() + top_k_, queue.end(), larger);
+  } else {
+    std::nth_element(queue.begin(), queue.begin() + top_k_ - 1, queue.end(), larger);
+    std::sort(queue.begin(), queue.begin() + top_k_ - 1, larger);
+  }
+  float top = -std::numeric_limits<float>::infinity();
+  float values[256];
+  const int64_t k = std::min<int64_t>(top_k_, 256);
+  for (int64_t j = 0; j < k; ++j) top = std::max(top, values[j] = queue[j].first);
+  const float inverse = 1.f / exp_shifted(values, k, top);
+  for (int64_t j = 0; j < k; ++j) {
+    picked[j] = queue[j].second;
+    weights[j] = round_bf16(values[j] * inverse);
+  }
+}
+
+void DecodeStep::step_thread(const Shared& in, SpinBarrier& barrier, int tid, int team) {
+  Clock clock(phase_seconds_, tid == 0);
+  std::vector<bf16> x(reinterpret_cast<const bf16*>(embed_.row(in.token)),
+                      reinterpret_cast<const bf16*>(embed_.row(in.token)) + hidden_);
+  std::vector<bf16> normed(hidden_), head_scratch(hidden_);
+  int64_t group = 1, group_width = hidden_;  // the most query heads sharing a kv head, and their rows
+  for (const Layer& l : layers_)
+    if (!l.latent) {
+      const AttentionWeights& a = l.attention;
+      group = std::max(group, a.wq.rows / a.wk.rows);
+      group_width = std::max(group_width, a.wq.rows / (a.wk.rows / a.head_dim));
+    }
+  std::vector<float> scores(group * (in.longest + 1)), sums(group_width);
+  std::vector<bf16> q_in(latent_in_.size());  // a latent layer's normed q_a rows
+  LatentScratch latent_scratch;
+  auto share = [&](int64_t n) { return thread_share(n, tid, team); };
+  const bool round_once = norms_round_once_;
+  for (size_t i = 0; i < layers_.size(); ++i) {
+    const Layer& l = layers_[i];
+    rms_norm_row(x.data(), l.input_norm, hidden_, l.input_eps, normed.data(), round_once);
+    clock.lap(kNorms);
+    if (l.latent)
+      latent_attention_part(l, normed.data(), in, i, barrier, tid, team, q_in.data(), latent_scratch);
+    else
+      attention_part(l, normed.data(), in, i, barrier, tid, team, head_scratch.data(), scores.data(), sums.data());
+    barrier.wait();
+    clock.lap(kAttention);
+    rows_of(l.wo, attended_.data(), share(hidden_), delta_.data(),
+            l.o_bias);
+    barrier.wait();
+    add_rows(x.data(), delta_.data(), hidden_, x.data());
+    clock.lap(kOutProj);
+    rms_norm_row(x.data(), l.post_norm, hidden_, l.post_eps, normed.data(), round_once);
+    clock.lap(kNorms);
+    const bool routed = l.moe_row >= 0;
+    int64_t* picked = in.picked + std::max<int64_t>(l.moe_row, 0) * top_k_;
+    if (routed) {  // the router's rows shared out; then one thread picks from its logits
+      const auto [first, last] = share(l.router.rows);
+      if (l.grouped)
+        grouped_logits(l, normed.data(), first, last);
+      else if (first < last)
+        gemv_range(l.router, normed.data(), first, last, router_acc_.data());
+    }
+    if (l.shared) shared_activation(l, normed.data(), share(l.shared_gate_proj.rows), tid);
+    if (routed) barrier.wait();  // every logit is in
+    if (routed && tid == 0) {
+      if (l.grouped)
+        route_grouped(l, picked, route_.data());
+      else
+        route(l, picked, route_.data());
+      for (int64_t e = 0; e < top_k_; ++e) chosen_[e] = &l.experts[picked[e]];
+    }
+    barrier.wait();
+    clock.lap(kRouter);
+    const auto [j_first, j_last] = share(hidden_);  // the weighted sum by slices of the row
+    if (routed) {
+      experts_part(l.gate, normed.data(), hidden_, l.inter, chosen_.data(), top_k_, projected_.data(),
+                   activation_.data(), expert_out_.data(), barrier, tid, team);
+      barrier.wait();
+      weighted_sum_rows(expert_out_.data(), route_.data(), top_k_, hidden_, j_first, j_last, cast_back_,
+                        delta_.data());
+    }
+    if (l.shared) add_shared_rows(l, j_first, j_last, routed);
+    barrier.wait();
+    add_rows(x.data(), delta_.data(), hidden_, x.data());
+    clock.lap(kExperts);
+  }
+  rms_norm_row(x.data(), final_norm_, hidden_, final_eps_, normed.data(), round_once);
+  clock.lap(kNorms);
+  rows_of(lm_head_, normed.data(), share(lm_head_.rows), in.logits);
+  barrier.wait();
+  clock.lap(kLmHead);
+}
+
+
+void DecodeStep::attention_part(const Layer& l, const bf16* normed, const Shared& in, size_t i, SpinBarrier& barrier, int tid,
+                    int team, bf16* head_scratch, float* scores, float* sums) {
+  auto share = [&](int64_t n) { return thread_share(n, tid, team); };
+  const AttentionWeights& a = l.attention;
+  const int64_t d = a.head_dim, heads = a.wq.rows / d, kv_heads = a.wk.rows / d, group = heads / kv_heads;
+  const CacheView keys = in.keys[i], values = in.values[i];
+  const int64_t len = in.lengths[i] + 1;
+  bf16* key_rows = const_cast<bf16*>(keys.data) + in.lengths[i] * keys.position_stride;
+  bf16* value_rows = const_cast<bf16*>(values.data) + in.lengths[i] * values.position_stride;
+  if (kv_heads % team == 0 && !a.full_norm) {
+    // Each thread its own kv heads and the query heads sharing them: projections (one stream
+    // of rows per kv head), the KV write, then attention; nothing comes from another thread.
+    const auto [first, last] = share(kv_heads);
+    for (int64_t g = first; g < last; ++g) {
+      for (int64_t h = g * group; h < (g + 1) * group; ++h)
+        project_head(a, 0, h, normed, in.cos, in.sin, scratch_.data() + h * d, head_scratch,
+                     query_.data() + h * d);
+      float* rows = scratch_.data() + (heads + g) * d;
+      project_head(a, 1, g, normed, in.cos, in.sin, rows, head_scratch, key_rows + g * keys.head_stride);
+      project_head(a, 2, g, normed, in.cos, in.sin, rows, head_scratch,
+                   value_rows + g * values.head_stride);
+    }
+    for (int64_t g = first; g < last; ++g)
+      attend_group(query_.data() + g * group * d, group, d, g, keys, values, len, l.scale, scores, sums,
+                   attended_.data() + g * group * d, l.extras, g * group);
+  } else {
+    // Too few kv heads to share out: projections by heads, then attention by query heads.
+    const auto [first, last] = share(heads + 2 * kv_heads);
+    for (int64_t head = first; head < last; ++head) {
+      const int m = head < heads ? 0 : head < heads + kv_heads ? 1 : 2;
+      const int64_t h = m == 0 ? head : m == 1 ? head - heads : head - heads - kv_heads;
+      bf16* out = m == 0 ? query_.data() + h * d
+                  : m == 1 ? key_rows + h * keys.head_stride
+                           : value_rows + h * values.head_stride;
+      project_head(a, m, h, normed, in.cos, in.sin, scratch_.data() + head * d, head_scratch, out);
+    }
+    barrier.wait();
+    if (a.full_norm) {  // OLMoE: RMSNorm over all of q and all of k, then the rotary embedding
+      const float q_scale = rms_scale(query_.data(), d, heads, d, a.eps);
+      const float k_scale = rms_scale(key_rows, keys.head_stride, kv_heads, d, a.eps);
+      barrier.wait();  // every thread has read the rows before any is rewritten
+      const auto [n_first, n_last] = share(heads + kv_heads);
+      for (int64_t head = n_first; head < n_last; ++head) {
+        const bool q = head < heads;
+        const int64_t h = q ? head : head - heads;
+        bf16* row = q ? query_.data() + h * d : key_rows + h * keys.head_stride;
+        const bf16* weight = (q ? a.q_norm : a.k_norm) + h * d;
+        const float scale = q ? q_scale : k_scale;
+        for (int64_t c = 0; c < d; ++c) row[c] = to_bf16(to_float(weight[c]) * round_bf16(to_float(row[c]) * scale));
+        rope_head(row, in.cos, in.sin, a.rotary_dim);
+      }
+      barrier.wait();
+    }
+    const auto [q_first, q_last] = share(heads);
+    for (int64_t h = q_first; h < q_last; ++h)
+      attend_head(query_.data() + h * d, d, h / group, keys, values, len, l.scale, scores, sums,
+                  attended_.data() + h * d, l.extras, h);
+  }
+}
+
+
+void DecodeStep::latent_attention_part(const Layer& l, const bf16* normed, const Shared& in, size_t i, SpinBarrier& barrier,
+                           int tid, int team, bf16* q_in, LatentScratch& scratch) {
+  const LatentAttention& m = l.mla;
+  const LatentShape& s = m.shape;
+  const int64_t qa = m.q_a.rows, kva = m.kv_a.rows, width = s.nope + s.rope, len = in.lengths[i] + 1;
+  const CacheView latents = in.keys[i], rotary = in.values[i];
+  auto rope = [&](bf16* head) {
+    if (m.interleaved)
+      rope_head_interleaved(head, in.cos, in.sin, s.rope);
+    else
+      rope_head(head, in.cos, in.sin, s.rope);
+  };
+  const auto [first, last] = thread_share(qa + kva, tid, team);
+  if (first < std::min(last, qa)) gemv_range(m.q_a, normed, first, std::min(last, qa), scratch_.data());
+  if (std::max(first, qa) < last) gemv_range(m.kv_a, normed, std::max(first, qa) - qa, last - qa, scratch_.data() + qa);
+  round_linear(scratch_.data() + first, nullptr, last - first, latent_in_.data() + first);
+  barrier.wait();
+  const bf16* q_from = normed;
+  if (qa > 0) {
+    rms_norm_row(latent_in_.data(), m.q_a_norm, qa, m.q_a_eps, q_in);
+    q_from = q_in;
+  }
+  const auto [h_first, h_last] = thread_share(s.heads, tid, team);
+  for (int64_t h = h_first; h < h_last; ++h) {
+    gemv_rows(m.q_b, q_from, h * width, (h + 1) * width, scratch_.data() + h * width);
+    round_linear(scratch_.data() + h * width, nullptr, width, query_.data() + h * width);
+    rope(query_.data() + h * width + s.nope);
+  }
+  if (tid == team - 1) {  // (the last thread's share of heads is never the larger one)
+    bf16* latent_row = const_cast<bf16*>(latents.data) + in.lengths[i] * latents.position_stride;
+    bf16* rotary_row = const_cast<bf16*>(rotary.data) + in.lengths[i] * rotary.position_stride;
+    rms_norm_row(latent_in_.data() + qa, m.kv_a_norm, s.rank, m.kv_a_eps, latent_row);
+    std::memcpy(rotary_row, latent_in_.data() + qa + s.rank, s.rope * sizeof(bf16));
+    rope(rotary_row);
+  }
+  barrier.wait();
+  scratch.fit(s, len);
+  for (int64_t h = h_first; h < h_last; ++h)
+    latent_head(reinterpret_cast<const bf16*>(m.up.data), s, h, query_.data() + h * width, query_.data() + h * width + s.nope, latents.data,
+                latents.position_stride, rotary.data, rotary.position_stride, len, l.scale, scratch,
+                attended_.data() + h * s.v_dim);
+}
+
+
+void DecodeStep::grouped_logits(const Layer& l, const bf16* x, int64_t first, int64_t last) {
+  const float* w = l.grouped_weight;
+  for (int64_t e = first; e < last; ++e) router_acc_[e] = dot_f32_bf16(w + e * hidden_, x, hidden_);
+}
+
+
+void DecodeStep::route_grouped(const Layer& l, int64_t* picked, float* weights) {
+  const int64_t experts = l.router.rows, per_group = experts / l.groups;
+  std::vector<float> score(experts), choice(experts), group_score(l.groups);
+  const float* correction = l.correction;
+  for (int64_t e = 0; e < experts; ++e) {
+    score[e] = 1.f / (1.f + std::exp(-router_acc_[e]));
+    choice[e] = score[e] + correction[e];
+  }
+  for (int64_t g = 0; g < l.groups; ++g) {  // a group's score: the sum of its two best choices
+    const float* c = choice.data() + g * per_group;
+    float best = -INFINITY, second = -INFINITY;
+    for (int64_t j = 0; j < per_group; ++j) {
+      if (c[j] > best) {
+        second = best;
+        best = c[j];
+      } else if (c[j] > second) {
+        second = c[j];
+      }
+    }
+    group_score[g] = best + second;
+  }
+  auto better = [](const std::vector<float>& v) {
+    return [&v](int64_t a, int64_t b) { return v[a] > v[b] || (v[a] == v[b] && a < b); };
+  };
+  std::vector<int64_t> groups(l.groups), candidates;
+  for (int64_t g = 0; g < l.groups; ++g) groups[g] = g;
+  std::partial_sort(groups.begin(), groups.begin() + l.top_groups, groups.end(), better(group_score));
+  for (int64_t n = 0; n < l.top_groups; ++n)
+    for (int64_t j = 0; j < per_group; ++j) candidates.push_back(groups[n] * per_group + j);
+  std::partial_sort(candidates.begin(), candidates.begin() + top_k_, candidates.end(), better(choice));
+  float total = 0.f;
+  for (int64_t j = 0; j < top_k_; ++j) total += (weights[j] = score[picked[j] = candidates[j]]);
+  for (int64_t j = 0; j < top_k_; ++j) {
+    if (normalize_) weights[j] /= total + 1e-20f;
+    weights[j] *= l.routed_scale;
+  }
+}
+
+
+void DecodeStep::shared_activation(const Layer& l, const bf16* x, std::pair<int64_t, int64_t> rows, int tid) {
+  const int64_t inter = l.shared_gate_proj.rows;
+  float* gate = shared_acc_.data();
+  float* up = gate + inter;
+  gemv_range(l.shared_gate_proj, x, rows.first, rows.second, gate);
+  gemv_range(l.shared_up_proj, x, rows.first, rows.second, up);
+  for (int64_t i = rows.first; i < rows.second; ++i) {
+    const float g = round_bf16(gate[i]);
+    shared_act_[i] = to_bf16(round_bf16(g / (1.f + std::exp(-g))) * round_bf16(up[i]));
+  }
+  if (tid == 0 && l.shared_gated) {
+    float logit = 0.f;
+    gemv_range(l.shared_gate, x, 0, 1, &logit);
+    shared_scale_ = round_bf16(1.f / (1.f + std::exp(-round_bf16(logit))));
+  }
+}
+
+
+void DecodeStep::add_shared_rows(const Layer& l, int64_t begin, int64_t end, bool routed) {
+  float* out = shared_acc_.data() + 2 * l.shared_gate_proj.rows;
+  gemv_range(l.shared_down_proj, shared_act_.data(), begin, end, out);
+  for (int64_t j = begin; j < end; ++j) {
+    float v = round_bf16(out[j]);
+    if (l.shared_gated) v = round_bf16(v * shared_scale_);
+    delta_[j] = routed ? to_bf16(to_float(delta_[j]) + v) : to_bf16(v);
+  }
+}
+
+
+void DecodeStep::rows_of(const Matrix& w, const bf16* x, std::pair<int64_t, int64_t> rows, bf16* out,
+                         const bf16* bias) {
+  gemv_range(w, x, rows.first, rows.second, scratch_.data());
+  round_linear(scratch_.data() + rows.first, bias == nullptr ? nullptr : bias + rows.first,
+               rows.second - rows.first, out + rows.first);
+}
+
+
+void DecodeStep::route(const Layer& l, int64_t* picked, float* weights) {
+  const int64_t experts = l.router.rows;
+  std::vector<bf16> logits(experts);
+  round_linear(router_acc_.data(), l.router_bias, experts, logits.data());
+  if (softmax_of_top_) return route_softmax_of_top(logits.data(), experts, picked, weights);
+  float* p = router_probs_.data();
+  float top = -std::numeric_limits<float>::infinity();
+  for (int64_t e = 0; e < experts; ++e) top = std::max(top, p[e] = to_float(logits[e]));
+  const float inverse = 1.f / exp_shifted(p, experts, top);  // times the reciprocal, as ATen's softmax
+  for (int64_t e = 0; e < experts; ++e) p[e] *= inverse;
+  std::vector<int64_t> order(experts);
+  for (int64_t e = 0; e < experts; ++e) order[e] = e;
+  // best first; ties to the lower expert id
+  std::partial_sort(order.begin(), order.begin() + top_k_, order.end(),
+                    [p](int64_t a, int64_t b) { return p[a] > p[b] || (p[a] == p[b] && a < b); });
+  float total = 0.f;
+  for (int64_t j = 0; j < top_k_; ++j) total += (weights[j] = p[picked[j] = order[j]]);
+  for (int64_t j = 0; j < top_k_; ++j) {
+    if (normalize_) weights[j] /= total;
+    if (cast_back_) weights[j] = round_bf16(weights[j]);
+  }
+}
+
+}  // namespace moescope
