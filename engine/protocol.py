@@ -273,6 +273,9 @@ class ModelLoaded:
     fast_decode: bool = False  # the native decode kernels are on (asked for and available); else exact
     fast_decode_available: bool = False  # a CPU engine on a bf16 model: the switch changes something
     int8_prompt: bool = False  # opt-in, lossy 8-bit prompt inputs for Q4_K matrices (LoadModel.int8_prompt)
+    # the native kernels' variant in use ("x86-64-v3: AVX2 and FMA") or why none loaded, and why not a better one
+    kernels: str = ""
+    kernels_note: str = ""
     expert_format: str = "original"  # as loaded: original | q8_0 | q6_k | q4_k | ... (engine.formats.blocks)
     dense_format: str = "original"  # the other linear layers, the same choices
     remote: str = ""  # the server's URL when the engine is a remote OpenAI-compatible server (engine.remote)

@@ -78,6 +78,10 @@ class SystemPanel(Panel):
         self.int8_prompt.setToolTip(INT8_PROMPT_TIP)
         self.int8_prompt.setEnabled(False)
         self.int8_prompt.clicked.connect(lambda: self.int8_prompt_requested.emit(self.int8_prompt.isChecked()))
+        self.kernel_variant = QLabel("")
+        self.kernel_variant.setObjectName("kernel-variant")
+        self.kernel_variant.setWordWrap(True)
+        self.kernel_variant.setStyleSheet("color: palette(placeholder-text);")
         self.formats = QLabel("–")
         self.formats.setObjectName("weight-formats")
         self.formats.setToolTip("How the loaded model's weights are stored: the routed experts, and every other "
@@ -104,6 +108,7 @@ class SystemPanel(Panel):
         form.addRow("", self.policy_note)
         form.addRow("Kernels", self.exact)
         form.addRow("", self.int8_prompt)
+        form.addRow("", self.kernel_variant)
         form.addRow("Weights", self.formats)
         form.addRow("", self.load_notes)
         form.addRow("Decode", self.decode_path)
@@ -135,6 +140,7 @@ class SystemPanel(Panel):
             self.policies = list(event.policies)
             self._describe()
             self._show_kernels(event.fast_decode, event.fast_decode_available, event.int8_prompt)
+            self._show_variant(event.kernels, event.kernels_note)
             self.formats.setText(loaded_formats_text(event.expert_format, event.dense_format, event.dtype))
             self.load_notes.setText("\n".join(event.load_notes))
             self.load_notes.setVisible(bool(event.load_notes))
@@ -161,6 +167,14 @@ class SystemPanel(Panel):
         self.exact.setToolTip(EXACT_TIP if available else EXACT_ONLY_TIP)
         self.int8_prompt.setChecked(int8_prompt)
         self.int8_prompt.setEnabled(native_on and available)
+
+    def _show_variant(self, kernels: str, note: str) -> None:
+        """Which build of the native kernels the engine runs (the instruction-set variant), and in the
+        tooltip why not a better one."""
+        name = kernels.split(":", 1)[0] if ":" in kernels else kernels
+        self.kernel_variant.setText(f"native build: {name}" if ":" in kernels else kernels)
+        self.kernel_variant.setToolTip("\n".join(part for part in (kernels, note) if part))
+        self.kernel_variant.setVisible(bool(kernels))
 
     def _describe(self) -> None:
         current = self.policy.currentData()

@@ -87,7 +87,10 @@ def cmd_generate(args: argparse.Namespace) -> int:
     stream = None if args.json else (lambda delta: print(delta, end="", flush=True))
     result = generator.generate(prompt_ids, settings, on_text=stream)
     if args.json:  # with what the load measured of the engine's own memory, to weigh the peak against
-        print(json.dumps(result.to_dict() | {"engine_overhead_bytes": runtime.overhead.total_bytes}))
+        print(json.dumps(result.to_dict() | {"engine_overhead_bytes": runtime.overhead.total_bytes,
+                                             "decode_path": runtime.decode_path,
+                                             "decode_path_reason": runtime.decode_path_reason,
+                                             "kernels": _kernels_report()}))
     else:
         print()
         s = result.stats
@@ -148,8 +151,9 @@ def cmd_info(args: argparse.Namespace) -> int:
     info = inspect_checkpoint(resolve_model(args.model), allow_pickle=args.allow_pickle,
                               trust_remote_code=args.trust_remote_code, expert_format=fmt)
     info.engine_overhead_bytes = _engine_overhead_here()
+    kernels = _kernels_report()
     if args.json:
-        print(json.dumps(asdict(info)))
+        print(json.dumps(asdict(info) | {"kernels": kernels}))
         return 0
     print(f"model            {info.name} ({info.architecture})")
     print(f"layers           {info.num_layers} ({info.num_moe_layers} with experts)")
@@ -166,7 +170,25 @@ def cmd_info(args: argparse.Namespace) -> int:
     print(f"context          {info.context_length} tokens")
     if info.text_only:
         print(f"input            {TEXT_ONLY_NOTE}")
+    if kernels["variant"]:
+        print(f"native kernels   {kernels['variant']} ({kernels['label']}; code paths {kernels['code_path']})")
+        for reason in kernels["passed_over"]:
+            print(f"                 not {reason}")
+    else:
+        print(f"native kernels   none: {kernels['problem']}; decode runs on transformers' kernels")
     return 0
+
+
+def _kernels_report() -> dict:
+    """Which native kernel variant this process runs and why not a better one, or why none."""
+    from engine.decode.native import kernels as native
+
+    loaded = native.load()
+    if loaded is None:
+        return {"variant": "", "label": "", "code_path": "", "passed_over": native.why_not_better(),
+                "problem": native.status()}
+    return {"variant": loaded.variant.name, "label": loaded.variant.label, "code_path": loaded.code_path(),
+            "passed_over": native.why_not_better(), "problem": ""}
 
 
 def _engine_overhead_here() -> int:

@@ -126,6 +126,7 @@ class Worker:
     def _load(self, command: p.LoadModel) -> None:
         from engine.accounting.policies import POLICIES
         from engine.decode.generation import Generator
+        from engine.decode.native import kernels as native_kernels
         from engine.decode.runtime import MoERuntime
         from engine.process.telemetry import TelemetryBuilder
 
@@ -153,6 +154,7 @@ class Worker:
             load_seconds=runtime.load_seconds, budget_note=runtime.plan.note,
             fast_decode=runtime.fast_decode_on, fast_decode_available=runtime.fast_decode_available,
             int8_prompt=runtime.int8_prompt,
+            kernels=native_kernels.summary(), kernels_note=native_kernels.passed_over_text(),
             expert_format=runtime.format_names[0], dense_format=runtime.format_names[1],
             overhead_bytes=runtime.overhead.total_bytes, baseline_rss_bytes=runtime.overhead.baseline_bytes,
             dense_resident_bytes=runtime.overhead.dense_bytes, text_only=info.text_only,
