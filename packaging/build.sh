@@ -60,8 +60,14 @@ echo "build.sh: building MoEScope $version into $out/MoEScope (takes minutes)"
     --distpath "$out" --workpath "$work" packaging/moescope.spec)
 bundle="$out/MoEScope"
 [[ -x "$bundle/moescope" ]] || { echo "build.sh: PyInstaller made no $bundle/moescope" >&2; exit 1; }
-# Smoke check: the frozen launcher parses its arguments (no window, no engine).
+# Smoke check: the frozen launcher parses its arguments (no window, no engine), and the bundle carries
+# the native kernels (one library per instruction-set variant; decode is several times slower without).
 "$bundle/moescope" --help >/dev/null
+if [[ -f "$bundle/_internal/engine/decode/native/lib/variants.json" ]]; then
+    echo "build.sh: native kernels: $(ls "$bundle/_internal/engine/decode/native/lib" | grep -c moescope_kernels) variant(s)"
+else
+    echo "build.sh: warning: no native kernels bundled (pip install -e . builds them); decode will use transformers' kernels" >&2
+fi
 build_s=$((SECONDS - start))
 
 if [[ "$tarball" == 1 ]]; then

@@ -347,6 +347,29 @@ def test_bundle_engine_cli_runs_frozen(bundle, tmp_path, family):
 
 
 @pytest.mark.slow
+def test_bundle_decodes_on_its_native_kernels_with_an_empty_environment(bundle, tmp_path):
+    """`env -i`: no PATH (so no compiler), no HOME, no cache; the bundle's own kernel libraries run
+    the whole-token step, and `info` names the variant it loaded."""
+    import json
+
+    from engine.decode.native import library
+
+    if not library.variants():
+        pytest.skip("this checkout built no native kernels to bundle (pip install -e . builds them)")
+    path = _tiny_checkpoint(tmp_path, "mixtral")
+    run = ["env", "-i", f"TMPDIR={tmp_path}", str(bundle / "moescope"), "generate", "--model", str(path),
+           "--prompt-ids", "1,17,42,9", "--raw", "--max-new-tokens", "8", "--dtype", "bfloat16", "--json"]
+    result = subprocess.run(run, capture_output=True, text=True, timeout=600, check=False, cwd=tmp_path)
+    assert result.returncode == 0, result.stderr[-3000:]
+    out = json.loads(result.stdout)
+    assert out["decode_path"] == "fast: whole token in one native call", out["decode_path_reason"]
+    assert out["kernels"]["variant"] == library.choose().variant.name
+    info = subprocess.run(["env", "-i", str(bundle / "moescope"), "info", "--model", str(path)], capture_output=True,
+                          text=True, timeout=600, check=False, cwd=tmp_path)
+    assert info.returncode == 0 and f"native kernels   {out['kernels']['variant']}" in info.stdout, info.stderr[-2000:]
+
+
+@pytest.mark.slow
 def test_installed_desktop_entry_launches(bundle, tmp_path):
     home = tmp_path / "home"
     env = _app_env(tmp_path)
