@@ -127,3 +127,21 @@ def test_generate_decodes_on_the_native_kernels_with_no_compiler_reachable(tmp_p
     # the reason the native kernels exist: several times transformers' speed on the same weights
     assert fast["stats"]["decode_tokens_per_s"] > 1.5 * exact["stats"]["decode_tokens_per_s"], (fast["stats"],
                                                                                                 exact["stats"])
+
+
+CHECK = Path(__file__).resolve().parents[1] / "engine" / "decode" / "native" / "tests" / "check_arm64.sh"
+
+
+@pytest.mark.kernels
+@pytest.mark.skipif(not (shutil.which("aarch64-linux-gnu-g++") and shutil.which("qemu-aarch64") and shutil.which("cmake")),
+                    reason="needs Debian's g++-aarch64-linux-gnu and qemu-user (.ci/run installs them)")
+def test_the_arm64_variants_hold_to_the_reference_under_qemu(tmp_path):
+    # every arm64 variant cross-compiled, its dots and dequantization against the generic reference
+    # on random blocks of every type, under emulation (correctness only); the base variant also on
+    # a CPU model without dot products
+    done = subprocess.run(["bash", str(CHECK), str(tmp_path / "arm64")], capture_output=True, text=True, timeout=1200,
+                          check=False)
+    assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-3000:]
+    for variant in ("armv8.6_a_bf16", "armv8.2_a_dotprod", "armv8_a"):
+        assert f"PASS libmoescope_kernels_{variant}.so" in done.stdout
+    assert "PASS libmoescope_kernels_armv8_a.so (qemu -cpu cortex-a53)" in done.stdout

@@ -4,7 +4,7 @@
  * version. Tensors are bf16 (uint16_t bits) unless a name says otherwise; the caller owns all
  * memory and keeps what a step refers to alive. A function returning int returns 0 on success and
  * -1 on bad arguments, with moescope_last_error() saying why (the thread's last message).
- * engine/decode/native/library.py is the Python side; tests/native/kernel_check.cpp a C++ one. */
+ * engine/decode/native/library.py is the Python side; engine/decode/native/tests/kernel_check.cpp a C++ one. */
 #ifndef MOESCOPE_KERNELS_H
 #define MOESCOPE_KERNELS_H
 
