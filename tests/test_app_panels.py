@@ -314,6 +314,20 @@ def test_system_panel_says_in_which_formats_the_model_runs(qtbot):
     assert panel.load_notes.isVisibleTo(panel) and "Q5_K to Q6_K" in panel.load_notes.text()
 
 
+def test_system_panel_names_the_kernel_variant_and_why_not_a_better_one(qtbot):
+    panel = SystemPanel()
+    qtbot.addWidget(panel)
+    loaded = model_loaded()
+    loaded.kernels = "x86-64-v3: AVX2 and FMA"
+    loaded.kernels_note = "not x86-64-v4-bf16: the CPU lacks avx512_bf16, avx512f"
+    panel.on_event(loaded)
+    assert panel.kernel_variant.isVisibleTo(panel) and panel.kernel_variant.text() == "native build: x86-64-v3"
+    assert "AVX2 and FMA" in panel.kernel_variant.toolTip() and "lacks avx512_bf16" in panel.kernel_variant.toolTip()
+    loaded.kernels, loaded.kernels_note = "native decode kernels unavailable (this install was built without a C++ compiler)", ""
+    panel.on_event(loaded)
+    assert "without a C++ compiler" in panel.kernel_variant.text()
+
+
 def test_system_panel_says_how_the_last_token_ran(qtbot):
     panel = SystemPanel()
     qtbot.addWidget(panel)

@@ -1,4 +1,4 @@
-// What this build's instruction set offers, named once from the compiler's flags.
+// What a variant's instruction set offers, named once from the compiler's flags.
 //
 // Every kernel tests these names, never the compiler's own macros, so that a variant is defined by
 // its flags alone (CMakeLists.txt) and a new instruction set is one block here plus a folder in

@@ -30,7 +30,7 @@ namespace moescope {
 // split between the threads by the rows they multiply, so a popular expert is shared rather than
 // holding one thread while the others wait; and one call replaces the dozen small torch ops per
 // expert the per-expert loop makes. With `int8_inputs` (opt-in, lossy) Q4_K matrices take their
-// inputs rounded to 8 bits and multiply them in integers (prompt_int8.h).
+// inputs rounded to 8 bits and multiply them in integers (prompt/int8.h).
 struct PromptExperts {
   const GateRecipe& recipe;
   const std::vector<ExpertWeights>& experts;
@@ -198,7 +198,7 @@ inline void moe_prompt(const bf16* x, int64_t rows, int64_t hidden, const std::v
   // The 8-bit path is asked for Q4_K matrices only; with it the others keep the dot products' tiles.
   [[maybe_unused]] const bool amx = amx_on() && !int8_inputs && hidden % 32 == 0 && inter % 32 == 0;
   // every expert's matrix a type with integer tiles, and the inputs not rounded to 8 bits for them
-  // (those go to Q4_K matrices alone): the inputs in fixed point for prompt_fixed.h
+  // (those go to Q4_K matrices alone): the inputs in fixed point for arch/x86/prompt_fixed.h
   auto all_fixed = [&](bool down, const Int8Groups* groups) {
     return groups == nullptr && std::all_of(experts.begin(), experts.end(), [&](const ExpertWeights& w) {
       return has_fixed_tiles((down ? w.down : w.gate_up).type);

@@ -19,7 +19,7 @@ namespace moescope {
 // y = x W^T (+ bias) for bf16 rows x [m, cols] and a bf16 or block-quantized W [rows, cols]: what
 // F.linear gives on the dequantized W (float32 sums of bf16 products, the bias added, one rounding),
 // within float32 summation order. With `int8_inputs` (opt-in, lossy) a Q4_K W takes x rounded to 8
-// bits (prompt_int8.h), as the prompt's experts do.
+// bits (prompt/int8.h), as the prompt's experts do.
 inline void linear_rows(const Matrix& w, const bf16* x, int64_t m, const bf16* b, bool int8_inputs, bf16* out) {
   MOESCOPE_CHECK(w.cols % 32 == 0, "linear_rows: a multiple of 32 columns is needed");
   const int64_t n = w.rows, k = w.cols;

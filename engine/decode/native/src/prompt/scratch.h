@@ -30,7 +30,7 @@ constexpr int64_t kMaxTile = std::max(kTile, kAmxRows);  // rows of W per prompt
 // One thread's buffers for prompt tiles: bf16 rows expanded from blocks, or Q4_K rows unpacked.
 struct TileScratch {
   std::vector<bf16> expanded;
-  std::vector<float> wide;  // the tile's rows in float32 (builds without bf16 dot products)
+  std::vector<float> wide;  // the tile's rows in float32 (variants without bf16 dot products)
   Q4KRows q4k;
   std::vector<float> sums;  // a tile's 8-bit products, [input row][kTile]
 #if defined(MOESCOPE_FIXED_PROMPT)

@@ -66,11 +66,11 @@ inline void dot_tile_n(const bf16* const* w, const bf16* const* x, int64_t k, fl
 // half that rate; torch's own bf16 matmul is slower still on such CPUs).
 constexpr int64_t kBlock = 16;
 #if defined(MOESCOPE_AVX2_INT)
-#define MOESCOPE_FIXED_PROMPT 1  // Q4_K, Q6_K and Q8_0 tiles multiplied in integers (prompt_fixed.h)
+#define MOESCOPE_FIXED_PROMPT 1  // Q4_K, Q6_K and Q8_0 tiles multiplied in integers (arch/x86/prompt_fixed.h)
 // Within each 32 inputs the fixed-point tiles keep the even ones, then the odd ones: a Q4_K (or
 // Q6_K) block's 16-bit words hold its levels so (the low nibbles of a word's two bytes are an even
 // level and the odd one after it), and so a tile row is expanded with 16-bit shifts and masks
-// (FixedTile in prompt_fixed.h), where putting the levels back in order took a shuffle-port
+// (FixedTile in arch/x86/prompt_fixed.h), where putting the levels back in order took a shuffle-port
 // instruction for every 16. The inputs are packed in the same order (PromptInput::pack_fixed).
 constexpr int fixed_order(int s) { return s < 16 ? 2 * s : 2 * (s - 16) + 1; }  // the input at place s of 32
 #endif
@@ -117,7 +117,7 @@ inline void block_product(const float* const* w, const float* block, int64_t k, 
 // 256 bf16 values on a grid of `steps` levels either side of zero, x ~= amax / steps * level
 // (rounded to nearest even, as nearbyint): each sub-block of 32 handed to use(j, level, sum) as four
 // vectors of 8 int32 levels and the float sum of its values. Returns amax. The 8-bit prompt inputs
-// (prompt_int8.h) and the fixed-point ones (PromptInput::pack_fixed) both put their rows so.
+// (prompt/int8.h) and the fixed-point ones (PromptInput::pack_fixed) both put their rows so.
 template <class Use>
 inline float round_chunk(const bf16* v, float steps, Use&& use) {
   auto widen = [&](int at) {  // 8 values from v + at as float
@@ -147,9 +147,9 @@ inline float round_chunk(const bf16* v, float steps, Use&& use) {
 }
 #endif
 
-// A prompt's input rows as the tile products read them: bf16, and, in builds without bf16 dot
+// A prompt's input rows as the tile products read them: bf16, and, in variants without bf16 dot
 // products, in blocks of kBlock rows of one expert (the last padded with zeros): widened to float32,
-// each laid [k][kBlock], or, where `fixed` (every matrix reading them has integer tiles, prompt_fixed.h),
+// each laid [k][kBlock], or, where `fixed` (every matrix reading them has integer tiles, arch/x86/prompt_fixed.h),
 // in fixed point. The threads fill the blocks in parts (`pack`).
 struct PromptInput {
   const bf16* x;
@@ -232,7 +232,7 @@ struct PromptInput {
 
 #if defined(MOESCOPE_FIXED_PROMPT)
   // Block b's n rows in fixed point: per 256 values a scale (max |x| / 32512) and each value rounded
-  // to the nearest multiple of it, as FixedInput puts a decode input (quant_int.h), in fixed_order;
+  // to the nearest multiple of it, as FixedInput puts a decode input (dots/fixed_input.h), in fixed_order;
   // padded rows stay 0.
   void pack_fixed(int64_t b, int64_t n) {
     int16_t* values = fixed_values.data() + b * kBlock * k;
@@ -276,7 +276,7 @@ struct TileRows {
 };
 
 // Rows at[] of W into `rows`: a bf16 matrix's own rows, or rows expanded into the caller's scratch
-// (kTile rows: bf16 `expanded`, or float32 `wide` in builds without bf16 dot products).
+// (kTile rows: bf16 `expanded`, or float32 `wide` in variants without bf16 dot products).
 inline void tile_rows(const Matrix& m, const int64_t* at, TileRows& rows, bf16* expanded, float* wide) {
   for (int j = 0; j < kTile; ++j) {
 #if defined(MOESCOPE_AVX512BF16)

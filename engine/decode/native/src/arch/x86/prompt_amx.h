@@ -234,7 +234,7 @@ inline __m256i activate16(const GateRecipe& r, __m512 g, __m512 u, const float* 
 }
 #else
 constexpr int64_t kAmxRows = 0;
-struct AmxInput {};  // no tiles in this build: never made
+struct AmxInput {};  // no tiles in this variant: never made
 inline bool amx_on() { return false; }
 #endif
 

@@ -1,4 +1,4 @@
-// Prompt tiles of Q4_K, Q6_K and Q8_0 matrices in integers, in builds without bf16 dot products
+// Prompt tiles of Q4_K, Q6_K and Q8_0 matrices in integers, in variants without bf16 dot products
 // (AVX2, AVX-512 without BF16).
 //
 // Other types' tiles there are dequantized to
@@ -31,7 +31,7 @@
 
 namespace moescope {
 
-// Whether this build multiplies a prompt's tiles of this type in integers.
+// Whether this variant multiplies a prompt's tiles of this type in integers.
 inline bool has_fixed_tiles([[maybe_unused]] int32_t type) {
 #if defined(MOESCOPE_FIXED_PROMPT)
   return type == kQ4_K || type == kQ6_K || type == kQ8_0;
