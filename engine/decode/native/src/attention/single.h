@@ -13,114 +13,73 @@
 
 namespace moescope {
 
-// v[i] = exp(v[i] - shift) for n values; returns their sum. Vectorized with AVX-512 or AVX2
-// (Cephes' single-precision polynomial, within ~2 ulp of std::exp): the softmax's exponentials
-// were a third of one-token attention's time.
+// v[i] = exp(v[i] - shift) for n values (v[i] <= shift); returns their sum. In the variant's float
+// vectors (Cephes' single-precision polynomial, within ~2 ulp of std::exp): the softmax's
+// exponentials were a third of one-token attention's time.
 inline float exp_shifted(float* v, int64_t n, float shift) {
   int64_t i = 0;
   float total = 0.f;
-#if defined(MOESCOPE_AVX512BF16) || defined(MOESCOPE_AVX512F)
-  __m512 sum = _mm512_setzero_ps();
-  for (; i + 16 <= n; i += 16) {
-    const __m512 e = exp16(_mm512_sub_ps(_mm512_loadu_ps(v + i), _mm512_set1_ps(shift)));
-    _mm512_storeu_ps(v + i, e);
-    sum = _mm512_add_ps(sum, e);
+#if defined(MOESCOPE_FLOAT_VECTOR)
+  using V = FloatVector;
+  const V by = V::all(shift);
+  V sum = V::all(0.f);
+  for (; i + V::lanes <= n; i += V::lanes) {
+    const V e = (V::load(v + i) - by).exp();
+    e.store(v + i);
+    sum = sum + e;
   }
-  total = _mm512_reduce_add_ps(sum);
-#elif defined(MOESCOPE_AVX2)
-  // the same polynomial in 8 lanes (k >= -126 after the clamp: 2^k is a normal float, built from its bits)
-  __m256 sum = _mm256_setzero_ps();
-  const __m256 lo = _mm256_set1_ps(kExpFloor), log2e = _mm256_set1_ps(kLog2e);
-  const __m256 ln2_hi = _mm256_set1_ps(kLn2Hi), ln2_lo = _mm256_set1_ps(kLn2Lo);
-  for (; i + 8 <= n; i += 8) {
-    const __m256 x = _mm256_max_ps(_mm256_sub_ps(_mm256_loadu_ps(v + i), _mm256_set1_ps(shift)), lo);
-    const __m256 k = _mm256_round_ps(_mm256_mul_ps(x, log2e), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    const __m256 r = _mm256_fnmadd_ps(k, ln2_lo, _mm256_fnmadd_ps(k, ln2_hi, x));
-    __m256 p = _mm256_set1_ps(kExpPoly[0]);
-    for (int c = 1; c < 6; ++c) p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(kExpPoly[c]));
-    const __m256 y = _mm256_add_ps(_mm256_fmadd_ps(p, _mm256_mul_ps(r, r), r), _mm256_set1_ps(1.f));
-    const __m256i exponent = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(k), _mm256_set1_epi32(127)), 23);
-    const __m256 e = _mm256_mul_ps(y, _mm256_castsi256_ps(exponent));
-    _mm256_storeu_ps(v + i, e);
-    sum = _mm256_add_ps(sum, e);
-  }
-  total = hsum_ps(sum);
+  total = sum.sum();
 #endif
   for (; i < n; ++i) total += (v[i] = std::exp(v[i] - shift));
   return total;
 }
 
 // out[0, d) = sum over t of p[t] * rows[t], for `len` bf16 rows `stride` apart. The sums stay in
-// registers across the rows, 64 columns at a time (accumulating in memory made every row wait for
-// the previous row's store: most of one-query attention's time).
+// registers across the rows, four vectors of columns at a time (accumulating in memory made every
+// row wait for the previous row's store: most of one-query attention's time); narrower heads take
+// two positions a step, so two sums are in flight.
 inline void weighted_rows(const float* p, const bf16* rows, int64_t stride, int64_t len, int64_t d, float* out) {
   int64_t c = 0;
-#if defined(MOESCOPE_AVX512BF16) || defined(MOESCOPE_AVX512F)
-  for (; c + 64 <= d; c += 64) {
-    __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+#if defined(MOESCOPE_FLOAT_VECTOR)
+  using V = FloatVector;
+  constexpr int64_t L = V::lanes;
+  for (; c + 4 * L <= d; c += 4 * L) {
+    V a0 = V::all(0.f), a1 = a0, a2 = a0, a3 = a0;
     for (int64_t t = 0; t < len; ++t) {
-      const __m512 w = _mm512_set1_ps(p[t]);
+      const V w = V::all(p[t]);
       const bf16* row = rows + t * stride + c;
-      a0 = _mm512_fmadd_ps(w, widen_bf16(row), a0);
-      a1 = _mm512_fmadd_ps(w, widen_bf16(row + 16), a1);
-      a2 = _mm512_fmadd_ps(w, widen_bf16(row + 32), a2);
-      a3 = _mm512_fmadd_ps(w, widen_bf16(row + 48), a3);
+      a0 = a0.fma(w, V::widen(row));
+      a1 = a1.fma(w, V::widen(row + L));
+      a2 = a2.fma(w, V::widen(row + 2 * L));
+      a3 = a3.fma(w, V::widen(row + 3 * L));
     }
-    _mm512_storeu_ps(out + c, a0);
-    _mm512_storeu_ps(out + c + 16, a1);
-    _mm512_storeu_ps(out + c + 32, a2);
-    _mm512_storeu_ps(out + c + 48, a3);
+    a0.store(out + c);
+    a1.store(out + c + L);
+    a2.store(out + c + 2 * L);
+    a3.store(out + c + 3 * L);
   }
-  if (c + 32 == d) {  // 32 columns left (Mixtral's head size): two positions a step, four sums in flight
-    __m512 a0 = _mm512_setzero_ps(), a1 = a0, b0 = a0, b1 = a0;
+  for (; c + L <= d;) {  // two vectors (Mixtral's 32-column heads in 16 lanes) or one, two positions a step
+    const int64_t width = c + 2 * L <= d ? 2 : 1;
+    V a0 = V::all(0.f), a1 = a0, b0 = a0, b1 = a0;
     int64_t t = 0;
     for (; t + 2 <= len; t += 2) {
       const bf16 *row = rows + t * stride + c, *next = row + stride;
-      const __m512 w = _mm512_set1_ps(p[t]), v = _mm512_set1_ps(p[t + 1]);
-      a0 = _mm512_fmadd_ps(w, widen_bf16(row), a0);
-      a1 = _mm512_fmadd_ps(w, widen_bf16(row + 16), a1);
-      b0 = _mm512_fmadd_ps(v, widen_bf16(next), b0);
-      b1 = _mm512_fmadd_ps(v, widen_bf16(next + 16), b1);
+      const V w = V::all(p[t]), u = V::all(p[t + 1]);
+      a0 = a0.fma(w, V::widen(row));
+      b0 = b0.fma(u, V::widen(next));
+      if (width == 2) {
+        a1 = a1.fma(w, V::widen(row + L));
+        b1 = b1.fma(u, V::widen(next + L));
+      }
     }
     if (t < len) {
-      const __m512 w = _mm512_set1_ps(p[t]);
-      a0 = _mm512_fmadd_ps(w, widen_bf16(rows + t * stride + c), a0);
-      a1 = _mm512_fmadd_ps(w, widen_bf16(rows + t * stride + c + 16), a1);
+      const V w = V::all(p[t]);
+      a0 = a0.fma(w, V::widen(rows + t * stride + c));
+      if (width == 2) a1 = a1.fma(w, V::widen(rows + t * stride + c + L));
     }
-    _mm512_storeu_ps(out + c, _mm512_add_ps(a0, b0));
-    _mm512_storeu_ps(out + c + 16, _mm512_add_ps(a1, b1));
-    c += 32;
-  }
-  for (; c + 16 <= d; c += 16) {
-    __m512 a = _mm512_setzero_ps();
-    for (int64_t t = 0; t < len; ++t) a = _mm512_fmadd_ps(_mm512_set1_ps(p[t]), widen_bf16(rows + t * stride + c), a);
-    _mm512_storeu_ps(out + c, a);
-  }
-#elif defined(MOESCOPE_AVX2)
-  for (; c + 32 <= d; c += 32) {
-    __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
-    for (int64_t t = 0; t < len; ++t) {
-      const __m256 w = _mm256_set1_ps(p[t]);
-      const bf16* row = rows + t * stride + c;
-      a0 = _mm256_fmadd_ps(w, widen_bf16_8(row), a0);
-      a1 = _mm256_fmadd_ps(w, widen_bf16_8(row + 8), a1);
-      a2 = _mm256_fmadd_ps(w, widen_bf16_8(row + 16), a2);
-      a3 = _mm256_fmadd_ps(w, widen_bf16_8(row + 24), a3);
-    }
-    _mm256_storeu_ps(out + c, a0);
-    _mm256_storeu_ps(out + c + 8, a1);
-    _mm256_storeu_ps(out + c + 16, a2);
-    _mm256_storeu_ps(out + c + 24, a3);
-  }
-  for (; c + 8 <= d; c += 8) {  // two positions a step: two sums in flight
-    __m256 a = _mm256_setzero_ps(), b = a;
-    int64_t t = 0;
-    for (; t + 2 <= len; t += 2) {
-      a = _mm256_fmadd_ps(_mm256_set1_ps(p[t]), widen_bf16_8(rows + t * stride + c), a);
-      b = _mm256_fmadd_ps(_mm256_set1_ps(p[t + 1]), widen_bf16_8(rows + (t + 1) * stride + c), b);
-    }
-    if (t < len) a = _mm256_fmadd_ps(_mm256_set1_ps(p[t]), widen_bf16_8(rows + t * stride + c), a);
-    _mm256_storeu_ps(out + c, _mm256_add_ps(a, b));
+    (a0 + b0).store(out + c);
+    if (width == 2) (a1 + b1).store(out + c + L);
+    c += width * L;
   }
 #endif
   for (; c < d; ++c) {

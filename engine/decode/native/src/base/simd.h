@@ -93,7 +93,7 @@ inline __m256i load32(const void* p) { return _mm256_loadu_si256(reinterpret_cas
 inline float32x4_t widen_bf16_4(const bf16* p) { return vreinterpretq_f32_u32(vshll_n_u16(vld1_u16(p), 16)); }
 #endif
 
-// The float32 vector of the build.
+// The float32 vector of the variant: kernels written once over it run in 16, 8 or 4 lanes.
 #if defined(MOESCOPE_AVX512BF16) || defined(MOESCOPE_AVX512F)
 struct FloatVector {
   static constexpr int64_t lanes = 16;
@@ -103,6 +103,10 @@ struct FloatVector {
   static FloatVector widen(const bf16* p) { return {widen_bf16(p)}; }
   void store(float* p) const { _mm512_storeu_ps(p, v); }
   FloatVector fma(FloatVector a, FloatVector b) const { return {_mm512_fmadd_ps(a.v, b.v, v)}; }  // a * b + this
+  FloatVector operator+(FloatVector b) const { return {_mm512_add_ps(v, b.v)}; }
+  FloatVector operator-(FloatVector b) const { return {_mm512_sub_ps(v, b.v)}; }
+  float sum() const { return _mm512_reduce_add_ps(v); }
+  FloatVector exp() const { return {exp16(v)}; }
 };
 #define MOESCOPE_FLOAT_VECTOR 1
 #elif defined(MOESCOPE_AVX2)
@@ -114,6 +118,21 @@ struct FloatVector {
   static FloatVector widen(const bf16* p) { return {widen_bf16_8(p)}; }
   void store(float* p) const { _mm256_storeu_ps(p, v); }
   FloatVector fma(FloatVector a, FloatVector b) const { return {_mm256_fmadd_ps(a.v, b.v, v)}; }
+  FloatVector operator+(FloatVector b) const { return {_mm256_add_ps(v, b.v)}; }
+  FloatVector operator-(FloatVector b) const { return {_mm256_sub_ps(v, b.v)}; }
+  float sum() const { return hsum_ps(v); }
+  // exp of a shifted softmax score (x <= 0): clamped below only (k >= -126, so 2^k is a normal
+  // float, built from its bits)
+  FloatVector exp() const {
+    const __m256 x = _mm256_max_ps(v, _mm256_set1_ps(kExpFloor));
+    const __m256 k = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(kLog2e)), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    const __m256 r = _mm256_fnmadd_ps(k, _mm256_set1_ps(kLn2Lo), _mm256_fnmadd_ps(k, _mm256_set1_ps(kLn2Hi), x));
+    __m256 p = _mm256_set1_ps(kExpPoly[0]);
+    for (int c = 1; c < 6; ++c) p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(kExpPoly[c]));
+    const __m256 y = _mm256_add_ps(_mm256_fmadd_ps(p, _mm256_mul_ps(r, r), r), _mm256_set1_ps(1.f));
+    const __m256i exponent = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(k), _mm256_set1_epi32(127)), 23);
+    return {_mm256_mul_ps(y, _mm256_castsi256_ps(exponent))};
+  }
 };
 #define MOESCOPE_FLOAT_VECTOR 1
 #elif defined(MOESCOPE_NEON)
@@ -125,6 +144,20 @@ struct FloatVector {
   static FloatVector widen(const bf16* p) { return {widen_bf16_4(p)}; }
   void store(float* p) const { vst1q_f32(p, v); }
   FloatVector fma(FloatVector a, FloatVector b) const { return {vfmaq_f32(v, a.v, b.v)}; }
+  FloatVector operator+(FloatVector b) const { return {vaddq_f32(v, b.v)}; }
+  FloatVector operator-(FloatVector b) const { return {vsubq_f32(v, b.v)}; }
+  float sum() const { return vaddvq_f32(v); }
+  // the same polynomial as the x86 widths (x <= 0, clamped below: 2^k is a normal float)
+  FloatVector exp() const {
+    const float32x4_t x = vmaxq_f32(v, vdupq_n_f32(kExpFloor));
+    const float32x4_t k = vrndnq_f32(vmulq_f32(x, vdupq_n_f32(kLog2e)));
+    const float32x4_t r = vfmsq_f32(vfmsq_f32(x, k, vdupq_n_f32(kLn2Hi)), k, vdupq_n_f32(kLn2Lo));
+    float32x4_t p = vdupq_n_f32(kExpPoly[0]);
+    for (int c = 1; c < 6; ++c) p = vfmaq_f32(vdupq_n_f32(kExpPoly[c]), p, r);
+    const float32x4_t y = vaddq_f32(vfmaq_f32(r, p, vmulq_f32(r, r)), vdupq_n_f32(1.f));
+    const int32x4_t exponent = vshlq_n_s32(vaddq_s32(vcvtnq_s32_f32(k), vdupq_n_s32(127)), 23);
+    return {vmulq_f32(y, vreinterpretq_f32_s32(exponent))};
+  }
 };
 #define MOESCOPE_FLOAT_VECTOR 1
 #endif
