@@ -145,3 +145,23 @@ def test_the_arm64_variants_hold_to_the_reference_under_qemu(tmp_path):
     for variant in ("armv8.6_a_bf16", "armv8.2_a_dotprod", "armv8_a"):
         assert f"PASS libmoescope_kernels_{variant}.so" in done.stdout
     assert "PASS libmoescope_kernels_armv8_a.so (qemu -cpu cortex-a53)" in done.stdout
+
+
+@pytest.mark.slow
+def test_the_wheel_carries_every_variant_and_no_sources(tmp_path):
+    # what `pip install moescope` on a machine without a compiler gets: the libraries of every
+    # variant of the platform, the probe and their list, and none of the C++ sources
+    import zipfile
+
+    root = Path(__file__).resolve().parents[1]
+    done = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "-w", str(tmp_path), str(root)],
+                          capture_output=True, text=True, timeout=3600, check=False)
+    assert done.returncode == 0, done.stderr[-3000:]
+    wheel = next(tmp_path.glob("moescope-*.whl"))
+    names = zipfile.ZipFile(wheel).namelist()
+    lib = [n for n in names if n.startswith("engine/decode/native/lib/")]
+    built = json.loads(zipfile.ZipFile(wheel).read("engine/decode/native/lib/variants.json"))
+    assert {f"engine/decode/native/lib/{v['file']}" for v in built["variants"]} <= set(lib)
+    assert f"engine/decode/native/lib/{built['probe']}" in lib
+    assert len(built["variants"]) == len(library.variants())  # all of the platform's, as an editable install
+    assert not [n for n in names if n.startswith("engine/decode/native/src/")]
