@@ -82,7 +82,9 @@ inline void dequantize_rows(const Matrix& m, int64_t begin, int64_t end, bf16* o
   }
 #if defined(MOESCOPE_HAS_DEQUANTIZE_ROW_Q4_K)
   if (m.type == kQ4_K) {
-    for (int64_t n = begin; n < end; ++n) dequantize_row_q4_k(m.row(n), m.cols / 256, out + n * m.cols);
+    tuned([&](auto intel) {
+      for (int64_t n = begin; n < end; ++n) dequantize_row_q4_k<intel>(m.row(n), m.cols / 256, out + n * m.cols);
+    });
     return;
   }
 #endif

@@ -28,7 +28,7 @@ inline float dot_row(const bf16* w, const bf16* x, int64_t k) {
     return vbfdotq_f32(acc, vreinterpretq_bf16_u16(vld1q_u16(a)), vreinterpretq_bf16_u16(vld1q_u16(b)));
   };
   for (; i + 32 <= k; i += 32) {
-    prefetch_far(w + i + kPrefetchAhead);
+    prefetch_far<false>(w + i + kPrefetchAhead);
     a0 = dot(a0, w + i, x + i);
     a1 = dot(a1, w + i + 8, x + i + 8);
     a2 = dot(a2, w + i + 16, x + i + 16);
@@ -42,7 +42,7 @@ inline float dot_row(const bf16* w, const bf16* x, int64_t k) {
     hi = vfmaq_f32(hi, widen_bf16_high(va), widen_bf16_high(vb));
   };
   for (; i + 32 <= k; i += 32) {
-    prefetch_far(w + i + kPrefetchAhead);
+    prefetch_far<false>(w + i + kPrefetchAhead);
     fma8(a0, a1, w + i, x + i);
     fma8(a2, a3, w + i + 8, x + i + 8);
     fma8(a0, a1, w + i + 16, x + i + 16);

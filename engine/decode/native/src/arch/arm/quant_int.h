@@ -44,7 +44,7 @@ inline float idot_q8_0(const uint8_t* row, int64_t blocks, const FixedInput& in)
   float32x4_t acc0 = vdupq_n_f32(0.f), acc1 = acc0;
   for (int64_t blk = 0; blk < blocks; ++blk) {
     const uint8_t* b = row + blk * 34;
-    prefetch_block(b, 34);
+    prefetch_block<false>(b, 34);
     const int8x16_t first = vld1q_s8(reinterpret_cast<const int8_t*>(b + 2));
     const int8x16_t second = vld1q_s8(reinterpret_cast<const int8_t*>(b + 18));
     const int8_t* x = planes + 64 * blk;
@@ -71,7 +71,7 @@ inline float idot_mxfp4(const uint8_t* row, int64_t blocks, const FixedInput& in
     float32x4_t acc0 = vdupq_n_f32(0.f), acc1 = acc0;
     for (int64_t blk = start; blk < end; ++blk) {
       const uint8_t* b = row + blk * 17;
-      if ((blk & 1) == 0) prefetch_block(b, 34);
+      if ((blk & 1) == 0) prefetch_block<false>(b, 34);
       const uint8x16_t codes = vld1q_u8(b + 1);  // low nibbles: elements 0-15, high: 16-31
       const int8x16_t first = vqtbl1q_s8(table, vandq_u8(codes, low4));
       const int8x16_t second = vqtbl1q_s8(table, vshrq_n_u8(codes, 4));
@@ -98,7 +98,7 @@ inline float idot_q4_k(const uint8_t* row, int64_t blocks, const FixedInput& in)
   float mins_total = 0.f;
   for (int64_t blk = 0; blk < blocks; ++blk) {
     const uint8_t* b = row + blk * 144;
-    prefetch_block(b, 144);
+    prefetch_block<false>(b, 144);
     const uint8_t* q = b + 4;
     int32_t sc[8];
     float mins = 0.f;
@@ -139,7 +139,7 @@ inline float idot_q6_k(const uint8_t* row, int64_t blocks, const FixedInput& in)
   float32x4_t acc = vdupq_n_f32(0.f);
   for (int64_t blk = 0; blk < blocks; ++blk) {
     const uint8_t* b = row + blk * 210;
-    prefetch_block(b, 210);
+    prefetch_block<false>(b, 210);
     const int8_t* scales = reinterpret_cast<const int8_t*>(b + 192);
     int32x4_t acc_hi = vdupq_n_s32(0), acc_lo = acc_hi;
     for (int g = 0; g < 8; ++g) {  // group_levels' layout: 32 weights, sub-blocks 2g and 2g + 1

@@ -18,18 +18,18 @@ namespace moescope {
 // One weight row with x, length k: independent sums so the loads stream back to back. (Summing
 // 4 rows at once, to share the loads of x, streamed well below a plain read's speed, where one row
 // at a time reaches it.)
-inline float dot_row(const bf16* w, const bf16* x, int64_t k) {
+template <bool kIntel>
+inline float dot_row_tuned(const bf16* w, const bf16* x, int64_t k) {
 #if defined(MOESCOPE_AVX512BF16)
   auto dot = [](__m512 acc, const bf16* a, const bf16* b) {
     return _mm512_dpbf16_ps(acc, (__m512bh)_mm512_loadu_si512(a), (__m512bh)_mm512_loadu_si512(b));
   };
   __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
   int64_t i = 0;
-  const bool intel = kTune.intel;
   for (; i + 128 <= k; i += 128) {
     for (int line = 0; line < 4; ++line) {
-      prefetch_far(w + i + kPrefetchAhead + line * 32);
-      if (intel) prefetch_near(reinterpret_cast<const char*>(w + i + line * 32) + kNearPrefetchBytes);
+      prefetch_far<kIntel>(w + i + kPrefetchAhead + line * 32);
+      if constexpr (kIntel) prefetch_near(reinterpret_cast<const char*>(w + i + line * 32) + kNearPrefetchBytes);
     }
     a0 = dot(a0, w + i, x + i);
     a1 = dot(a1, w + i + 32, x + i + 32);
@@ -47,7 +47,7 @@ inline float dot_row(const bf16* w, const bf16* x, int64_t k) {
   __m512 a0 = _mm512_setzero_ps(), a1 = a0;
   int64_t i = 0;
   for (; i + 32 <= k; i += 32) {
-    prefetch_far(w + i + kPrefetchAhead);
+    prefetch_far<kIntel>(w + i + kPrefetchAhead);
     a0 = _mm512_fmadd_ps(widen_bf16(w + i), widen_bf16(x + i), a0);
     a1 = _mm512_fmadd_ps(widen_bf16(w + i + 16), widen_bf16(x + i + 16), a1);
   }
@@ -58,7 +58,7 @@ inline float dot_row(const bf16* w, const bf16* x, int64_t k) {
   __m256 a0 = _mm256_setzero_ps(), a1 = a0;
   int64_t i = 0;
   for (; i + 16 <= k; i += 16) {
-    prefetch_far(w + i + kPrefetchAhead);
+    prefetch_far<kIntel>(w + i + kPrefetchAhead);
     a0 = _mm256_fmadd_ps(widen_bf16_8(w + i), widen_bf16_8(x + i), a0);
     a1 = _mm256_fmadd_ps(widen_bf16_8(w + i + 8), widen_bf16_8(x + i + 8), a1);
   }
@@ -69,6 +69,10 @@ inline float dot_row(const bf16* w, const bf16* x, int64_t k) {
   for (; i < k; ++i) sum += to_float(w[i]) * to_float(x[i]);
   return sum;
 #endif
+}
+
+inline float dot_row(const bf16* w, const bf16* x, int64_t k) {
+  return tuned([&](auto intel) { return dot_row_tuned<intel>(w, x, k); });
 }
 
 // A float32 weight row with a bf16 x widened to float32, length k (a router kept in float32).

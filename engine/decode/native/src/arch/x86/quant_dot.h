@@ -114,6 +114,7 @@ inline void mxfp4_block_bf16(const uint8_t* b, __m256i e2m1, __m256i& lo, __m256
 
 // MXFP4 row times x: the reference's bf16 weights (above) in bf16 dot products, two blocks a step
 // into four accumulators (one accumulator chain would wait on the dot product's latency).
+template <bool kIntel>
 inline float qdot_row_mxfp4(const uint8_t* row, int64_t blocks, const bf16* x) {
   __m256 acc[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
   const __m256i e2m1 = mxfp4_e2m1_bf16();
@@ -126,7 +127,7 @@ inline float qdot_row_mxfp4(const uint8_t* row, int64_t blocks, const bf16* x) {
   };
   int64_t blk = 0;
   for (; blk + 2 <= blocks; blk += 2) {
-    prefetch_block(row + blk * 17, 34);
+    prefetch_block<kIntel>(row + blk * 17, 34);
     step(blk, 0);
     step(blk + 1, 2);
   }
@@ -165,12 +166,13 @@ inline void q4_k_chunk_bf16(const uint8_t* b, const BlockScales& s, int c, __m51
                                 level_table(s.scale[4 * c + 2], s.min[4 * c + 2]));
 }
 
+template <bool kIntel>
 inline float qdot_row_q4_k(const uint8_t* row, int64_t blocks, const bf16* x) {
   __m512 acc0 = _mm512_setzero_ps(), acc1 = acc0;
   BlockScales s;
   for (int64_t blk = 0; blk < blocks; ++blk) {
     const uint8_t* b = row + blk * 144;
-    prefetch_block(b, 144);
+    prefetch_block<kIntel>(b, 144);
     block_scales(kQ4_K, b, s);
     const bf16* xb = x + blk * 256;
     for (int c = 0; c < 4; ++c) {
@@ -214,18 +216,19 @@ inline float qdot_row_q4_q5_0(const uint8_t* row, int64_t blocks, const bf16* x,
 
 // sum over the row of bf16(dequantized weight) * x, float32.
 
-inline float qdot_row(const Matrix& m, int64_t r, const bf16* x) {
+template <bool kIntel>
+inline float qdot_row_tuned(const Matrix& m, int64_t r, const bf16* x) {
   const uint8_t* row = m.row(r);
   const int64_t be = block_elements(m.type), bb = block_bytes(m.type), blocks = m.cols / be;
-  if (m.type == kQ4_K) return qdot_row_q4_k(row, blocks, x);
+  if (m.type == kQ4_K) return qdot_row_q4_k<kIntel>(row, blocks, x);
   if (m.type == kQ4_0 || m.type == kQ5_0) return qdot_row_q4_q5_0(row, blocks, x, m.type == kQ5_0);
-  if (m.type == kMXFP4) return qdot_row_mxfp4(row, blocks, x);
+  if (m.type == kMXFP4) return qdot_row_mxfp4<kIntel>(row, blocks, x);
   const int groups = static_cast<int>(be / 32);
   __m512 acc0 = _mm512_setzero_ps(), acc1 = acc0;
   BlockScales s;
   for (int64_t blk = 0; blk < blocks; ++blk) {
     const uint8_t* b = row + blk * bb;
-    prefetch_block(b, bb);
+    prefetch_block<kIntel>(b, bb);
     block_scales(m.type, b, s);
     for (int g = 0; g < groups; ++g) {
       __m512i lo, hi;
@@ -246,11 +249,12 @@ inline float qdot_row(const Matrix& m, int64_t r, const bf16* x) {
 }
 
 // One Q4_K row as bf16 weights, through qdot_row_q4_k's tables (the values group_weights_avx512 computes).
+template <bool kIntel>
 inline void dequantize_row_q4_k(const uint8_t* row, int64_t blocks, bf16* w) {
   BlockScales s;
   for (int64_t blk = 0; blk < blocks; ++blk, w += 256) {
     const uint8_t* b = row + blk * 144;
-    prefetch_block(b, 144);
+    prefetch_block<kIntel>(b, 144);
     block_scales(kQ4_K, b, s);
     for (int c = 0; c < 4; ++c) {
       __m512i lo, hi;
@@ -262,7 +266,8 @@ inline void dequantize_row_q4_k(const uint8_t* row, int64_t blocks, bf16* w) {
 }
 #elif defined(MOESCOPE_AVX2) || defined(MOESCOPE_AVX512F)
 #define MOESCOPE_HAS_QDOT_ROW 1
-inline float qdot_row(const Matrix& m, int64_t r, const bf16* x) {
+template <bool kIntel>
+inline float qdot_row_tuned(const Matrix& m, int64_t r, const bf16* x) {
   const uint8_t* row = m.row(r);
   const int64_t be = block_elements(m.type), bb = block_bytes(m.type), blocks = m.cols / be;
   const int groups = static_cast<int>(be / 32);
@@ -271,7 +276,7 @@ inline float qdot_row(const Matrix& m, int64_t r, const bf16* x) {
   alignas(32) int32_t q[32];
   for (int64_t blk = 0; blk < blocks; ++blk) {
     const uint8_t* b = row + blk * bb;
-    prefetch_block(b, bb);
+    prefetch_block<kIntel>(b, bb);
     block_scales(m.type, b, s);
     for (int g = 0; g < groups; ++g) {
       group_levels(m.type, b, g, q);
@@ -290,6 +295,13 @@ inline float qdot_row(const Matrix& m, int64_t r, const bf16* x) {
   float sum = 0.f;
   for (float lane : lanes) sum += lane;
   return sum;
+}
+#endif
+
+#if defined(MOESCOPE_HAS_QDOT_ROW)
+// sum over the row of bf16(dequantized weight) * x, float32.
+inline float qdot_row(const Matrix& m, int64_t r, const bf16* x) {
+  return tuned([&](auto intel) { return qdot_row_tuned<intel>(m, r, x); });
 }
 #endif
 

@@ -93,6 +93,7 @@ inline int32_t weighted_sums16(__m256i weights16, const int32_t* sums) {
 // Q4_K in 256-bit lanes on every x86 build: an AVX-512 version (the levels broadcast to both halves
 // of a 512-bit register to meet both planes in one load) ran slower on a double-pumped AVX-512 CPU
 // (bench.quant_gemv), its cross-lane broadcasts and 512-bit shuffles costing more than they saved.
+template <bool kIntel>
 inline float idot_q4_k(const uint8_t* row, int64_t blocks, const FixedInput& in) {
   const __m256i nibble = _mm256_set1_epi8(0x0F);
   // shuffles that broadcast int16 scale j (bytes 2j, 2j + 1) to every lane
@@ -101,7 +102,7 @@ inline float idot_q4_k(const uint8_t* row, int64_t blocks, const FixedInput& in)
   __m256 acc = _mm256_setzero_ps(), acc_min = acc;
   for (int64_t blk = 0; blk < blocks; ++blk) {
     const uint8_t* b = row + blk * 144;
-    prefetch_block(b, 144);
+    prefetch_block<kIntel>(b, 144);
     const __m256i scales_mins = _mm256_cvtepu8_epi16(q4_k_scales_mins(b + 4));  // 8 scales, then 8 mins
     const __m256i scales = _mm256_permute2x128_si256(scales_mins, scales_mins, 0x00);
     __m256i acc_hi = _mm256_setzero_si256(), acc_lo = acc_hi;
@@ -128,12 +129,13 @@ inline float idot_q4_k(const uint8_t* row, int64_t blocks, const FixedInput& in)
 
 // Q8_0: the int8 levels widened to int16 and multiplied with the input's int16 values (vpmaddwd),
 // one product per weight; a pair of products (127 * 32512 each) stays inside int32.
+template <bool kIntel>
 inline float idot_q8_0(const uint8_t* row, int64_t blocks, const FixedInput& in) {
   __m256 acc0 = _mm256_setzero_ps(), acc1 = acc0;
   const int16_t* x = in.wide.data();
   for (int64_t blk = 0; blk < blocks; ++blk) {
     const uint8_t* b = row + blk * 34;
-    prefetch_block(b, 34);
+    prefetch_block<kIntel>(b, 34);
     const __m128i first = _mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 2));
     const __m128i second = _mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 18));
     const __m256i sums = madd_wide(_mm256_cvtepi8_epi16(first), _mm256_cvtepi8_epi16(second), x + 32 * blk);
@@ -158,6 +160,7 @@ inline const std::array<float, 256> kE8m0Half = [] {
   return values;
 }();
 
+template <bool kIntel>
 inline float idot_mxfp4(const uint8_t* row, int64_t blocks, const FixedInput& in) {
   __m128i unsigned_levels;  // level + 12, in [0, 24]
   for (int k = 0; k < 16; ++k) reinterpret_cast<uint8_t*>(&unsigned_levels)[k] = static_cast<uint8_t>(kMxfp4Values[k] + 12);
@@ -184,7 +187,7 @@ inline float idot_mxfp4(const uint8_t* row, int64_t blocks, const FixedInput& in
     __m256 acc0 = _mm256_setzero_ps(), acc1 = acc0;
     int64_t blk = start;
     for (; blk + 2 <= end; blk += 2) {
-      prefetch_block(row + blk * 17, 34);
+      prefetch_block<kIntel>(row + blk * 17, 34);
       acc0 = add_block(blk, acc0);
       acc1 = add_block(blk + 1, acc1);
     }
@@ -196,13 +199,14 @@ inline float idot_mxfp4(const uint8_t* row, int64_t blocks, const FixedInput& in
 
 // Q6_K: levels 0..63 (stored as 4 low bits + 2 high bits), minus 32, times a signed 8-bit scale
 // per 16 weights. The products use the unsigned levels; 32 * scale * sum(x) comes off per sub-block.
+template <bool kIntel>
 inline float idot_q6_k(const uint8_t* row, int64_t blocks, const FixedInput& in) {
   const PairPicks picks;
   __m256 acc = _mm256_setzero_ps();
   float offsets = 0.f;
   for (int64_t blk = 0; blk < blocks; ++blk) {
     const uint8_t* b = row + blk * 210;
-    prefetch_block(b, 210);
+    prefetch_block<kIntel>(b, 210);
     const __m256i all = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 192)));
     __m256i by_lane[2];
     split_by_lane(all, by_lane);
@@ -224,6 +228,7 @@ inline float idot_q6_k(const uint8_t* row, int64_t blocks, const FixedInput& in)
 
 // Q4_0 (levels 0..15, minus 8) and Q5_0 (a fifth bit from the block's 32-bit mask, minus 16),
 // one float scale per 32 weights: unsigned levels times x, the offset times sum(x) taken off.
+template <bool kIntel>
 inline float idot_q4_q5_0(const uint8_t* row, int64_t blocks, const FixedInput& in, bool five) {
   const __m128i low4 = _mm_set1_epi8(0x0F);
   const __m256i spread = _mm256_setr_epi64x(0, 0x0101010101010101, 0x0202020202020202, 0x0303030303030303);
@@ -258,6 +263,7 @@ inline float idot_q4_q5_0(const uint8_t* row, int64_t blocks, const FixedInput& 
 // Q2_K and Q3_K: group g (32 weights) has 2-bit levels at bit 2 * (g % 4) of 32 bytes, Q3_K a
 // third bit from its high-bit mask (level - 4 when that bit is clear); a scale per 16 weights,
 // with Q2_K a min per 16 too. Unsigned levels times x; the mins or the 4s come off per sub-block.
+template <bool kIntel>
 inline float idot_q2_q3_k(const uint8_t* row, int64_t blocks, const FixedInput& in, bool three) {
   const __m128i low4 = _mm_set1_epi8(0x0F);
   const PairPicks picks;
@@ -265,7 +271,7 @@ inline float idot_q2_q3_k(const uint8_t* row, int64_t blocks, const FixedInput& 
   float offsets = 0.f;
   for (int64_t blk = 0; blk < blocks; ++blk) {
     const uint8_t* b = row + blk * (three ? 110 : 84);
-    prefetch_block(b, three ? 110 : 84);
+    prefetch_block<kIntel>(b, three ? 110 : 84);
     // the 16 scales as int16, and what multiplies each sub-block's sum(x) to come off: the mins
     // (Q2_K) or 4 * scale (Q3_K); |offset| <= 16 * 15 * 16 * 32512 or 16 * 128 * 16 * 32512
     __m256i scales, offset_weights;
@@ -306,20 +312,25 @@ inline float idot_q2_q3_k(const uint8_t* row, int64_t blocks, const FixedInput& 
 
 
 // sum over the row of (dequantized weight) * x for the types with an integer dot.
-inline float idot_row(const Matrix& m, int64_t r, const FixedInput& in) {
+template <bool kIntel>
+inline float idot_row_tuned(const Matrix& m, int64_t r, const FixedInput& in) {
   const uint8_t* row = m.row(r);
   const int64_t blocks = m.cols / block_elements(m.type);
   switch (m.type) {
-    case kQ4_K: return idot_q4_k(row, blocks, in);
-    case kQ6_K: return idot_q6_k(row, blocks, in);
-    case kQ4_0: return idot_q4_q5_0(row, blocks, in, false);
-    case kQ5_0: return idot_q4_q5_0(row, blocks, in, true);
-    case kQ3_K: return idot_q2_q3_k(row, blocks, in, true);
-    case kQ2_K: return idot_q2_q3_k(row, blocks, in, false);
-    case kMXFP4: return idot_mxfp4(row, blocks, in);
-    case kQ8_0: return idot_q8_0(row, blocks, in);
+    case kQ4_K: return idot_q4_k<kIntel>(row, blocks, in);
+    case kQ6_K: return idot_q6_k<kIntel>(row, blocks, in);
+    case kQ4_0: return idot_q4_q5_0<kIntel>(row, blocks, in, false);
+    case kQ5_0: return idot_q4_q5_0<kIntel>(row, blocks, in, true);
+    case kQ3_K: return idot_q2_q3_k<kIntel>(row, blocks, in, true);
+    case kQ2_K: return idot_q2_q3_k<kIntel>(row, blocks, in, false);
+    case kMXFP4: return idot_mxfp4<kIntel>(row, blocks, in);
+    case kQ8_0: return idot_q8_0<kIntel>(row, blocks, in);
     default: return idot_row_generic(m, r, in);
   }
+}
+
+inline float idot_row(const Matrix& m, int64_t r, const FixedInput& in) {
+  return tuned([&](auto intel) { return idot_row_tuned<intel>(m, r, in); });
 }
 #endif
 
