@@ -63,8 +63,9 @@ bundle="$out/MoEScope"
 # Smoke check: the frozen launcher parses its arguments (no window, no engine), and the bundle carries
 # the native kernels (one library per instruction-set variant; decode is several times slower without).
 "$bundle/moescope" --help >/dev/null
+kernels=("$bundle"/_internal/engine/decode/native/lib/*moescope_kernels*)
 if [[ -f "$bundle/_internal/engine/decode/native/lib/variants.json" ]]; then
-    echo "build.sh: native kernels: $(ls "$bundle/_internal/engine/decode/native/lib" | grep -c moescope_kernels) variant(s)"
+    echo "build.sh: native kernels: ${#kernels[@]} variant(s)"
 else
     echo "build.sh: warning: no native kernels bundled (pip install -e . builds them); decode will use transformers' kernels" >&2
 fi
