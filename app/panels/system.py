@@ -14,7 +14,7 @@ from engine import protocol as p
 
 EXACT_TEXT = "Exact (transformers' kernels, bit-identical)"
 EXACT_TIP = ("Off (the default): bf16 decode steps on the CPU use MoEScope's native kernels (a layer's experts in "
-             "one pass, compiled once per machine; a C++ compiler is needed) and float32-matmul attention; with every "
+             "one pass, built for this CPU's instruction set; the line below names the build) and float32-matmul attention; with every "
              "expert resident, a Qwen3-MoE, Qwen2-MoE, OLMoE or Mixtral token runs whole in one native call. Several times faster "
              "decode (docs/performance.md), the same arithmetic summed in another order, so replies can differ from "
              "plain transformers in rare near-ties. On: every token equals transformers'.")
