@@ -38,11 +38,7 @@ def _runnable_variants() -> list[str]:
     """The kernel variants of this install the CPU can run (their names), best first."""
     from engine.decode.native import library
 
-    try:
-        features = library.cpu_features()
-    except (OSError, KeyError):
-        return []
-    return [v.name for v in library.variants() if set(v.requires) <= features]
+    return [v.name for v in library.runnable()]
 
 
 @pytest.fixture(scope="module", params=_runnable_variants() or ["none"])

@@ -71,8 +71,8 @@ def status() -> str:
     """One line for the user: the variant in use, or why none."""
     if _state.kernels is not None:
         variant = _state.kernels.variant
-        forced = library.VARIANT_ENV if any(why.startswith(library.VARIANT_ENV) for _, why in _state.choice.passed_over) else ""
-        return f"native decode kernels: {variant.name} ({variant.label})" + (f", set by {forced}" if forced else "")
+        forced = f", set by {library.VARIANT_ENV}" if _state.choice.forced else ""
+        return f"native decode kernels: {variant.name} ({variant.label}){forced}"
     if _state.done:
         return _state.problem
     return "native decode kernels not loaded yet"

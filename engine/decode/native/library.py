@@ -52,6 +52,7 @@ class Choice:
     features: frozenset[str]
     passed_over: tuple[tuple[Variant, str], ...] = ()  # better variants, and why each was not taken
     problem: str = ""
+    forced: bool = False  # VARIANT_ENV named it
 
 
 def manifest(lib_dir: Path = LIB_DIR) -> dict:
@@ -98,7 +99,7 @@ def choose(lib_dir: Path = LIB_DIR, wanted: str | None = None) -> Choice:
         if missing:
             return Choice(None, features, problem=f"variant {wanted} needs {', '.join(missing)}, which this CPU lacks")
         better = tuple((v, f"{VARIANT_ENV}={wanted}") for v in candidates[: candidates.index(named[0])])
-        return Choice(named[0], features, better)
+        return Choice(named[0], features, better, forced=True)
     passed: list[tuple[Variant, str]] = []
     for v in candidates:
         missing = sorted(set(v.requires) - features)
@@ -106,6 +107,15 @@ def choose(lib_dir: Path = LIB_DIR, wanted: str | None = None) -> Choice:
             return Choice(v, features, tuple(passed))
         passed.append((v, "the CPU lacks " + ", ".join(missing)))
     return Choice(None, features, tuple(passed), "no variant of this install runs on this CPU")
+
+
+def runnable(lib_dir: Path = LIB_DIR) -> list[Variant]:
+    """The variants of this install this CPU can run, best first ([] where the probe does not load)."""
+    try:
+        features = cpu_features(lib_dir)
+    except (OSError, KeyError):
+        return []
+    return [v for v in variants(lib_dir) if set(v.requires) <= features]
 
 
 def sources_changed(lib_dir: Path = LIB_DIR, source_dir: Path = SOURCE_DIR) -> bool:
@@ -227,7 +237,7 @@ class Weight:
 
     __slots__ = ("cols", "matrix", "tensor", "type")
 
-    def __init__(self, tensor: torch.Tensor, type: int = 0, cols: int = 0) -> None:  # "type": the pybind name the callers use
+    def __init__(self, tensor: torch.Tensor, type: int = 0, cols: int = 0) -> None:  # "type": as the callers name it
         _check(tensor.device.type == "cpu" and tensor.dim() == 2 and tensor.stride(1) == 1,
                "weight: a 2-D CPU matrix with contiguous rows is needed")
         if type == 0:

@@ -372,15 +372,8 @@ int moescope_step_run(ms_step* s, int64_t token, ms_vector cos, ms_vector sin, c
   return guarded([&] {
     MOESCOPE_CHECK(keys != nullptr && values != nullptr && starts != nullptr && lengths != nullptr,
                    "run: one key and one value buffer, start and length per layer");
-    std::vector<KvBuffer> k(layers), v(layers);
-    for (int64_t i = 0; i < layers; ++i) {
-      k[i] = KvBuffer{keys[i].data, keys[i].heads, keys[i].capacity, keys[i].width, keys[i].head_stride,
-                      keys[i].position_stride, keys[i].element_stride};
-      v[i] = KvBuffer{values[i].data, values[i].heads, values[i].capacity, values[i].width, values[i].head_stride,
-                      values[i].position_stride, values[i].element_stride};
-    }
-    s->step.run(token, vector_of(cos), vector_of(sin), k.data(), v.data(), starts, lengths, layers, picks, picks_len,
-                logits, logits_len);
+    s->step.run(token, vector_of(cos), vector_of(sin), keys, values, starts, lengths, layers, picks, picks_len, logits,
+                logits_len);
   });
 }
 

@@ -230,9 +230,10 @@ void DecodeStep::run(int64_t token, const Vector& cos, const Vector& sin, const 
                      "run: layer ", i, "'s key/value buffers [1, kv_heads, capacity > start + length, width] in bf16");
     }
     // the views begin at the first position attended to
-    key_views.push_back({keys[i].data + starts[i] * keys[i].position_stride, keys[i].head_stride, keys[i].position_stride});
-    value_views.push_back(
-        {values[i].data + starts[i] * values[i].position_stride, values[i].head_stride, values[i].position_stride});
+    key_views.push_back({keys[i].data + starts[i] * keys[i].position_stride, keys[i].head_stride,
+                         keys[i].position_stride});
+    value_views.push_back({values[i].data + starts[i] * values[i].position_stride, values[i].head_stride,
+                           values[i].position_stride});
     longest = std::max(longest, lengths[i]);
     if (l.latent) {
       const LatentShape& s = l.mla.shape;

@@ -21,6 +21,7 @@
 #include "../attention/qkv.h"
 #include "../attention/single.h"
 #include "../base/parallel.h"
+#include "../include/moescope_kernels.h"
 #include "../base/scalar.h"
 #include "../formats/types.h"
 #include "../kernels/experts.h"
@@ -28,12 +29,9 @@
 namespace moescope {
 
 // One layer's KV cache buffer [1, heads, capacity, width] (for latent attention: latents
-// [1, 1, capacity, rank] as keys and rotary keys [1, 1, capacity, rope] as values), in elements.
-struct KvBuffer {
-  bf16* data = nullptr;
-  int64_t heads = 0, capacity = 0, width = 0;
-  int64_t head_stride = 0, position_stride = 0, element_stride = 1;
-};
+// [1, 1, capacity, rank] as keys and rotary keys [1, 1, capacity, rope] as values), in elements:
+// the ABI's own struct, so a token's buffers pass through unconverted.
+using KvBuffer = ms_kv;
 
 class DecodeStep {
  public:

@@ -77,23 +77,14 @@ inline float dot_row(const bf16* w, const bf16* x, int64_t k) {
 
 // A float32 weight row with a bf16 x widened to float32, length k (a router kept in float32).
 inline float dot_f32_bf16(const float* w, const bf16* x, int64_t k) {
+  using V = FloatVector;
+  V a0 = V::all(0.f), a1 = a0;
   int64_t i = 0;
-  float sum = 0.f;
-#if defined(MOESCOPE_AVX512BF16) || defined(MOESCOPE_AVX512F)
-  __m512 a0 = _mm512_setzero_ps(), a1 = a0;
-  for (; i + 32 <= k; i += 32) {
-    a0 = _mm512_fmadd_ps(_mm512_loadu_ps(w + i), widen_bf16(x + i), a0);
-    a1 = _mm512_fmadd_ps(_mm512_loadu_ps(w + i + 16), widen_bf16(x + i + 16), a1);
+  for (; i + 2 * V::lanes <= k; i += 2 * V::lanes) {
+    a0 = a0.fma(V::load(w + i), V::widen(x + i));
+    a1 = a1.fma(V::load(w + i + V::lanes), V::widen(x + i + V::lanes));
   }
-  sum = _mm512_reduce_add_ps(_mm512_add_ps(a0, a1));
-#else
-  __m256 a0 = _mm256_setzero_ps(), a1 = a0;
-  for (; i + 16 <= k; i += 16) {
-    a0 = _mm256_fmadd_ps(_mm256_loadu_ps(w + i), widen_bf16_8(x + i), a0);
-    a1 = _mm256_fmadd_ps(_mm256_loadu_ps(w + i + 8), widen_bf16_8(x + i + 8), a1);
-  }
-  sum = hsum_ps(_mm256_add_ps(a0, a1));
-#endif
+  float sum = (a0 + a1).sum();
   for (; i < k; ++i) sum += w[i] * to_float(x[i]);
   return sum;
 }
