@@ -103,6 +103,13 @@ class LoadModel:
     pack_weights: bool = True  # CPU bf16/fp16: expert matrices pre-arranged for oneDNN at `all` (same bits)
 
 
+# What a chat does when its history no longer fits the model's context (`Generate.context_overflow`):
+# "drop-oldest" leaves the oldest whole turns out of the prompt (the system prompt and the new message stay;
+# room is kept for the reply), "stop" refuses with a message saying so. The window and `moescope chat` default
+# to "drop-oldest"; a request that does not say (the OpenAI server's) is "stop": an API client decides itself.
+CONTEXT_OVERFLOW = ("drop-oldest", "stop")
+
+
 @dataclass
 class Generate:
     request_id: str
@@ -111,6 +118,7 @@ class Generate:
     prompt_ids: list[int] | None = None
     sampling: SamplingSettings = field(default_factory=SamplingSettings)
     return_routing: bool = False  # Done carries `routed_experts` (the OpenAI server's vLLM-shaped field)
+    context_overflow: str = "stop"  # with messages: one of CONTEXT_OVERFLOW (a sender that predates it gets "stop")
 
 
 @dataclass
@@ -294,6 +302,19 @@ class Token:
     request_id: str
     text: str  # the new text since the previous Token event
     token_ids: list[int]
+
+
+@dataclass
+class PromptContext:
+    """Sent before a reply's first token: the prompt the model sees, against its context. With
+    `context_overflow="drop-oldest"` the oldest turns may be left out; `first_message` says where the
+    model's memory starts (a client that predates it ignores it)."""
+
+    request_id: str
+    prompt_tokens: int  # the prompt as the model gets it (chat template applied, older turns dropped)
+    context_length: int
+    first_message: int = 0  # index in Generate.messages of the first message after the system prompt it sees
+    dropped_messages: int = 0  # messages left out before it (0: the whole history fits)
 
 
 @dataclass
@@ -563,6 +584,6 @@ def is_api_request(request_id: str | None) -> bool:
 
 
 Event = (
-    LoadProgress | ModelLoaded | Token | Draft | Done | BudgetChanged | PolicyChanged | FastDecodeChanged | TelemetrySnapshot
+    LoadProgress | ModelLoaded | PromptContext | Token | Draft | Done | BudgetChanged | PolicyChanged | FastDecodeChanged | TelemetrySnapshot
     | RoutingSnapshot | Error | Log | EngineStarted | LibraryListing | FitEstimateReady | DownloadProgress | DownloadFinished
 )

@@ -14,6 +14,7 @@ import numpy as np
 import torch
 
 from engine.decode import block_diffusion
+from engine.decode.context_window import FittedPrompt, fit_chat
 from engine.decode.kv_cache import new_cache
 from engine.decode.paths.base import Step
 from engine.decode.runtime import MoERuntime
@@ -56,6 +57,11 @@ class Generator:
         if isinstance(ids, dict) or hasattr(ids, "keys"):
             ids = ids["input_ids"]
         return list(ids)
+
+    def fit_chat(self, messages: Sequence[dict], settings: SamplingSettings, overflow: str) -> FittedPrompt:
+        """The chat's prompt within this model's context under the `overflow` policy
+        (engine.decode.context_window): older turns left out, or PromptTooLongError naming the length."""
+        return fit_chat(self.encode_chat, messages, self.runtime.context_length, settings.max_new_tokens, overflow)
 
     def encode_raw(self, text: str) -> list[int]:
         return list(self._tokenizer()(text, add_special_tokens=True)["input_ids"])

@@ -174,16 +174,22 @@ class Worker:
     def _generate(self, command: p.Generate) -> None:
         runtime = self._require_model()
         generator = self.generator
+        settings = command.sampling
+        rid = command.request_id
+        first_message = dropped = 0
         if command.prompt_ids is not None:
             prompt_ids = list(command.prompt_ids)
         elif command.messages is not None:
-            prompt_ids = generator.encode_chat(command.messages)
+            # older turns left out here, once for every client; a message too long alone is refused before
+            # anything runs
+            fitted = generator.fit_chat(command.messages, settings, command.context_overflow)
+            prompt_ids, first_message, dropped = fitted.ids, fitted.first_message, fitted.dropped_messages
         elif command.prompt is not None:
             prompt_ids = generator.encode_raw(command.prompt)
         else:
             raise MoEScopeError("a request needs messages, a prompt or prompt ids")
-        settings = command.sampling
-        rid = command.request_id
+        if len(prompt_ids) < runtime.context_length:  # else the generation loop refuses it
+            self.send(p.PromptContext(rid, len(prompt_ids), runtime.context_length, first_message, dropped))
         self.clock.start(rid, len(prompt_ids))
         runtime.counters.start_request()
         self.state = "prefill"
