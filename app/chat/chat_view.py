@@ -17,6 +17,7 @@ from PySide6.QtWidgets import (
 from app.chat.composer import Composer
 from app.chat.message_widget import MessageWidget
 from app.chat.settings_form import ConversationSettingsForm
+from app.models.context_meter import MEMORY_MARKER, meter_text, meter_tip
 from app.themes import LIGHT, Theme
 
 
@@ -61,6 +62,16 @@ class ChatView(QWidget):
         self.settings_toggle.toggled.connect(self._toggle_settings)
         self.settings = ConversationSettingsForm()
         self.settings.setVisible(False)
+        self.context_meter = QLabel("")  # how full the model's context is, after each reply
+        self.context_meter.setObjectName("context-meter")
+        self.context_meter.setVisible(False)
+        # above the first message the model still sees, when older turns no longer fit its context
+        self.memory_marker = QLabel(f"— {MEMORY_MARKER} —")
+        self.memory_marker.setObjectName("memory-marker")
+        self.memory_marker.setAlignment(Qt.AlignmentFlag.AlignCenter)
+        self.memory_marker.setWordWrap(True)
+        self.memory_marker.setVisible(False)
+        self.memory_start: int | None = None  # the message id the marker sits above
 
         self.messages_box = QWidget()
         self.messages_layout = QVBoxLayout(self.messages_box)
@@ -85,6 +96,7 @@ class ChatView(QWidget):
 
         head = QHBoxLayout()
         head.addWidget(self.title, 1)
+        head.addWidget(self.context_meter)
         head.addWidget(self.settings_toggle)
         layout = QVBoxLayout(self)
         layout.setContentsMargins(6, 6, 6, 6)
@@ -106,6 +118,7 @@ class ChatView(QWidget):
         for w in self.widgets():
             self.messages_layout.removeWidget(w)
             w.deleteLater()
+        self.set_memory_start(None)
         self.empty_hint.setVisible(True)
         self._follow = True
 
@@ -121,7 +134,24 @@ class ChatView(QWidget):
             if w.message_id >= message_id:
                 self.messages_layout.removeWidget(w)
                 w.deleteLater()
+        if self.memory_start is not None and self.memory_start >= message_id:
+            self.set_memory_start(None)
         self.empty_hint.setVisible(not self.widgets())
+
+    def set_memory_start(self, message_id: int | None) -> None:
+        """Put the marker above `message_id` (None, or a message not shown: no marker)."""
+        self.messages_layout.removeWidget(self.memory_marker)
+        anchor = next((w for w in self.widgets() if w.message_id == message_id), None)
+        self.memory_start = message_id if anchor is not None else None
+        self.memory_marker.setVisible(anchor is not None)
+        if anchor is not None:
+            self.messages_layout.insertWidget(self.messages_layout.indexOf(anchor), self.memory_marker)
+
+    def set_context(self, used: int, context_length: int) -> None:
+        """The meter: tokens the conversation fills of the model's context (hidden before a model loads)."""
+        self.context_meter.setText(meter_text(used, context_length))
+        self.context_meter.setToolTip(meter_tip(used, context_length, self.memory_start is not None))
+        self.context_meter.setVisible(context_length > 0 or used > 0)
 
     def scroll_to_bottom(self) -> None:
         self._follow = True
@@ -131,5 +161,7 @@ class ChatView(QWidget):
     def apply_theme(self, theme: Theme) -> None:
         self.theme = theme
         self.empty_hint.setStyleSheet(f"color: {theme.muted};")
+        self.context_meter.setStyleSheet(f"color: {theme.muted};")
+        self.memory_marker.setStyleSheet(f"color: {theme.muted}; font-style: italic;")
         for w in self.widgets():
             w.apply_theme(theme)

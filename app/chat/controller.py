@@ -15,7 +15,8 @@ from PySide6.QtCore import QObject, QTimer, Signal
 from app.chat.chat_view import ChatView
 from app.chat.message_widget import MessageWidget
 from app.engine_bridge import EngineBridge
-from app.models.history import DEFAULT_TITLE, Conversation, HistoryStore, Message
+from app.models.context_meter import tokens_in_context
+from app.models.history import DEFAULT_OVERFLOW, DEFAULT_TITLE, Conversation, HistoryStore, Message
 from engine import protocol as p
 
 SAVE_INTERVAL_MS = 500
@@ -35,6 +36,7 @@ class ActiveReply:
     text: str = ""
     draft: str = ""  # a block-diffusion model's block being denoised, shown after the text
     unsaved: bool = False
+    sent_ids: tuple[int | None, ...] = ()  # the message id of each turn sent (None: the system prompt)
 
 
 class ChatController(QObject):
@@ -50,17 +52,20 @@ class ChatController(QObject):
         self.active: ActiveReply | None = None
         self.ready = False  # a model is loaded
         self.model_name = ""
+        self.context_length = 0  # the loaded model's, for the context meter
         self.queued: str | None = None  # sent before the model finished loading
         self._next_render = 0.0
         self.draft_system_prompt = ""
         self.draft_sampling = p.SamplingSettings()
+        self.draft_overflow = DEFAULT_OVERFLOW
         self._save_timer = QTimer(self, interval=SAVE_INTERVAL_MS)
         self._save_timer.timeout.connect(self.save_partial)
 
         view.composer.send_requested.connect(self.send)
         view.composer.stop_requested.connect(self.stop)
         view.settings.changed.connect(self.update_settings)
-        view.settings.load(self.draft_system_prompt, self.draft_sampling)
+        view.settings.overflow_changed.connect(self.set_context_overflow)
+        view.settings.load(self.draft_system_prompt, self.draft_sampling, self.draft_overflow)
 
     # ----- conversations -----
     @property
@@ -72,10 +77,12 @@ class ChatController(QObject):
         if self.conversation is not None:
             self.draft_system_prompt = self.conversation.system_prompt
             self.draft_sampling = self.conversation.sampling
+            self.draft_overflow = self.conversation.context_overflow
         self.conversation = None
         self.view.clear()
         self.view.title.setText(DEFAULT_TITLE)
-        self.view.settings.load(self.draft_system_prompt, self.draft_sampling)
+        self.view.settings.load(self.draft_system_prompt, self.draft_sampling, self.draft_overflow)
+        self._refresh_meter()
         self.conversations_changed.emit()
 
     def open(self, conversation_id: int) -> None:
@@ -85,12 +92,14 @@ class ChatController(QObject):
         self.conversation = conversation
         self.view.clear()
         self.view.title.setText(conversation.title)
-        self.view.settings.load(conversation.system_prompt, conversation.sampling)
+        self.view.settings.load(conversation.system_prompt, conversation.sampling, conversation.context_overflow)
         for m in self.store.messages(conversation_id):
             widget = self._add_widget(m)
             if self.active and m.id == self.active.message_id:
                 widget.set_text(self.active.text)
                 widget.set_streaming(True)
+        self.view.set_memory_start(conversation.memory_start)
+        self._refresh_meter()
         self._refresh_actions()
         self.view.scroll_to_bottom()
         self.conversations_changed.emit()
@@ -121,6 +130,14 @@ class ChatController(QObject):
         self.store.update_settings(self.conversation.id, system_prompt, sampling)
         self.conversation = replace(self.conversation, system_prompt=system_prompt, sampling=sampling)
 
+    def set_context_overflow(self, overflow: str) -> None:
+        """What the engine does when this conversation outgrows the context (protocol.CONTEXT_OVERFLOW)."""
+        if self.conversation is None:
+            self.draft_overflow = overflow
+            return
+        self.store.set_context_overflow(self.conversation.id, overflow)
+        self.conversation = replace(self.conversation, context_overflow=overflow)
+
     # ----- sending -----
     def send(self, text: str) -> None:
         if self.streaming or not text.strip():
@@ -135,7 +152,7 @@ class ChatController(QObject):
             return
         if self.conversation is None:
             self.conversation = self.store.create_conversation(
-                title_from(text), self.draft_system_prompt, self.draft_sampling, self.model_name
+                title_from(text), self.draft_system_prompt, self.draft_sampling, self.model_name, self.draft_overflow
             )
             self.view.title.setText(self.conversation.title)
         message = self.store.add_message(self.conversation.id, "user", text)
@@ -172,33 +189,46 @@ class ChatController(QObject):
             self.bridge.send(p.Cancel(self.active.request_id))
 
     def history_for_engine(self) -> list[dict]:
+        return self._history_with_ids()[0]
+
+    def _history_with_ids(self) -> tuple[list[dict], list[int | None]]:
+        """The turns to send, and the message id of each (None for the system prompt), so that the engine's
+        "first message seen" maps back onto the chat. Failed replies and refused messages are left out."""
         assert self.conversation is not None
         turns = [{"role": "system", "content": self.conversation.system_prompt}] if self.conversation.system_prompt else []
+        ids: list[int | None] = [None] * len(turns)
         for m in self.store.messages(self.conversation.id):
-            if m.role in ("user", "assistant") and m.content and m.finish_reason != "error":
+            if m.role in ("user", "assistant") and m.content and m.finish_reason not in ("error", "refused"):
                 turns.append({"role": m.role, "content": m.content})
-        return turns
+                ids.append(m.id)
+        return turns, ids
 
     def _start_reply(self) -> None:
         assert self.conversation is not None
-        turns = self.history_for_engine()
+        turns, sent_ids = self._history_with_ids()
         reply = self.store.add_message(self.conversation.id, "assistant", "")
         request_id = uuid.uuid4().hex[:12]
-        self.active = ActiveReply(request_id, self.conversation.id, reply.id)
+        self.active = ActiveReply(request_id, self.conversation.id, reply.id, sent_ids=tuple(sent_ids))
         widget = self._add_widget(reply)
         widget.set_streaming(True)
         self._set_streaming(True)
         self._save_timer.start()
-        self.bridge.send(p.Generate(request_id, messages=turns, sampling=self.conversation.sampling))
+        self.bridge.send(p.Generate(request_id, messages=turns, sampling=self.conversation.sampling,
+                                    context_overflow=self.conversation.context_overflow))
 
     # ----- engine events -----
     def on_event(self, event) -> None:
         if isinstance(event, p.ModelLoaded):
             self.ready = True
             self.model_name = event.name
+            self.context_length = event.context_length
+            self._refresh_meter()
             if self.queued is not None:
                 text, self.queued = self.queued, None
                 self.send(text)
+        elif isinstance(event, p.PromptContext):
+            if self.active and event.request_id == self.active.request_id:
+                self._prompt_context(event)
         elif isinstance(event, p.Token):
             if self.active and event.request_id == self.active.request_id:
                 self.active.text += event.text  # drawn on the next frame tick
@@ -210,6 +240,7 @@ class ChatController(QObject):
         elif isinstance(event, p.Done):
             if self.active and event.request_id == self.active.request_id:
                 self._finish(event.text, event.stats, event.finish_reason)
+                self._refresh_meter()
                 self.reply_finished.emit(event)
         elif isinstance(event, p.Error):
             self._error(event)
@@ -219,11 +250,58 @@ class ChatController(QObject):
             self.ready = False
         if self.active is None:
             return
+        if event.kind == "prompt-too-long" and event.request_id == self.active.request_id and not self.active.text:
+            self._refused(event.message)
+            return
         if event.kind == "engine-crashed" or event.request_id in (None, self.active.request_id):
             widget = self.active_widget()
             self._finish(self.active.text, None, "error")
             if widget is not None:
                 widget.set_error(event.message)
+
+    def _prompt_context(self, event: p.PromptContext) -> None:
+        """The engine fitted the history into the context: mark where the model's memory starts now (kept
+        with the conversation) and show how full the context is."""
+        active = self.active
+        assert active is not None
+        self.context_length = event.context_length
+        start = None
+        if event.dropped_messages and 0 <= event.first_message < len(active.sent_ids):
+            start = active.sent_ids[event.first_message]
+        self.store.set_memory_start(active.conversation_id, start)
+        if self.conversation is not None and self.conversation.id == active.conversation_id:
+            self.conversation = replace(self.conversation, memory_start=start)
+            self.view.set_memory_start(start)
+            self._refresh_meter(event.prompt_tokens)
+
+    def _refused(self, message: str) -> None:
+        """The engine refused the prompt before generating (a message longer than the context, or a full
+        context under "stop"): no empty reply stays; the user's message stays in the history, marked not
+        sent and left out of later prompts, and its text goes back into an empty composer to shorten."""
+        active = self.active
+        assert active is not None
+        self.active = None
+        self._save_timer.stop()
+        self.store.delete_messages_from(active.conversation_id, active.message_id)
+        self.view.remove_from(active.message_id)
+        asked = next((m for m in reversed(self.store.messages(active.conversation_id)) if m.role == "user"), None)
+        if asked is not None:
+            self.store.update_message(asked.id, asked.content, None, "refused")
+            widget = self._widget(asked.id)
+            if widget is not None:
+                widget.set_error(message, "not sent")
+                if not self.view.composer.edit.toPlainText().strip():
+                    self.view.composer.edit.setPlainText(asked.content)
+        self.notice.emit(message)
+        self._set_streaming(False)
+
+    def _refresh_meter(self, used: int | None = None) -> None:
+        """The context meter of the conversation shown: `used` tokens, else what its last reply left."""
+        if used is None:
+            messages = self.store.messages(self.conversation.id) if self.conversation is not None else []
+            last = next((m for m in reversed(messages) if m.role == "assistant" and m.stats is not None), None)
+            used = tokens_in_context(last.stats if last is not None else None)
+        self.view.set_context(used, self.context_length)
 
     def _finish(self, text: str, stats: p.ReplyStats | None, finish_reason: str) -> None:
         active = self.active

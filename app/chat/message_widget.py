@@ -25,7 +25,8 @@ from engine.protocol import ReplyStats
 
 ROLE_NAMES = {"user": "You", "assistant": "Assistant", "system": "System"}
 FINISH_NOTES = {"cancelled": "stopped", "length": "reached max tokens", "error": "failed",
-                "interrupted": "interrupted (the app closed while it streamed)"}
+                "interrupted": "interrupted (the app closed while it streamed)",
+                "refused": "not sent: too long for the model's context"}  # a user message the engine refused
 
 
 class MessageWidget(QFrame):
@@ -139,8 +140,8 @@ class MessageWidget(QFrame):
         self.stats.setText(" · ".join(parts))
         self.stats.setVisible(bool(parts))
 
-    def set_error(self, message: str) -> None:
-        self.stats.setText(f"⚠ failed: {message}")
+    def set_error(self, message: str, what: str = "failed") -> None:
+        self.stats.setText(f"⚠ {what}: {message}")
         self.stats.setVisible(True)
 
     def set_can_regenerate(self, allowed: bool) -> None:

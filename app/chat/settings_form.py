@@ -1,15 +1,21 @@
-"""A conversation's own system prompt and sampling settings."""
+"""A conversation's own system prompt, sampling settings, and what happens when its context is full."""
 
 from __future__ import annotations
 
 from PySide6.QtCore import Signal
-from PySide6.QtWidgets import QDoubleSpinBox, QFormLayout, QPlainTextEdit, QSpinBox, QWidget
+from PySide6.QtWidgets import QComboBox, QDoubleSpinBox, QFormLayout, QPlainTextEdit, QSpinBox, QWidget
 
-from engine.protocol import SamplingSettings
+from engine.protocol import CONTEXT_OVERFLOW, SamplingSettings
+
+# protocol.CONTEXT_OVERFLOW in words, as LM Studio's "context overflow" setting
+OVERFLOW_LABELS = {"drop-oldest": "Drop the oldest turns", "stop": "Stop with a message"}
+OVERFLOW_TIP = ("When the conversation outgrows the model's context: leave its oldest turns out of what the model sees "
+                "(they stay in the history; a marker shows where its memory starts), or stop and say so")
 
 
 class ConversationSettingsForm(QWidget):
     changed = Signal(str, object)  # system prompt, SamplingSettings
+    overflow_changed = Signal(str)  # one of protocol.CONTEXT_OVERFLOW
 
     def __init__(self, parent: QWidget | None = None) -> None:
         super().__init__(parent)
@@ -25,6 +31,10 @@ class ConversationSettingsForm(QWidget):
         self.repetition_penalty = self._double(0.5, 2.0, 0.01, "above 1 discourages repeating tokens")
         self.max_tokens = QSpinBox()
         self.max_tokens.setRange(1, 1 << 20)
+        self.overflow = QComboBox()
+        for value in CONTEXT_OVERFLOW:
+            self.overflow.addItem(OVERFLOW_LABELS[value], value)
+        self.overflow.setToolTip(OVERFLOW_TIP)
         form = QFormLayout(self)
         form.setContentsMargins(0, 0, 0, 0)
         form.addRow("System prompt", self.system_prompt)
@@ -33,9 +43,11 @@ class ConversationSettingsForm(QWidget):
         form.addRow("Top-k", self.top_k)
         form.addRow("Repetition penalty", self.repetition_penalty)
         form.addRow("Max tokens", self.max_tokens)
+        form.addRow("When the context is full", self.overflow)
         self.system_prompt.textChanged.connect(self._edited)
         for box in (self.temperature, self.top_p, self.top_k, self.repetition_penalty, self.max_tokens):
             box.valueChanged.connect(self._edited)
+        self.overflow.currentIndexChanged.connect(self._overflow_edited)
 
     @staticmethod
     def _double(low: float, high: float, step: float, tip: str) -> QDoubleSpinBox:
@@ -46,8 +58,9 @@ class ConversationSettingsForm(QWidget):
         box.setToolTip(tip)
         return box
 
-    def load(self, system_prompt: str, sampling: SamplingSettings) -> None:
+    def load(self, system_prompt: str, sampling: SamplingSettings, overflow: str = CONTEXT_OVERFLOW[0]) -> None:
         self._loading = True  # programmatic: not a user edit
+        self.overflow.setCurrentIndex(max(0, self.overflow.findData(overflow)))
         self.system_prompt.setPlainText(system_prompt)
         self.temperature.setValue(sampling.temperature)
         self.top_p.setValue(sampling.top_p)
@@ -63,6 +76,13 @@ class ConversationSettingsForm(QWidget):
             repetition_penalty=self.repetition_penalty.value(), max_new_tokens=self.max_tokens.value(),
             seed=base.seed, stop=list(base.stop),
         )
+
+    def overflow_value(self) -> str:
+        return self.overflow.currentData()
+
+    def _overflow_edited(self) -> None:
+        if not self._loading:
+            self.overflow_changed.emit(self.overflow_value())
 
     def _edited(self) -> None:
         if not self._loading:

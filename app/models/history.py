@@ -15,7 +15,7 @@ from pathlib import Path
 
 from platformdirs import user_data_dir
 
-from engine.protocol import ReplyStats, SamplingSettings
+from engine.protocol import CONTEXT_OVERFLOW, ReplyStats, SamplingSettings
 
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS conversations (
@@ -25,7 +25,9 @@ CREATE TABLE IF NOT EXISTS conversations (
     updated REAL NOT NULL,
     system_prompt TEXT NOT NULL DEFAULT '',
     sampling TEXT NOT NULL DEFAULT '{}',
-    model TEXT NOT NULL DEFAULT ''
+    model TEXT NOT NULL DEFAULT '',
+    context_overflow TEXT NOT NULL DEFAULT 'drop-oldest',
+    memory_start INTEGER
 );
 CREATE TABLE IF NOT EXISTS messages (
     id INTEGER PRIMARY KEY,
@@ -39,7 +41,13 @@ CREATE TABLE IF NOT EXISTS messages (
 CREATE INDEX IF NOT EXISTS messages_by_conversation ON messages(conversation_id, id);
 """
 
+# columns added since the first release, added in place to an older file: (name, declaration)
+ADDED_COLUMNS = {"conversations": (("context_overflow", "TEXT NOT NULL DEFAULT 'drop-oldest'"),
+                                   ("memory_start", "INTEGER"))}
+CONVERSATION_COLUMNS = "id, title, created, updated, system_prompt, sampling, model, context_overflow, memory_start"
+
 DEFAULT_TITLE = "New chat"
+DEFAULT_OVERFLOW = "drop-oldest"  # protocol.CONTEXT_OVERFLOW's first: the chat keeps going
 
 
 def default_history_path() -> Path:
@@ -62,6 +70,8 @@ class Conversation:
     system_prompt: str = ""
     sampling: SamplingSettings = field(default_factory=SamplingSettings)
     model: str = ""
+    context_overflow: str = DEFAULT_OVERFLOW  # what the engine does when the history outgrows the context
+    memory_start: int | None = None  # the first message the model saw in the last reply, when older ones were left out
 
 
 @dataclass
@@ -85,25 +95,35 @@ class HistoryStore:
         self.db.execute("PRAGMA synchronous=NORMAL")
         self.db.execute("PRAGMA foreign_keys=ON")
         self.db.executescript(SCHEMA)
+        self._add_missing_columns()
 
     def close(self) -> None:
         self.db.close()
 
+    def _add_missing_columns(self) -> None:
+        """A file written by an older version gets the newer columns, with their defaults."""
+        for table, columns in ADDED_COLUMNS.items():
+            present = {row[1] for row in self.db.execute(f"PRAGMA table_info({table})")}
+            for name, declaration in columns:
+                if name not in present:
+                    self.db.execute(f"ALTER TABLE {table} ADD COLUMN {name} {declaration}")
+
     # ----- conversations -----
     def create_conversation(self, title: str = DEFAULT_TITLE, system_prompt: str = "",
-                            sampling: SamplingSettings | None = None, model: str = "") -> Conversation:
+                            sampling: SamplingSettings | None = None, model: str = "",
+                            context_overflow: str = DEFAULT_OVERFLOW) -> Conversation:
         now = time.time()
         sampling = sampling or SamplingSettings()
         cur = self.db.execute(
-            "INSERT INTO conversations(title, created, updated, system_prompt, sampling, model) VALUES (?,?,?,?,?,?)",
-            (title, now, now, system_prompt, json.dumps(asdict(sampling)), model),
+            "INSERT INTO conversations(title, created, updated, system_prompt, sampling, model, context_overflow) "
+            "VALUES (?,?,?,?,?,?,?)",
+            (title, now, now, system_prompt, json.dumps(asdict(sampling)), model, context_overflow),
         )
-        return Conversation(int(cur.lastrowid), title, now, now, system_prompt, sampling, model)
+        return Conversation(int(cur.lastrowid), title, now, now, system_prompt, sampling, model, context_overflow)
 
     def conversation(self, conversation_id: int) -> Conversation | None:
         row = self.db.execute(
-            "SELECT id, title, created, updated, system_prompt, sampling, model FROM conversations WHERE id=?",
-            (conversation_id,),
+            f"SELECT {CONVERSATION_COLUMNS} FROM conversations WHERE id=?", (conversation_id,),
         ).fetchone()
         return _conversation(row) if row else None
 
@@ -111,7 +131,7 @@ class HistoryStore:
         """Newest first; `search` matches titles, case-insensitively."""
         pattern = "%" + search.replace("\\", "\\\\").replace("%", "\\%").replace("_", "\\_") + "%"
         rows = self.db.execute(
-            "SELECT id, title, created, updated, system_prompt, sampling, model FROM conversations "
+            f"SELECT {CONVERSATION_COLUMNS} FROM conversations "
             "WHERE title LIKE ? ESCAPE '\\' ORDER BY updated DESC, id DESC",
             (pattern,),
         ).fetchall()
@@ -123,6 +143,13 @@ class HistoryStore:
     def update_settings(self, conversation_id: int, system_prompt: str, sampling: SamplingSettings) -> None:
         self.db.execute("UPDATE conversations SET system_prompt=?, sampling=? WHERE id=?",
                         (system_prompt, json.dumps(asdict(sampling)), conversation_id))
+
+    def set_context_overflow(self, conversation_id: int, context_overflow: str) -> None:
+        self.db.execute("UPDATE conversations SET context_overflow=? WHERE id=?", (context_overflow, conversation_id))
+
+    def set_memory_start(self, conversation_id: int, message_id: int | None) -> None:
+        """Where the model's memory started in the last reply (None: it saw the whole history)."""
+        self.db.execute("UPDATE conversations SET memory_start=? WHERE id=?", (message_id, conversation_id))
 
     def set_model(self, conversation_id: int, model: str) -> None:
         self.db.execute("UPDATE conversations SET model=? WHERE id=?", (model, conversation_id))
@@ -182,4 +209,5 @@ def _conversation(row) -> Conversation:
         sampling = sampling_from_dict(json.loads(row[5] or "{}"))
     except (ValueError, TypeError):
         sampling = SamplingSettings()  # a hand-edited or older row must not stop the app
-    return Conversation(row[0], row[1], row[2], row[3], row[4] or "", sampling, row[6] or "")
+    overflow = row[7] if row[7] in CONTEXT_OVERFLOW else DEFAULT_OVERFLOW
+    return Conversation(row[0], row[1], row[2], row[3], row[4] or "", sampling, row[6] or "", overflow, row[8])
