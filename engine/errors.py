@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+# What --model (and the window's model) takes: the help and the missing-model error say the same
+MODEL_ACCEPTS = ("a checkpoint folder, a .gguf file, a downloaded Hub id (org/name), a name `moescope models list` "
+                 "shows (qwen3:30b, publisher/repo/file.gguf), or 'demo'")
+
 
 class MoEScopeError(Exception):
     """An error whose message is meant for the user, printed as one line."""
@@ -27,6 +31,10 @@ class BudgetError(MoEScopeError):
 
 class PromptTooLongError(MoEScopeError):
     kind = "prompt-too-long"
+
+
+class ContextFullError(PromptTooLongError):
+    """A chat's history outgrew the context and its policy is to stop (not a message too long alone)."""
 
 
 class DeviceError(MoEScopeError):

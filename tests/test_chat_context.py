@@ -138,18 +138,18 @@ def say(qtbot, win, text: str) -> None:
 
 
 @pytest.mark.process
-def test_the_window_keeps_answering_past_the_context(qtbot, window):
+def test_the_window_keeps_answering_past_the_context(qtbot, window, encode):
     win, events, view = window, window.events, window.chat_view
-    turns = 11
+    turns = 9
     for i in range(turns):
-        say(qtbot, win, f"{i}: {PAD * 3}")
+        say(qtbot, win, f"{i}: {PAD * 4}")
     dones = events.of(p.Done)
     assert len(dones) == turns and not events.of(p.Error)  # every message got a reply
     store, conversation = win.store, win.chat.conversation
     stored = store.messages(conversation.id)
     assert [m.role for m in stored] == ["user", "assistant"] * turns  # nothing deleted from the history
-    assert [m.content for m in stored[::2]] == [f"{i}: {PAD * 3}" for i in range(turns)]
-    assert sum(m.stats.prefill_tokens for m in stored[1::2]) > 3 * CONTEXT  # three times the context, and more
+    assert [m.content for m in stored[::2]] == [f"{i}: {PAD * 4}" for i in range(turns)]
+    assert len(encode([{"role": m.role, "content": m.content} for m in stored])) > 3 * CONTEXT
 
     # the meter shows what the engine counted: the prompt the model saw, its reply, of the context
     seen = events.of(p.PromptContext)[-1]
@@ -173,7 +173,7 @@ def test_the_window_keeps_answering_past_the_context(qtbot, window):
 
 
 @pytest.mark.process
-def test_the_window_refuses_a_message_too_long_alone_and_keeps_it(qtbot, window):
+def test_the_window_refuses_a_message_too_long_alone_and_stop_says_so(qtbot, window):
     win, events, view = window, window.events, window.chat_view
     say(qtbot, win, "Hello!")
     long = PAD * 12
@@ -192,17 +192,63 @@ def test_the_window_refuses_a_message_too_long_alone_and_keeps_it(qtbot, window)
     say(qtbot, win, "Hello!")  # not stuck: the refused message is left out of what the model sees
     assert events.of(p.Done)[-1].finish_reason in ("eos", "length") and len(events.of(p.Done)) == 2
 
-
-@pytest.mark.process
-def test_the_stop_policy_says_so_instead_of_dropping(qtbot, window):
-    win, events, view = window, window.events, window.chat_view
+    # "stop" (a new chat takes the setting along): one clear message instead of dropping turns
+    win.chat.new_chat()
     form = view.settings
     form.overflow.setCurrentIndex(form.overflow.findData("stop"))
-    for i in range(4):
-        say(qtbot, win, f"{i}: {PAD * 3}")
-    assert win.chat.conversation.context_overflow == "stop"
+    for i in range(3):
+        say(qtbot, win, f"{i}: {PAD * 4}")
     assert win.store.conversation(win.chat.conversation.id).context_overflow == "stop"
-    errors = events.of(p.Error)
-    assert len(errors) == 1 and not events.of(p.PromptContext)[-1].dropped_messages
-    assert errors[0].message.startswith("the conversation is ") and "drop its oldest turns" in errors[0].message
-    assert not [e for e in events.of(p.Token) if e.request_id == errors[0].request_id]
+    stopped = events.of(p.Error)[-1]
+    assert len(events.of(p.Error)) == 2 and not events.of(p.PromptContext)[-1].dropped_messages
+    assert stopped.message.startswith("the conversation is ") and "drop its oldest turns" in stopped.message
+    assert not [e for e in events.of(p.Token) if e.request_id == stopped.request_id]
+
+
+# ----------------------------------------------------------------- moescope chat, reading stdin
+def moescope_chat(lines: list[str], *, end: str = "") -> tuple[int, str, str]:
+    """`moescope chat` on the demo model, greedy with short replies, fed `lines` (and `end` after them)."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    out = subprocess.run([sys.executable, "-m", "engine.cli.main", "chat", "--model", "demo", "--temperature", "0",
+                          "--max-new-tokens", "6"], input="\n".join(lines) + "\n" + end, capture_output=True,
+                         text=True, timeout=300, cwd=root, env={**os.environ, "PYTHONPATH": str(root)})
+    return out.returncode, out.stdout, out.stderr
+
+
+@pytest.mark.process
+def test_moescope_chat_keeps_going_refuses_a_long_message_and_ends_on_exit():
+    turns = 9  # 3x the context: 9 turns of about 200 tokens
+    long = PAD * 12
+    lines = [f"{i}: {PAD * 4}" for i in range(turns)] + [long, "Hello!", "/context stop", "Hello again!", "/exit",
+                                                          "never sent"]
+    code, out, err = moescope_chat(lines)
+    assert code == 0, err
+    meters = [line for line in err.splitlines() if line.startswith("[") and "context" in line]
+    assert len(meters) == turns + 1  # every message got a reply but the one too long
+    used = [int(line.split("context ")[1].split(" /")[0].replace(",", "")) for line in meters]
+    assert all(line.endswith(" / 512 tokens]") for line in meters) and max(used) <= CONTEXT
+    dropped = [line for line in err.splitlines() if "the model no longer sees the" in line]
+    assert dropped and dropped[0].endswith("oldest messages: they outgrew its 512-token context")
+    refusals = [line for line in err.splitlines() if line.startswith("moescope: this message is ")]
+    assert len(refusals) == 1 and refusals[0].endswith("the model's context is 512 tokens — shorten it")
+    assert "moescope: the conversation is " in err and "/context drop-oldest lets the chat go on" in err
+    assert "longer than the specified maximum" not in err  # measuring a long history is not a warning
+    assert out.count("> ") == len(lines) - 1  # read up to /exit, and not past it
+
+
+@pytest.mark.process
+def test_moescope_chat_ends_on_ctrl_d(monkeypatch, capsys):
+    import io
+
+    from engine.cli.main import main as moescope_cli
+
+    monkeypatch.setattr("sys.stdin", io.StringIO("/help\nHello!\n"))  # then the end of the input, as Ctrl-D
+    assert moescope_cli(["chat", "--model", "demo", "--temperature", "0", "--max-new-tokens", "6"]) == 0
+    out, err = capsys.readouterr()
+    assert "/exit or /quit (or Ctrl-D) ends the chat" in err and "context " in err.splitlines()[-1]
+    assert out.count("> ") == 3  # /help, Hello!, then the end of the input

@@ -15,8 +15,8 @@ from engine.cli.args import add_format_arg, add_model_args, add_sampling_args, l
 from engine.cli.models import add_models_parser, run_models
 from engine.cli.serve import add_serve_parser, run_serve
 from engine.cli.trace import add_trace_parser, run_trace
-from engine.errors import MoEScopeError
-from engine.protocol import TEXT_ONLY_NOTE
+from engine.errors import MODEL_ACCEPTS, MoEScopeError
+from engine.protocol import CONTEXT_OVERFLOW, TEXT_ONLY_NOTE
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -36,10 +36,13 @@ def build_parser() -> argparse.ArgumentParser:
     chat = sub.add_parser("chat", help="chat in the terminal, replies streamed")
     add_model_args(chat)
     chat.add_argument("--system", default=None)
+    chat.add_argument("--context-overflow", choices=CONTEXT_OVERFLOW, default=CONTEXT_OVERFLOW[0],
+                      help="when the history outgrows the model's context: leave the oldest turns out of what it "
+                      "sees (the default), or stop with a message; /context changes it in the chat")
     add_sampling_args(chat)
 
     info = sub.add_parser("info", help="a model's MoE geometry and memory needs")
-    info.add_argument("--model", required=True)
+    info.add_argument("--model", required=True, help=MODEL_ACCEPTS)
     info.add_argument("--json", action="store_true")
     info.add_argument("--trust-remote-code", action="store_true")
     info.add_argument("--allow-pickle", action="store_true")
@@ -70,6 +73,10 @@ def cmd_generate(args: argparse.Namespace) -> int:
             prompt_ids = [int(x) for x in args.prompt_ids.split(",") if x.strip()]
         except ValueError:
             raise MoEScopeError("--prompt-ids takes comma-separated integers, e.g. 1,2,3") from None
+        if not prompt_ids:
+            raise MoEScopeError("--prompt-ids is empty; pass the token ids to send, e.g. --prompt-ids 1,2,3")
+    elif not args.prompt.strip():  # the model would answer a blank turn: refused before anything loads
+        raise MoEScopeError("--prompt is empty; pass the text to send, e.g. --prompt 'What is 4 plus 7?'")
     settings = sampling_settings(args)  # checked before anything loads
     runtime = _load(args)
     generator = Generator(runtime)
@@ -104,36 +111,10 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 
 def cmd_chat(args: argparse.Namespace) -> int:
-    from engine.decode.generation import Generator
+    from engine.cli.chat import run_chat  # the loop, its /commands and the context handling
 
     settings = sampling_settings(args)
-    runtime = _load(args)
-    generator = Generator(runtime)
-    messages: list[dict] = [{"role": "system", "content": args.system}] if args.system else []
-    info = runtime.info()
-    print(f"{info.name}: {info.num_experts} experts x {info.num_moe_layers} MoE layers, budget "
-          f"{runtime.cache.budget_bytes / 2**20:.0f} MiB. Empty line or Ctrl-D quits.", file=sys.stderr)
-    while True:
-        try:
-            user = input("> ")
-        except EOFError:
-            break
-        if not user.strip():
-            break
-        messages.append({"role": "user", "content": user})
-        try:
-            result = generator.generate(generator.encode_chat(messages), settings,
-                                        on_text=lambda d: print(d, end="", flush=True))
-        except KeyboardInterrupt:
-            print("\n[stopped]", file=sys.stderr)
-            messages.pop()
-            continue
-        print()
-        messages.append({"role": "assistant", "content": result.text})
-        s = result.stats
-        print(f"[{s.decode_tokens_per_s:.1f} tok/s, hit rate {s.hit_rate:.1%}]", file=sys.stderr)
-    runtime.close()
-    return 0
+    return run_chat(_load(args), settings, args.system, args.context_overflow)
 
 
 def cmd_info(args: argparse.Namespace) -> int:

@@ -13,7 +13,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from engine.errors import MoEScopeError, PromptTooLongError
+from engine.errors import ContextFullError, MoEScopeError, PromptTooLongError
 from engine.protocol import CONTEXT_OVERFLOW
 
 REPLY_SHARE = 4  # room kept for the reply: max_new_tokens, at most a quarter of the context
@@ -48,7 +48,7 @@ def fit_chat(encode: EncodeFn, messages: Sequence[dict], context_length: int, ma
             return FittedPrompt(ids, system, 0)
         if len(starts) > 1:  # the newest turn alone may fit: say which it is, the history or the message
             _refuse_if_alone_too_long(encode, messages, system, starts[-1], context_length)
-            raise PromptTooLongError(
+            raise ContextFullError(
                 f"the conversation is {len(ids):,} tokens but this model's context is {context_length:,} tokens; "
                 "drop its oldest turns or start a new one")
         raise _too_long(len(ids), context_length)
