@@ -117,3 +117,23 @@ def test_telemetry_stream_shows_what_the_panels_show(server, client):
     assert sum(map(sum, snapshot["activation_request"])) > 0
     assert 0 <= snapshot["hit_rate_total"] <= 1 and snapshot["budget_bytes"] > 0
     assert {"bytes_per_s_ondemand", "slots_per_layer", "resident", "activation_total"} <= snapshot.keys()
+
+
+def test_a_conversation_over_the_context_is_refused_not_trimmed(client):
+    # An API client decides itself what to leave out: the server never drops turns (the window and
+    # `moescope chat` do), it answers OpenAI's context_length_exceeded, streamed or not.
+    pad = "Tell me more about the mixture of experts, please. " * 4
+    messages = []
+    for i in range(9):  # about three times the demo's 512-token context
+        messages += [{"role": "user", "content": f"{i}: {pad}"}, {"role": "assistant", "content": "Sure."}]
+    messages.append({"role": "user", "content": "Hello!"})
+    for stream in (False, True):
+        with pytest.raises(openai.BadRequestError) as refused:
+            client.chat.completions.create(model="demo", messages=messages, max_tokens=4, stream=stream)
+        assert refused.value.status_code == 400 and refused.value.code == "context_length_exceeded"
+        assert refused.value.param == "messages" and "this model's context is 512 tokens" in refused.value.message
+    with pytest.raises(openai.BadRequestError) as alone:  # one message too long alone says its length
+        chat(client, pad * 3, max_tokens=4)
+    assert alone.value.code == "context_length_exceeded"
+    assert "this message is " in alone.value.message and "the model's context is 512 tokens" in alone.value.message
+    assert chat(client, QUESTION, temperature=0).choices[0].message.content == "11"  # and it goes on serving
