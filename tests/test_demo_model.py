@@ -60,3 +60,24 @@ def test_answers_at_25_percent_equal_answers_at_all(small_budget_runtime):
     finally:
         full.close()
     assert small_budget_runtime.counters.layer_misses.sum() > 0  # the small budget really offloaded
+
+
+def test_four_bit_experts_of_the_float32_demo_expand_natively_into_the_references_values():
+    """The demo computes in float32, where the native kernels' decode paths do not run: its quantized
+    experts are expanded for transformers' kernels every time they are used, by the native
+    dequantizer where it is loaded (the torch reference's dozen small ops a matrix made 4-bit decode
+    slower than the original format). Both expansions give the same replies, and the System panel's
+    reason names the float32 model, not the prompt path."""
+    from engine.decode.native import kernels as native
+    from engine.formats.dequantize import reference_dequantizer
+
+    runtime = MoERuntime(LoadModel(path="demo", budget="all", expert_format="q4_k"))
+    try:
+        users = [e.user for skill in CARD["skills"] for e in heldout(skill, 1)]
+        fast = engine_answer_fn(runtime)(users)
+        assert "float32" in runtime.decode_path_reason
+        if native.ready() is not None:
+            runtime.cache.use_dequantizer(reference_dequantizer)
+            assert engine_answer_fn(runtime)(users) == fast
+    finally:
+        runtime.close()

@@ -133,14 +133,16 @@ def weight(kernels: Kernels, tensor: torch.Tensor, fmt=None, columns: int = 0) -
 
 
 def slot_dequantizer(fallback):
-    """A Dequantizer (engine.offload.expert_compute) that expands bf16 slots with the native
-    kernels once they are loaded, into the same values as the torch reference (tests hold the two
-    equal bit for bit), and hands everything else to `fallback`: what a prefill or the exact path
-    reads from quantized slots does not depend on whether the kernels are loaded."""
+    """A Dequantizer (engine.offload.expert_compute) that expands slots into bf16 or float32 with
+    the native kernels once they are loaded, into the same values as the torch reference (tests hold
+    the two equal bit for bit), and hands everything else to `fallback`: what a prefill or the exact
+    path reads from quantized slots does not depend on whether the kernels are loaded. A float32
+    model (the demo) needs this as much as a bf16 one: the torch reference is a dozen small ops per
+    matrix, which for small experts cost more than the matmuls they feed."""
 
     def dequantize_into(packed: torch.Tensor, fmt, columns: int, out: torch.Tensor) -> None:
         kernels = _state.kernels
-        if kernels is None or out.dtype != torch.bfloat16 or out.device.type != "cpu" or not out.is_contiguous():
+        if kernels is None or out.dtype not in (torch.bfloat16, torch.float32) or out.device.type != "cpu" or not out.is_contiguous():
             fallback(packed, fmt, columns, out)
             return
         kernels.dequantize(weight(kernels, packed.reshape(out.shape[0], -1), fmt, columns), out)

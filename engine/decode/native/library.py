@@ -353,12 +353,15 @@ class Kernels:
         self._call("moescope_gemv", ctypes.byref(weight.matrix), x.data_ptr(), b, y.data_ptr())
         return y
 
-    def dequantize(self, weight: Weight, out: torch.Tensor) -> None:
-        """The weight as bf16 or float32 in `out` [rows, cols]: the reference dequantizer's values."""
+    def dequantize(self, weight: Weight, out: torch.Tensor, bf16_values: bool = False) -> None:
+        """The weight in `out` [rows, cols], bf16 or float32: the reference dequantizer's values in
+        that dtype; float32 ones rounded through bf16 first with `bf16_values` (what the prompt tiles
+        expand a matrix into where the CPU has no bf16 dot products)."""
         _check(out.dtype in (torch.bfloat16, torch.float32) and out.is_contiguous()
                and out.numel() == weight.matrix.rows * weight.cols,
                "dequantize: a contiguous bf16 or float32 tensor of rows x cols is needed")
-        self._call("moescope_dequantize", ctypes.byref(weight.matrix), out.data_ptr(), int(out.dtype == torch.float32))
+        kind = 0 if out.dtype == torch.bfloat16 else 1 if bf16_values else 2
+        self._call("moescope_dequantize", ctypes.byref(weight.matrix), out.data_ptr(), kind)
 
     def linear_rows(self, weight: Weight, x: torch.Tensor, bias: torch.Tensor | None = None,
                     int8_inputs: bool = False) -> torch.Tensor:

@@ -192,11 +192,12 @@ int moescope_gemv(const ms_matrix* w, const uint16_t* x, ms_vector bias, uint16_
   });
 }
 
-int moescope_dequantize(const ms_matrix* w, void* out, int out_float32) {
+int moescope_dequantize(const ms_matrix* w, void* out, int out_kind) {
   return guarded([&] {
     const Matrix m = matrix_of(w, "weight");
     MOESCOPE_CHECK(out != nullptr, "dequantize: an output of rows x cols is needed");
-    dequantize(m, out, out_float32 != 0);
+    MOESCOPE_CHECK(out_kind >= 0 && out_kind <= 2, "dequantize: out_kind is 0 (bf16), 1 (float32 of bf16) or 2 (float32)");
+    dequantize(m, out, static_cast<Dequantized>(out_kind));
   });
 }
 

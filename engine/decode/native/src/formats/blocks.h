@@ -172,15 +172,22 @@ inline void group_levels(int32_t type, const uint8_t* b, int g, int32_t* q) {
   }
 }
 
-// Weight values of group g as the reference computes them, rounded to bf16.
-inline void group_weights(int32_t type, const uint8_t* b, const BlockScales& s, int g, bf16* w) {
+// Weight values of group g as the reference computes them in float32, before any rounding: a
+// float32 model's dequantized weights.
+inline void group_values_f32(int32_t type, const uint8_t* b, const BlockScales& s, int g, float* w) {
   int32_t q[32];
   group_levels(type, b, g, q);
-  for (int l = 0; l < 32; ++l) {
-    const int sub = (32 * g + l) / 16;
-    const float product = s.scale[sub] * static_cast<float>(q[l]);
-    w[l] = to_bf16(product - s.min[sub]);
+  for (int half = 0; half < 2; ++half) {  // a sub-block of 16 each: one scale and min, a loop that vectorises
+    const float scale = s.scale[2 * g + half], min = s.min[2 * g + half];
+    for (int l = 16 * half; l < 16 * half + 16; ++l) w[l] = scale * static_cast<float>(q[l]) - min;
   }
+}
+
+// Weight values of group g as the reference computes them, rounded to bf16.
+inline void group_weights(int32_t type, const uint8_t* b, const BlockScales& s, int g, bf16* w) {
+  float values[32];
+  group_values_f32(type, b, s, g, values);
+  for (int l = 0; l < 32; ++l) w[l] = to_bf16(values[l]);
 }
 
 // fn(at, block, s, g) for each 32-value group g of each block of rows [begin, end) of a block-quantized W,

@@ -68,7 +68,8 @@ MOESCOPE_API int moescope_amx(void);
 MOESCOPE_API int moescope_format_traits(int32_t type, int64_t* elements, int64_t* bytes);
 
 MOESCOPE_API int moescope_gemv(const ms_matrix* w, const uint16_t* x, ms_vector bias, uint16_t* y);
-MOESCOPE_API int moescope_dequantize(const ms_matrix* w, void* out, int out_float32);
+/* out_kind: 0 bf16; 1 float32 holding the bf16 values; 2 float32 never rounded (a float32 model's). */
+MOESCOPE_API int moescope_dequantize(const ms_matrix* w, void* out, int out_kind);
 MOESCOPE_API int moescope_linear_rows(const ms_matrix* w, const uint16_t* x, int64_t m, ms_vector bias,
                                       int int8_inputs, uint16_t* y);
 MOESCOPE_API int moescope_rms_norm(const uint16_t* x, int64_t rows, ms_vector weight, double eps, int round_once,

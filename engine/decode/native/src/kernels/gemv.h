@@ -72,6 +72,19 @@ inline void dequantize_rows_f32(const Matrix& m, int64_t begin, int64_t end, flo
   });
 }
 
+// Rows [begin, end) of W as the reference's float32 values, never rounded to bf16: what a float32
+// model computes with (row n at out's row n - first).
+inline void dequantize_rows_exact_f32(const Matrix& m, int64_t begin, int64_t end, float* out, int64_t first = 0) {
+  if (m.type == kBF16) {
+    dequantize_rows_f32(m, begin, end, out, first);
+    return;
+  }
+  out -= first * m.cols;
+  for_each_group(m, begin, end, [&](int64_t at, const uint8_t* block, const BlockScales& s, int g) {
+    group_values_f32(m.type, block, s, g, out + at);
+  });
+}
+
 // Rows [begin, end) of W dequantized to bf16 into out (row-major, cols per row; row n at out's row
 // n - first): the reference's values.
 inline void dequantize_rows(const Matrix& m, int64_t begin, int64_t end, bf16* out, int64_t first = 0) {

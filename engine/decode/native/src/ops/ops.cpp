@@ -23,12 +23,18 @@ void gemv(const Matrix& w, const bf16* x, const bf16* bias, bf16* y) {
   round_linear(acc.data(), bias, w.rows, y);
 }
 
-void dequantize(const Matrix& w, void* out, bool float32) {
-  parallel_for(0, w.rows, 16, [&](int64_t begin, int64_t end) {
-    if (float32)
-      dequantize_rows_f32(w, begin, end, static_cast<float*>(out));
-    else
-      dequantize_rows(w, begin, end, static_cast<bf16*>(out));
+void dequantize(const Matrix& w, void* out, Dequantized kind) {
+  // at least ~32K weights a thread: a small expert's matrix (the demo's) costs less than waking a team
+  const int64_t grain = std::max<int64_t>(16, (int64_t{1} << 15) / std::max<int64_t>(w.cols, 1));
+  parallel_for(0, w.rows, grain, [&](int64_t begin, int64_t end) {
+    switch (kind) {
+      case Dequantized::kBF16:
+        return dequantize_rows(w, begin, end, static_cast<bf16*>(out));
+      case Dequantized::kFloat32OfBF16:
+        return dequantize_rows_f32(w, begin, end, static_cast<float*>(out));
+      case Dequantized::kFloat32:
+        return dequantize_rows_exact_f32(w, begin, end, static_cast<float*>(out));
+    }
   });
 }
 

@@ -17,9 +17,13 @@ namespace moescope {
 // rounding to bf16, as torch's addmm does.
 void gemv(const Matrix& w, const bf16* x, const bf16* bias, bf16* y);
 
-// W dequantized into out [rows, cols] (the reference's values): bf16, or float32 as the prompt
-// tiles of variants without bf16 dot products expand it.
-void dequantize(const Matrix& w, void* out, bool float32);
+// How dequantize writes W: the reference's values as bf16, as float32 holding those bf16 values (as
+// the prompt tiles of variants without bf16 dot products expand it), or as float32 never rounded (a
+// float32 model's weights). The numbers are the ABI's (moescope_dequantize's out_kind).
+enum class Dequantized : int { kBF16 = 0, kFloat32OfBF16 = 1, kFloat32 = 2 };
+
+// W dequantized into out [rows, cols] (the reference's values), written as `kind` says.
+void dequantize(const Matrix& w, void* out, Dequantized kind);
 
 // y = x W^T (+ bias) for bf16 rows x [m, cols] (prompt/linear.h).
 void linear(const Matrix& w, const bf16* x, int64_t m, const bf16* bias, bool int8_inputs, bf16* y);
