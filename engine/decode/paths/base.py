@@ -55,11 +55,12 @@ class PathChooser:
         self.paths = paths
 
     def choose(self, step: Step) -> tuple[DecodePath, str]:
-        """The first path that can run `step`, and why the one before it could not ("" if none was)."""
+        """The first path that can run `step`, and why the fastest one could not ("" if it ran): a
+        later refusal may only say that a prompt path does not take one-token steps."""
         reason = ""
         for path in self.paths:
             why = path.unavailable(step)
             if why is None:
                 return path, reason
-            reason = why
+            reason = reason or why
         raise RuntimeError(f"no decode path can run this step: {reason}")
