@@ -140,6 +140,7 @@ def say(qtbot, win, text: str) -> None:
 @pytest.mark.process
 def test_the_window_keeps_answering_past_the_context(qtbot, window, encode):
     win, events, view = window, window.events, window.chat_view
+    view.settings.system_prompt.setPlainText("Be brief.")  # kept in every prompt, first of the messages sent
     turns = 9
     for i in range(turns):
         say(qtbot, win, f"{i}: {PAD * 4}")
@@ -158,8 +159,10 @@ def test_the_window_keeps_answering_past_the_context(qtbot, window, encode):
     meter = f"{seen.prompt_tokens + len(dones[-1].token_ids):,} / 512 tokens"
     assert view.context_meter.text() == meter and view.context_meter.isVisible()
 
-    # the marker sits right above the first message the model still sees, as the engine counted it
-    start = stored[seen.first_message]
+    # the marker sits right above the first message the model still sees, as the engine counted it (its
+    # index in the messages sent, the system prompt first)
+    start = stored[seen.first_message - 1]
+    assert seen.dropped_messages == seen.first_message - 1
     assert start.role == "user" and view.memory_start == start.id and view.memory_marker.isVisible()
     layout = view.messages_layout
     anchor = next(w for w in view.widgets() if w.message_id == start.id)
