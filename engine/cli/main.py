@@ -57,8 +57,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _load(args: argparse.Namespace):
     from engine.decode.runtime import MoERuntime
+    from engine.system.progress import TextProgress
 
-    runtime = MoERuntime(load_settings(args))
+    progress = TextProgress()  # silent for a quick load; a conversion shows a bar and the time left
+    runtime = MoERuntime(load_settings(args), progress=progress)
+    progress.end()
     for note in (*runtime.load_notes(), runtime.plan.note):
         if note:
             print(f"moescope: note: {note}", file=sys.stderr)

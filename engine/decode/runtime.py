@@ -38,6 +38,7 @@ from engine.offload.expert_cache import ExpertCache
 from engine.offload.quantized_store import quantize_layout
 from engine.offload.store import DiskStore, ExpertStore, RamStore
 from engine.system import collector, huge_pages, memory
+from engine.system.progress import with_time_left
 
 
 def _parse_format(name: str, what: str) -> BlockFormat | None:
@@ -87,12 +88,12 @@ class MoERuntime:
                 "original for this GGUF file")
         if self.expert_format is not None and self.expert_format is not self.layout.expert_format:
             self.layout, notes = quantize_layout(self.layout, self.expert_format, self.fingerprint,
-                                                  progress=progress)
+                                                  progress=with_time_left(progress))
             self.format_notes += notes
         if self.dense_format is not None:
             cache = DenseCache.of(self.fingerprint, self.files.files, self.dtype, self.dense_format)
             self.format_notes += quantize_dense(self.model, self.dense_format, set(self.layout.module_paths),
-                                                cache, progress)
+                                                cache, with_time_left(progress))
         for module in self.model.modules():  # converted above, or kept in a GGUF file's blocks
             if isinstance(module, QuantizedLinear):  # the native expansion once built: the same values
                 module.dequantizer = native.slot_dequantizer(reference_dequantizer)
