@@ -11,15 +11,14 @@ import sys
 from dataclasses import fields
 
 from engine import protocol as p
-from engine.errors import MoEScopeError
+from engine.errors import MODEL_ACCEPTS, MoEScopeError
 
 LOAD = {f.name: f.default for f in fields(p.LoadModel) if f.name != "path"}
 SAMPLING = {f.name: f.default for f in fields(p.SamplingSettings) if f.name != "stop"}
 
 
 def add_model_args(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model", required=True,
-                        help="checkpoint folder, a downloaded Hub id (org/name), or 'demo' for the embedded demo model")
+    parser.add_argument("--model", required=True, help=f"{MODEL_ACCEPTS} for the embedded demo model")
     parser.add_argument("--budget", default=LOAD["budget"],
                         help="expert cache size: 512MiB, 2GiB, 25%% (of all expert bytes) or all")
     parser.add_argument("--store", default=LOAD["store"], choices=["auto", "disk", "ram"],

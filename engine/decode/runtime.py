@@ -52,6 +52,7 @@ def _parse_format(name: str, what: str) -> BlockFormat | None:
 # route alike (their attention averages identical values), so it loads about one token's experts,
 # and its working memory is a short message's, counted in the overhead.
 FIRST_FORWARD_TOKENS = 16
+NO_TOKENIZER_LIMIT = int(1e30)  # what transformers itself sets for a tokenizer without a length limit
 
 
 class MoERuntime:
@@ -103,6 +104,9 @@ class MoERuntime:
             self.tokenizer = gguf_tokenizer(loaded.gguf)
         elif any((self.files.root / f).exists() for f in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")):
             self.tokenizer = AutoTokenizer.from_pretrained(self.files.root, trust_remote_code=options.trust_remote_code)
+        if self.tokenizer is not None:  # the generation loop checks prompts against the context and says it in
+            # one line; the tokenizer's own warning ("... will result in indexing errors") would come first
+            self.tokenizer.model_max_length = NO_TOKENIZER_LIMIT
         self.store = self._open_store(options.store, progress)
         self.counters = EngineCounters(self.layout.num_layers, self.layout.num_experts)
         if options.allocation not in ALLOCATIONS:

@@ -88,7 +88,7 @@ def _read_part(part: Path) -> ParsedHeader:
     except ShortHeader:
         raise GGUFProblem(f"{part} is truncated inside its header; download it again") from None
     except BadHeader as exc:
-        raise GGUFProblem(f"{part} is not a readable GGUF file ({exc}); download it again") from None
+        raise GGUFProblem(f"{part} is not a readable GGUF file: {exc}; download it again") from None
 
 
 def _quant_label(metadata: dict, tensors: list[tuple[str, str, int, int]]) -> str:

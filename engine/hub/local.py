@@ -6,7 +6,7 @@ import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from engine.errors import CheckpointError
+from engine.errors import MODEL_ACCEPTS, CheckpointError
 from engine.hub.errors import HubError
 from engine.hub.estimate import SizeEstimate, estimate_from_config
 from engine.hub.paths import hub_cache_dir
@@ -63,8 +63,9 @@ def find_cached(repo_id: str, cache_dir: Path | None = None) -> CachedModel | No
 
 
 def resolve_model(ref: str, cache_dir: Path | None = None) -> Path:
-    """The checkpoint folder a model reference names: 'demo', a path, or a Hub id already downloaded
-    (org/name). A path that does not exist is returned as it is, for the loader to say so."""
+    """What a model reference names: 'demo', a path, a Hub id already downloaded (org/name), or a name
+    the library lists (an Ollama `qwen3:30b`, an LM Studio `publisher/repo/file.gguf`, a GGUF in the
+    cache). A path that does not exist is returned as it is, for the loader to say so."""
     if ref == "demo":
         from resources import DEMO_MODEL_DIR
 
@@ -82,8 +83,35 @@ def resolve_model(ref: str, cache_dir: Path | None = None) -> Path:
                                   f"in {cached.snapshot})")
         if cached is not None and cached.complete:
             return cached.snapshot
+    if (named := find_named(ref, cache_dir)) is not None:  # LM Studio's org/repo folders match REPO_ID too
+        return named
+    if REPO_ID.match(ref):
         raise CheckpointError(f"'{ref}' is not downloaded yet; get it with `moescope models download {ref}`")
-    raise CheckpointError(f"model path '{ref}' does not exist; pass a checkpoint folder or a downloaded Hub id")
+    raise CheckpointError(f"model path '{ref}' does not exist; pass {MODEL_ACCEPTS}")
+
+
+def found_models(cached: list[CachedModel]) -> list:
+    """Model files opened where they lie, as the library names them: GGUF files in the HF cache (one per
+    quant file), then LM Studio's and Ollama's models (dense ones too: `FoundModel.moe` says)."""
+    from engine.hub.found import describe_gguf
+    from engine.hub.lmstudio import list_lmstudio
+    from engine.hub.ollama import list_ollama
+
+    ggufs = [describe_gguf("cache", f"{local.repo_id}/{f.relative_to(local.snapshot)}", f)
+             for local in cached for f in local.gguf_files]
+    return ggufs + list_lmstudio() + list_ollama()
+
+
+def find_named(ref: str, cache_dir: Path | None = None) -> Path | None:
+    """The file or folder of the library entry named `ref` (`qwen3` is Ollama's `qwen3:latest`), None
+    when no entry has that name; an entry that cannot be opened raises its own line."""
+    wanted = {ref.lower(), f"{ref.lower()}:latest"} if ":" not in ref else {ref.lower()}
+    for model in found_models(list_cached_models(cache_dir, include_all=True)):
+        if model.name.lower() in wanted:
+            if model.estimate is None and model.problem:  # a broken manifest, a missing blob or part
+                raise CheckpointError(model.problem)
+            return model.path
+    return None
 
 
 def estimate_folder(folder: Path) -> SizeEstimate:

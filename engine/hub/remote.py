@@ -134,6 +134,7 @@ def search_models(
     supported = supported_model_types()
     hits: list[SearchHit] = []
     try:
+        _reachable(endpoint)
         api = HfApi(endpoint=endpoint, token=token)
         for info in api.list_models(search=text, sort="downloads", limit=scan,
                                     expand=["config", "safetensors", "downloads", "gguf", "gated"]):
@@ -153,3 +154,17 @@ def search_models(
     except Exception as exc:
         raise translate(exc, text, endpoint=endpoint, what="search") from None
     return hits
+
+
+PROBE_TIMEOUT_S = 10.0  # huggingface_hub's own for a metadata request
+
+
+def _reachable(endpoint: str) -> None:
+    """One request, without retries, before a listing: huggingface_hub retries a listing that cannot
+    connect 5 times with backoff (about 28 s) before the error. Offline mode is left to huggingface_hub,
+    which refuses at once; any HTTP answer means the endpoint is there."""
+    from huggingface_hub import constants
+    from huggingface_hub.utils import get_session
+
+    if not constants.is_offline_mode():
+        get_session().head(endpoint, timeout=PROBE_TIMEOUT_S)  # its transport errors: NetworkError's one line

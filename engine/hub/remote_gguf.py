@@ -97,4 +97,4 @@ def _fetch_parsed(repo_id: str, sha: str, f: RemoteFile, endpoint: str, token) -
                 raise GGUFProblem(f"{f.name} of '{repo_id}' is truncated inside its header") from None
             want = min(MAX_HEADER_BYTES, max(2 * want, short.need + 1024**2))
         except BadHeader as exc:
-            raise GGUFProblem(f"{f.name} of '{repo_id}' is not a readable GGUF file ({exc})") from None
+            raise GGUFProblem(f"{f.name} of '{repo_id}' is not a readable GGUF file: {exc}") from None

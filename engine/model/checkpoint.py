@@ -11,7 +11,7 @@ import struct
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from engine.errors import CheckpointError, UnsafeCheckpointError
+from engine.errors import MODEL_ACCEPTS, CheckpointError, UnsafeCheckpointError
 from engine.model.dtypes import TAG_SIZES
 
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
@@ -122,7 +122,7 @@ def open_checkpoint(path: str | os.PathLike, *, allow_pickle: bool = False, trus
     """
     root = Path(path).expanduser()
     if not root.exists():
-        raise CheckpointError(f"model path '{root}' does not exist; pass a checkpoint folder or 'demo'")
+        raise CheckpointError(f"model path '{root}' does not exist; pass {MODEL_ACCEPTS}")
     if not root.is_dir():
         raise CheckpointError(f"model path '{root}' is a file; pass the folder that holds config.json, or a .gguf file")
     config = read_config(root)

@@ -82,7 +82,7 @@ def _read(part: Path, model: GGUFModel, *, first: bool) -> None:
     except ShortHeader:
         raise CheckpointError(f"{part} is truncated inside its header; download it again") from None
     except BadHeader as exc:
-        raise CheckpointError(f"{part} is truncated or not a GGUF file ({exc}); download it again") from None
+        raise CheckpointError(f"{part} is not a readable GGUF file: {exc}; download it again") from None
     if first:
         model.metadata.update(parsed.metadata)  # scalars, strings, short arrays; the vocabulary is the tokenizer's
     size = part.stat().st_size

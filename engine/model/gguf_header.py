@@ -11,6 +11,7 @@ stepping over strings and the rest; quant types and their block sizes come from 
 from __future__ import annotations
 
 import mmap
+import os
 import struct
 from dataclasses import dataclass, field
 
@@ -103,7 +104,7 @@ def parse_header(buf) -> ParsedHeader:
     if len(buf) < 4:
         raise ShortHeader(24)
     if bytes(buf[:4]) != MAGIC:
-        raise BadHeader("not a GGUF file (no GGUF magic)")
+        raise BadHeader("it does not begin with the GGUF magic bytes")  # the caller names the file
     cur = _Cursor(buf)
     cur.at = 4
     version = cur.take("<I")
@@ -143,7 +144,10 @@ def read_file_header(path) -> ParsedHeader:
     """The header of a local GGUF file, mapped (not read whole). ShortHeader when the file ends inside
     it, BadHeader when it is not a GGUF file or cannot be mapped."""
     try:
-        with open(path, "rb") as handle, mmap.mmap(handle.fileno(), 0, access=mmap.ACCESS_READ) as mapped:
-            return parse_header(mapped)
-    except (ValueError, OSError) as exc:  # ValueError: mmap of an empty file
+        with open(path, "rb") as handle:
+            if os.fstat(handle.fileno()).st_size == 0:  # nothing of the header arrived (and mmap refuses it)
+                raise ShortHeader(24)
+            with mmap.mmap(handle.fileno(), 0, access=mmap.ACCESS_READ) as mapped:
+                return parse_header(mapped)
+    except OSError as exc:
         raise BadHeader(str(exc)) from None

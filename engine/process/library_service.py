@@ -144,14 +144,10 @@ def list_library() -> list[p.LibraryEntry]:
 
 def found_models(cached: list) -> list:
     """Model files to open where they lie: GGUF files in the HF cache (one per quant file), then LM Studio's
-    and Ollama's MoE models (dense ones left out)."""
-    from engine.hub.found import describe_gguf
-    from engine.hub.lmstudio import list_lmstudio
-    from engine.hub.ollama import list_ollama
+    and Ollama's MoE models (dense ones left out). The same entries `--model NAME` resolves."""
+    from engine.hub.local import found_models as every_found
 
-    ggufs = [describe_gguf("cache", f"{local.repo_id}/{f.relative_to(local.snapshot)}", f)
-             for local in cached for f in local.gguf_files]
-    return [m for m in ggufs + list_lmstudio() + list_ollama() if m.moe]
+    return [m for m in every_found(cached) if m.moe]
 
 
 def _found_entry(model, machine) -> p.LibraryEntry:
