@@ -239,10 +239,25 @@ def test_per_token_layer_lists_read_like_the_olmoe_trace(tmp_path, capsys):
     trace = read_trace(path, num_experts=16)
     assert (trace.num_layers, trace.num_experts, trace.top_k, trace.tokens) == (4, 16, 3, 30)
     assert [s.experts for s in trace.steps] == [s.experts for s in original.steps]
-    with pytest.raises(TraceError, match="--num-experts"):
-        read_trace(path)
     assert moescope(["trace", "replay", str(path), "--num-experts", "16", "--policy", "lru,markov"]) == 0
-    assert "after the first 8 of 30 tokens" in capsys.readouterr().out
+    out, err = capsys.readouterr()
+    assert "after the first 8 of 30 tokens" in out and err == ""  # the count given: nothing to say
+
+
+def test_a_per_token_trace_without_the_expert_count_takes_it_from_its_ids(tmp_path, capsys):
+    original = skewed_trace(num_layers=4, num_experts=16, top_k=3, tokens=30, requests=1)
+    highest = max(e for s in original.steps for e in s.experts)
+    path = write_token_lines(original, tmp_path / "tokens.jsonl")
+    assert read_trace(path).num_experts == highest + 1
+    assert moescope(["trace", "replay", str(path), "--policy", "lru", "--json"]) == 0
+    out, err = capsys.readouterr()
+    assert json.loads(out)["tokens"] == 22  # replayed, not refused
+    assert err.splitlines() == [f"moescope: note: tokens.jsonl has no header: {highest + 1} experts per layer, "
+                                f"from its highest expert id ({highest}); --num-experts N says otherwise"]
+    # the option still overrides, and a count the ids exceed is refused in one line
+    assert read_trace(path, num_experts=64).num_experts == 64
+    with pytest.raises(TraceError, match=f"names an expert outside 0..{highest - 1}"):
+        read_trace(path, num_experts=highest)
 
 
 OLMOE = Path(__file__).resolve().parents[1].parent / "shared" / "traces" / "olmoe-1b-7b" / "trace_olmoe_299.jsonl"

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 
 from engine.traces.replay import CALIBRATION
 
@@ -39,7 +40,8 @@ def add_trace_parser(sub) -> None:
                     help="build that profile from the scored routing itself (knows the future; labelled '(oracle)')")
     rp.add_argument("--expert-bytes", type=int, default=None, help="bytes of one expert (default: from the trace header)")
     rp.add_argument("--num-layers", type=int, default=None, help="CSV traces: MoE layers")
-    rp.add_argument("--num-experts", type=int, default=None, help="CSV and per-token layer-lists traces: experts per layer")
+    rp.add_argument("--num-experts", type=int, default=None, help="CSV traces: experts per layer; per-token layer-lists traces: overrides the count taken "
+                    "from the ids (the highest + 1)")
     rp.add_argument("--top-k", type=int, default=None, help="CSV traces: experts per token (default: the widest row)")
     rp.add_argument("--json", action="store_true", help="print JSON (one object, or a list for several runs)")
 
@@ -71,6 +73,8 @@ def run_trace(args: argparse.Namespace) -> int:
                              top_k=trace.top_k) if args.profile else None
     except TraceError as exc:
         raise MoEScopeError(str(exc)) from None
+    if note := trace.meta.get("note"):  # a geometry taken from the data, not from the user
+        print(f"moescope: note: {note}", file=sys.stderr)
     policies = list(POLICIES) if args.policy.strip() == "all" else [p.strip() for p in args.policy.split(",") if p.strip()]
     for spec in policies:
         parse_policy(spec)  # a bad name fails before any replay runs

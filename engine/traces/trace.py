@@ -192,10 +192,10 @@ def _read_jsonl(path: Path, handle: TextIO) -> Trace:
 
 def _read_token_lines(path: Path, handle: TextIO, num_experts: int | None) -> Trace:
     """`{"tok": n, "layers": [[experts of layer 0], ...]}` per decode token: the shape of the OLMoE-1B-7B
-    trace from sqliteai/warp (`tests/trace_olmoe_299.jsonl`, Apache-2.0)."""
-    if num_experts is None:
-        raise TraceError(f"{path} has one line per token and no header: give --num-experts (64 for OLMoE-1B-7B)")
+    trace from sqliteai/warp (`tests/trace_olmoe_299.jsonl`, Apache-2.0). Without `num_experts` the count
+    comes from the ids (the highest + 1, over every layer), and `meta["note"]` says so."""
     steps: list[TraceStep] = []
+    bound = num_experts if num_experts is not None else 2**31  # ids are checked against the count at the end
     num_layers = top_k = 0
     for number, text in enumerate(handle, start=1):
         if not text.strip():
@@ -212,10 +212,16 @@ def _read_token_lines(path: Path, handle: TextIO, num_experts: int | None) -> Tr
         for layer, experts in enumerate(layers):
             top_k = max(top_k, len(experts))
             steps.append(_step(0, token, layer, [experts], [[1.0 / max(1, len(experts))] * len(experts)], {}))
-            _check(path, number, steps[-1], num_layers, num_experts, None)
+            _check(path, number, steps[-1], num_layers, bound, None)
     if not steps:
         raise TraceError(f"{path} holds no routing")
-    return Trace(num_layers, num_experts, top_k, steps, None, {"format": "token-lines"})
+    meta: dict = {"format": "token-lines"}
+    if num_experts is None:  # the file has no header: the ids bound the count from below
+        highest = max((s.experts[-1] for s in steps if s.experts), default=0)
+        num_experts = highest + 1
+        meta["note"] = (f"{path.name} has no header: {num_experts} experts per layer, from its highest expert id "
+                        f"({highest}); --num-experts N says otherwise")
+    return Trace(num_layers, num_experts, top_k, steps, None, meta)
 
 
 def _json_line(path: Path, number: int, text: str) -> dict:
