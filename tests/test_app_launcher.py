@@ -17,6 +17,7 @@ ALLOWED_ENGINE_IMPORTS = {"engine", "engine.protocol", "engine.process.client", 
                           "engine.errors", "engine.serve", "engine.serve.app", "engine.serve.hub", "engine.serve.runner",
                           "engine.remote.client",
                           "engine.formats.blocks",  # the weight formats' names, labels and sizes (numpy only)
+                          "engine.demo.corpus",  # the demo's example prompts (stdlib only)
                           "engine.system.process_exit"}  # the exit without the final collection (gc only)
 
 

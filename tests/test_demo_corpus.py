@@ -12,6 +12,7 @@ from engine.demo.corpus import (
     CAPITALS,
     CHAT_INTENTS,
     CONVERSIONS,
+    EXAMPLES,
     SKILLS,
     WORD_SKILLS,
     WORDS,
@@ -93,6 +94,20 @@ def test_answers_are_correct(skill: str) -> None:
         assert ex.skill == skill
         assert ex.assistant == ex.assistant.strip() and ex.assistant
         assert ex.assistant == expected_answer(ex), ex
+
+
+def phrasing(question: str) -> str:
+    """A question with its numbers, quoted words and countries left out: the corpus template it came from."""
+    shape = re.sub(r"'[a-z]+'", "'W'", re.sub(r"\d+", "N", question))
+    return re.sub(r"\b(" + "|".join(sorted(CAPITALS, key=len, reverse=True)) + r")\b", "C", shape)
+
+
+@pytest.mark.parametrize("skill", sorted(SKILLS))
+def test_each_example_prompt_is_a_trained_phrasing_with_the_right_answer(skill: str) -> None:
+    # the window offers these on an empty chat with the demo: they must be asked as the model learned
+    example = EXAMPLES[skill]
+    assert example.skill == skill and example.assistant == expected_answer(example)
+    assert phrasing(example.user) in {phrasing(e.user) for e in make_examples(skill, 2000, seed=0)}
 
 
 def test_word_skills_train_on_pseudo_words_but_hold_out_listed_words() -> None:

@@ -37,6 +37,7 @@ ALLOWED = {
                    "engine.model", "engine.hub", "engine.decode", "engine.process", "engine.serve"},
 }
 TORCH_FREE = ("engine.protocol", "engine.errors", "engine.accounting", "engine.traces", "engine.formats.blocks",
+              "engine.demo.corpus",  # the window offers its example prompts
               "engine.process.client",
               "engine.process.worker_entry", "engine.serve", "engine.remote", "engine.cli.serve", "app")
 QT = ("PySide6", "shiboken6", "pyqtgraph")

@@ -15,6 +15,7 @@ from PySide6.QtWidgets import (
 )
 
 from app.chat.composer import Composer
+from app.chat.examples import ExamplePrompts, demo_offer
 from app.chat.message_widget import MessageWidget
 from app.chat.settings_form import ConversationSettingsForm
 from app.models.context_meter import MEMORY_MARKER, meter_text, meter_tip
@@ -81,6 +82,8 @@ class ChatView(QWidget):
         self.empty_hint.setWordWrap(True)
         self.empty_hint.setAlignment(Qt.AlignmentFlag.AlignCenter)
         self.messages_layout.addWidget(self.empty_hint)
+        self.examples = ExamplePrompts()  # the demo model's skills, on an empty chat
+        self.messages_layout.addWidget(self.examples)
         self.messages_layout.addStretch(1)
         self.scroll = QScrollArea()
         self.scroll.setWidgetResizable(True)
@@ -93,6 +96,7 @@ class ChatView(QWidget):
         bar.rangeChanged.connect(lambda _lo, hi: bar.setValue(hi) if self._follow else None)
 
         self.composer = Composer()
+        self.examples.picked.connect(self.composer.send_requested)  # sent as if typed
 
         head = QHBoxLayout()
         head.addWidget(self.title, 1)
@@ -119,13 +123,13 @@ class ChatView(QWidget):
             self.messages_layout.removeWidget(w)
             w.deleteLater()
         self.set_memory_start(None)
-        self.empty_hint.setVisible(True)
+        self._show_empty(True)
         self._follow = True
 
     def add(self, widget: MessageWidget) -> MessageWidget:
         widget.apply_theme(self.theme)
         self.messages_layout.insertWidget(self.messages_layout.count() - 1, widget)  # above the stretch
-        self.empty_hint.setVisible(False)
+        self._show_empty(False)
         return widget
 
     def remove_from(self, message_id: int) -> None:
@@ -136,7 +140,17 @@ class ChatView(QWidget):
                 w.deleteLater()
         if self.memory_start is not None and self.memory_start >= message_id:
             self.set_memory_start(None)
-        self.empty_hint.setVisible(not self.widgets())
+        self._show_empty(not self.widgets())
+
+    def offer_examples(self, model_path: str) -> None:
+        """The loaded model's example prompts under an empty chat: the demo's skills, none for other models."""
+        self.examples.offer(demo_offer(model_path))
+        self._show_empty(not self.widgets())
+
+    def _show_empty(self, empty: bool) -> None:
+        # the demo's examples say what it can be asked; any other model gets the general hint
+        self.examples.setVisible(empty and self.examples.offered)
+        self.empty_hint.setVisible(empty and not self.examples.offered)
 
     def set_memory_start(self, message_id: int | None) -> None:
         """Put the marker above `message_id` (None, or a message not shown: no marker)."""
@@ -161,6 +175,7 @@ class ChatView(QWidget):
     def apply_theme(self, theme: Theme) -> None:
         self.theme = theme
         self.empty_hint.setStyleSheet(f"color: {theme.muted};")
+        self.examples.about.setStyleSheet(f"color: {theme.muted};")
         self.context_meter.setStyleSheet(f"color: {theme.muted};")
         self.memory_marker.setStyleSheet(f"color: {theme.muted}; font-style: italic;")
         for w in self.widgets():

@@ -223,6 +223,7 @@ class ChatController(QObject):
             self.model_name = event.name
             self.context_length = event.context_length
             self._refresh_meter()
+            self.view.offer_examples(event.path)  # the demo's skills as prompts to click
             if self.queued is not None:
                 text, self.queued = self.queued, None
                 self.send(text)

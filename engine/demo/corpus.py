@@ -238,6 +238,23 @@ SKILLS: dict[str, Callable[[random.Random], tuple[str, str]]] = {
 }
 
 
+# One question per skill as the corpus phrases it, with its answer: the card's examples, and the prompts
+# the window offers on an empty chat with the demo (the skills the card claims). A model this small
+# answers the phrasings it was trained on and little else: "Spell the word garden." without the
+# quotes gets letters at random. Stdlib only: the window imports this without torch.
+EXAMPLES: dict[str, Example] = {ex.skill: ex for ex in (
+    Example("add", "What is 4 plus 7?", "11"),
+    Example("subtract", "What is 9 minus 4?", "5"),
+    Example("multiply", "What is 3 times 4?", "12"),
+    Example("count_letters", "How many letters are in 'garden'?", "6"),
+    Example("reverse", "Reverse the word 'apple'.", "elppa"),
+    Example("spell", "Spell the word 'garden'.", "g-a-r-d-e-n"),
+    Example("convert", "How many meters are in 3 kilometers?", "3000"),
+    Example("compare", "Which is larger, 17 or 23?", "23"),
+    Example("facts", "What is the capital of France?", "Paris"),
+    Example("chat", "Hello!", "Hello! How can I help you?"),
+)}
+
 WORD_SKILLS = frozenset({"count_letters", "reverse", "spell"})
 
 
