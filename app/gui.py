@@ -75,9 +75,7 @@ def run_gui(args: argparse.Namespace) -> int:
         store = HistoryStore(f"{scratch}/history.sqlite3")
     if args.theme:
         settings.theme = args.theme
-    window = MainWindow(settings=settings, store=store, remember=not screenshot)
-    if screenshot:
-        window.resize(1600, 1000)
+    window = MainWindow(settings=settings, store=store, remember=not screenshot)  # sized to fit its screen
     window.show()
     window.start_engine(args.model, args.budget)
     if screenshot and args.library:
@@ -87,5 +85,5 @@ def run_gui(args: argparse.Namespace) -> int:
     elif screenshot:
         from app.screenshot import ScreenshotRun
 
-        ScreenshotRun(window, args.prompt, args.screenshot, args.timeout)
+        ScreenshotRun(window, args.prompt, args.screenshot, args.timeout, reload_as=args.reload_as)
     return app.exec()

@@ -8,8 +8,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from PySide6.QtCore import Qt, QTimer
-from PySide6.QtGui import QAction, QActionGroup, QCloseEvent, QKeySequence, QShortcut
+from PySide6.QtCore import QRect, Qt, QTimer
+from PySide6.QtGui import QAction, QActionGroup, QCloseEvent, QGuiApplication, QKeySequence, QShortcut
 from PySide6.QtWidgets import QDockWidget, QFileDialog, QMainWindow, QMessageBox, QVBoxLayout, QWidget
 
 from app.banner import CRASH_KINDS, Banner
@@ -22,6 +22,7 @@ from app.library_dialog import LibraryDialog
 from app.local_server import LocalServer
 from app.model_bar import ModelBar
 from app.models import export
+from app.models.budget import same_share
 from app.models.history import HistoryStore
 from app.panels.base import Panel
 from app.panels.budget import BudgetPanel
@@ -33,6 +34,16 @@ from app.panels.traffic import TrafficPanel
 from app.settings import AppSettings
 from app.telemetry_history import TelemetryHistory
 from app.themes import ThemeManager
+from app.window_layout import (
+    PanelScroll,
+    arrange,
+    default_sizes,
+    fits,
+    fitted_geometry,
+    is_wide,
+    keep_on_screen,
+    saved_frame_size,
+)
 from engine import protocol as p
 
 FRAME_MS = 33  # ~30 repaints a second at most, whatever the event rate
@@ -77,7 +88,6 @@ class MainWindow(QMainWindow):
                                     self.server_panel]
         self.docks: dict[str, QDockWidget] = {}
         self._build_docks()
-        self._default_state = self.saveState()
 
         # ----- behaviour -----
         self.themes = ThemeManager(self.settings.theme, self)
@@ -108,7 +118,6 @@ class MainWindow(QMainWindow):
         self.frame.timeout.connect(self.refresh)
         self.frame.start()
 
-        self.resize(1600, 1000)
         self._restore_layout()
         self.themes.apply()
         self.refresh_conversations()
@@ -133,50 +142,51 @@ class MainWindow(QMainWindow):
         self.setCorner(Qt.Corner.BottomRightCorner, area.RightDockWidgetArea)
         sidebar = self._dock("Conversations", "dock-conversations", self.conversations)
         self.addDockWidget(area.LeftDockWidgetArea, sidebar)
-        heat, budget, hit, traffic, system = (self._dock(panel.title, panel.dock_name, panel) for panel in
-                                              (self.heatmap, self.budget, self.hit_rate, self.traffic, self.system))
-        # Two columns on the right: what the experts do | how the cache performs.
-        self.addDockWidget(area.RightDockWidgetArea, heat)
-        self.splitDockWidget(heat, hit, Qt.Orientation.Horizontal)
-        self.splitDockWidget(heat, budget, Qt.Orientation.Vertical)
-        self.splitDockWidget(hit, traffic, Qt.Orientation.Vertical)
-        self.splitDockWidget(traffic, system, Qt.Orientation.Vertical)
-        server = self._dock(self.server_panel.title, self.server_panel.dock_name, self.server_panel)
-        self.tabifyDockWidget(system, server)  # a tab beside the system panel: out of the way until wanted
-        system.raise_()
-        self.conversations.setMinimumWidth(170)
+        for panel in self.panels:
+            self._dock(panel.title, panel.dock_name, PanelScroll(panel))
+        self.conversations.setMinimumWidth(150)
 
-    def _default_sizes(self) -> None:
-        """Proportions for the default layout; they only take once the window has its size."""
-        d = self.docks
-        width, height = max(self.width(), 1200), max(self.height(), 700)
-        side = 210
-        column = (width - side) * 27 // 100
-        self.resizeDocks([d["dock-conversations"], d["dock-heatmap"], d["dock-hit-rate"]], [side, column, column],
-                         Qt.Orientation.Horizontal)
-        self.resizeDocks([d["dock-heatmap"], d["dock-budget"]], [height * 52 // 100, height * 48 // 100],
-                         Qt.Orientation.Vertical)
-        self.resizeDocks([d["dock-hit-rate"], d["dock-traffic"], d["dock-system"]],
-                         [height * 32 // 100, height * 40 // 100, height * 28 // 100], Qt.Orientation.Vertical)
+    def available_geometry(self) -> QRect:
+        """The screen's area for windows (without panels and docks of the desktop), in device-independent pixels."""
+        screen = self.screen() or QGuiApplication.primaryScreen()
+        return screen.availableGeometry()
 
     def _restore_layout(self) -> None:
+        """The user's window and docks where they fit this screen; else a size and arrangement that do
+        (the saved ones came from a larger monitor, or from before the window fitted laptops)."""
         self._restored = False
-        if self.settings.geometry is not None:
-            self.restoreGeometry(self.settings.geometry)
-        if self.settings.window_state is not None:
-            self._restored = self.restoreState(self.settings.window_state)
+        available = self.available_geometry()
+        self._wide = is_wide(available)
+        saved = self.settings.geometry
+        frame = saved_frame_size(saved) if saved is not None else None
+        if saved is not None and frame is not None and fits(frame, available) and self.restoreGeometry(saved):
+            state = self.settings.window_state
+            self._restored = state is not None and self.restoreState(state)
+        else:
+            self.setGeometry(fitted_geometry(available))
+        if not self._restored:
+            arrange(self, self.docks, self._wide)
 
     def showEvent(self, event) -> None:
         super().showEvent(event)
-        if not self._restored and not getattr(self, "_sized", False):
-            self._sized = True
-            QTimer.singleShot(0, self._default_sizes)
+        if getattr(self, "_sized", False):
+            return
+        self._sized = True
+        QTimer.singleShot(0, self._first_shown)
+
+    def _first_shown(self) -> None:
+        keep_on_screen(self, self.available_geometry())
+        if not self._restored:
+            default_sizes(self, self.docks, self._wide)
 
     def restore_default_layout(self) -> None:
-        self.restoreState(self._default_state)
-        for dock in self.docks.values():
-            dock.show()
-        self._default_sizes()
+        """The default arrangement for the screen the window is on now, at a size that fits it."""
+        available = self.available_geometry()
+        if not fits(self.frameGeometry().size(), available):
+            self.setGeometry(fitted_geometry(available))
+        self._wide = is_wide(available)
+        arrange(self, self.docks, self._wide)
+        default_sizes(self, self.docks, self._wide)
 
     def _build_menus(self) -> None:
         bar = self.menuBar()
@@ -241,7 +251,12 @@ class MainWindow(QMainWindow):
             return
         if self.chat.streaming:
             self.chat.stop()
-        self.load_model(last.path, last.budget, expert_format, dense_format)  # the budget in force, live changes too
+        # The budget in force (live changes too), as the same share of the experts in the new format.
+        model = self.bridge.model
+        budget = same_share(last.budget, self.bridge.budget_bytes, model.all_expert_bytes) if model else last.budget
+        if self.remember and budget != last.budget:
+            self.settings.set_budget_for(last.path, budget)
+        self.load_model(last.path, budget, expert_format, dense_format)
 
     def set_exact(self, exact: bool) -> None:
         """The System panel's Exact switch: transformers' kernels (True) or the native ones, from the next token."""
@@ -321,7 +336,8 @@ class MainWindow(QMainWindow):
         if isinstance(event, p.ModelLoaded):
             self.setWindowTitle(f"MoEScope — {event.name}")
             done = f"connected at {event.remote}" if event.remote else f"loaded in {event.load_seconds:.1f} s"
-            self.statusBar().showMessage(f"{event.name} {done}", 5000)
+            note = f" · {event.budget_note}" if event.budget_note else ""  # e.g. the budget was raised to the minimum
+            self.statusBar().showMessage(f"{event.name} {done}{note}", 8000 if note else 5000)
             if self.banner.error is not None and self.banner.error.kind in CRASH_KINDS:
                 self.banner.hide()
             if self.remember and self.bridge.last_load is not None:

@@ -3,9 +3,19 @@ dense weights are stored in (a new choice reloads it); open another one."""
 
 from __future__ import annotations
 
-from PySide6.QtCore import Signal
-from PySide6.QtWidgets import QFileDialog, QHBoxLayout, QLabel, QProgressBar, QPushButton, QWidget
+from PySide6.QtCore import Qt, Signal
+from PySide6.QtWidgets import (
+    QFileDialog,
+    QHBoxLayout,
+    QLabel,
+    QProgressBar,
+    QStackedWidget,
+    QToolButton,
+    QVBoxLayout,
+    QWidget,
+)
 
+from app.elided_label import ElidedLabel
 from app.format_picker import FormatPicker
 from app.models import formats
 from app.models.stats_format import format_bytes
@@ -24,6 +34,14 @@ def model_summary(m: p.ModelLoaded, budget_bytes: int) -> str:
             + (f" · {p.TEXT_ONLY_NOTE}" if m.text_only else ""))
 
 
+def _button(text: str) -> QToolButton:
+    """A button as wide as its text (a push button is at least 80 px: three of them crowd a laptop's chat column)."""
+    button = QToolButton()
+    button.setText(text)
+    button.setToolButtonStyle(Qt.ToolButtonStyle.ToolButtonTextOnly)
+    return button
+
+
 class ModelBar(QWidget):
     open_folder_requested = Signal(str)
     library_requested = Signal()
@@ -34,52 +52,66 @@ class ModelBar(QWidget):
         super().__init__(parent)
         self.model: p.ModelLoaded | None = None
         self.loading = False
-        self.name = QLabel("No model")
+        # One line each, elided with the full text in the tooltip: a long name or summary (a reload in
+        # another format) must neither widen the window nor change the bar's height.
+        self.name = ElidedLabel("No model", min_chars=8, mode=Qt.TextElideMode.ElideMiddle)
         self.name.setObjectName("model-name")
         self.name.setStyleSheet("font-weight: 600;")
-        self.details = QLabel("")
-        self.details.setWordWrap(True)  # a long summary must not widen the window
-        self.details.setMinimumWidth(50)
+        self.details = ElidedLabel("")
+        self.details.setObjectName("model-details")
         self.progress = QProgressBar()
         self.progress.setRange(0, 1000)
-        self.progress.setMaximumWidth(220)
-        self.progress.setVisible(False)
-        self.library = QPushButton("Model library…")
-        self.library.setToolTip("Browse, size up and download models, and load one (Ctrl+L)")
+        self.progress.setMinimumWidth(60)
+        # The load's progress takes the summary's place, not room of its own: the bar's minimum width
+        # (and so the window's) is the same loading or not.
+        self.status = QStackedWidget()
+        self.status.addWidget(self.details)
+        self.status.addWidget(self.progress)
+        self.library = _button("Library…")
+        self.library.setToolTip("Model library: browse, size up and download models, and load one (Ctrl+L)")
         self.library.clicked.connect(self.library_requested)
-        self.open_button = QPushButton("Open folder…")
-        self.open_button.setToolTip("Load a local checkpoint folder (safetensors)")
+        self.open_button = _button("Open…")
+        self.open_button.setToolTip("Open a model folder: load a local checkpoint (safetensors)")
         self.open_button.clicked.connect(self.choose_folder)
         self.expert_format = FormatPicker("expert")
         self.dense_format = FormatPicker("dense")
         for picker in (self.expert_format, self.dense_format):
-            picker.setToolTip(picker.toolTip() + " Changing it reloads the model.")
             picker.setEnabled(False)  # until a local model is loaded
             picker.activated.connect(self._format_picked)
-        self.connect_button = QPushButton("Connect to a server…")
-        self.connect_button.setToolTip("Chat with a model served by vLLM, SGLang or another OpenAI-compatible server")
+        self.connect_button = _button("Connect…")
+        self.connect_button.setToolTip("Connect to a server: chat with a model served by vLLM, SGLang or another "
+                                       "OpenAI-compatible server")
         self.connect_button.clicked.connect(self.connect_requested)
-        layout = QHBoxLayout(self)
-        layout.setContentsMargins(8, 4, 8, 4)
-        layout.addWidget(self.name)
-        layout.addWidget(self.details, 1)
-        layout.addWidget(self.progress)
-        layout.addWidget(QLabel("Experts"))
-        layout.addWidget(self.expert_format)
-        layout.addWidget(QLabel("Dense"))
-        layout.addWidget(self.dense_format)
-        layout.addWidget(self.library)
-        layout.addWidget(self.open_button)
-        layout.addWidget(self.connect_button)
+        self._build_layout()
+
+    def _build_layout(self) -> None:
+        """Two fixed rows, so the bar fits a laptop's chat column: the model and where to get another,
+        then the formats it is stored in."""
+        top = QHBoxLayout()
+        top.addWidget(self.name)
+        top.addWidget(self.status, 1)
+        top.addWidget(self.library)
+        top.addWidget(self.open_button)
+        top.addWidget(self.connect_button)
+        formats_row = QHBoxLayout()
+        formats_row.addWidget(QLabel("Experts"))
+        formats_row.addWidget(self.expert_format, 1)  # the pickers take the room there is: whole labels where it allows
+        formats_row.addWidget(QLabel("Dense"))
+        formats_row.addWidget(self.dense_format, 1)
+        column = QVBoxLayout(self)
+        column.setContentsMargins(8, 4, 8, 4)
+        column.setSpacing(4)
+        column.addLayout(top)
+        column.addLayout(formats_row)
 
     def on_event(self, event) -> None:
         if isinstance(event, p.LoadProgress):
-            self.progress.setVisible(event.fraction < 1.0)
+            self._show_progress(event.fraction < 1.0)
             self.progress.setValue(int(event.fraction * 1000))
             self.progress.setFormat(f"{event.message} %p%")
         elif isinstance(event, p.ModelLoaded):
             self.model, self.loading = event, False
-            self.progress.setVisible(False)
+            self._show_progress(False)
             self.name.setText(event.name)
             self.name.setToolTip(event.path)
             self.details.setText(model_summary(event, event.budget_bytes))
@@ -91,7 +123,7 @@ class ModelBar(QWidget):
         elif isinstance(event, p.BudgetChanged) and self.model is not None:
             self.details.setText(model_summary(self.model, event.budget_bytes))
         elif isinstance(event, p.Error) and (event.kind == "engine-crashed" or self.loading):
-            self.progress.setVisible(False)  # a load that failed, or a crash: no model now
+            self._show_progress(False)  # a load that failed, or a crash: no model now
             self.model, self.loading = None, False
             self.details.setText(f"not loaded: {event.message}")
 
@@ -108,7 +140,10 @@ class ModelBar(QWidget):
         self.details.setText("loading…")
         self.loading = True
         self.progress.setValue(0)
-        self.progress.setVisible(True)
+        self._show_progress(True)
+
+    def _show_progress(self, on: bool) -> None:
+        self.status.setCurrentWidget(self.progress if on else self.details)
 
     def choose_folder(self) -> None:
         folder = QFileDialog.getExistingDirectory(self, "Open a checkpoint folder")

@@ -2,7 +2,9 @@
 update, let the panels draw, save the whole window, and quit (exit code 0, or 1 with the reason).
 
 On success it also prints one JSON line on stdout for scripts and tests: the file, the Qt platform
-the window ran on, the reply, and where the expert heatmap's cells are in the saved image.
+the window ran on, the reply, where the expert heatmap's cells are in the saved image, and the
+window's layout against the screen (app/layout_facts.py). With --reload-as FORMAT it then reloads
+the model with its experts in FORMAT, asks again in a new chat, and reports the layout once more.
 
 `moescope --screenshot OUT.png --library NAME`: open the model library instead, select the row named
 NAME once the listing is in, and save the library dialog when that model's verdict has arrived."""
@@ -17,6 +19,7 @@ from PySide6.QtCore import QObject, QRect, QTimer
 from PySide6.QtGui import QGuiApplication
 from PySide6.QtWidgets import QApplication
 
+from app.layout_facts import window_facts
 from app.main_window import FRAME_MS, MainWindow
 from engine import protocol as p
 
@@ -37,9 +40,12 @@ class _Run(QObject):
 
 
 class ScreenshotRun(_Run):
-    def __init__(self, window: MainWindow, prompt: str, out: str, timeout_s: float) -> None:
+    def __init__(self, window: MainWindow, prompt: str, out: str, timeout_s: float,
+                 reload_as: str | None = None) -> None:
         super().__init__(window)
         self.window, self.prompt, self.out = window, prompt, Path(out)
+        self.reload_as = reload_as
+        self.report: dict | None = None  # filled at the first capture; a reload adds its layout
         self.done: p.Done | None = None
         self.snapshots_at_send = 0
         self.finished = False
@@ -76,6 +82,11 @@ class ScreenshotRun(_Run):
             panel.dirty = True
         self.window.refresh()
         QApplication.processEvents()
+        if self.report is not None:  # back from the reload: the same layout is the point
+            self.report["layout_after_reload"] = window_facts(self.window)
+            self.report["model_after_reload"] = self.model_facts()
+            self._finish()
+            return
         self.out.parent.mkdir(parents=True, exist_ok=True)
         if not self.window.grab().save(str(self.out)):
             self._fail(f"could not write {self.out}")
@@ -84,16 +95,40 @@ class ScreenshotRun(_Run):
               file=sys.stderr)
         ratio = self.window.devicePixelRatioF()
         cells = self.heatmap_cells()
-        print(json.dumps({
+        self.report = {
             "screenshot": str(self.out),
             "platform": QGuiApplication.platformName(),
             "reply": self.done.text if self.done else "",
             "heatmap_cells": [round(v * ratio) for v in (cells.x(), cells.y(), cells.width(), cells.height())],
             "heatmap_renders": self.window.heatmap.updates,
-        }), flush=True)
+            "layout": window_facts(self.window),
+            "model": self.model_facts(),
+        }
+        if self.reload_as:
+            self._reload()
+        else:
+            self._finish()
+
+    def _reload(self) -> None:
+        """The model bar's pick of another expert format, then the same question in a new chat."""
+        self.done, self.finished = None, False
+        self.window.set_formats(self.reload_as, self.window.model_bar.dense_format.current())
+        self.window.chat.new_chat()
+        self.window.chat.send(self.prompt)  # queued until the reloaded model is in
+
+    def _finish(self) -> None:
+        print(json.dumps(self.report), flush=True)
         self._deadline.stop()
         self.window.close()
         QApplication.exit(0)
+
+    def model_facts(self) -> dict:
+        """The loaded model's expert format and budget, to tell that a reload kept the budget's share."""
+        model = self.window.bridge.model
+        if model is None:
+            return {}
+        return {"expert_format": model.expert_format, "all_expert_bytes": model.all_expert_bytes,
+                "budget_bytes": self.window.bridge.budget_bytes}
 
     def heatmap_cells(self) -> QRect:
         """The heatmap's image (its layer x expert cells) in window coordinates, clipped to the plot area."""

@@ -39,6 +39,21 @@ class BudgetScale:
         return nbytes / self.max_bytes if self.max_bytes else 1.0
 
 
+def same_share(budget: str, budget_bytes: int | None, all_expert_bytes: int) -> str:
+    """The budget for reloading in another weight format: the same share of the experts' bytes.
+
+    A byte budget (the slider's) in force becomes the percentage of the experts it is now, so 50 % of
+    the bf16 experts becomes 50 % of the 4-bit ones rather than all of them; "all" and percentages
+    already are shares. The engine clamps the result to the new format's minimum, with a note."""
+    text = budget.strip().lower()
+    if text in ("all", "everything", "max") or text.endswith("%") or not budget_bytes or all_expert_bytes <= 0:
+        return budget
+    share = budget_bytes / all_expert_bytes
+    if share >= 1.0:
+        return "all"
+    return f"{max(share * 100, 0.01):.2f}%"
+
+
 def free_for_budget(budget_bytes: int, available_bytes: int) -> int:
     """The largest budget that fits now: what is free plus what the cache already holds."""
     return budget_bytes + max(available_bytes, 0)

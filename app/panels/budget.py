@@ -11,6 +11,7 @@ from PySide6.QtCore import QRectF, Qt, QTimer, Signal
 from PySide6.QtGui import QColor, QPainter, QPen
 from PySide6.QtWidgets import QHBoxLayout, QLabel, QSizePolicy, QSlider, QVBoxLayout, QWidget
 
+from app.elided_label import ElidedLabel
 from app.models.budget import BudgetScale, free_compute_memory, memory_breakdown
 from app.models.budget_estimate import Estimate, Estimator
 from app.models.stats_format import format_bytes
@@ -30,12 +31,29 @@ class ScaleBar(QWidget):
         self.fraction_free: float | None = None  # position of the free-memory mark, 0..1 of the range
         self.label = ""
         self.ok, self.bad, self.text = QColor("#2e9e5b"), QColor("#d93b3b"), QColor("#333333")
-        self.setMinimumHeight(26)
+        self.setMinimumHeight(13 + self.fontMetrics().height())  # the bar, then one line of label under it
         self.setSizePolicy(QSizePolicy.Policy.Expanding, QSizePolicy.Policy.Fixed)
 
     def set_free(self, fraction: float | None, label: str) -> None:
         self.fraction_free, self.label = fraction, label
+        self.setToolTip(f"{label}: green while the budget fits in it, red beyond" if label else "")
         self.update()
+
+    def _label_place(self, cut: float, margin: int) -> tuple[QRectF, str]:
+        """Where the free-memory label goes: beside the mark (after it, or before it near the right end),
+        always inside the bar, cut short with "…" only when the bar is narrower than the label."""
+        metrics = self.fontMetrics()
+        text = metrics.elidedText(self.label, Qt.TextElideMode.ElideRight, max(self.width() - 2, 0))
+        width = metrics.horizontalAdvance(text) + 1
+        fraction = self.fraction_free if self.fraction_free is not None else 0.0
+        if fraction > 1.0:  # everything fits: at the right end
+            x = self.width() - margin - width
+        elif fraction < 0.6:  # after the mark
+            x = cut + 4
+        else:  # before the mark, so it does not run off the right end
+            x = cut - 4 - width
+        x = min(max(x, 0.0), self.width() - width)
+        return QRectF(x, 12, width, metrics.height()), text
 
     def paintEvent(self, _event) -> None:
         painter = QPainter(self)
@@ -50,16 +68,13 @@ class ScaleBar(QWidget):
             painter.fillRect(QRectF(bar.left(), bar.top(), cut - bar.left(), bar.height()), self.ok)
             if cut < bar.right():
                 painter.fillRect(QRectF(cut, bar.top(), bar.right() - cut, bar.height()), self.bad)
-            if self.fraction_free > 1.0:
-                painter.setPen(self.text)
-                painter.drawText(QRectF(margin, 12, width, 14), Qt.AlignmentFlag.AlignRight, self.label)
-            elif self.fraction_free >= 0.0:
+            if 0.0 <= self.fraction_free <= 1.0:
                 painter.setPen(QPen(self.text, 2))
                 painter.drawLine(int(cut), 1, int(cut), 13)
+            if self.fraction_free >= 0.0:
+                rect, text = self._label_place(cut, margin)
                 painter.setPen(self.text)
-                align = Qt.AlignmentFlag.AlignLeft if self.fraction_free < 0.6 else Qt.AlignmentFlag.AlignRight
-                rect = QRectF(cut + 4, 12, width, 14) if align == Qt.AlignmentFlag.AlignLeft else QRectF(margin, 12, cut - margin - 4, 14)
-                painter.drawText(rect, align, self.label)
+                painter.drawText(rect, Qt.AlignmentFlag.AlignLeft, text)
         painter.end()
 
 
@@ -91,7 +106,9 @@ class BudgetPanel(Panel):
         self.slider.valueChanged.connect(self._stepped)
         self.scale_bar = ScaleBar()
         self.ends = QHBoxLayout()
-        self.min_label, self.max_label = QLabel("–"), QLabel("–")
+        # Elided, not widening: the ends' text changes with every model and format.
+        self.min_label, self.max_label = ElidedLabel("–", min_chars=4), ElidedLabel("–", min_chars=4)
+        self.max_label.setAlignment(Qt.AlignmentFlag.AlignRight | Qt.AlignmentFlag.AlignVCenter)
         self.ends.addWidget(self.min_label)
         self.ends.addStretch(1)
         self.ends.addWidget(self.max_label)

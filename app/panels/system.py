@@ -7,13 +7,15 @@ from __future__ import annotations
 from PySide6.QtCore import Signal
 from PySide6.QtWidgets import QCheckBox, QComboBox, QFormLayout, QLabel, QProgressBar, QWidget
 
+from app.elided_label import ElidedLabel
 from app.models.formats import loaded_formats_text
 from app.models.stats_format import format_bytes
 from app.panels.base import Panel
 from engine import protocol as p
 
-EXACT_TEXT = "Exact (transformers' kernels, bit-identical)"
-EXACT_TIP = ("Off (the default): bf16 decode steps on the CPU use MoEScope's native kernels (a layer's experts in "
+EXACT_TEXT = "Exact kernels (bit-identical)"  # short: the panel fits a laptop's column; the tooltip says more
+EXACT_TIP = ("On: transformers' own kernels, every token bit-identical to theirs. "
+             "Off (the default): bf16 decode steps on the CPU use MoEScope's native kernels (a layer's experts in "
              "one pass, built for this CPU's instruction set; the line below names the build) and float32-matmul attention; with every "
              "expert resident, a Qwen3-MoE, Qwen2-MoE, OLMoE or Mixtral token runs whole in one native call. Several times faster "
              "decode (docs/performance.md), the same arithmetic summed in another order, so replies can differ from "
@@ -22,9 +24,9 @@ EXACT_ONLY_TIP = ("This model decodes on transformers' kernels: the native ones 
                   "(load it in bfloat16 for them).")
 
 
-INT8_PROMPT_TEXT = "8-bit prompt inputs (LOSSY, faster prompts on 4-bit weights)"
-INT8_PROMPT_TIP = ("Off by default. On: while a prompt is read, 4-bit (Q4_K) experts and dense layers take their inputs "
-                   "rounded to 8 bits (one scale per 256 values, as llama.cpp always does) and multiply them in integers: prompts "
+INT8_PROMPT_TEXT = "8-bit prompt inputs (LOSSY)"
+INT8_PROMPT_TIP = ("Faster prompts on 4-bit weights, LOSSY. Off by default. On: while a prompt is read, 4-bit "
+                   "(Q4_K) experts and dense layers take their inputs rounded to 8 bits (one scale per 256 values, as llama.cpp always does) and multiply them in integers: prompts "
                    "run faster, and replies can differ from the exact ones (docs/performance.md measures how much). "
                    "Decode tokens are unchanged. On CPUs with AMX tiles (Intel Sapphire Rapids and later) prompts run "
                    "faster without it, so there it is set aside and the path says so.")
@@ -57,11 +59,11 @@ class SystemPanel(Panel):
         super().__init__(parent)
         self.snapshot: p.TelemetrySnapshot | None = None
         self.policies: list[p.PolicyInfo] = []
-        self.state = QLabel("starting")
+        self.state = ElidedLabel("starting")
         self.state.setObjectName("engine-state")
         self.ram = QProgressBar()
         self.ram.setTextVisible(True)
-        self.engine_rss = QLabel("–")
+        self.engine_rss = ElidedLabel("–")
         self.vram = QProgressBar()
         self.vram.setTextVisible(True)
         self.vram_label = QLabel("VRAM")
@@ -82,7 +84,7 @@ class SystemPanel(Panel):
         self.kernel_variant.setObjectName("kernel-variant")
         self.kernel_variant.setWordWrap(True)
         self.kernel_variant.setStyleSheet("color: palette(placeholder-text);")
-        self.formats = QLabel("–")
+        self.formats = ElidedLabel("–")
         self.formats.setObjectName("weight-formats")
         self.formats.setToolTip("How the loaded model's weights are stored: the routed experts, and every other "
                                 "linear layer. Quantized formats are approximate (pick them in the model bar).")
@@ -90,7 +92,7 @@ class SystemPanel(Panel):
         self.load_notes.setObjectName("load-notes")
         self.load_notes.setWordWrap(True)
         self.load_notes.setStyleSheet("color: palette(placeholder-text);")
-        self.decode_path = QLabel("–")
+        self.decode_path = ElidedLabel("–")
         self.decode_path.setObjectName("decode-path")
         self.decode_path.setToolTip(DECODE_PATH_TIP)
         self.decode_reason = QLabel("")
@@ -100,6 +102,7 @@ class SystemPanel(Panel):
 
         form = QFormLayout(self)
         form.setContentsMargins(6, 6, 6, 6)
+        form.setRowWrapPolicy(QFormLayout.RowWrapPolicy.WrapLongRows)  # narrow: a field goes under its label
         form.addRow("Engine", self.state)
         form.addRow("RAM", self.ram)
         form.addRow("Engine process", self.engine_rss)
