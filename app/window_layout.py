@@ -148,7 +148,7 @@ def default_sizes(window: QMainWindow, docks: dict[str, QDockWidget], wide: bool
         window.resizeDocks([d["dock-conversations"], d["dock-heatmap"], d["dock-hit-rate"]], [side, column, column],
                            horizontal)
         window.resizeDocks([d["dock-hit-rate"], d["dock-traffic"], d["dock-system"]],
-                           [height * 30 // 100, height * 36 // 100, height * 34 // 100], vertical)
+                           [height * 29 // 100, height * 39 // 100, height * 32 // 100], vertical)
         window.resizeDocks([d["dock-heatmap"], d["dock-budget"]], [height * 52 // 100, height * 48 // 100], vertical)
     else:  # the budget panel's text needs more of a short screen than the heatmap does
         column = (width - side) * 36 // 100
