@@ -206,4 +206,5 @@ def test_screenshot_mode_saves_the_window_and_exits_zero(tmp_path, endless_check
     from PySide6.QtGui import QImage
 
     image = QImage(str(out))
-    assert not image.isNull() and image.width() >= 1200 and image.height() >= 800
+    # the whole window, as large as the offscreen platform's 800 x 800 screen lets it be (it fits its screen)
+    assert not image.isNull() and image.width() >= 760 and image.height() >= 700
