@@ -3,7 +3,7 @@ full text is in the tooltip. `text()` is always the full text."""
 
 from __future__ import annotations
 
-from PySide6.QtCore import QSize, Qt
+from PySide6.QtCore import QEvent, QSize, Qt
 from PySide6.QtGui import QPainter
 from PySide6.QtWidgets import QLabel, QWidget
 
@@ -58,6 +58,11 @@ class ElidedLabel(QLabel):
     def resizeEvent(self, event) -> None:
         super().resizeEvent(event)
         self._update_tip()
+
+    def changeEvent(self, event) -> None:
+        super().changeEvent(event)
+        if event.type() in (QEvent.Type.FontChange, QEvent.Type.StyleChange):  # a theme: other metrics
+            self._update_tip()
 
     def paintEvent(self, _event) -> None:
         painter = QPainter(self)
