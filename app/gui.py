@@ -85,5 +85,5 @@ def run_gui(args: argparse.Namespace) -> int:
     elif screenshot:
         from app.screenshot import ScreenshotRun
 
-        ScreenshotRun(window, args.prompt, args.screenshot, args.timeout, reload_as=args.reload_as)
+        ScreenshotRun(window, args.prompt, args.screenshot, args.timeout, reload_as=args.reload_as, show=args.show)
     return app.exec()

@@ -33,6 +33,9 @@ def build_gui_parser() -> argparse.ArgumentParser:
     parser.add_argument("--reload-as", metavar="FORMAT",
                         help="with --screenshot --prompt: then reload the model with its experts in FORMAT (q4_k, "
                              "q8_0…), ask again, and add the window's layout after the reload to the report")
+    parser.add_argument("--show", metavar="PANEL", action="append", default=[],
+                        help="with --screenshot: bring this panel's tab to the front first (heatmap, hit-rate, "
+                             "traffic, budget, system, server; may be given twice)")
     parser.add_argument("--timeout", type=float, default=600.0, help="with --screenshot: give up after this many seconds")
     parser.add_argument("--theme", choices=["system", "light", "dark"], help="override the colour theme")
     parser.add_argument("--check-libraries", action="store_true",

@@ -41,10 +41,11 @@ class _Run(QObject):
 
 class ScreenshotRun(_Run):
     def __init__(self, window: MainWindow, prompt: str, out: str, timeout_s: float,
-                 reload_as: str | None = None) -> None:
+                 reload_as: str | None = None, show: list[str] | None = None) -> None:
         super().__init__(window)
         self.window, self.prompt, self.out = window, prompt, Path(out)
         self.reload_as = reload_as
+        self.show = show or []  # panels whose tabs come to the front before the grab
         self.report: dict | None = None  # filled at the first capture; a reload adds its layout
         self.done: p.Done | None = None
         self.snapshots_at_send = 0
@@ -77,6 +78,12 @@ class ScreenshotRun(_Run):
         QTimer.singleShot(4 * FRAME_MS, self._capture)
 
     def _capture(self) -> None:
+        for name in self.show:
+            dock = self.window.docks.get(f"dock-{name}")
+            if dock is None:
+                self._fail(f"no panel named {name!r} (one of: {', '.join(d.removeprefix('dock-') for d in self.window.docks)})")
+                return
+            dock.raise_()
         self.window.refresh()
         for panel in self.window.panels:
             panel.dirty = True

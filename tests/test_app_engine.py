@@ -199,7 +199,7 @@ def test_screenshot_mode_saves_the_window_and_exits_zero(tmp_path, endless_check
     env = dict(os.environ, QT_QPA_PLATFORM="offscreen")
     result = subprocess.run(
         [sys.executable, "-m", "app", "--screenshot", str(out), "--prompt", "Hi", "--model", str(endless_checkpoint),
-         "--timeout", "240"],
+         "--timeout", "240", "--show", "traffic"],
         cwd=ROOT, env=env, capture_output=True, text=True, timeout=300,
     )
     assert result.returncode == 0, result.stderr[-2000:]
@@ -208,3 +208,6 @@ def test_screenshot_mode_saves_the_window_and_exits_zero(tmp_path, endless_check
     image = QImage(str(out))
     # the whole window, as large as the offscreen platform's 800 x 800 screen lets it be (it fits its screen)
     assert not image.isNull() and image.width() >= 760 and image.height() >= 700
+    # --show: the traffic panel's tab is the one in front (on this small screen the panels are tabs)
+    docks = json.loads(result.stdout.strip().splitlines()[-1])["layout"]["docks"]
+    assert docks["dock-traffic"]["shown"] and not docks["dock-hit-rate"]["shown"]
