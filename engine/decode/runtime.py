@@ -25,6 +25,7 @@ from engine.decode.routers import RouterTaps, RoutingRestriction
 from engine.errors import MoEScopeError
 from engine.formats.blocks import BlockFormat, format_name, parse_format
 from engine.formats.dequantize import reference_dequantizer
+from engine.formats.quantize import reference_quantizer
 from engine.hub.local import resolve_model
 from engine.model import experts_registry
 from engine.model.conversion_cache import files_identity
@@ -87,14 +88,16 @@ class MoERuntime:
                 f"the experts of '{self.files.root.name}' are stored in {self.layout.expert_format.label} already; "
                 "--expert-format converts bf16/fp16/fp32 (or MXFP4/FP8 checkpoint) experts, so leave it at "
                 "original for this GGUF file")
+        # a conversion quantizes on the native kernels where they load (loading them here), the same bytes
+        quantizer = native.quantizer(reference_quantizer)
         if self.expert_format is not None and self.expert_format is not self.layout.expert_format:
             self.layout, notes = quantize_layout(self.layout, self.expert_format, self.fingerprint,
-                                                  progress=with_time_left(progress))
+                                                  progress=with_time_left(progress), quantizer=quantizer)
             self.format_notes += notes
         if self.dense_format is not None:
             cache = DenseCache.of(self.fingerprint, self.files.files, self.dtype, self.dense_format)
             self.format_notes += quantize_dense(self.model, self.dense_format, set(self.layout.module_paths),
-                                                cache, with_time_left(progress))
+                                                cache, with_time_left(progress), quantizer)
         for module in self.model.modules():  # converted above, or kept in a GGUF file's blocks
             if isinstance(module, QuantizedLinear):  # the native expansion once built: the same values
                 module.dequantizer = native.slot_dequantizer(reference_dequantizer)

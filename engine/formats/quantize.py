@@ -1,4 +1,4 @@
-"""Quantizing a float matrix into a block format, row by row (numpy only).
+"""Quantizing a float matrix into a block format, row by row: the numpy reference.
 
 The 32-element formats (Q8_0, Q5_0, Q4_0, MXFP4) are the `gguf` package's own quantizers. The K-quant
 searches follow llama.cpp's reference quantizers (`quantize_row_q*_K_ref` in
@@ -8,15 +8,22 @@ weighted least squares, the best kept; then the sub-block scales are themselves 
 GGUF's layouts; `engine.formats.dequantize` reads them back, and tests hold both to the `gguf`
 package's reference dequantizer. Sums run in another order than llama.cpp's loops, so a tie may
 round differently: the format, not bit-equality with llama-quantize, is the contract.
+
+This module is the reference and the fallback. A conversion takes a `Quantizer` as a parameter (as
+decoding takes a `Dequantizer`): the runtime passes the native library's
+(engine.decode.native.kernels.quantizer: the same algorithms in C++, bytes equal to these, many
+times faster), and this module's `reference_quantizer` runs where no kernels load.
 """
 
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from functools import cache
 
 import numpy as np
+import torch
 
 from engine.formats.blocks import QK_K, BlockFormat
 
@@ -52,6 +59,24 @@ def quantize(matrix: np.ndarray, fmt: BlockFormat) -> np.ndarray:
 
     list(_pool().map(encode_chunk, range(0, blocks.shape[0], BLOCKS_PER_CHUNK)))
     return out.reshape(rows, fmt.row_bytes(columns))
+
+
+# [rows, columns] float values (a numpy array or a CPU tensor of any float dtype) in a block format:
+# uint8 [rows, row_bytes], as a numpy array or a tensor
+Quantizer = Callable[[np.ndarray | torch.Tensor, BlockFormat], np.ndarray | torch.Tensor]
+
+
+def reference_quantizer(matrix: np.ndarray | torch.Tensor, fmt: BlockFormat) -> np.ndarray:
+    """`quantize` as a Quantizer: a tensor's values through float32 numpy."""
+    if isinstance(matrix, torch.Tensor):
+        matrix = matrix.detach().cpu().float().numpy()
+    return quantize(matrix, fmt)
+
+
+def quantized_tensor(matrix: np.ndarray | torch.Tensor, fmt: BlockFormat, quantizer: Quantizer) -> torch.Tensor:
+    """`quantizer`'s blocks of `matrix` as a contiguous uint8 tensor [rows, row_bytes]."""
+    packed = quantizer(matrix, fmt)
+    return packed.contiguous() if isinstance(packed, torch.Tensor) else torch.from_numpy(np.ascontiguousarray(packed))
 
 
 def _fp16(values: np.ndarray) -> np.ndarray:

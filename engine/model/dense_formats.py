@@ -19,7 +19,6 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-import numpy as np
 import torch
 import torch.nn.functional as F
 from safetensors import SafetensorError, safe_open
@@ -27,7 +26,7 @@ from safetensors.torch import save_file
 
 from engine.formats.blocks import BlockFormat, format_for
 from engine.formats.dequantize import Dequantizer, reference_dequantizer
-from engine.formats.quantize import quantize
+from engine.formats.quantize import Quantizer, quantized_tensor, reference_quantizer
 from engine.model.conversion_cache import SOURCES, Sources, conversion_name, quantized_root, room_for, sources_of, sync
 from engine.model.dtypes import dtype_name
 from engine.model.layout import ROUTER_NAMES
@@ -93,11 +92,13 @@ class DenseCache:
 
 
 def quantize_dense(model: torch.nn.Module, fmt: BlockFormat, expert_modules: set[str],
-                   cache: DenseCache | None = None, progress: ProgressFn | None = None) -> list[str]:
+                   cache: DenseCache | None = None, progress: ProgressFn | None = None,
+                   quantizer: Quantizer = reference_quantizer) -> list[str]:
     """Replace the dense linear layers by `QuantizedLinear`s in `fmt` (llama.cpp's fallback format
     for narrow ones, as for experts); returns notes for the user. With a `cache`, the blocks of an
     earlier load are read back from it instead of quantizing again, and a new conversion is
-    written there (atomically; a cache that cannot be written costs only the reuse)."""
+    written there (atomically; a cache that cannot be written costs only the reuse). `quantizer`:
+    the runtime passes the native one (the same bytes)."""
     targets = [(name, module, format_for(fmt, module.in_features)) for name, module in dense_targets(model, expert_modules)]
     wanted = {name: (chosen, (module.out_features, chosen.row_bytes(module.in_features)))
               for name, module, chosen in targets if chosen is not None}
@@ -116,8 +117,7 @@ def quantize_dense(model: torch.nn.Module, fmt: BlockFormat, expert_modules: set
         if stored is not None:
             packed = stored[name]
         else:
-            packed = converted[name] = torch.from_numpy(
-                np.ascontiguousarray(quantize(module.weight.detach().float().cpu().numpy(), chosen)))
+            packed = converted[name] = quantized_tensor(module.weight.detach().cpu(), chosen, quantizer)
         owner, _, leaf = name.rpartition(".")
         setattr(model.get_submodule(owner) if owner else model, leaf,
                 QuantizedLinear(module, chosen, packed.to(module.weight.device)))

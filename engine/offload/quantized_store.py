@@ -19,14 +19,13 @@ from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
 
-import numpy as np
 import torch
 from safetensors.torch import save_file
 
 from engine.errors import MoEScopeError
 from engine.formats.blocks import BlockFormat
 from engine.formats.dequantize import dequantize
-from engine.formats.quantize import quantize
+from engine.formats.quantize import Quantizer, quantized_tensor, reference_quantizer
 from engine.model.checkpoint import read_safetensors_header
 from engine.model.conversion_cache import (
     MANIFEST,
@@ -51,16 +50,18 @@ class DiskSpaceError(MoEScopeError):
 
 
 def quantize_layout(layout: MoELayout, fmt: BlockFormat, fingerprint: str, *, root: Path | None = None,
-                    progress: ProgressFn | None = None) -> tuple[MoELayout, list[str]]:
-    """`layout` with its experts stored in `fmt`, converted now unless a finished conversion of this
-    checkpoint to this format is in the cache folder already; and notes for the user."""
+                    progress: ProgressFn | None = None,
+                    quantizer: Quantizer = reference_quantizer) -> tuple[MoELayout, list[str]]:
+    """`layout` with its experts stored in `fmt`, converted now (by `quantizer`: the runtime passes
+    the native one, the same bytes) unless a finished conversion of this checkpoint to this format
+    is in the cache folder already; and notes for the user."""
     params, slot_bytes, notes = quantized_params(layout.params, fmt)
     sources = sources_of({p.file for per_layer in layout.pieces for per_expert in per_layer for piece in per_expert
                           for p in (piece, piece.scales) if p is not None})  # few files, named by many pieces
     manifest = _manifest(layout, params, fmt, sources)
     folder = (root or quantized_root()) / conversion_name(fingerprint, sources, manifest["compute_dtype"], fmt.name)
     if not _finished(folder, manifest, layout.num_layers):
-        _convert(layout, params, fmt, folder, manifest, progress)
+        _convert(layout, params, fmt, folder, manifest, progress, quantizer)
     pieces = _pieces(folder, layout, params)
     on_disk = sum(piece.nbytes for per_layer in pieces for per_expert in per_layer for piece in per_expert)
     return replace(layout, params=params, slot_bytes=slot_bytes, pieces=pieces, expert_format=fmt,
@@ -91,7 +92,7 @@ def _finished(folder: Path, manifest: dict, num_layers: int) -> bool:
 
 
 def _convert(layout: MoELayout, params: list[ExpertParam], fmt: BlockFormat, folder: Path, manifest: dict,
-             progress: ProgressFn | None) -> None:
+             progress: ProgressFn | None, quantizer: Quantizer = reference_quantizer) -> None:
     partial = folder.with_name(folder.name + ".partial")
     shutil.rmtree(partial, ignore_errors=True)  # a conversion that was stopped: never trusted, redone
     shutil.rmtree(folder, ignore_errors=True)  # finished for another layout version: redone
@@ -123,8 +124,8 @@ def _convert(layout: MoELayout, params: list[ExpertParam], fmt: BlockFormat, fol
                             tensors[_name(expert, p.name)] = value.clone()
                             continue
                         matrix = value.t() if p.transposed else value  # quantized along its input features
-                    packed = quantize(matrix.float().numpy(), p.fmt)
-                    tensors[_name(expert, p.name)] = torch.from_numpy(np.ascontiguousarray(packed).reshape(-1))
+                    # the values as they are (bf16, fp16, float32): a quantizer widens them itself
+                    tensors[_name(expert, p.name)] = quantized_tensor(matrix, p.fmt, quantizer).reshape(-1)
             save_file(tensors, str(_layer_file(partial, layer)))
             if progress is not None:
                 progress((layer + 1) / layout.num_layers,

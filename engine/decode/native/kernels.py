@@ -13,6 +13,7 @@ from __future__ import annotations
 import functools
 import threading
 
+import numpy as np
 import torch
 
 from engine.decode.native import library
@@ -148,3 +149,22 @@ def slot_dequantizer(fallback):
         kernels.dequantize(weight(kernels, packed.reshape(out.shape[0], -1), fmt, columns), out)
 
     return dequantize_into
+
+
+def quantizer(fallback):
+    """A Quantizer (engine.formats.quantize) that converts on the native kernels where they load,
+    in every format they write (library.QUANTIZED_NATIVELY), into the bytes of the numpy reference
+    (tests hold the two equal), and hands everything else to `fallback`: a conversion's files do not
+    depend on whether the kernels are loaded. Loads the kernels (a conversion runs before decode
+    would). bf16 and float32 tensors go in as they are, without a float32 numpy copy."""
+
+    def quantize(matrix, fmt):
+        kernels = load()
+        if kernels is None or fmt.name not in library.QUANTIZED_NATIVELY:
+            return fallback(matrix, fmt)
+        x = matrix if isinstance(matrix, torch.Tensor) else torch.from_numpy(np.ascontiguousarray(matrix))
+        if x.dtype not in (torch.float32, torch.bfloat16):
+            x = x.float()  # fp16 (or float64) values: float32 holds them exactly (float64 as numpy rounds it)
+        return kernels.quantize(x.detach().cpu(), fmt)
+
+    return quantize

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-from engine.formats.blocks import FORMATS, FP8
+from engine.formats.blocks import FORMATS, FP8, BlockFormat
 
 LIB_DIR = Path(__file__).with_name("lib")
 SOURCE_DIR = Path(__file__).with_name("src")
@@ -171,6 +171,7 @@ _SIGNATURES: dict[str, tuple] = {
     "moescope_format_traits": (c_int, [c_int32, POINTER(c_int64), POINTER(c_int64)]),
     "moescope_gemv": (c_int, [_M, _P, _Vector, _P]),
     "moescope_dequantize": (c_int, [_M, _P, c_int]),
+    "moescope_quantize": (c_int, [_P, c_int, _I, _I, c_int32, _P]),
     "moescope_linear_rows": (c_int, [_M, _P, _I, _Vector, c_int, _P]),
     "moescope_rms_norm": (c_int, [_P, _I, _Vector, c_double, c_int, _P]),
     "moescope_qkv_rope": (c_int, [_P, _I, _M, _M, _M, _Vector, _Vector, c_double, _Vector, _Vector, _I,
@@ -199,6 +200,8 @@ _SIGNATURES: dict[str, tuple] = {
 }
 
 _NONE = _Vector(None, 0)
+# the formats moescope_quantize writes (src/formats/quantize.h); MXFP4 stays with the gguf package
+QUANTIZED_NATIVELY = frozenset({"q8_0", "q4_0", "q5_0", "q2_k", "q3_k", "q4_k", "q6_k"})
 # elements and bytes per block by GGML type (tests/test_native_library.py holds the kernels' own table to it)
 _BLOCKS = {f.ggml_type: (f.block, f.block_bytes) for f in (*FORMATS.values(), FP8)}
 
@@ -362,6 +365,22 @@ class Kernels:
                "dequantize: a contiguous bf16 or float32 tensor of rows x cols is needed")
         kind = 0 if out.dtype == torch.bfloat16 else 1 if bf16_values else 2
         self._call("moescope_dequantize", ctypes.byref(weight.matrix), out.data_ptr(), kind)
+
+    def quantize(self, x: torch.Tensor, fmt: BlockFormat) -> torch.Tensor:
+        """float32 or bf16 rows `x` [rows, cols] as uint8 [rows, row bytes] of blocks of `fmt`: the
+        bytes of engine.formats.quantize's reference (ValueError for a format no kernel writes)."""
+        if fmt.name not in QUANTIZED_NATIVELY:
+            raise ValueError(f"no native quantizer writes {fmt.name}")
+        _check(x.dim() == 2 and x.dtype in (torch.float32, torch.bfloat16) and x.device.type == "cpu",
+               "quantize: float32 or bf16 CPU rows are needed")
+        _check(x.size(1) % fmt.block == 0,
+               f"quantize: {x.size(1)} columns are not a whole number of {fmt.block}-element blocks")
+        x = x.contiguous()
+        out = torch.empty((x.size(0), fmt.row_bytes(x.size(1))), dtype=torch.uint8)
+        if x.numel():
+            self._call("moescope_quantize", x.data_ptr(), int(x.dtype == torch.bfloat16), x.size(0), x.size(1),
+                       fmt.ggml_type, out.data_ptr())
+        return out
 
     def linear_rows(self, weight: Weight, x: torch.Tensor, bias: torch.Tensor | None = None,
                     int8_inputs: bool = False) -> torch.Tensor:

@@ -11,6 +11,7 @@
 #include "base/check.h"
 #include "base/features.h"
 #include "base/parallel.h"
+#include "formats/quantize.h"
 #include "formats/types.h"
 #include "kernels/gemv.h"
 #include "ops/ops.h"
@@ -198,6 +199,30 @@ int moescope_dequantize(const ms_matrix* w, void* out, int out_kind) {
     MOESCOPE_CHECK(out != nullptr, "dequantize: an output of rows x cols is needed");
     MOESCOPE_CHECK(out_kind >= 0 && out_kind <= 2, "dequantize: out_kind is 0 (bf16), 1 (float32 of bf16) or 2 (float32)");
     dequantize(m, out, static_cast<Dequantized>(out_kind));
+  });
+}
+
+int moescope_quantize(const void* x, int bf16_input, int64_t rows, int64_t cols, int32_t type, uint8_t* out) {
+  return guarded([&] {
+    MOESCOPE_CHECK(can_quantize(type), "quantize: no native quantizer writes type ", type);
+    const int64_t elements = block_elements(type), bytes = block_bytes(type);
+    MOESCOPE_CHECK(x != nullptr && out != nullptr && rows >= 0 && cols > 0,
+                   "quantize: rows of values and an output of rows x row bytes are needed");
+    MOESCOPE_CHECK(cols % elements == 0, "quantize: ", cols, " columns are not a whole number of ", elements,
+                   "-element blocks");
+    const int64_t row_bytes = cols / elements * bytes;
+    parallel_for(0, rows, 1, [&](int64_t first, int64_t last) {
+      std::vector<float> widened(bf16_input ? cols : 0);  // a bf16 row as float32 (exact)
+      for (int64_t r = first; r < last; ++r) {
+        const float* row = static_cast<const float*>(x) + r * cols;
+        if (bf16_input) {
+          const bf16* source = static_cast<const bf16*>(x) + r * cols;
+          for (int64_t c = 0; c < cols; ++c) widened[c] = to_float(source[c]);
+          row = widened.data();
+        }
+        quantize_row(type, row, cols, out + r * row_bytes);
+      }
+    });
   });
 }
 

@@ -70,6 +70,11 @@ MOESCOPE_API int moescope_format_traits(int32_t type, int64_t* elements, int64_t
 MOESCOPE_API int moescope_gemv(const ms_matrix* w, const uint16_t* x, ms_vector bias, uint16_t* y);
 /* out_kind: 0 bf16; 1 float32 holding the bf16 values; 2 float32 never rounded (a float32 model's). */
 MOESCOPE_API int moescope_dequantize(const ms_matrix* w, void* out, int out_kind);
+/* Rows [rows, cols] of float32 values (bf16 with bf16_input) as rows of blocks of a GGML type (Q8_0,
+ * Q4_0, Q5_0, Q2_K, Q3_K, Q4_K, Q6_K) in `out` [rows, cols / elements * bytes]: the bytes of
+ * engine/formats/quantize.py. */
+MOESCOPE_API int moescope_quantize(const void* x, int bf16_input, int64_t rows, int64_t cols, int32_t type,
+                                   uint8_t* out);
 MOESCOPE_API int moescope_linear_rows(const ms_matrix* w, const uint16_t* x, int64_t m, ms_vector bias,
                                       int int8_inputs, uint16_t* y);
 MOESCOPE_API int moescope_rms_norm(const uint16_t* x, int64_t rows, ms_vector weight, double eps, int round_once,
