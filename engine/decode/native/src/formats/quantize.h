@@ -120,16 +120,25 @@ inline int abs_argmax(const float* v) {
 
 // Q8_0: d = max|x| / 127, levels rounded half away from zero (the gguf package's np_roundf).
 inline void q8_0(const float* x, uint8_t* out) {
-  float amax = std::fabs(x[0]);
-  for (int i = 1; i < 32; ++i) amax = std::fmax(amax, std::fabs(x[i]));
+  uint32_t top = 0;  // max |x| as bits: ordered as the values for non-negative floats, and vectorised
+  for (int i = 0; i < 32; ++i) {
+    uint32_t bits;
+    std::memcpy(&bits, x + i, 4);
+    bits &= 0x7fffffffu;
+    top = bits > top ? bits : top;
+  }
+  float amax;
+  std::memcpy(&amax, &top, 4);
   const float d = amax / 127.0f;
   const float id = d == 0.0f ? 0.0f : 1.0f / d;
   store_half(out, d);
+  int8_t q[32];  // apart from `out`, which might alias x: the loop vectorises
   for (int i = 0; i < 32; ++i) {  // np_roundf: half away from zero, in floors (std::round stays a call)
     const float v = x[i] * id, a = std::fabs(v), whole = std::floor(a);
     const float rounded = whole + std::floor(2.0f * (a - whole));
-    out[2 + i] = static_cast<uint8_t>(static_cast<int8_t>(v < 0.0f ? -rounded : rounded));
+    q[i] = static_cast<int8_t>(v < 0.0f ? -rounded : rounded);
   }
+  std::memcpy(out + 2, q, 32);
 }
 
 // Q4_0 and Q5_0: d = (the value of largest magnitude) / -8 or -16, levels trunc(x / d + 8.5 or 16.5).
