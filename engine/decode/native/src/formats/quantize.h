@@ -132,12 +132,18 @@ inline void q8_0(const float* x, uint8_t* out) {
   const float d = amax / 127.0f;
   const float id = d == 0.0f ? 0.0f : 1.0f / d;
   store_half(out, d);
-  int8_t q[32];  // apart from `out`, which might alias x: the loop vectorises
-  for (int i = 0; i < 32; ++i) {  // np_roundf: half away from zero, in floors (std::round stays a call)
-    const float v = x[i] * id, a = std::fabs(v), whole = std::floor(a);
-    const float rounded = whole + std::floor(2.0f * (a - whole));
-    q[i] = static_cast<int8_t>(v < 0.0f ? -rounded : rounded);
+  // np_roundf: floor(|v|) + floor(2 (|v| - floor(|v|))), signed. |v| <= 127 here, so each floor of a
+  // non-negative value is a truncation to int32, which vectorises where std::floor stays scalar;
+  // into int32 first and narrowed apart, in a buffer apart from `out` (which might alias x).
+  int32_t wide[32];
+  for (int i = 0; i < 32; ++i) {
+    const float v = x[i] * id, a = std::fabs(v);
+    const int32_t whole = static_cast<int32_t>(a);
+    const int32_t rounded = whole + static_cast<int32_t>(2.0f * (a - static_cast<float>(whole)));
+    wide[i] = v < 0.0f ? -rounded : rounded;
   }
+  int8_t q[32];
+  for (int i = 0; i < 32; ++i) q[i] = static_cast<int8_t>(wide[i]);
   std::memcpy(out + 2, q, 32);
 }
 
