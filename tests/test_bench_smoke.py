@@ -190,3 +190,18 @@ def test_policy_cost_times_each_policy_and_leaves_its_replay_unchanged(capsys):
     timed, plain = (replay(trace, policy, [16] * 16) for policy in (TimedPolicy(make_policy("crosslayer")),
                                                                      make_policy("crosslayer")))
     assert (timed.hits, timed.loads, timed.prefetch_loads) == (plain.hits, plain.loads, plain.prefetch_loads) != (0, 0, 0)
+
+
+def test_format_speed_sets_each_picker_format_beside_the_original(tmp_path, monkeypatch):
+    from bench.format_speed import main as format_speed_main
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))  # the conversions, out of the user's cache
+    out = tmp_path / "results"
+    code = format_speed_main(["--model", "demo", "--formats", "original,q4_k,q4_k@torch", "--rounds", "2",
+                              "--decode", "4", "--threads", "1", "--out", str(out)])
+    assert code == 0
+    (report_path,) = out.glob("*.json")
+    rows = {r["format"]: r for r in json.loads(report_path.read_text())["rows"]}
+    assert list(rows) == ["original", "q4_k", "q4_k@torch"]
+    assert rows["original"]["over_original"] == 1.0
+    assert all(len(r["rates"]) == 2 and r["decode_tokens"] > 0 for r in rows.values())
