@@ -55,7 +55,7 @@ def decode_rate(generator, ids: list[int], tokens: int) -> tuple[float, int]:
     return result.stats.decode_tokens_per_s, result.stats.decode_tokens
 
 
-def main(argv=None) -> int:
+def parse_args(argv) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="demo", help="a model as --model takes it (default: the demo)")
     parser.add_argument("--geometry", help="a synthetic bench geometry (bench.synthetic) instead of --model")
@@ -67,54 +67,67 @@ def main(argv=None) -> int:
     parser.add_argument("--exact", action="store_true", help="transformers' kernels (--exact) instead of the native ones")
     parser.add_argument("--out", type=Path, default=RESULTS_DIR)
     parser.add_argument("--tag", default="", help="appended to the results' name")
-    args = parser.parse_args(argv)
+    return parser.parse_args(argv)
 
-    import torch
 
-    from engine.decode.generation import Generator
+def load_runtimes(path: str, names: list[str], exact: bool) -> dict:
+    """One runtime per format name, at budget all."""
     from engine.decode.runtime import MoERuntime
     from engine.formats.dequantize import reference_dequantizer
     from engine.protocol import LoadModel
 
-    torch.set_num_threads(args.threads)
-    path = model_path(args)
-    names = args.formats.split(",")
-    generators, runtimes = {}, {}
+    runtimes = {}
     for name in names:
         print(f"loading {name}…", file=sys.stderr, flush=True)
-        runtime = MoERuntime(LoadModel(path=path, budget="all", fast_decode=not args.exact, **load_fields(name)))
+        runtime = MoERuntime(LoadModel(path=path, budget="all", fast_decode=not exact, **load_fields(name)))
         if name.endswith("@torch"):
             runtime.cache.use_dequantizer(reference_dequantizer)
-        runtimes[name], generators[name] = runtime, Generator(runtime)
-    vocab = next(iter(runtimes.values())).model.config.get_text_config().vocab_size
-    ids = prompt_ids(vocab, args.prompt_len)
+        runtimes[name] = runtime
+    return runtimes
+
+
+def timed_rounds(runtimes: dict, ids: list[int], decode: int, rounds: int) -> tuple[dict, dict]:
+    """Each round, one reply on every format, starting one format later than the round before:
+    (decode rates by format, one per round; tokens decoded by format)."""
+    from engine.decode.generation import Generator
+
+    names = list(runtimes)
+    generators = {name: Generator(runtime) for name, runtime in runtimes.items()}
     for generator in generators.values():
         decode_rate(generator, ids, 4)  # warm-up: first-use setup out of the timed rounds
-
     rates: dict[str, list[float]] = {name: [] for name in names}
     tokens: dict[str, int] = {}
-    for turn in range(args.rounds):
+    for turn in range(rounds):
         for name in names[turn % len(names):] + names[: turn % len(names)]:
-            rate, tokens[name] = decode_rate(generators[name], ids, args.decode)
+            rate, tokens[name] = decode_rate(generators[name], ids, decode)
             rates[name].append(rate)
+    return rates, tokens
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    import torch
+
+    torch.set_num_threads(args.threads)
+    names = args.formats.split(",")
+    runtimes = load_runtimes(model_path(args), names, args.exact)
+    vocab = next(iter(runtimes.values())).model.config.get_text_config().vocab_size
+    rates, tokens = timed_rounds(runtimes, prompt_ids(vocab, args.prompt_len), args.decode, args.rounds)
     paths = {name: runtime.decode_path for name, runtime in runtimes.items()}
     for runtime in runtimes.values():
         runtime.close()
 
-    base = rates[names[0]]
-    rows = []
-    for name in names:
-        ratio = statistics.median(r / b for r, b in zip(rates[name], base, strict=True))
-        rows.append({"format": name, "decode_tokens_per_s": statistics.median(rates[name]),
-                     f"over_{names[0]}": ratio, "decode_tokens": tokens[name], "decode_path": paths[name],
-                     "rates": rates[name]})
+    base, over = rates[names[0]], f"over_{names[0]}"
+    rows = [{"format": name, "decode_tokens_per_s": statistics.median(rates[name]),
+             over: statistics.median(r / b for r, b in zip(rates[name], base, strict=True)),
+             "decode_tokens": tokens[name], "decode_path": paths[name], "rates": rates[name]} for name in names]
     label = args.geometry or Path(args.model).name
     lines = [f"Decode speed by weight format: {label}, budget all, {args.threads} threads, greedy replies of "
              f"{args.decode} tokens from a {args.prompt_len}-token prompt; {args.rounds} rounds, formats in "
              "rotating order. Ratio: median over rounds of the format's rate over the first format's rate in "
              "the same round.", "",
              f"| format | decode tok/s (median) | ÷ {names[0]} | tokens | decode path |", "|---|---|---|---|---|"]
-    lines += [f"| {r['format']} | {r['decode_tokens_per_s']:.1f} | {r[f'over_{names[0]}']:.2f} | {r['decode_tokens']} "
+    lines += [f"| {r['format']} | {r['decode_tokens_per_s']:.1f} | {r[over]:.2f} | {r['decode_tokens']} "
               f"| {r['decode_path']} |" for r in rows]
     kind = f"format-speed-{label}" + (f"-{args.tag}" if args.tag else "")
     write_report(args.out, kind, {"model": label, "threads": args.threads, "decode": args.decode,
