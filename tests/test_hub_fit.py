@@ -93,7 +93,7 @@ def test_plain_checkpoints_are_runnable(estimates):
 
 @pytest.mark.parametrize("family", list(FAMILIES))
 def test_estimate_agrees_with_the_engines_own_layout(tiny_checkpoints, family):
-    from engine.hub.local import estimate_folder
+    from engine.hub.estimate import estimate_folder
     from engine.model.inspect import inspect_checkpoint
 
     path = tiny_checkpoints[family]
@@ -226,7 +226,7 @@ def test_budget_arg_never_goes_below_the_minimum(estimates):
 def test_sizes_in_a_format_are_the_engines_quantized_layout(tmp_path_factory, family, fmt):
     # the config-only estimate in a format counts the bytes the engine's quantized store will hold
     from engine.formats.blocks import parse_format
-    from engine.hub.local import estimate_folder
+    from engine.hub.estimate import estimate_folder
     from engine.model.inspect import inspect_checkpoint
     from tests.helpers.checkpoints import WIDE, save_tiny_checkpoint
 
@@ -255,8 +255,8 @@ def test_the_verdict_per_format_says_which_format_makes_the_model_fit(estimates)
 
 
 def test_a_format_the_experts_cannot_take_is_left_out(tmp_path):
+    from engine.hub.estimate import estimate_folder
     from engine.hub.fit import format_verdicts
-    from engine.hub.local import estimate_folder
     from tests.helpers.checkpoints import save_tiny_checkpoint
 
     # OLMoE's tiny experts are 24 wide: no block format (32 or 256 elements) stores their down projection

@@ -10,7 +10,8 @@ import pytest
 
 from engine.errors import CheckpointError
 from engine.hub.errors import HubError
-from engine.hub.local import estimate_folder, find_cached, list_cached_models, remove_cached, resolve_model
+from engine.hub.estimate import estimate_folder
+from engine.hub.local import find_cached, list_cached_models, remove_cached, resolve_model
 from engine.hub.paths import repo_folder
 from tests.helpers.checkpoints import reference_generate
 from tests.helpers.hub.library_hub import SHA, place_in_cache

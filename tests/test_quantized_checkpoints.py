@@ -144,7 +144,7 @@ def test_another_quantization_method_is_refused_naming_it(checkpoints, tmp_path,
 
 @pytest.mark.parametrize("model", ["gpt_oss-mxfp4", "qwen3_moe-fp8"])
 def test_info_and_the_fit_estimate_count_the_checkpoints_blocks(checkpoints, model, capsys):
-    from engine.hub.local import estimate_folder
+    from engine.hub.estimate import estimate_folder
 
     path = checkpoints[model]
     assert moescope(["info", "--model", str(path), "--json"]) == 0

@@ -119,8 +119,8 @@ def _list(args: argparse.Namespace) -> int:
 
 def _local_row(local, machine) -> dict:
     from engine.accounting.sizes import format_bytes
+    from engine.hub.estimate import estimate_folder
     from engine.hub.fit import assess
-    from engine.hub.local import estimate_folder
 
     status = f"downloaded, {format_bytes(local.size_on_disk)}" if local.complete else "partly downloaded"
     if local.problem and local.complete:

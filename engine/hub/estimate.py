@@ -10,10 +10,12 @@ from __future__ import annotations
 
 import warnings
 from dataclasses import dataclass, field, replace
+from pathlib import Path
 
 from engine.errors import CheckpointError
 from engine.formats.blocks import FP8, MXFP4, BlockFormat, format_for, format_name
 from engine.hub.supported import config_problem, quantization_of
+from engine.model.checkpoint import read_config
 from engine.model.dtypes import dtype_name
 
 CONTEXT_TOKENS = 4096  # the context the working-memory estimate assumes
@@ -239,3 +241,10 @@ def _kv_bytes_per_token(cfg, itemsize: int) -> int:
         v_dim = int(text.v_head_dim)
         kv_heads = heads
     return layers * kv_heads * (k_dim + v_dim) * itemsize
+
+
+def estimate_folder(folder: Path) -> SizeEstimate:
+    """Sizes of a local checkpoint folder: its config plus the real size of its weight files."""
+    config = read_config(folder)
+    shards = [p for p in folder.glob("*.safetensors") if p.exists()]  # exists(): skips broken cache links
+    return estimate_from_config(config, weight_file_bytes=sum(p.stat().st_size for p in shards) if shards else None)

@@ -224,7 +224,8 @@ def fit_model(ref: str, *, revision: str = "main", cache_dir: Path | None = None
     complete copy in the HF cache: the Hub is not asked), else from the Hub's config.json, else,
     with no Hub, from a config.json an earlier look-up left in the cache."""
     from engine.hub.errors import HubError
-    from engine.hub.local import estimate_folder, find_cached
+    from engine.hub.estimate import estimate_folder
+    from engine.hub.local import find_cached
     from engine.hub.machine import probe_machine
     from engine.hub.paths import hub_cache_dir
 

@@ -54,7 +54,7 @@ def _sized_gguf(parts: tuple[tuple[Path, int, int], ...]):
 def describe_folder(source: str, name: str, folder: Path) -> FoundModel:
     """A safetensors checkpoint folder (LM Studio keeps MLX-style models so), from its config.json."""
     from engine.errors import MoEScopeError
-    from engine.hub.local import estimate_folder
+    from engine.hub.estimate import estimate_folder
     from engine.hub.supported import checkpoint_quant, config_problem, is_supported_config
 
     size = sum(_size(p) for p in folder.glob("*.safetensors"))

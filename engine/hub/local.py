@@ -8,11 +8,9 @@ from pathlib import Path
 
 from engine.errors import MODEL_ACCEPTS, CheckpointError
 from engine.hub.errors import HubError
-from engine.hub.estimate import SizeEstimate, estimate_from_config
 from engine.hub.paths import hub_cache_dir
 from engine.hub.remote import INDEX_FILE, REPO_ID
 from engine.hub.supported import config_problem
-from engine.model.checkpoint import read_config
 
 
 @dataclass
@@ -112,13 +110,6 @@ def find_named(ref: str, cache_dir: Path | None = None) -> Path | None:
                 raise CheckpointError(model.problem)
             return model.path
     return None
-
-
-def estimate_folder(folder: Path) -> SizeEstimate:
-    """Sizes of a local checkpoint folder: its config plus the real size of its weight files."""
-    config = read_config(folder)
-    shards = [p for p in folder.glob("*.safetensors") if p.exists()]  # exists(): skips broken cache links
-    return estimate_from_config(config, weight_file_bytes=sum(p.stat().st_size for p in shards) if shards else None)
 
 
 def remove_cached(repo_id: str, cache_dir: Path | None = None, *, execute: bool = False) -> int:
