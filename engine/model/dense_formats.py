@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -30,10 +29,9 @@ from engine.formats.quantize import Quantizer, quantized_tensor, reference_quant
 from engine.model.conversion_cache import SOURCES, Sources, conversion_name, quantized_root, room_for, sources_of, sync
 from engine.model.dtypes import dtype_name
 from engine.model.layout import ROUTER_NAMES
+from engine.system.progress import ProgressFn
 
 KEPT_AS_IS = ("kv_b_proj",)  # see the module's docstring
-
-ProgressFn = Callable[[float, str], None]
 
 
 class QuantizedLinear(torch.nn.Module):

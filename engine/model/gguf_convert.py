@@ -11,7 +11,6 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -22,8 +21,7 @@ from engine.errors import CheckpointError
 from engine.model.gguf_file import GGUFModel
 from engine.model.gguf_layout import Conversion
 from engine.model.layout import ExpertPiece, MoELayout
-
-ProgressFn = Callable[[float, str], None]
+from engine.system.progress import ProgressFn
 
 
 def converted_root() -> Path:

@@ -26,7 +26,7 @@ from engine.model.gguf_config import hf_config
 from engine.model.gguf_convert import convert_experts
 from engine.model.gguf_file import GGUFModel, open_gguf
 from engine.model.gguf_layout import build_gguf_layout
-from engine.model.loader import LoadedWeights, ProgressFn, _set_tensor, tie_loaded
+from engine.model.loaded import LoadedWeights, ProgressFn, set_tensor, tie_loaded
 
 PERMUTED = ("attn_q", "attn_k")  # llama.cpp's LlamaModel.permute: q with the query heads, k with the kv heads
 
@@ -94,7 +94,7 @@ def _load_dense(model: torch.nn.Module, layout, gguf_model: GGUFModel, device: t
         if second is not None:  # MLA's kv_b_proj, split by the converter: joined, in floats
             values = gguf_mla.join_kv_b(_dequantize(raw, record, gguf), _dequantize(_read(second), second, gguf),
                                         text_config.num_attention_heads, text_config.kv_lora_rank)
-            _set_tensor(model, key, torch.from_numpy(values).to(device=device, dtype=state[key].dtype))
+            set_tensor(model, key, torch.from_numpy(values).to(device=device, dtype=state[key].dtype))
         elif leaf == "weight" and owner in linears and fmt is not None:  # kept in its blocks
             linear = linears[owner]
             packed = raw.reshape(linear.out_features, -1)
@@ -113,7 +113,7 @@ def _load_dense(model: torch.nn.Module, layout, gguf_model: GGUFModel, device: t
             if permute and values.ndim >= 1:
                 values = _unpermute(values, record.name, text_config)
             tensor = torch.from_numpy(np.ascontiguousarray(values)).to(device=device, dtype=target.dtype)
-            _set_tensor(model, key, tensor)
+            set_tensor(model, key, tensor)
         if progress:
             progress(done / total, f"dense weights from {record.file.name}")
     tie_loaded(model)

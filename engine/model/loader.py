@@ -10,7 +10,6 @@ from __future__ import annotations
 import warnings
 from collections.abc import Callable
 from contextlib import ExitStack
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -18,14 +17,13 @@ from safetensors import safe_open
 
 from engine.errors import CheckpointError, DeviceError
 from engine.model import experts_registry as experts_impl
-from engine.model.checkpoint import CheckpointFiles, TensorRecord, open_checkpoint
+from engine.model.checkpoint import TensorRecord, open_checkpoint
 from engine.model.dtypes import resolve_dtype
-from engine.model.gguf_file import GGUFModel, is_gguf
+from engine.model.gguf_file import is_gguf
 from engine.model.layout import MoELayout, build_layout
+from engine.model.loaded import LoadedWeights, ProgressFn, set_tensor, tie_loaded
 from engine.model.model_class import model_class, text_generator
 from engine.model.prequantized import dequantize_tensor
-
-ProgressFn = Callable[[float, str], None]
 
 
 def resolve_device(name: str) -> torch.device:
@@ -36,17 +34,6 @@ def resolve_device(name: str) -> torch.device:
     if name not in ("cpu", "cuda"):
         raise DeviceError(f"unknown device '{name}'; use cpu, cuda or auto")
     return torch.device(name)
-
-
-@dataclass
-class LoadedWeights:
-    model: torch.nn.Module
-    layout: MoELayout
-    files: CheckpointFiles
-    dtype: torch.dtype
-    notes: list[str] = field(default_factory=list)  # what was converted at load, for the user
-    gguf: GGUFModel | None = None  # the GGUF file it was opened from
-    text_only: bool = False  # a multimodal model of which the text part runs (images are a later step)
 
 
 def build_model(
@@ -125,7 +112,7 @@ def _load_dense(model: torch.nn.Module, layout: MoELayout, device: torch.device,
         if tensor.shape != target.shape:
             raise CheckpointError(f"'{key}' in {source} has shape {tuple(tensor.shape)}, the model expects {tuple(target.shape)}")
         tensor = tensor.to(device=device, dtype=target.dtype)  # the runtime gathers them into huge pages
-        _set_tensor(model, key, tensor)
+        set_tensor(model, key, tensor)
 
     unused: list[str] = []  # checkpoint tensors no model weight takes
     with _TensorReader() as read:
@@ -158,26 +145,6 @@ def _load_dense(model: torch.nn.Module, layout: MoELayout, device: torch.device,
         raise CheckpointError(f"checkpoint is missing {len(missing)} weights, e.g. '{missing[0]}'; the download may be incomplete")
 
 
-def tie_loaded(model: torch.nn.Module) -> None:
-    """transformers' weight tying (`all_tied_weights_keys`, target -> source) for the weights the load
-    left on the meta device: a tied LM head, DiffusionGemma's encoder running its decoder's layers.
-    Not `model.tie_weights()`, which stops at the offloaded experts (their bytes live in the store)."""
-    tied = getattr(model, "all_tied_weights_keys", None)
-    if tied is None:  # a remote-code class from before the mapping
-        if getattr(model, "lm_head", None) is not None and model.lm_head.weight.is_meta:
-            model.tie_weights()
-        return
-    for target, source in tied.items():
-        parent_name, _, name = target.rpartition(".")
-        parent = model.get_submodule(parent_name)
-        current = getattr(parent, name, None)
-        if not isinstance(current, torch.Tensor) or not current.is_meta:
-            continue  # loaded from the checkpoint, or an offloaded expert weight
-        value = model.get_parameter_or_buffer(source)
-        if not value.is_meta:
-            setattr(parent, name, value)
-
-
 class _TensorReader:
     """Reads checkpoint tensors by record, each safetensors file opened once."""
 
@@ -200,12 +167,3 @@ class _TensorReader:
             return handle.get_tensor(record.name)
         except (OSError, RuntimeError) as exc:
             raise CheckpointError(f"cannot read {record.file}: {exc}") from None
-
-
-def _set_tensor(model: torch.nn.Module, key: str, tensor: torch.Tensor) -> None:
-    owner_path, _, name = key.rpartition(".")
-    owner = model.get_submodule(owner_path)
-    if name in owner._parameters:
-        owner._parameters[name] = torch.nn.Parameter(tensor, requires_grad=False)
-    else:
-        owner._buffers[name] = tensor

@@ -15,7 +15,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
 
@@ -40,8 +39,8 @@ from engine.model.conversion_cache import (
 from engine.model.dtypes import dtype_name, torch_dtype
 from engine.model.layout import ExpertParam, ExpertPiece, MoELayout, quantized_params
 from engine.offload.store import DiskStore
+from engine.system.progress import ProgressFn
 
-ProgressFn = Callable[[float, str], None]
 VERSION = 1
 
 

@@ -15,7 +15,6 @@ from __future__ import annotations
 import os
 import threading
 from abc import ABC, abstractmethod
-from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -23,8 +22,7 @@ import torch
 from engine.formats import relay
 from engine.model.conversions import undo_interleave, weave_halves
 from engine.model.layout import ExpertPiece, MoELayout
-
-ProgressFn = Callable[[float, str], None]
+from engine.system.progress import ProgressFn
 
 
 class ExpertStore(ABC):
