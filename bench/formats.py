@@ -44,8 +44,30 @@ def load_settings(fmt: str) -> dict:
 
 def bytes_per_token(model_dir: Path, fmt: str) -> int:
     """Bytes of weights one decode token reads in `fmt` (the memory-bandwidth limit's numerator)."""
-    from bench.decode_limit import active_bytes_per_token
-
     _check(fmt)
     experts, dense = split_format(fmt)
     return active_bytes_per_token(model_dir, experts, dense)[0]
+
+
+def active_bytes_per_token(model_dir: Path, expert_format: str | None = None,
+                           dense_format: str | None = None) -> tuple[int, int, int]:
+    """(bytes a decode token reads, expert bytes of those, one expert's bytes): every dense weight
+    but the embedding table (one row), in `dense_format` where the engine would store it so, plus
+    top-k experts per MoE layer in `expert_format`."""
+    from engine.formats.blocks import format_for, parse_format
+    from engine.model.dense_formats import dense_targets
+    from engine.model.inspect import inspect_checkpoint
+    from engine.model.loader import build_model
+
+    info = inspect_checkpoint(Path(model_dir), expert_format=parse_format(expert_format))
+    loaded = build_model(str(model_dir), device=__import__("torch").device("meta"), load_dense=False)
+    embed = loaded.model.get_input_embeddings().weight
+    dense = info.dense_bytes - embed.numel() * embed.element_size()
+    if (fmt := parse_format(dense_format)) is not None:  # what quantize_dense would store, layer by layer
+        for _, linear in dense_targets(loaded.model, set(loaded.layout.module_paths)):
+            if (chosen := format_for(fmt, linear.in_features)) is not None:
+                weight = linear.weight
+                dense -= weight.numel() * weight.element_size()
+                dense += linear.out_features * linear.in_features // chosen.block * chosen.block_bytes
+    experts = info.top_k * info.expert_bytes * info.num_moe_layers
+    return dense + experts, experts, info.expert_bytes
