@@ -148,3 +148,48 @@ def test_every_event_is_in_the_event_union_and_every_command_in_the_command_unio
                         sent.add(getattr(p, arg.func.attr))
     assert p.FastDecodeChanged in sent and p.Done in sent  # the scan sees the worker's messages
     assert sent - {p.Shutdown} <= events, f"sent but not in Event: {sent - {p.Shutdown} - events}"
+
+
+MAX_FUNCTION_LINES = 60
+# Functions over the limit, each with why it is still long. Splitting one into named steps takes
+# it off this list (the test below fails for a listed one that has become short).
+LONG_FUNCTIONS = {
+    "engine/decode/runtime.py:MoERuntime.__init__": "the load in order; to become named steps",
+    "engine/model/layout.py:build_layout": "every family's expert naming in one pass; to split by step",
+    "engine/model/gguf_layout.py:build_gguf_layout": "the GGUF counterpart of build_layout; to split alike",
+    "engine/offload/expert_cache.py:ExpertCache._compute": "closures over a layer's rows; to become an object",
+    "engine/hub/estimate.py:estimate_from_config": "one estimate per config field group; to split",
+    "engine/model/loader.py:build_model": "the load's branches (GGUF, quantized, multimodal)",
+    "engine/cli/models.py:_list": "the listing's columns and sources",
+    "engine/demo/train.py:train": "the training loop with its schedule and checks",
+    "engine/serve/app.py:create_app": "FastAPI routes defined as closures over the app's state",
+    "engine/traces/replay.py:replay": "the replay loop with its accounting",
+    "app/library_dialog.py:LibraryDialog.__init__": "widget construction; to split by area",
+    "app/main_window.py:MainWindow.__init__": "widget construction and signal wiring",
+    "app/panels/budget.py:BudgetPanel.__init__": "widget construction",
+    "app/panels/system.py:SystemPanel.__init__": "widget construction",
+}
+
+
+def function_lengths(packages: tuple[str, ...]) -> dict[str, int]:
+    """'path:Class.function' -> its lines, for every function in `packages`."""
+    lengths = {}
+    for package in packages:
+        for path in sorted((ROOT / package).rglob("*.py")):
+            def walk(node: ast.AST, prefix: str, file: str) -> None:
+                for child in ast.iter_child_nodes(node):
+                    if isinstance(child, ast.ClassDef):
+                        walk(child, f"{prefix}{child.name}.", file)
+                    elif isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                        lengths[f"{file}:{prefix}{child.name}"] = child.end_lineno - child.lineno + 1
+                        walk(child, f"{prefix}{child.name}.", file)
+
+            walk(ast.parse(path.read_text()), "", str(path.relative_to(ROOT)))
+    return lengths
+
+
+def test_functions_stay_short_but_for_the_named_exceptions():
+    lengths = function_lengths(("engine", "app"))
+    long = {name for name, lines in lengths.items() if lines > MAX_FUNCTION_LINES}
+    assert long <= set(LONG_FUNCTIONS), f"over {MAX_FUNCTION_LINES} lines: {sorted(long - set(LONG_FUNCTIONS))}"
+    assert set(LONG_FUNCTIONS) <= long, f"short now, take off LONG_FUNCTIONS: {sorted(set(LONG_FUNCTIONS) - long)}"
