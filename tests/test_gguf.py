@@ -17,7 +17,7 @@ import torch
 from engine.cli.main import main as moescope
 from engine.decode.runtime import MoERuntime
 from engine.model.dense_formats import QuantizedLinear
-from engine.model.gguf_convert import converted_root
+from engine.model.gguf.convert import converted_root
 from engine.offload.store import DiskStore
 from engine.protocol import LoadModel
 from tests.helpers.checkpoints import greedy_reply, tree_snapshot

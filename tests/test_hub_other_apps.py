@@ -119,7 +119,7 @@ def test_a_split_set_with_a_part_missing_names_the_part(home):
     first = write_moe_gguf(home / ".lmstudio" / "models" / "p" / "S-GGUF" / "s-Q8_0.gguf", split_max_tensors=8)
     (first.parent / "s-Q8_0-00002-of-00003.gguf").unlink()
     [entry] = found(list_library(), "lmstudio").values()
-    # the loader's own line (engine.model.gguf_file.split_parts), the same the library shows
+    # the loader's own line (engine.model.gguf.file.split_parts), the same the library shows
     assert entry.problem == ("'s-Q8_0-00001-of-00003.gguf' is part of a split GGUF set of 3 files, and "
                              f"s-Q8_0-00002-of-00003.gguf is missing from {first.parent}; download every part "
                              "into the same folder")
@@ -165,7 +165,7 @@ def test_an_lmstudio_checkpoint_folder_opens_where_it_lies(home, mixtral_checkpo
 def test_the_header_parser_agrees_with_the_gguf_package(tmp_path):
     import gguf
 
-    from engine.model.gguf_header import parse_header
+    from engine.model.gguf.header import parse_header
 
     path = write_moe_gguf(tmp_path / "m.gguf", quant="Q4_K", file_type="MOSTLY_Q4_K_M", vocabulary=3000)
     parsed = parse_header(path.read_bytes())

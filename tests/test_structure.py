@@ -156,7 +156,7 @@ MAX_FUNCTION_LINES = 60
 LONG_FUNCTIONS = {
     "engine/decode/runtime.py:MoERuntime.__init__": "the load in order; to become named steps",
     "engine/model/layout.py:build_layout": "every family's expert naming in one pass; to split by step",
-    "engine/model/gguf_layout.py:build_gguf_layout": "the GGUF counterpart of build_layout; to split alike",
+    "engine/model/gguf/layout.py:build_gguf_layout": "the GGUF counterpart of build_layout; to split alike",
     "engine/offload/expert_cache.py:ExpertCache._compute": "closures over a layer's rows; to become an object",
     "engine/hub/estimate.py:estimate_from_config": "one estimate per config field group; to split",
     "engine/model/loader.py:build_model": "the load's branches (GGUF, quantized, multimodal)",

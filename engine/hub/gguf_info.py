@@ -1,6 +1,6 @@
 """A GGUF file's size estimate from its header alone: architecture, experts, bytes in its own quant types.
 
-The header is parsed with `gguf_header` (metadata and tensor table, quant types from the `gguf`
+The header is parsed with `engine.model.gguf.header` (metadata and tensor table, quant types from the `gguf`
 package); no tensor bytes are read, so a 100 GiB file is sized in a fraction of a second. Expert tensors are llama.cpp's fused
 `blk.N.ffn_{gate,up,down}_exps` (and their biases); everything else is dense. Sizes are the file's
 own bytes: the estimate says what the experts and dense weights take as the file stores them.
@@ -14,9 +14,9 @@ from pathlib import Path
 
 from engine.errors import CheckpointError
 from engine.hub.estimate import SizeEstimate
-from engine.model.gguf_config import ARCHITECTURES, SUPPORTED, unmapped_variant
-from engine.model.gguf_file import split_parts as model_split_parts
-from engine.model.gguf_header import BadHeader, ParsedHeader, ShortHeader, read_file_header
+from engine.model.gguf.config import ARCHITECTURES, SUPPORTED, unmapped_variant
+from engine.model.gguf.file import split_parts as model_split_parts
+from engine.model.gguf.header import BadHeader, ParsedHeader, ShortHeader, read_file_header
 
 BLOCK = re.compile(r"^blk\.(\d+)\.")
 # GGUF architectures the GGUF loader maps onto a transformers MoE family: the loader's own table

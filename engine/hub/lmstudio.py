@@ -12,7 +12,7 @@ import json
 from pathlib import Path
 
 from engine.hub.found import FoundModel, describe_folder, describe_gguf
-from engine.model.gguf_file import SPLIT_NAME
+from engine.model.gguf.file import SPLIT_NAME
 
 
 def lmstudio_home() -> Path:

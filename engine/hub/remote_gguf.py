@@ -3,7 +3,7 @@
 A GGUF repo (e.g. unsloth/Qwen3-30B-A3B-GGUF) holds one file per quant type, or one split set
 (`-00001-of-0000N.gguf`) per quant, often in a sub-folder per quant. Each is one choice. Its size
 estimate comes from its header: the first bytes of every part, fetched with HTTP Range requests and
-parsed in memory (engine.model.gguf_header), so a 100 GiB choice is sized from a few MiB of traffic.
+parsed in memory (engine.model.gguf.header), so a 100 GiB choice is sized from a few MiB of traffic.
 """
 
 from __future__ import annotations
@@ -14,8 +14,8 @@ from pathlib import Path
 
 from engine.hub.gguf_info import GGUFHeader, GGUFProblem, header_of
 from engine.hub.remote import RemoteFile
-from engine.model.gguf_file import SPLIT_NAME
-from engine.model.gguf_header import BadHeader, ParsedHeader, ShortHeader, parse_header
+from engine.model.gguf.file import SPLIT_NAME
+from engine.model.gguf.header import BadHeader, ParsedHeader, ShortHeader, parse_header
 
 HEADER_BYTES = 8 * 1024**2  # first try: metadata with a 150k-token vocabulary and the tensor table fit
 MAX_HEADER_BYTES = 256 * 1024**2

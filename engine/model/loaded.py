@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 import torch
 
 from engine.model.checkpoint import CheckpointFiles
-from engine.model.gguf_file import GGUFModel
+from engine.model.gguf.file import GGUFModel
 from engine.model.layout import MoELayout
 from engine.system.progress import ProgressFn
 

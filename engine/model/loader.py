@@ -19,7 +19,7 @@ from engine.errors import CheckpointError, DeviceError
 from engine.model import experts_registry as experts_impl
 from engine.model.checkpoint import TensorRecord, open_checkpoint
 from engine.model.dtypes import resolve_dtype
-from engine.model.gguf_file import is_gguf
+from engine.model.gguf.file import is_gguf
 from engine.model.layout import MoELayout, build_layout
 from engine.model.loaded import LoadedWeights, ProgressFn, set_tensor, tie_loaded
 from engine.model.model_class import model_class, text_generator
@@ -50,7 +50,7 @@ def build_model(
     from transformers import AutoConfig, AutoModelForCausalLM
 
     if is_gguf(Path(path)):
-        from engine.model.gguf_loader import build_gguf_model
+        from engine.model.gguf.loader import build_gguf_model
 
         return build_gguf_model(Path(path), device=device, dtype=dtype, progress=progress, load_dense=load_dense)
     files = open_checkpoint(path, allow_pickle=allow_pickle, trust_remote_code=trust_remote_code)

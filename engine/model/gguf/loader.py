@@ -18,14 +18,14 @@ import torch
 from engine.errors import CheckpointError
 from engine.formats.blocks import FORMATS
 from engine.model import experts_registry as experts_impl
-from engine.model import gguf_mla
 from engine.model.checkpoint import CheckpointFiles, TensorRecord
 from engine.model.dense_formats import QuantizedLinear, dense_targets
 from engine.model.dtypes import resolve_dtype
-from engine.model.gguf_config import hf_config
-from engine.model.gguf_convert import convert_experts
-from engine.model.gguf_file import GGUFModel, open_gguf
-from engine.model.gguf_layout import build_gguf_layout
+from engine.model.gguf import mla as gguf_mla
+from engine.model.gguf.config import hf_config
+from engine.model.gguf.convert import convert_experts
+from engine.model.gguf.file import GGUFModel, open_gguf
+from engine.model.gguf.layout import build_gguf_layout
 from engine.model.loaded import LoadedWeights, ProgressFn, set_tensor, tie_loaded
 
 PERMUTED = ("attn_q", "attn_k")  # llama.cpp's LlamaModel.permute: q with the query heads, k with the kv heads

@@ -7,7 +7,7 @@ kernel for it (`engine.formats.blocks.FORMATS`: the same bytes): llama.cpp's Q4_
 layers' `ffn_down_exps` Q6_K and the others Q4_K, and each layer keeps its own (the slots are sized
 for the widest, `MoELayout.layer_params` says what each layer holds). A tensor in a type without a
 kernel, a layer whose gate and up come in two types, or float experts beside quantized layers are
-converted once, per tensor, to the nearest format with a kernel (`gguf_convert`). Dense tensors are
+converted once, per tensor, to the nearest format with a kernel (`gguf.convert`). Dense tensors are
 named by the `gguf` package's own tensor-name map.
 """
 
@@ -20,9 +20,9 @@ import torch
 
 from engine.errors import CheckpointError
 from engine.formats.blocks import FORMATS, BlockFormat, format_for
-from engine.model import gguf_mla
 from engine.model.checkpoint import TensorRecord
-from engine.model.gguf_file import GGUFModel, GGUFTensor
+from engine.model.gguf import mla as gguf_mla
+from engine.model.gguf.file import GGUFModel, GGUFTensor
 from engine.model.layout import ExpertParam, ExpertPiece, MoELayout, aligned, expert_modules, find_top_k
 
 # The experts forward's parameters and the fused GGUF tensors that fill them, in order: gate rows then
@@ -173,7 +173,7 @@ def build_gguf_layout(model: torch.nn.Module, gguf_model: GGUFModel,
                 expert_tensors.add(tensor.name)
                 expert_disk += tensor.nbytes
                 per_expert = tensor.nbytes // num_experts
-                if tensor.name in why_of:  # its pieces will point into the converted file (gguf_convert)
+                if tensor.name in why_of:  # its pieces will point into the converted file (gguf.convert)
                     fmt = formats[param.name][layer]
                     conversions.append(Conversion(tensor, fmt, why_of[tensor.name], layer, param.name, dst, weave_dim))
                     dst += fmt.row_bytes(tensor.shape[-1]) * tensor.shape[1]

@@ -14,7 +14,7 @@ from decimal import Decimal
 import numpy as np
 
 from engine.errors import CheckpointError, NotMoEError
-from engine.model.gguf_file import GGUFModel
+from engine.model.gguf.file import GGUFModel
 
 # GGUF architecture -> (transformers model_type, class), for the MoE families mapped here
 ARCHITECTURES = {

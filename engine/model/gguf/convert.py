@@ -18,8 +18,8 @@ import platformdirs
 import torch
 
 from engine.errors import CheckpointError
-from engine.model.gguf_file import GGUFModel
-from engine.model.gguf_layout import Conversion
+from engine.model.gguf.file import GGUFModel
+from engine.model.gguf.layout import Conversion
 from engine.model.layout import ExpertPiece, MoELayout
 from engine.system.progress import ProgressFn
 

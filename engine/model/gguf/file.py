@@ -1,7 +1,7 @@
 """Opening a GGUF file (or a split `-00001-of-0000N.gguf` set) as llama.cpp's converter writes it:
 its metadata, and where every tensor's bytes sit, checked before anything is read.
 
-Headers only (engine.model.gguf_header walks them, stepping over the vocabulary), and the tensors'
+Headers only (engine.model.gguf.header walks them, stepping over the vocabulary), and the tensors'
 bytes are read later, per expert, by the store (the file is never copied or written).
 """
 
@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from engine.errors import CheckpointError
-from engine.model.gguf_header import BadHeader, ShortHeader, read_file_header
+from engine.model.gguf.header import BadHeader, ShortHeader, read_file_header
 
 SPLIT_NAME = re.compile(r"^(?P<prefix>.*)-(?P<no>\d{5})-of-(?P<count>\d{5})\.gguf$", re.IGNORECASE)
 
