@@ -24,6 +24,7 @@ from app.model_bar import ModelBar
 from app.models import export
 from app.models.budget import same_share
 from app.models.history import HistoryStore
+from app.models.telemetry_history import TelemetryHistory
 from app.panels.base import Panel
 from app.panels.budget import BudgetPanel
 from app.panels.heatmap import HeatmapPanel
@@ -32,7 +33,6 @@ from app.panels.server import ServerPanel
 from app.panels.system import SystemPanel
 from app.panels.traffic import TrafficPanel
 from app.settings import AppSettings
-from app.telemetry_history import TelemetryHistory
 from app.themes import ThemeManager
 from app.window_layout import (
     PanelScroll,

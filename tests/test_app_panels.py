@@ -9,12 +9,12 @@ from PySide6.QtCore import QPointF
 from app.models.budget import BudgetScale, free_for_budget
 from app.models.budget_estimate import Estimate, Estimator, scaled_tokens_per_s, slot_bytes_of
 from app.models.heatmap import HeatmapData, OutlineCache, colour_values, overlay_scale
+from app.models.telemetry_history import RingSeries, TelemetryHistory
 from app.panels.budget import BudgetPanel
 from app.panels.heatmap import HeatmapPanel
 from app.panels.hit_rate import HitRatePanel
 from app.panels.system import SystemPanel, policy_label
 from app.panels.traffic import TrafficPanel
-from app.telemetry_history import RingSeries, TelemetryHistory
 from engine import protocol as p
 from tests.helpers.app_fixtures import model_loaded, snapshot
 

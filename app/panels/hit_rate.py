@@ -5,8 +5,8 @@ from __future__ import annotations
 import pyqtgraph as pg
 from PySide6.QtWidgets import QComboBox, QHBoxLayout, QLabel, QVBoxLayout, QWidget
 
+from app.models.telemetry_history import TelemetryHistory, connections
 from app.panels.base import Panel, quiet_plot, style_plot, translucent
-from app.telemetry_history import TelemetryHistory, connections
 from app.themes import LIGHT, Theme
 from engine import protocol as p
 

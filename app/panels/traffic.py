@@ -8,9 +8,9 @@ import pyqtgraph as pg
 from PySide6.QtWidgets import QLabel, QVBoxLayout, QWidget
 
 from app.models.stats_format import format_bytes, format_rate
+from app.models.telemetry_history import TelemetryHistory, connections
 from app.panels.base import Panel, quiet_plot, style_plot, translucent
 from app.panels.hit_rate import WINDOW_S
-from app.telemetry_history import TelemetryHistory, connections
 from app.themes import LIGHT, Theme
 from engine import protocol as p
 
