@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from PySide6.QtWidgets import QComboBox, QWidget
 
-from app.models import formats
+from app.models import format_choices
 
 SHOWN_CHARS = 10  # the closed picker's narrowest: "4-bit (Q4…"; the whole label in the list and the tooltip
 
@@ -26,14 +26,14 @@ class FormatPicker(QComboBox):
         self.currentIndexChanged.connect(self._show_tip)
         self.set_quality({})
 
-    def set_quality(self, quality: dict[str, formats.FormatQuality]) -> None:
+    def set_quality(self, quality: dict[str, format_choices.FormatQuality]) -> None:
         """Labels and tooltips for the model at hand (its card's measured costs), keeping the choice."""
         current = self.current()
         self.blockSignals(True)
         self.clear()
-        for name in formats.CHOICES:
-            self.addItem(formats.choice_label(name, quality), name)
-            self.setItemData(self.count() - 1, formats.choice_tip(name, quality), 3)  # Qt.ToolTipRole
+        for name in format_choices.CHOICES:
+            self.addItem(format_choices.choice_label(name, quality), name)
+            self.setItemData(self.count() - 1, format_choices.choice_tip(name, quality), 3)  # Qt.ToolTipRole
         self.show_format(current)
         self.blockSignals(False)
         widest = max(self.fontMetrics().horizontalAdvance(self.itemText(i)) for i in range(self.count()))
@@ -41,11 +41,11 @@ class FormatPicker(QComboBox):
         self._show_tip()
 
     def current(self) -> str:
-        return self.currentData() or formats.ORIGINAL
+        return self.currentData() or format_choices.ORIGINAL
 
     def show_format(self, name: str) -> None:
         self.blockSignals(True)
-        self.setCurrentIndex(max(0, self.findData(formats.canonical(name))))
+        self.setCurrentIndex(max(0, self.findData(format_choices.canonical(name))))
         self.blockSignals(False)
         self._show_tip()
 

@@ -29,7 +29,7 @@ from PySide6.QtWidgets import (
 )
 
 from app.format_picker import FormatPicker
-from app.models.formats import card_quality
+from app.models.format_choices import card_quality
 from app.models.library import LibraryModel, default_format, fit_lines, quant_choice_text
 from engine import protocol as p
 

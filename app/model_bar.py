@@ -17,7 +17,7 @@ from PySide6.QtWidgets import (
 
 from app.elided_label import ElidedLabel
 from app.format_picker import FormatPicker
-from app.models import formats
+from app.models import format_choices
 from app.models.stats_format import format_bytes
 from engine import protocol as p
 
@@ -30,7 +30,7 @@ def model_summary(m: p.ModelLoaded, budget_bytes: int) -> str:
     resident = m.dense_bytes + budget_bytes
     return (f"{format_bytes(total)} · {m.num_layers} MoE layers x {m.num_experts} experts (top-{m.top_k}) · "
             f"in {m.device} memory: {format_bytes(resident)} ({resident / total:.0%}) · "
-            f"{formats.loaded_formats_text(m.expert_format, m.dense_format, m.dtype)}, store {m.store}"
+            f"{format_choices.loaded_formats_text(m.expert_format, m.dense_format, m.dtype)}, store {m.store}"
             + (f" · {p.TEXT_ONLY_NOTE}" if m.text_only else ""))
 
 
@@ -115,7 +115,7 @@ class ModelBar(QWidget):
             self.name.setText(event.name)
             self.name.setToolTip(event.path)
             self.details.setText(model_summary(event, event.budget_bytes))
-            quality = {} if event.remote else formats.card_quality(event.path)
+            quality = {} if event.remote else format_choices.card_quality(event.path)
             for picker, name in ((self.expert_format, event.expert_format), (self.dense_format, event.dense_format)):
                 picker.set_quality(quality)
                 picker.show_format(name)

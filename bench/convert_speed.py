@@ -66,7 +66,7 @@ def time_moescope_load(path: str, fmt: str | None, cache: Path) -> tuple[float, 
 
 def converted_bytes(runtime) -> int:
     """Bytes the source checkpoint held for the weights now in a block format."""
-    from engine.model.dense_formats import QuantizedLinear
+    from engine.model.dense_quantize import QuantizedLinear
 
     itemsize = runtime.dtype.itemsize
     experts = runtime.layout.num_layers * runtime.layout.num_experts * sum(

@@ -19,7 +19,7 @@ import sys
 from pathlib import Path
 
 from bench.bandwidth import disk_random_read_bandwidth, disk_read_bandwidth, memory_read_bandwidth
-from bench.formats import active_bytes_per_token, split_format
+from bench.format_settings import active_bytes_per_token, split_format
 from bench.output import RESULTS_DIR, write_report
 from bench.synthetic import build_checkpoint
 
@@ -64,7 +64,7 @@ def main(argv=None) -> int:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--offload-budget", default="50%", help="the budget < all run with the disk store")
     parser.add_argument("--format", default=None,
-                        help="MoEScope's weight format (bench.formats: q8_0, q4_k, ...); the limit counts its bytes. "
+                        help="MoEScope's weight format (bench.format_settings: q8_0, q4_k, ...); the limit counts its bytes. "
                              "transformers stays on the checkpoint's own weights, so tokens are not compared")
     parser.add_argument("--out", type=Path, default=RESULTS_DIR)
     args = parser.parse_args(argv)

@@ -27,7 +27,7 @@ import sys
 import time
 from pathlib import Path
 
-from bench.formats import active_bytes_per_token
+from bench.format_settings import active_bytes_per_token
 from bench.measure import prompt_ids
 from bench.output import RESULTS_DIR, write_report
 from bench.synthetic import build_checkpoint

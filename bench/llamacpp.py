@@ -2,7 +2,7 @@
 format, both set against the memory-bandwidth limit of the bytes a token reads in that format.
 
 llama.cpp is built from the pinned sdist (bench.llamacpp_build), each checkpoint converted and
-quantized with its own tools (bench.gguf_files). Each MoEScope format of bench.formats is set
+quantized with its own tools (bench.gguf_files). Each MoEScope format of bench.format_settings is set
 against the llama.cpp type of the same bits (bf16 - BF16, q8_0 - Q8_0, q4_k - Q4_K_M); formats
 MoEScope has not got yet are still measured on the llama.cpp side and marked n/a on ours.
 
@@ -29,7 +29,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from bench import formats
+from bench import format_settings as formats
 from bench.decode_limit import run_measure
 from bench.gguf_files import TokenBytes, ensure_ggufs, gguf_token_bytes
 from bench.llamacpp_build import ISA_VARIANT, ISAS, VERSION, LlamaCpp, LlamaCppUnavailable, build_target, build_tools
@@ -216,7 +216,7 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench.llamacpp")
     parser.add_argument("--geometries", default="qwen3moe-64e,mixtral-8e", help="bench.synthetic names or folders")
     parser.add_argument("--formats", default="bf16,q8_0,q4_k,q4_k-dq8_0",
-                        help=f"MoEScope formats (bench.formats: {', '.join(formats.LLAMA_TYPE)})")
+                        help=f"MoEScope formats (bench.format_settings: {', '.join(formats.LLAMA_TYPE)})")
     parser.add_argument("--reps", type=int, default=3)
     parser.add_argument("--systems", default=",".join(SYSTEMS),
                         help="which of llama, exact, fast, gguf, fast-int8, gguf-int8 to run (exact decodes far slower: "

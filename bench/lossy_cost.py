@@ -74,7 +74,7 @@ def canonical_format(name: str) -> str:
 
 def stored_formats(runtime) -> dict:
     """What each matrix was actually stored as, after the engine's fallbacks for narrow matrices."""
-    from engine.model.dense_formats import QuantizedLinear
+    from engine.model.dense_quantize import QuantizedLinear
 
     layout = runtime.layout
     experts = {p.name: p.fmt.name if p.fmt is not None else str(p.dtype).removeprefix("torch.") for p in layout.params}

@@ -40,7 +40,7 @@ def peak_gpu() -> dict:
 def measure_ours(args) -> dict:
     import torch
 
-    from bench.formats import load_settings
+    from bench.format_settings import load_settings
     from bench.routing import bench_cache, olmoe_choices, synthetic_locality_trace
     from engine.decode.generation import Generator
     from engine.decode.runtime import MoERuntime
@@ -200,7 +200,7 @@ def main(argv=None) -> int:
     parser.add_argument("--no-pack-weights", action="store_true", help="ours: expert matrices in plain layout")
     parser.add_argument("--fast-decode", action="store_true", help="ours: decode GEMVs skip oneDNN (engine.decode.paths.native_layers)")
     parser.add_argument("--int8-prompt", action="store_true", help="ours: the opt-in lossy 8-bit prompt inputs")
-    parser.add_argument("--format", default=None, help="ours: a weight format of bench.formats (bf16, ...)")
+    parser.add_argument("--format", default=None, help="ours: a weight format of bench.format_settings (bf16, ...)")
     parser.add_argument("--routing", default="random", choices=["random", "trace", "olmoe"],
                         help="the model's own router (random weights), a synthetic trace with locality, or the real "
                         "OLMoE-1B-7B routing (bench.routing.OLMOE_TRACE; qwen3moe-64e's geometry), cycled")

@@ -36,7 +36,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--fast-decode", action="store_true", help="decode GEMVs skip oneDNN (engine.decode.paths.native_layers)")
     parser.add_argument("--no-pack-weights", action="store_true", help="expert matrices in plain layout")
     parser.add_argument("--policy", default="lru", help="cache policy (its bookkeeping is counted)")
-    parser.add_argument("--format", default=None, help="a weight format of bench.formats (q4_k, q8_0, ...)")
+    parser.add_argument("--format", default=None, help="a weight format of bench.format_settings (q4_k, q8_0, ...)")
     parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"],
                         help="cuda: the split is host time (a GPU token is bound by its launches); the profile adds the GPU's")
     parser.add_argument("--label", default="", help="e.g. before/after: named in the results")
@@ -46,7 +46,7 @@ def main(argv: list[str] | None = None) -> int:
     import torch
 
     import engine.offload.expert_cache as cache_module
-    from bench.formats import load_settings
+    from bench.format_settings import load_settings
     from bench.measure import prompt_ids
     from bench.synthetic import build_checkpoint
     from engine.decode.generation import Generator

@@ -10,7 +10,7 @@ import pytest
 
 from app.main_window import MainWindow
 from app.model_bar import ModelBar
-from app.models.formats import card_quality, choice_label, loaded_formats_text
+from app.models.format_choices import card_quality, choice_label, loaded_formats_text
 from app.models.history import HistoryStore
 from app.models.stats_format import format_bytes
 from app.settings import AppSettings

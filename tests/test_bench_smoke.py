@@ -159,7 +159,7 @@ def test_the_bandwidth_limit_counts_every_byte_a_token_reads(tiny_checkpoints, f
     import torch
     from transformers import AutoModelForCausalLM
 
-    from bench.formats import active_bytes_per_token
+    from bench.format_settings import active_bytes_per_token
 
     path = tiny_checkpoints[family]
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)

@@ -16,7 +16,7 @@ import torch
 
 from engine.cli.main import main as moescope
 from engine.decode.runtime import MoERuntime
-from engine.model.dense_formats import QuantizedLinear
+from engine.model.dense_quantize import QuantizedLinear
 from engine.model.gguf.convert import converted_root
 from engine.offload.store import DiskStore
 from engine.protocol import LoadModel

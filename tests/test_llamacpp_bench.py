@@ -11,7 +11,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from bench import formats
+from bench import format_settings as formats
 from bench.gguf_files import SPECIALS, gguf_token_bytes, overlay_folder, write_placeholder_tokenizer
 from bench.llamacpp import parse_llama_bench, summarise, table
 from tests.helpers.checkpoints import tree_snapshot

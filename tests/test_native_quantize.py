@@ -122,7 +122,7 @@ def test_a_conversion_through_the_runtime_writes_the_numpy_conversions_files(ker
     """The runtime converts on the native kernels; with them swapped for the numpy reference, the
     experts' files, the dense blocks and the replies are the same."""
     from engine.decode.native import kernels as native
-    from engine.model.dense_formats import DenseCache, QuantizedLinear
+    from engine.model.dense_quantize import DenseCache, QuantizedLinear
     from tests.helpers.checkpoints import WIDE, greedy_reply, save_tiny_checkpoint
 
     path = save_tiny_checkpoint("qwen2_moe", tmp_path / "model", seed=11, **WIDE["qwen2_moe"])

@@ -97,7 +97,7 @@ def test_mixed_quantization_of_experts_and_dense_weights(wide, family):
     expected = dequantized_reference(wide[family], PROMPT, NEW_TOKENS, "q4_k", dense_format="q8_0")
     tokens, runtime = generate(wide[family], budget="30%", store="disk", expert_format="q4_k", dense_format="8bit")
     assert tokens == expected
-    from engine.model.dense_formats import QuantizedLinear
+    from engine.model.dense_quantize import QuantizedLinear
 
     quantized = [name for name, m in runtime.model.named_modules() if isinstance(m, QuantizedLinear)]
     assert any(name.endswith(("q_proj", "q_a_proj")) for name in quantized)
@@ -112,7 +112,7 @@ def test_dense_conversion_is_cached_and_a_damaged_cache_is_not_trusted(tmp_path)
     same blocks back from MoEScope's cache folder. A damaged cache file converts again."""
     import torch
 
-    from engine.model.dense_formats import DenseCache, QuantizedLinear
+    from engine.model.dense_quantize import DenseCache, QuantizedLinear
 
     path = save_tiny_checkpoint("qwen2_moe", tmp_path / "model", seed=3, **WIDE["qwen2_moe"])
     before = tree_snapshot(path)
@@ -221,7 +221,7 @@ def test_conversions_of_rewritten_or_deleted_checkpoints_are_removed(tmp_path):
     conversion removes it (and says so), and leaves the conversions of untouched checkpoints."""
     import shutil
 
-    from engine.model.dense_formats import DenseCache
+    from engine.model.dense_quantize import DenseCache
 
     paths = {name: save_tiny_checkpoint("mixtral", tmp_path / name, seed=seed, **WIDE["mixtral"])
              for seed, name in enumerate(("rewritten", "deleted", "kept"))}
@@ -323,7 +323,7 @@ def test_expanding_slots_natively_changes_no_bit_of_the_exact_path(wide, kernels
     from engine.decode.paths.base import Step
     from engine.decode.paths.transformers_path import model_forward
     from engine.formats.dequantize import reference_dequantizer
-    from engine.model.dense_formats import QuantizedLinear
+    from engine.model.dense_quantize import QuantizedLinear
 
     runtime = MoERuntime(LoadModel(path=str(wide["qwen2_moe"]), budget="30%", store="ram", device="cpu",
                                    dtype="bfloat16", expert_format="q4_k", dense_format="q6_k"))
@@ -397,7 +397,7 @@ def test_a_fast_prompt_never_expands_a_quantized_dense_matrix(wide, kernels):
 
     from engine.decode.kv_cache import new_cache
     from engine.decode.paths.base import Step
-    from engine.model.dense_formats import QuantizedLinear
+    from engine.model.dense_quantize import QuantizedLinear
 
     runtime = MoERuntime(LoadModel(path=str(wide["mixtral"]), budget="all", store="ram", device="cpu",
                                    dtype="bfloat16", expert_format="q4_k", dense_format="q8_0", fast_decode=True))

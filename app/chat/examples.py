@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from PySide6.QtCore import Signal
 from PySide6.QtWidgets import QGridLayout, QLabel, QPushButton, QVBoxLayout, QWidget
 
-from app.models.formats import CARD_FILE, model_folder
+from app.models.format_choices import CARD_FILE, model_folder
 from engine.demo.corpus import EXAMPLES  # stdlib only: the phrasings the demo was trained on
 
 COLUMNS = 2

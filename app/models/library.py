@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from app.models.formats import ORIGINAL, choice_label
+from app.models.format_choices import ORIGINAL, choice_label
 from engine import protocol as p
 from engine.accounting.sizes import format_bytes
 

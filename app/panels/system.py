@@ -8,7 +8,7 @@ from PySide6.QtCore import Signal
 from PySide6.QtWidgets import QCheckBox, QComboBox, QFormLayout, QLabel, QProgressBar, QWidget
 
 from app.elided_label import ElidedLabel
-from app.models.formats import loaded_formats_text
+from app.models.format_choices import loaded_formats_text
 from app.models.stats_format import format_bytes
 from app.panels.base import Panel
 from engine import protocol as p

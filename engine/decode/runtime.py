@@ -29,7 +29,7 @@ from engine.formats.quantize import reference_quantizer
 from engine.hub.local import resolve_model
 from engine.model import experts_registry
 from engine.model.conversion_cache import files_identity
-from engine.model.dense_formats import DenseCache, QuantizedLinear, quantize_dense
+from engine.model.dense_quantize import DenseCache, QuantizedLinear, quantize_dense
 from engine.model.gguf.loader import gguf_tokenizer
 from engine.model.inspect import ModelInfo, describe, host_tensor_bytes
 from engine.model.loader import ProgressFn, build_model, resolve_device

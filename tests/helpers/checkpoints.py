@@ -207,7 +207,7 @@ def dequantized_reference(path: Path, prompt_ids: list[int], max_new_tokens: int
     linear layers) quantized and dequantized back (engine.formats, the reference the gguf package
     checks): what MoEScope's quantized weights must reproduce."""
     from engine.formats.blocks import parse_format
-    from engine.model.dense_formats import dense_targets
+    from engine.model.dense_quantize import dense_targets
     from engine.model.layout import is_experts_module
 
     model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)

@@ -21,7 +21,7 @@ from typing import NamedTuple
 
 import torch
 
-from engine.model.dense_formats import QuantizedLinear
+from engine.model.dense_quantize import QuantizedLinear
 
 
 class RouterRecipe(NamedTuple):
@@ -227,7 +227,7 @@ def is_latent_attention(module: torch.nn.Module) -> bool:
 
 
 def is_linear(module: torch.nn.Module | None) -> bool:
-    """A linear layer, its weight in bf16/fp32 or in a block format (engine.model.dense_formats)."""
+    """A linear layer, its weight in bf16/fp32 or in a block format (engine.model.dense_quantize)."""
     return isinstance(module, torch.nn.Linear | QuantizedLinear)
 
 

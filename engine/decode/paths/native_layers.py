@@ -45,7 +45,7 @@ from engine.decode.paths.switch import SWITCH_ATTR, NativeSwitch
 from engine.decode.paths.transformers_path import model_forward
 from engine.formats.blocks import BlockFormat
 from engine.model.cache_argument import cache_from_call
-from engine.model.dense_formats import QuantizedLinear
+from engine.model.dense_quantize import QuantizedLinear
 from engine.offload.expert_compute import PromptKernels, QuantizedProduct, SlotReader, torch_one_token
 
 

@@ -52,7 +52,7 @@ from engine.decode.paths.native_layers import (
     mixed_layout,
     native_problem,
 )
-from engine.model.dense_formats import QuantizedLinear
+from engine.model.dense_quantize import QuantizedLinear
 
 
 def _matrix(t: torch.Tensor) -> bool:

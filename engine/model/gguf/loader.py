@@ -19,7 +19,7 @@ from engine.errors import CheckpointError
 from engine.formats.blocks import FORMATS
 from engine.model import experts_registry as experts_impl
 from engine.model.checkpoint import CheckpointFiles, TensorRecord
-from engine.model.dense_formats import QuantizedLinear, dense_targets
+from engine.model.dense_quantize import QuantizedLinear, dense_targets
 from engine.model.dtypes import resolve_dtype
 from engine.model.gguf import mla as gguf_mla
 from engine.model.gguf.config import hf_config

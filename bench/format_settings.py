@@ -55,7 +55,7 @@ def active_bytes_per_token(model_dir: Path, expert_format: str | None = None,
     but the embedding table (one row), in `dense_format` where the engine would store it so, plus
     top-k experts per MoE layer in `expert_format`."""
     from engine.formats.blocks import format_for, parse_format
-    from engine.model.dense_formats import dense_targets
+    from engine.model.dense_quantize import dense_targets
     from engine.model.inspect import inspect_checkpoint
     from engine.model.loader import build_model
 
