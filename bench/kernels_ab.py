@@ -121,7 +121,7 @@ def main(argv=None) -> int:
     import torch
 
     from engine.decode.native import kernels as native
-    from engine.decode.paths.whole_token import FusedDecoder
+    from engine.decode.paths.whole_token import WholeTokenStep
     from engine.decode.runtime import MoERuntime
     from engine.formats.blocks import parse_format
     from engine.protocol import LoadModel
@@ -155,7 +155,7 @@ def main(argv=None) -> int:
     decoders = {}
     for name, kernels in builds.items():
         _forget_weights(runtime.model)
-        decoders[name] = FusedDecoder(runtime.model, runtime.cache, kernels)
+        decoders[name] = WholeTokenStep(runtime.model, runtime.cache, kernels)
     _forget_weights(runtime.model)
     ids = prompt_ids(runtime.model.config.get_text_config().vocab_size, args.prompt_len)
     decode = decode_blocks(runtime, decoders, ids, args.tokens, args.block)

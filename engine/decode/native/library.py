@@ -509,8 +509,8 @@ class Kernels:
                    ctypes.byref(gate), int(int8_inputs), y.data_ptr())
         return y
 
-    def DecodeStep(self, *args, **kwargs) -> DecodeStep:
-        return DecodeStep(self, *args, **kwargs)
+    def NativeWholeTokenStep(self, *args, **kwargs) -> NativeWholeTokenStep:
+        return NativeWholeTokenStep(self, *args, **kwargs)
 
 
 @dataclass
@@ -531,7 +531,7 @@ class _Held:
         self.refs[(layer, role)] = things
 
 
-class DecodeStep:
+class NativeWholeTokenStep:
     """The whole-token step (src/step/decode_step.h): set up once per model, then one call per token."""
 
     def __init__(self, kernels: Kernels, embed: torch.Tensor, final_norm: torch.Tensor, final_eps: float,

@@ -11,8 +11,8 @@ router and norms, DeepSeek-V3 / GLM-4.7-Flash with their latent attention (absor
 per-layer path computes it), and GLM-4.5 (glm4_moe) with its partial rotary embedding; the last
 three with grouped sigmoid routers, shared experts and dense first layers; as transformers writes
 them, bf16 or block formats on the CPU),
-`FusedDecoder.step` runs the embedding, every layer
-and the lm_head in one call (`DecodeStep` in engine/decode/native/moe_decode.cpp), with the same
+`WholeTokenStep.step` runs the embedding, every layer
+and the lm_head in one call (`NativeWholeTokenStep`, over src/step/decode_step.h), with the same
 kernels in the same order; the expert cache then records the token from the picks it returns,
 through the same `record` the per-layer path uses.
 
@@ -213,7 +213,7 @@ def _gated_mlp_problem(mlp: torch.nn.Module, what: str) -> str:
     return ""
 
 
-class FusedDecoder:
+class WholeTokenStep:
     """The native whole-token step of one loaded model, kept in step with the expert cache."""
 
     def __init__(self, model: torch.nn.Module, cache, kernels) -> None:
@@ -226,7 +226,7 @@ class FusedDecoder:
         self.kernels = kernels
         self._rotary_dim = _rotary_dim(inner.rotary_emb)
         matrix = partial(linear_weight, kernels)
-        self._native = kernels.DecodeStep(
+        self._native = kernels.NativeWholeTokenStep(
             inner.embed_tokens.weight, inner.norm.weight, inner.norm.variance_epsilon, matrix(model.lm_head),
             gate.top_k, bool(always_normalize or getattr(gate, "norm_topk_prob", False)), cast_back,
             softmax_of_top, norm_rounds_once(inner.norm))
@@ -338,7 +338,7 @@ class WholeTokenPath(DecodePath):
     def __init__(self, runtime) -> None:
         self.runtime = runtime
         self._problem: str | None = None  # why this model has no whole-token step ("" = it has one)
-        self._decoder: FusedDecoder | None = None
+        self._decoder: WholeTokenStep | None = None
         self._windows: list[int | None] = []  # each layer's attention window, if it slides
 
     def unavailable(self, step: Step) -> str | None:
@@ -362,10 +362,10 @@ class WholeTokenPath(DecodePath):
         return self.decoder.step(step.last_token, step.kv)
 
     @property
-    def decoder(self) -> FusedDecoder:
+    def decoder(self) -> WholeTokenStep:
         """The native step of this model, made on first use (call only when `recognise` accepts it)."""
         if self._decoder is None:
-            self._decoder = FusedDecoder(self.runtime.model, self.runtime.cache, native.load())
+            self._decoder = WholeTokenStep(self.runtime.model, self.runtime.cache, native.load())
         return self._decoder
 
 
