@@ -1,4 +1,4 @@
-"""Which families take which decode path, decided by their classes (engine.decode.paths.families).
+"""Which families take which decode path, decided by their classes (engine.decode.modules.families).
 
 The table of classes is checked two ways: every listed class computes, on its native kernel, what
 its own transformers forward computes (to bf16 rounding), and tiny checkpoints of the families
@@ -16,7 +16,8 @@ from transformers import PreTrainedConfig
 
 from engine.decode.generation import Generator
 from engine.decode.kv_cache import new_cache
-from engine.decode.paths import expert_recipe, families, native_layers
+from engine.decode.modules import expert_recipe, families
+from engine.decode.paths import native_layers
 from engine.decode.paths.base import Step
 from engine.decode.runtime import MoERuntime
 from engine.model.cache_argument import cache_argument
@@ -43,7 +44,7 @@ PINNED = {
     "gpt_oss": (WHOLE, {"norm", "attention", "router"}),  # sinks, biases, windows, interleaved experts
 }
 # Families whose experts are gated MLPs: the native experts kernel computes them in the per-layer path
-# (engine.decode.paths.expert_recipe), whatever the rest of the decoder takes.
+# (engine.decode.modules.expert_recipe), whatever the rest of the decoder takes.
 GATED_EXPERTS = ["mixtral", "qwen2_moe", "olmoe", "deepseek_v3", "glm4_moe", "gpt_oss"]
 
 
@@ -162,8 +163,8 @@ def test_one_query_eager_attention_with_sinks_and_mask_is_the_familys_own(window
     from transformers import GptOssConfig
     from transformers.models.gpt_oss.modeling_gpt_oss import GptOssAttention, eager_attention_forward
 
-    from engine.decode.paths import one_query_attention
-    from engine.decode.paths.switch import SWITCH_ATTR
+    from engine.decode.modules import one_query_attention
+    from engine.decode.modules.switch import SWITCH_ATTR
 
     config = GptOssConfig(hidden_size=128, num_attention_heads=8, num_key_value_heads=2, head_dim=16)
     torch.manual_seed(5)
@@ -201,7 +202,7 @@ def test_listed_latent_attention_steps_like_its_own_forward(kernels, monkeypatch
     # MLA with kv_b_proj absorbed gives what the module's own forward gives after expanding the
     # whole latent cache, and leaves the cache as that forward leaves it: in the native kernel, and
     # in torch (before the kernels are built).
-    from engine.decode.paths import latent_attention
+    from engine.decode.modules import latent_attention
 
     if in_torch:
         monkeypatch.setattr(latent_attention.native, "ready", lambda: None)

@@ -39,7 +39,7 @@ def test_moe_decode_matches_the_expert_path(kernels, picks):
     from transformers import Qwen3MoeConfig
     from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeExperts
 
-    from engine.decode.paths.expert_recipe import experts_recipe
+    from engine.decode.modules.expert_recipe import experts_recipe
     from engine.offload.expert_compute import expert_mlp, weighted_sum
 
     config = Qwen3MoeConfig(hidden_size=256, moe_intermediate_size=96, num_experts=64, num_experts_per_tok=8)
@@ -202,7 +202,7 @@ def test_gpt_oss_experts_run_on_the_kernel(kernels, width, inter):
     from transformers import GptOssConfig
     from transformers.models.gpt_oss.modeling_gpt_oss import GptOssExperts
 
-    from engine.decode.paths.expert_recipe import experts_recipe
+    from engine.decode.modules.expert_recipe import experts_recipe
     from engine.offload.expert_compute import expert_mlp, weighted_sum
 
     config = GptOssConfig(hidden_size=width, intermediate_size=inter, num_local_experts=4)

@@ -183,7 +183,7 @@ def test_gpt_oss_experts_in_one_call(variant):
     from transformers import GptOssConfig
     from transformers.models.gpt_oss.modeling_gpt_oss import GptOssExperts
 
-    from engine.decode.paths.expert_recipe import ExpertsRecipe, experts_recipe
+    from engine.decode.modules.expert_recipe import ExpertsRecipe, experts_recipe
     from engine.decode.paths.native_layers import NativeExperts
     from engine.offload.expert_compute import SlotReader, torch_one_token
 

@@ -3,7 +3,7 @@
 Every plain linear layer of the model — attention projections, shared experts, dense MLPs, the LM
 head — may be stored in a block format, except the routers (a few rows that decide which experts
 run: kept as they are), an LM head tied to the embedding, and MLA's `kv_b_proj` (DeepSeek), which
-the absorbed one-token attention (engine.decode.paths.latent_attention) reads per head as a matrix:
+the absorbed one-token attention (engine.decode.modules.latent_attention) reads per head as a matrix:
 quantized, every token would dequantize it whole. Each becomes a `QuantizedLinear`
 holding only its blocks; its forward computes with the dequantized weight (the reference values),
 and the native decode paths read the blocks directly. A conversion is cached in MoEScope's cache

@@ -260,7 +260,7 @@ class Weight:
 
 @dataclass
 class GateRecipe:
-    """How an expert's gate/up projection becomes its activation (engine/decode/paths/expert_recipe.py)."""
+    """How an expert's gate/up projection becomes its activation (engine/decode/modules/expert_recipe.py)."""
 
     interleaved: bool = False
     clamped_swiglu: bool = False

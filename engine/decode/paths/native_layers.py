@@ -5,16 +5,16 @@ transformers, summed in a different order: faster, not bit-identical.
 For one new token (a prompt keeps transformers' kernels but for its quantized experts, plain
 linears and routers: `NativePromptPath`), while the path runs:
 - a layer's resident experts run in one native call (gate/up, gate, down, biases, weighted sum)
-  when their recipe is one the kernel computes (engine.decode.paths.expert_recipe: every family
+  when their recipe is one the kernel computes (engine.decode.modules.expert_recipe: every family
   whose experts are gated MLPs): the expert cache is handed that kernel (`ExpertCache.experts_kernel`);
 - plain bf16 `nn.Linear`s of one row (biased or not) use the native GEMV, Llama-style RMSNorms one call instead
   of eight small ops, Llama-style attention three (q/k/v with q/k norms and rotary, attention over
   the KV cache, o_proj) instead of ~60, DeepSeek-V3-style latent attention over the cached latents
-  with its up-projection absorbed (engine.decode.paths.latent_attention), and listed top-k routers
+  with its up-projection absorbed (engine.decode.modules.latent_attention), and listed top-k routers
   the GEMV for their linear;
 - other attention of one query (SDPA or eager, with attention sinks and additive masks) runs as two
-  float32 matmuls and a softmax (engine.decode.paths.one_query_attention).
-Which modules qualify is decided by their class (engine.decode.paths.families). Each patched
+  float32 matmuls and a softmax (engine.decode.modules.one_query_attention).
+Which modules qualify is decided by their class (engine.decode.modules.families). Each patched
 module reads a switch that belongs to its model and is on only inside this path's `run`, so
 outside it every module computes exactly as transformers does; no process-wide torch setting
 is touched.
@@ -28,20 +28,20 @@ from functools import cache
 import torch
 import torch.nn.functional as F
 
-from engine.decode.native import kernels as native
-from engine.decode.native.library import Kernels
-from engine.decode.paths import one_query_attention
-from engine.decode.paths.base import DecodePath, Step
-from engine.decode.paths.expert_recipe import ExpertsRecipe, experts_recipe
-from engine.decode.paths.families import (
+from engine.decode.modules import one_query_attention
+from engine.decode.modules.expert_recipe import ExpertsRecipe, experts_recipe
+from engine.decode.modules.families import (
     is_latent_attention,
     is_llama_attention,
     is_llama_rms_norm,
     norm_rounds_once,
     router_recipe,
 )
-from engine.decode.paths.latent_attention import latent_attention_forward
-from engine.decode.paths.switch import SWITCH_ATTR, NativeSwitch
+from engine.decode.modules.latent_attention import latent_attention_forward
+from engine.decode.modules.switch import SWITCH_ATTR, NativeSwitch
+from engine.decode.native import kernels as native
+from engine.decode.native.library import Kernels
+from engine.decode.paths.base import DecodePath, Step
 from engine.decode.paths.transformers_path import model_forward
 from engine.formats.blocks import BlockFormat
 from engine.model.cache_argument import cache_from_call
@@ -249,7 +249,7 @@ def patch_module(module: torch.nn.Module, switch: NativeSwitch) -> bool:
 
 class NativeExperts:
     """The one-token experts kernel of a native step: a layer's resident picks in one native call,
-    for every experts module whose recipe the kernel computes (engine.decode.paths.expert_recipe:
+    for every experts module whose recipe the kernel computes (engine.decode.modules.expert_recipe:
     gated, with or without biases, halves or interleaved, [out, in] or transposed)."""
 
     def __init__(self, kernels: Kernels) -> None:
@@ -268,7 +268,7 @@ class NativeExperts:
 
 class NativePromptExperts:
     """A prompt's resident experts of one layer in one native call (`moe_prompt`), for the modules
-    the one-token kernel also computes (engine.decode.paths.expert_recipe), laid out [out, in]."""
+    the one-token kernel also computes (engine.decode.modules.expert_recipe), laid out [out, in]."""
 
     def __init__(self, kernels: Kernels, int8_inputs: bool = False) -> None:
         self.kernels = kernels

@@ -4,7 +4,7 @@ The native per-layer path (engine.decode.paths.native_layers) runs each layer's 
 to the memory bandwidth, but a Qwen3-MoE-shaped token still spent about a third of its time in
 Python and small torch ops between those kernels (decoder-layer calls, residual adds, the rotary table, the
 mask, module lookups, the router's softmax and top-k as separate ops). For the decoders whose
-every piece the native kernels compute (engine.decode.paths.families: Qwen3-MoE, Qwen2-MoE
+every piece the native kernels compute (engine.decode.modules.families: Qwen3-MoE, Qwen2-MoE
 with its biased q/k/v and gated shared expert, OLMoE with its full-width q/k norms, Mixtral,
 GPT-OSS with its attention sinks, biases, sliding windows, clamped SwiGLU experts and its own
 router and norms, DeepSeek-V3 / GLM-4.7-Flash with their latent attention (absorbed, as the
@@ -30,11 +30,9 @@ import torch
 
 from engine.accounting.routing import RoutingStep
 from engine.decode.kv_cache import BlockLayer, BlockSlidingLayer
-from engine.decode.native import kernels as native
-from engine.decode.paths import one_query_attention
-from engine.decode.paths.base import DecodePath, Step
-from engine.decode.paths.expert_recipe import experts_recipe
-from engine.decode.paths.families import (
+from engine.decode.modules import one_query_attention
+from engine.decode.modules.expert_recipe import experts_recipe
+from engine.decode.modules.families import (
     is_latent_attention,
     is_linear,
     is_llama_attention,
@@ -45,6 +43,8 @@ from engine.decode.paths.families import (
     router_recipe,
     whole_token_part,
 )
+from engine.decode.native import kernels as native
+from engine.decode.paths.base import DecodePath, Step
 from engine.decode.paths.native_layers import (
     expert_extras,
     expert_weights,

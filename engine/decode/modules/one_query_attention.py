@@ -16,7 +16,7 @@ from collections.abc import Callable
 
 import torch
 
-from engine.decode.paths.switch import switched_on
+from engine.decode.modules.switch import switched_on
 
 SDPA_NAME = "moescope_sdpa"
 EAGER_NAME = "moescope_eager"

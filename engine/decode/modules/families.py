@@ -58,7 +58,7 @@ class Family:
     # rotary embedding over part of each head (GLM-4-MoE)
     whole_token_attention: tuple[str, ...] = ()
     # DeepSeek-V3-style multi-head latent attention whose cache holds the compressed latents: one-query
-    # steps attend over the latents with kv_b_proj absorbed (engine.decode.paths.latent_attention)
+    # steps attend over the latents with kv_b_proj absorbed (engine.decode.modules.latent_attention)
     latent_attention: tuple[str, ...] = ()
     # the family's norms multiply by their weight in float32 and round once (GPT-OSS), not Llama's way
     norms_round_once: bool = False

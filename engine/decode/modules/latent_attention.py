@@ -25,8 +25,8 @@ import sys
 
 import torch
 
+from engine.decode.modules.switch import switched_on
 from engine.decode.native import kernels as native
-from engine.decode.paths.switch import switched_on
 from engine.model.cache_argument import cache_from_call
 
 
@@ -37,7 +37,7 @@ def _positional_names(cls: type) -> tuple[str, ...]:
 
 
 def latent_attention_forward(self, *args, **kwargs):
-    """The fast forward of a listed MLA attention class (engine.decode.paths.families): one token
+    """The fast forward of a listed MLA attention class (engine.decode.modules.families): one token
     absorbed inside a native step; anything else takes the module's own forward. The arguments are
     read by the class's own signature (DeepSeek-V2 takes the mask before the rotations, V3 after)."""
     given = dict(zip(_positional_names(self._moescope_plain), args, strict=False)) | kwargs  # fewer args than names
