@@ -22,8 +22,6 @@ import numpy as np
 
 from engine.demo.corpus import SKILLS, Example, heldout
 
-os.environ.setdefault("HF_HUB_OFFLINE", "1")  # the demo model is local; never reach the hub
-
 # Takes a batch of user messages (single-turn chats), returns the assistant replies.
 AnswerFn = Callable[[Sequence[str]], list[str]]
 
@@ -196,6 +194,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--seed", type=int, default=0, help="seed for drawing held-out questions")
     ap.add_argument("--json", type=Path, help="also write the full report here")
     args = ap.parse_args(argv)
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")  # the demo model is local; never reach the hub
     rep = evaluate(args.model, args.n, args.seed)
     print_report(rep)
     if args.json:
