@@ -8,7 +8,6 @@ from PySide6.QtWidgets import (
     QHBoxLayout,
     QLabel,
     QScrollArea,
-    QSizePolicy,
     QToolButton,
     QVBoxLayout,
     QWidget,
@@ -18,34 +17,9 @@ from app.chat.composer import Composer
 from app.chat.examples import ExamplePrompts, demo_offer
 from app.chat.message_widget import MessageWidget
 from app.chat.settings_form import ConversationSettingsForm
+from app.elided_label import ElidedLabel
 from app.models.context_meter import MEMORY_MARKER, meter_text, meter_tip
 from app.themes import LIGHT, Theme
-
-
-class ElidedLabel(QLabel):
-    """A one-line label that shortens its text with … to fit, full text in the tooltip."""
-
-    def __init__(self, text: str = "", parent: QWidget | None = None) -> None:
-        super().__init__(parent)
-        self.full_text = ""
-        self.setSizePolicy(QSizePolicy.Policy.Ignored, QSizePolicy.Policy.Preferred)
-        self.setText(text)
-
-    def setText(self, text: str) -> None:
-        self.full_text = text
-        self.setToolTip(text)
-        self._elide()
-
-    def text(self) -> str:
-        return self.full_text
-
-    def resizeEvent(self, event) -> None:
-        super().resizeEvent(event)
-        self._elide()
-
-    def _elide(self) -> None:
-        shown = self.fontMetrics().elidedText(self.full_text, Qt.TextElideMode.ElideRight, max(self.width(), 40))
-        super().setText(shown)
 
 
 class ChatView(QWidget):
