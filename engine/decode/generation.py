@@ -61,10 +61,6 @@ class Generator:
     def fit_chat(self, messages: Sequence[dict], settings: SamplingSettings, overflow: str) -> FittedPrompt:
         """The chat's prompt within this model's context under the `overflow` policy
         (engine.decode.context_window): older turns left out, or PromptTooLongError naming the length."""
-        tokenizer = self._tokenizer()
-        # a history longer than the context is measured here on purpose: not transformers' "longer than the
-        # maximum sequence length" warning's case
-        getattr(tokenizer, "deprecation_warnings", {})["sequence-length-is-longer-than-the-specified-maximum"] = True
         return fit_chat(self.encode_chat, messages, self.runtime.context_length, settings.max_new_tokens, overflow)
 
     def encode_raw(self, text: str) -> list[int]:
