@@ -52,7 +52,16 @@ class LibraryDialog(QDialog):
         self.setWindowTitle("Model library")
         self.setObjectName("library-dialog")
         self.resize(1100, 640)
+        self._build_search()
+        self._build_table()
+        splitter = self._build_splitter(self._build_details())
+        close = self._build_footer()
+        self._lay_out(splitter, close)
+        bridge.event.connect(self.on_event)
+        self._refresh_all()
 
+    # ----- construction -----
+    def _build_search(self) -> None:
         self.search = QLineEdit()
         self.search.setPlaceholderText("Filter the list; Enter searches the Hugging Face Hub (or paste org/name)")
         self.search.setClearButtonEnabled(True)
@@ -61,6 +70,7 @@ class LibraryDialog(QDialog):
         self.search_button = QPushButton("Search Hub")
         self.search_button.clicked.connect(self.search_hub)
 
+    def _build_table(self) -> None:
         self.table = QTableWidget(0, len(COLUMNS))
         self.table.setHorizontalHeaderLabels(COLUMNS)
         self.table.setSelectionBehavior(QAbstractItemView.SelectionBehavior.SelectRows)
@@ -74,13 +84,28 @@ class LibraryDialog(QDialog):
         self.table.itemSelectionChanged.connect(self._selection_changed)
         self.table.itemDoubleClicked.connect(lambda _item: self.use_selected())
 
-        # the selected model: verdict, numbers, notes
+    def _build_details(self) -> QWidget:
+        """The selected model: verdict, numbers, the formats to load it in, notes."""
         self.title = QLabel("Select a model")
         self.title.setStyleSheet("font-weight: 600;")
         self.title.setTextInteractionFlags(Qt.TextInteractionFlag.TextSelectableByMouse)
         self.verdict = QLabel("")
         self.verdict.setObjectName("library-verdict")
         self.verdict.setWordWrap(True)
+        self.form = self._build_fit_form()
+        self.notes = QLabel("")
+        self.notes.setWordWrap(True)
+        self.notes.setStyleSheet("color: palette(placeholder-text);")
+        details = QWidget()
+        column = QVBoxLayout(details)
+        column.addWidget(self.title)
+        column.addWidget(self.verdict)
+        column.addLayout(self.form)
+        column.addWidget(self.notes)
+        column.addStretch(1)
+        return details
+
+    def _build_fit_form(self) -> QFormLayout:
         self.numbers: dict[str, QLabel] = {}
         form = QFormLayout()
         for label in FIT_LABELS:
@@ -95,22 +120,17 @@ class LibraryDialog(QDialog):
         self.quant_file.setObjectName("quant-file")
         self.quant_file.activated.connect(lambda _index: self._quant_picked())
         form.addRow("Quant file", self.quant_file)
-        self.form = form
-        self.notes = QLabel("")
-        self.notes.setWordWrap(True)
-        self.notes.setStyleSheet("color: palette(placeholder-text);")
-        details = QWidget()
-        column = QVBoxLayout(details)
-        column.addWidget(self.title)
-        column.addWidget(self.verdict)
-        column.addLayout(form)
-        column.addWidget(self.notes)
-        column.addStretch(1)
+        return form
+
+    def _build_splitter(self, details: QWidget) -> QSplitter:
         splitter = QSplitter(Qt.Orientation.Horizontal)
         splitter.addWidget(self.table)
         splitter.addWidget(details)
         splitter.setSizes([680, 420])
+        return splitter
 
+    def _build_footer(self) -> QPushButton:
+        """The download's progress, the status line and the buttons; returns the Close button."""
         self.progress = QProgressBar()
         self.progress.setRange(0, 1000)
         self.progress.setVisible(False)
@@ -131,7 +151,9 @@ class LibraryDialog(QDialog):
         close.clicked.connect(self.hide)
         for button in (self.search_button, self.download_button, self.cancel_button):
             button.setAutoDefault(False)
+        return close
 
+    def _lay_out(self, splitter: QSplitter, close: QPushButton) -> None:
         top = QHBoxLayout()
         top.addWidget(self.search, 1)
         top.addWidget(self.search_button)
@@ -147,9 +169,6 @@ class LibraryDialog(QDialog):
         layout.addWidget(splitter, 1)
         layout.addWidget(self.status)
         layout.addLayout(bottom)
-
-        bridge.event.connect(self.on_event)
-        self._refresh_all()
 
     # ----- commands -----
     def refresh(self) -> None:
