@@ -95,7 +95,15 @@ class BudgetPanel(Panel):
         self.preview: Estimate | None = None
         self.estimator: EstimateFn = estimator or self._planner_estimate
         self._planner = Estimator()
+        self._build_slider()
+        self._build_readouts()
+        self._build_plot()
+        self.apply_theme(LIGHT)
+        self._lay_out()
 
+    # ----- construction -----
+    def _build_slider(self) -> None:
+        """The heading, the slider with the free-memory bar under it, and the range's two ends."""
         self.heading = QLabel("No model loaded")
         self.heading.setWordWrap(True)
         self.slider = QSlider(Qt.Orientation.Horizontal)
@@ -112,6 +120,9 @@ class BudgetPanel(Panel):
         self.ends.addWidget(self.min_label)
         self.ends.addStretch(1)
         self.ends.addWidget(self.max_label)
+
+    def _build_readouts(self) -> None:
+        """The estimate, the note and the engine's memory under the slider; the delay before a budget applies."""
         self.estimate_label = QLabel(" ")
         self.estimate_label.setWordWrap(True)
         self.note = QLabel("")
@@ -126,6 +137,8 @@ class BudgetPanel(Panel):
         self._apply_timer = QTimer(self, singleShot=True, interval=APPLY_DELAY_MS)
         self._apply_timer.timeout.connect(self._apply_current)
 
+    def _build_plot(self) -> None:
+        """Slots per MoE layer: the engine's bars, and the planned ones outlined over them."""
         self.plot = pg.PlotWidget()
         quiet_plot(self.plot)
         item = self.plot.getPlotItem()
@@ -138,8 +151,8 @@ class BudgetPanel(Panel):
         item.addItem(self.bars)
         item.addItem(self.planned)
         self.plot.setMinimumHeight(120)
-        self.apply_theme(LIGHT)
 
+    def _lay_out(self) -> None:
         layout = QVBoxLayout(self)
         layout.setContentsMargins(4, 4, 4, 4)
         layout.addWidget(self.heading)
