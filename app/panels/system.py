@@ -59,6 +59,15 @@ class SystemPanel(Panel):
         super().__init__(parent)
         self.snapshot: p.TelemetrySnapshot | None = None
         self.policies: list[p.PolicyInfo] = []
+        self._build_memory()
+        self._build_controls()
+        self._build_load_info()
+        self._lay_out()
+        self._show_vram(False)
+
+    # ----- construction -----
+    def _build_memory(self) -> None:
+        """The engine's state, and the memory it and the machine use."""
         self.state = ElidedLabel("starting")
         self.state.setObjectName("engine-state")
         self.ram = QProgressBar()
@@ -67,6 +76,9 @@ class SystemPanel(Panel):
         self.vram = QProgressBar()
         self.vram.setTextVisible(True)
         self.vram_label = QLabel("VRAM")
+
+    def _build_controls(self) -> None:
+        """The cache policy and the kernel switches, off until a model is loaded."""
         self.policy = QComboBox()
         self.policy.setEnabled(False)
         self.policy.activated.connect(self._picked)
@@ -84,6 +96,9 @@ class SystemPanel(Panel):
         self.kernel_variant.setObjectName("kernel-variant")
         self.kernel_variant.setWordWrap(True)
         self.kernel_variant.setStyleSheet("color: palette(placeholder-text);")
+
+    def _build_load_info(self) -> None:
+        """How the loaded model's weights are stored, and which decode path it runs."""
         self.formats = ElidedLabel("–")
         self.formats.setObjectName("weight-formats")
         self.formats.setToolTip("How the loaded model's weights are stored: the routed experts, and every other "
@@ -100,6 +115,7 @@ class SystemPanel(Panel):
         self.decode_reason.setWordWrap(True)
         self.decode_reason.setStyleSheet("color: palette(placeholder-text);")
 
+    def _lay_out(self) -> None:
         form = QFormLayout(self)
         form.setContentsMargins(6, 6, 6, 6)
         form.setRowWrapPolicy(QFormLayout.RowWrapPolicy.WrapLongRows)  # narrow: a field goes under its label
@@ -116,7 +132,6 @@ class SystemPanel(Panel):
         form.addRow("", self.load_notes)
         form.addRow("Decode", self.decode_path)
         form.addRow("", self.decode_reason)
-        self._show_vram(False)
 
     def _show_vram(self, visible: bool) -> None:
         self.vram.setVisible(visible)
