@@ -32,6 +32,7 @@ from engine.model.conversion_cache import files_identity
 from engine.model.dense_quantize import DenseCache, QuantizedLinear, quantize_dense
 from engine.model.gguf.loader import gguf_tokenizer
 from engine.model.inspect import ModelInfo, describe, host_tensor_bytes
+from engine.model.loaded import LoadedWeights
 from engine.model.loader import ProgressFn, build_model, resolve_device
 from engine.model.model_class import is_block_diffusion
 from engine.offload import packed_linear
@@ -63,11 +64,31 @@ class MoERuntime:
 
     def __init__(self, settings: p.LoadModel, progress: ProgressFn | None = None,
                  cache_type: type[ExpertCache] = ExpertCache) -> None:
-        from transformers import AutoTokenizer
-
         started = time.perf_counter()
         baseline = memory.baseline_rss_bytes()  # before this process reads any weights
-        options = self.settings = settings
+        self.settings = settings
+        loaded = self._load_weights(progress)
+        self._apply_formats(loaded, progress)
+        huge_pages.gather(self.model, skip=self._read_by_rows())  # the dense weights in 2 MiB pages, side by side
+        self.tokenizer = self._load_tokenizer(loaded)
+        self.store = self._open_store(settings.store, progress)
+        # the native kernels from the first token: asked for, and they can run here
+        native_first = settings.fast_decode and self.fast_decode_available
+        policy = self._plan_cache(cache_type, native_first)
+        self._choose_paths(native_first)
+        self._prepare(policy)
+        forward_peak = self._warm(progress)
+        self.tracer = None
+        if settings.trace:
+            self.start_trace(settings.trace)
+        collector.freeze_loaded()  # no full pass of the cycle collector walks the model mid-reply
+        self._measure_overhead(baseline, forward_peak)
+        self.load_seconds = time.perf_counter() - started
+
+    # ----- setup -----
+    def _load_weights(self, progress: ProgressFn | None) -> LoadedWeights:
+        """The model built on its device, with its layout and files; the load's result for the later steps."""
+        options = self.settings
         self.device = resolve_device(options.device)
         loaded = build_model(
             resolve_model(options.path),
@@ -80,8 +101,12 @@ class MoERuntime:
         self.model, self.layout, self.files, self.dtype = loaded.model, loaded.layout, loaded.files, loaded.dtype
         self.text_only = loaded.text_only
         self.block_diffusion = is_block_diffusion(type(self.model))  # replies run the model's own loop
-        self.expert_format = _parse_format(options.expert_format, "expert")
-        self.dense_format = _parse_format(options.dense_format, "dense")
+        return loaded
+
+    def _apply_formats(self, loaded: LoadedWeights, progress: ProgressFn | None) -> None:
+        """The experts and dense weights converted to the block formats asked for (or kept as stored)."""
+        self.expert_format = _parse_format(self.settings.expert_format, "expert")
+        self.dense_format = _parse_format(self.settings.dense_format, "dense")
         self.format_notes: list[str] = list(loaded.notes)
         if loaded.gguf is not None and self.expert_format is not None and self.layout.quantized:
             raise MoEScopeError(
@@ -101,24 +126,33 @@ class MoERuntime:
         for module in self.model.modules():  # converted above, or kept in a GGUF file's blocks
             if isinstance(module, QuantizedLinear):  # the native expansion once built: the same values
                 module.dequantizer = native.slot_dequantizer(reference_dequantizer)
-        huge_pages.gather(self.model, skip=self._read_by_rows())  # the dense weights in 2 MiB pages, side by side
-        self.tokenizer = None  # checkpoints without tokenizer files still run on token ids (--prompt-ids)
+
+    def _load_tokenizer(self, loaded: LoadedWeights):
+        """The model's tokenizer; None for checkpoints without tokenizer files (they run on token ids,
+        --prompt-ids)."""
+        from transformers import AutoTokenizer
+
+        tokenizer = None
         if loaded.gguf is not None:
-            self.tokenizer = gguf_tokenizer(loaded.gguf)
+            tokenizer = gguf_tokenizer(loaded.gguf)
         elif any((self.files.root / f).exists() for f in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")):
-            self.tokenizer = AutoTokenizer.from_pretrained(self.files.root, trust_remote_code=options.trust_remote_code)
-        if self.tokenizer is not None:  # the generation loop checks prompts against the context and says it in
+            tokenizer = AutoTokenizer.from_pretrained(self.files.root, trust_remote_code=self.settings.trust_remote_code)
+        if tokenizer is not None:  # the generation loop checks prompts against the context and says it in
             # one line; the tokenizer's own warning ("... will result in indexing errors") would come first
-            self.tokenizer.model_max_length = NO_TOKENIZER_LIMIT
-        self.store = self._open_store(options.store, progress)
+            tokenizer.model_max_length = NO_TOKENIZER_LIMIT
+        return tokenizer
+
+    def _plan_cache(self, cache_type: type[ExpertCache], native_first: bool) -> CachePolicy:
+        """The counters, the budget's plan and the expert cache under the asked policy (returned, for
+        `_prepare`), attached to the model's experts modules."""
+        options = self.settings
         self.counters = EngineCounters(self.layout.num_layers, self.layout.num_experts)
         if options.allocation not in ALLOCATIONS:
             raise MoEScopeError(f"unknown allocation '{options.allocation}'; use planned or uniform")
         self.plan = self._plan(parse_budget(options.budget))
         self.policy_spec = options.policy
+        self.profile_note = ""
         policy = make_policy(options.policy)
-        self.fast_decode = False  # asked for (live: the System panel's "Exact" switch); runs where available
-        native_first = options.fast_decode and self.fast_decode_available
         self.routers = RouterTaps(self.model, self.layout)
         self.cache = cache_type(
             self.layout, self.store, self.device, policy, self.plan.slots_per_layer, self.counters,
@@ -133,6 +167,11 @@ class MoERuntime:
             native.load()
         for module_path, layer in self.layout.experts_modules():
             experts_registry.attach(self.model.get_submodule(module_path), self.cache, layer)
+        return policy
+
+    def _choose_paths(self, native_first: bool) -> None:
+        """The decode paths, fastest first, and the live switches they read, as the settings ask."""
+        self.fast_decode = False  # asked for (live: the System panel's "Exact" switch); runs where available
         self._restriction: RoutingRestriction | None = None
         self.native_layers = NativeLayersPath(self)
         self.whole_token = WholeTokenPath(self)
@@ -140,34 +179,35 @@ class MoERuntime:
                                   TransformersPath(self.model)])
         self.decode_path = ""  # how the last decode token ran, in words (a DecodePath's label)
         self.decode_path_reason = ""  # why the next faster path did not run it
-        self.profile_note = ""
-        self.set_fast_decode(options.fast_decode)
-        self.int8_prompt = options.int8_prompt  # live (the System panel's switch); the prompt path reads it
+        self.set_fast_decode(self.settings.fast_decode)
+        self.int8_prompt = self.settings.int8_prompt  # live (the System panel's switch); the prompt path reads it
         if native_first:
             native.load()  # at load: the first tokens should not run on the slower kernels
-        self._prepare(policy)
+
+    def _warm(self, progress: ProgressFn | None) -> int:
+        """The cache filled, CPU experts set up and a first forward run, where asked for; the forward's
+        peak RSS in bytes (0 when none ran or the platform cannot tell)."""
+        options = self.settings
         self.warm_bytes = self.cache.warm() if options.warm else 0
         self.cpu_experts_note = self._setup_cpu_experts(options.cpu_experts)
-        forward_peak = 0
-        if options.warm:
-            if progress is not None:
-                progress(1.0, "a first forward (torch sets up its kernels)")
-            memory.release_free_heap()  # the load's own temporaries are not a forward's working memory
-            measured = memory.reset_phase_peak()
-            self._first_forward()
-            forward_peak = memory.phase_peak_rss_bytes() if measured else 0
-        self.tracer = None
-        if options.trace:
-            self.start_trace(options.trace)
-        collector.freeze_loaded()  # no full pass of the cycle collector walks the model mid-reply
+        if not options.warm:
+            return 0
+        if progress is not None:
+            progress(1.0, "a first forward (torch sets up its kernels)")
+        memory.release_free_heap()  # the load's own temporaries are not a forward's working memory
+        measured = memory.reset_phase_peak()
+        self._first_forward()
+        return memory.phase_peak_rss_bytes() if measured else 0
+
+    def _measure_overhead(self, baseline: int, forward_peak: int) -> None:
+        """The heap settled for the replies, then what the engine holds beyond the weights, noted for
+        the memory panel."""
         memory.release_free_heap()
         memory.keep_freed_heap()  # from here on the heap holds working memory, reused step after step
         self.overhead = memory.EngineOverhead(baseline, memory.rss_bytes(), host_tensor_bytes(self.model),
                                               self._host_expert_bytes(), forward_peak)
         memory.note_overhead(self.overhead)
-        self.load_seconds = time.perf_counter() - started
 
-    # ----- setup -----
     def _open_store(self, kind: str, progress: ProgressFn | None) -> ExpertStore:
         if kind == "auto":
             # RAM only pays off when the experts can be copied to a GPU; on a CPU the cache is the RAM.
