@@ -1,11 +1,12 @@
 """The native decode kernels of this install, loaded once per process.
 
-torch's own kernels stream expert-sized bf16 weights at about half the memory bandwidth for one
-row (a thread-pool round trip per matrix, and oneDNN re-arranging plain weights on every call);
-the native kernels run a whole MoE layer's experts in two passes at close to a plain read's speed
-(bench/decode_limit.py). They are built ahead of time, one library per instruction-set variant
-(library.py says how the variant is chosen); where none can load (an install built without a
-compiler, an unknown CPU) decode runs on transformers' kernels and the decode-path chooser says why.
+torch's own kernels stream expert-sized bf16 weights for one row well below the memory bandwidth
+(a thread-pool round trip per matrix, and oneDNN re-arranging plain weights on every call); the
+native kernels run a whole MoE layer's experts in two passes at close to a plain read's speed
+(bench/decode_limit.py measures both against the bandwidth; its figures are in bench/results).
+They are built ahead of time, one library per instruction-set variant (library.py says how the
+variant is chosen); where none can load (an install built without a compiler, an unknown CPU)
+decode runs on transformers' kernels and the decode-path chooser says why.
 """
 
 from __future__ import annotations

@@ -1,11 +1,12 @@
 """Parsing a GGUF header (metadata and tensor table) from bytes, skipping the tokenizer's arrays.
 
 The `gguf` package's GGUFReader turns every element of every metadata array into numpy views: for a
-150k-token vocabulary and its merges that takes ~20 s per file (gguf 0.19), too slow to list a
-folder of models, to size a file on the Hub from its first bytes, or to open one for a chat
-(engine.model.gguf.file; the tokenizer's arrays are read by transformers). This walks the same layout
-(GGUF v2/v3, see gguf/constants.py) with struct, keeping scalars and short numeric arrays and
-stepping over strings and the rest; quant types and their block sizes come from the gguf package.
+150k-token vocabulary and its merges that is hundreds of thousands of views per file (gguf 0.19):
+too slow to list a folder of models, to size a file on the Hub from its first bytes, or to open one
+for a chat (engine.model.gguf.file; the tokenizer's arrays are read by transformers). This walks
+the same layout (GGUF v2/v3, see gguf/constants.py) with struct, keeping scalars and short numeric
+arrays and stepping over strings and the rest; quant types and their block sizes come from the gguf
+package.
 """
 
 from __future__ import annotations

@@ -15,7 +15,7 @@ namespace moescope {
 
 // v[i] = exp(v[i] - shift) for n values (v[i] <= shift); returns their sum. In the variant's float
 // vectors (Cephes' single-precision polynomial, within ~2 ulp of std::exp): the softmax's
-// exponentials were a third of one-token attention's time.
+// exponentials were a large part of one-token attention's time (docs/performance-history.md).
 inline float exp_shifted(float* v, int64_t n, float shift) {
   int64_t i = 0;
   float total = 0.f;

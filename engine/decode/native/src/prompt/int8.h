@@ -31,8 +31,9 @@
 
 namespace moescope {
 
-// Rows of W per int8_tile, 8 input rows at a time: 3 fit AVX2's registers (6 spilled and ran at two
-// thirds of the speed) and split the prompt's 6-row tile evenly (4 wasted a quarter of the work).
+// Rows of W per int8_tile, 8 input rows at a time: 3 fit AVX2's registers (6 spill them, and the
+// spills cost more than the wider tile saves) and split the prompt's 6-row tile evenly (4 wasted a
+// quarter of the work).
 constexpr int kInt8Rows = 3;
 
 // x rounded to 8 bits, 8 rows at a time, for one matrix width k (a multiple of 256).

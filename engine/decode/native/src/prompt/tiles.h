@@ -62,8 +62,9 @@ inline void dot_tile_n(const bf16* const* w, const bf16* const* x, int64_t k, fl
 // widened: exact, a bf16 is the top half of a float32) once per tile, the input rows widened once
 // per call into blocks of 16 rows laid [k][16], so that each step over k broadcasts one weight of
 // each W row against two vectors of 8 rows: 12 independent accumulators, enough to keep the
-// fused multiply-adds busy (one-row dot products with 8 accumulators, tried first, ran at about
-// half that rate; torch's own bf16 matmul is slower still on such CPUs).
+// fused multiply-adds busy (one-row dot products with 8 accumulators, tried first, were the slower;
+// torch's own bf16 matmul is slower still on such CPUs: docs/performance-history.md, "Results on
+// an AVX2 CPU without AVX-512").
 constexpr int64_t kBlock = 16;
 #if defined(MOESCOPE_AVX2_INT)
 #define MOESCOPE_FIXED_PROMPT 1  // Q4_K, Q6_K and Q8_0 tiles multiplied in integers (arch/x86/prompt_fixed.h)

@@ -109,7 +109,7 @@ class DecodeStep {
   int64_t moe_layer_count() const;
 
  private:
-  // Adds the time since the previous lap to a phase (a steady_clock read is ~20 ns).
+  // Adds the time since the previous lap to a phase (a steady_clock read is small beside a phase).
   // Only one thread of a step keeps it (its laps include its waits at the barriers).
   struct Clock {
     Clock(std::array<double, kPhases>& totals, bool enabled)

@@ -21,9 +21,9 @@ namespace moescope {
 #define MOESCOPE_HAS_IDOT_ROW 1
 #define MOESCOPE_HAS_FLOAT_DOT_PREFERENCE 1
 
-// MXFP4 with bf16 dot products keeps its reference-exact loop (quant_dot.h: qdot_row_mxfp4), which
-// is also the faster one on AMD's Zen 4; on an Intel core the integer dot ran gpt-oss's experts
-// faster (docs/performance.md).
+// MXFP4 with bf16 dot products keeps its reference-exact loop (quant_dot.h: qdot_row_mxfp4) on AMD
+// cores, where it is the faster one, and takes the integer dot on Intel cores, where that is
+// (docs/performance-history.md, "MXFP4 on the integer dots").
 inline bool prefers_float_dot([[maybe_unused]] int32_t type) {
 #if defined(MOESCOPE_AVX512BF16)
   return type == kMXFP4 && !kTune.intel;
@@ -35,7 +35,8 @@ inline bool prefers_float_dot([[maybe_unused]] int32_t type) {
 
 // acc + the int16 products of a and b summed in pairs (vpmaddwd then vpaddd): one VNNI instruction
 // (vpdpwssd) where the CPU has it. On a cache-resident matrix the K-quant dots are bound by their
-// vector instructions; the fused form measured a few percent faster there (one thread, interleaved).
+// vector instructions, so one fused instruction in place of two pays there
+// (docs/performance-history.md, "K-quant kernels: fused multiply-adds").
 inline __m256i madd_acc(__m256i acc, __m256i a, __m256i b) {
 #if defined(__AVX512VNNI__) && defined(__AVX512VL__)
   return _mm256_dpwssd_epi32(acc, a, b);
