@@ -57,11 +57,24 @@ class MainWindow(QMainWindow):
         self.store = store or HistoryStore()
         self.bridge = bridge or EngineBridge(parent=self)
         self.remember = remember  # screenshot mode leaves the user's settings alone
+        self.library: LibraryDialog | None = None  # made on first use, then kept: downloads outlive it closing
         self.setWindowTitle("MoEScope")
         self.setObjectName("moescope-main")
         self.setDockNestingEnabled(True)
+        self._build_centre()
+        self._build_panels()
+        self._build_docks()
+        self.themes = ThemeManager(self.settings.theme, self)
+        self.themes.changed.connect(self._apply_theme)
+        self._build_menus()
+        self._connect_engine()
+        self._connect_chat()
+        self._start_frame_timer()
+        self._restore_session()
 
-        # ----- centre -----
+    # ----- construction -----
+    def _build_centre(self) -> None:
+        """The banner, the model bar and the chat, one above the other."""
         self.banner = Banner()
         self.model_bar = ModelBar()
         self.chat_view = ChatView()
@@ -74,7 +87,8 @@ class MainWindow(QMainWindow):
         self.setCentralWidget(centre)
         self.chat = ChatController(self.store, self.bridge, self.chat_view, self)
 
-        # ----- docks -----
+    def _build_panels(self) -> None:
+        """What goes in the docks: the conversation list and the live panels."""
         self.history = TelemetryHistory()
         self.conversations = ConversationList()
         self.hit_rate = HitRatePanel(self.history)
@@ -86,13 +100,9 @@ class MainWindow(QMainWindow):
         self.server_panel = ServerPanel(self.server)
         self.panels: list[Panel] = [self.heatmap, self.budget, self.hit_rate, self.traffic, self.system,
                                     self.server_panel]
-        self.docks: dict[str, QDockWidget] = {}
-        self._build_docks()
 
-        # ----- behaviour -----
-        self.themes = ThemeManager(self.settings.theme, self)
-        self.themes.changed.connect(self._apply_theme)
-        self._build_menus()
+    def _connect_engine(self) -> None:
+        """Engine events in; the banner's, panels' and model bar's requests out to the engine."""
         self.bridge.event.connect(self.on_engine_event)
         self.banner.restart_requested.connect(self.restart_engine)
         self.budget.budget_requested.connect(self.set_budget)
@@ -103,7 +113,9 @@ class MainWindow(QMainWindow):
         self.model_bar.open_folder_requested.connect(self.open_model)
         self.model_bar.library_requested.connect(self.open_library)
         self.model_bar.connect_requested.connect(self.connect_to_server)
-        self.library: LibraryDialog | None = None  # made on first use, then kept: downloads outlive it closing
+
+    def _connect_chat(self) -> None:
+        """The conversation list's requests to the chat, and the chat's news back to the window."""
         self.conversations.new_requested.connect(self.chat.new_chat)
         self.conversations.open_requested.connect(self.chat.open)
         self.conversations.rename_requested.connect(self.chat.rename)
@@ -114,10 +126,13 @@ class MainWindow(QMainWindow):
         self.chat.notice.connect(lambda text: self.statusBar().showMessage(text, 5000))
         QShortcut(QKeySequence(Qt.Key.Key_Escape), self, self.chat.stop, context=Qt.ShortcutContext.WindowShortcut)
 
+    def _start_frame_timer(self) -> None:
         self.frame = QTimer(self, interval=FRAME_MS)
         self.frame.timeout.connect(self.refresh)
         self.frame.start()
 
+    def _restore_session(self) -> None:
+        """The saved layout and theme, the conversation list, and the conversation open last time."""
         self._restore_layout()
         self.themes.apply()
         self.refresh_conversations()
@@ -137,6 +152,7 @@ class MainWindow(QMainWindow):
         return dock
 
     def _build_docks(self) -> None:
+        self.docks: dict[str, QDockWidget] = {}
         area = Qt.DockWidgetArea
         self.setCorner(Qt.Corner.BottomLeftCorner, area.LeftDockWidgetArea)
         self.setCorner(Qt.Corner.BottomRightCorner, area.RightDockWidgetArea)
