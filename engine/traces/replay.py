@@ -37,7 +37,7 @@ from engine.accounting.policies.base import CachePolicy
 from engine.accounting.policies.belady import BeladyPolicy
 from engine.accounting.routing import RoutingStep
 from engine.accounting.sizes import BudgetSpec
-from engine.traces.trace import Trace, steps_by_boundary
+from engine.traces.trace import Trace, TraceStep, steps_by_boundary
 
 CALIBRATION = 0.25  # share of a trace that calibrates by default (the CLI's --calibrate)
 
@@ -127,25 +127,19 @@ def replay(trace: Trace, policy: CachePolicy, slots_per_layer: list[int], *, his
     `ranked_waves`: a step that needs more experts than the layer has slots streams them in the
     policy's order and holds the resident ones it wants most (`CacheDirectory.wave_order`), as the
     engine does; False streams them in id order, as the engine did before (a study)."""
-    L, E = trace.num_layers, trace.num_experts
-    policy.reset(L, E, trace.top_k)
+    policy.reset(trace.num_layers, trace.num_experts, trace.top_k)
     if policy.needs_profile:
         if profile is None:
             raise ReplayError(f"policy '{policy.name}' needs a calibration profile; give one built from other routing")
         policy.set_profile(profile)
     directory = CacheDirectory(slots_per_layer, policy)
-    if warm:  # as the engine does at load: fill every slot, the policy's favourites first
-        for layer, count in enumerate(slots_per_layer):
-            order = list(policy.preferred(layer) or range(E))
-            listed = set(order)
-            order += [e for e in range(E) if e not in listed]
-            for expert in order[:count]:
-                directory.assign(layer, expert, ())
+    if warm:
+        _fill_slots(directory, policy, slots_per_layer, trace.num_experts)
     result = ReplayResult(policy.name, list(slots_per_layer), trace.tokens, expert_bytes=expert_bytes)
-    lossy = policy.restricts_routing
     started = False
     unscored = len(history.steps) if history is not None else 0
-    everything = trace if history is None else Trace(L, E, trace.top_k, history.steps + trace.steps)
+    everything = trace if history is None else Trace(trace.num_layers, trace.num_experts, trace.top_k,
+                                                     history.steps + trace.steps)
     for index, (new_step, new_request, step) in enumerate(steps_by_boundary(everything)):
         if index == unscored:  # the scored part starts: count from here
             result = ReplayResult(policy.name, list(slots_per_layer), trace.tokens, expert_bytes=expert_bytes)
@@ -154,46 +148,69 @@ def replay(trace: Trace, policy: CachePolicy, slots_per_layer: list[int], *, his
         if new_request:
             policy.on_request_start()
         started = True
-        layer, experts, counts = step.layer, step.experts, step.counts
-        if lossy:  # the router may only pick residents: replaced choices are counted, not loaded
-            scores = np.zeros(E)
-            scores[experts] = step.mass
-            policy.on_router_scores(layer, scores)
-            resident = directory.slot_of[layer]
-            keep = [i for i, e in enumerate(experts) if e in resident]
-            result.rerouted += len(experts) - len(keep)
-            result.accesses += len(experts) - len(keep)
-            experts, counts = [experts[i] for i in keep], [counts[i] for i in keep]
-        found = directory.lookup(RoutingStep.of_layer(layer, experts, counts, step.tokens, step.last))[0]
-        result.accesses += len(experts)
-        result.hits += len(found.ready)
-        result.misses += len(found.missing)
-        result.prefetch_hits += len(found.prefetch_hits)
-        if policy.lookahead:
-            window = {t: p for t, p in step.predictions.items() if t - layer <= policy.lookahead}
-            policy.on_prediction(layer, window)
-        protected = set(experts)
-        capacity = slots_per_layer[layer]
-        room = capacity - len(found.ready)
-        missing, held = found.missing, set()
-        if ranked_waves and len(missing) > room:
-            missing, held = directory.wave_order(layer, experts, missing)
-        first, rest = missing[:room], missing[room:]
-        for expert in first:
-            directory.assign(layer, expert, protected)
-        wanted = [(lyr, e) for lyr, e in policy.prefetch(layer) if lyr != layer]
-        for lyr, expert, _ in directory.place_prefetches(wanted, {layer: protected}):
-            directory.complete(lyr, expert)  # no time model: the prefetch arrives in time
-            result.prefetch_loads += 1
-        size = capacity - len(held)
-        while rest:
-            wave, rest = rest[:size], rest[size:]
-            for expert in wave:
-                directory.assign(layer, expert, set(wave) | held)
+        _replay_step(step, directory, policy, result, slots_per_layer[step.layer], trace.num_experts, ranked_waves)
     if started:
         policy.on_token_end()
     result.extra = policy.stats()
     return result
+
+
+def _fill_slots(directory: CacheDirectory, policy: CachePolicy, slots_per_layer: list[int], num_experts: int) -> None:
+    """As the engine does at load: fill every slot, the policy's favourites first."""
+    for layer, count in enumerate(slots_per_layer):
+        order = list(policy.preferred(layer) or range(num_experts))
+        listed = set(order)
+        order += [e for e in range(num_experts) if e not in listed]
+        for expert in order[:count]:
+            directory.assign(layer, expert, ())
+
+
+def _resident_choices(step: TraceStep, directory: CacheDirectory, policy: CachePolicy, num_experts: int,
+                      result: ReplayResult) -> tuple[list[int], list[int]]:
+    """A lossy policy's router may only pick residents: the step's experts and counts it keeps;
+    the replaced choices are counted, not loaded."""
+    scores = np.zeros(num_experts)
+    scores[step.experts] = step.mass
+    policy.on_router_scores(step.layer, scores)
+    resident = directory.slot_of[step.layer]
+    keep = [i for i, e in enumerate(step.experts) if e in resident]
+    result.rerouted += len(step.experts) - len(keep)
+    result.accesses += len(step.experts) - len(keep)
+    return [step.experts[i] for i in keep], [step.counts[i] for i in keep]
+
+
+def _replay_step(step: TraceStep, directory: CacheDirectory, policy: CachePolicy, result: ReplayResult, capacity: int,
+                 num_experts: int, ranked_waves: bool) -> None:
+    """One layer's routing: look it up, count it, load the misses (in waves through the slots when
+    they outnumber the free ones) and place the policy's prefetches for other layers."""
+    layer, experts, counts = step.layer, step.experts, step.counts
+    if policy.restricts_routing:
+        experts, counts = _resident_choices(step, directory, policy, num_experts, result)
+    found = directory.lookup(RoutingStep.of_layer(layer, experts, counts, step.tokens, step.last))[0]
+    result.accesses += len(experts)
+    result.hits += len(found.ready)
+    result.misses += len(found.missing)
+    result.prefetch_hits += len(found.prefetch_hits)
+    if policy.lookahead:
+        window = {t: p for t, p in step.predictions.items() if t - layer <= policy.lookahead}
+        policy.on_prediction(layer, window)
+    protected = set(experts)
+    room = capacity - len(found.ready)
+    missing, held = found.missing, set()
+    if ranked_waves and len(missing) > room:
+        missing, held = directory.wave_order(layer, experts, missing)
+    first, rest = missing[:room], missing[room:]
+    for expert in first:
+        directory.assign(layer, expert, protected)
+    wanted = [(lyr, e) for lyr, e in policy.prefetch(layer) if lyr != layer]
+    for lyr, expert, _ in directory.place_prefetches(wanted, {layer: protected}):
+        directory.complete(lyr, expert)  # no time model: the prefetch arrives in time
+        result.prefetch_loads += 1
+    size = capacity - len(held)
+    while rest:
+        wave, rest = rest[:size], rest[size:]
+        for expert in wave:
+            directory.assign(layer, expert, set(wave) | held)
 
 
 def belady_for(trace: Trace) -> BeladyPolicy:
