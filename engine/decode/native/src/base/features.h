@@ -21,7 +21,7 @@
 #define MOESCOPE_AVX2_INT 1
 #endif
 // AMX tiles for a prompt's bf16 products, beside the bf16 dot products; used only where the CPU and
-// the OS grant them (prompt/amx.h asks at run time).
+// the OS grant them (arch/x86/prompt_amx.h asks at run time).
 #if defined(MOESCOPE_AVX512BF16) && defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__linux__)
 #define MOESCOPE_AMX 1
 #endif

@@ -1,6 +1,6 @@
 // The portable reference of every one-row kernel: plain loops the compiler vectorises for whatever
 // it targets. An instruction set's folder (arch/x86, arch/arm) replaces what it has a faster form
-// of; dots/fallback.h maps the rest here. Tests hold every variant's kernels to these values.
+// of; dots/dots.h maps the rest here. Tests hold every variant's kernels to these values.
 #pragma once
 
 #include <cstdint>
