@@ -6,7 +6,9 @@ import argparse
 import json
 import shutil
 import sys
+from collections.abc import Iterator
 from dataclasses import asdict
+from itertools import chain
 from pathlib import Path
 
 from engine.errors import MoEScopeError
@@ -45,29 +47,40 @@ def run_models(args: argparse.Namespace) -> int:
 
 
 def _list(args: argparse.Namespace) -> int:
-    from huggingface_hub import constants
-
-    from engine.accounting.sizes import format_bytes
     from engine.hub.catalog import load_catalog
-    from engine.hub.errors import NetworkError, OfflineError, RepoNotFoundError
-    from engine.hub.fit import assess
-    from engine.hub.found import SOURCES
     from engine.hub.local import list_cached_models
     from engine.hub.machine import probe_machine
     from engine.hub.paths import hub_cache_dir
-    from engine.process.library_service import found_models
 
     cache_dir = hub_cache_dir()
     machine = probe_machine(cache_dir)
     cached = {m.repo_id.lower(): m for m in list_cached_models(cache_dir, include_all=True)}
-    # why the Hub is not asked (None: it is); after one failed connection the other entries do not wait
-    no_hub = "offline (HF_HUB_OFFLINE is set): sizes unknown" if constants.is_offline_mode() else None
-    rows = []
     if not args.json:
         print(_machine_line(machine, cache_dir))
-    catalog_ids = set()
-    for entry in load_catalog():
-        catalog_ids.add(entry.repo_id.lower())
+    catalog = load_catalog()
+    catalog_ids = {entry.repo_id.lower() for entry in catalog}
+    rows = []
+    # generators, so each row prints as soon as it is known: the Hub look-ups take a while
+    for row in chain(_catalog_rows(catalog, cached, machine, cache_dir),
+                     _cached_rows(cached, catalog_ids, machine, args.all),
+                     _found_rows(cached, machine)):
+        rows.append(row)
+        if not args.json:
+            _print_row(row)
+    if args.json:
+        print(json.dumps(rows))
+    return 0
+
+
+def _catalog_rows(catalog, cached: dict, machine, cache_dir: Path) -> Iterator[dict]:
+    """The catalog's models: sized from the cache when downloaded, else from the Hub while it answers."""
+    from huggingface_hub import constants
+
+    from engine.hub.errors import NetworkError, OfflineError, RepoNotFoundError
+
+    # why the Hub is not asked (None: it is); after one failed connection the other entries do not wait
+    no_hub = "offline (HF_HUB_OFFLINE is set): sizes unknown" if constants.is_offline_mode() else None
+    for entry in catalog:
         local = cached.get(entry.repo_id.lower())
         row = {"repo": entry.repo_id, "description": entry.description, "in_catalog": True}
         try:
@@ -86,21 +99,30 @@ def _list(args: argparse.Namespace) -> int:
             row.update(status="not downloaded", verdict=str(exc))
         except MoEScopeError as exc:
             row.update(status="not downloaded", verdict=str(exc))
-        rows.append(row)
-        if not args.json:
-            _print_row(row)
+        yield row
+
+
+def _cached_rows(cached: dict, catalog_ids: set[str], machine, show_all: bool) -> Iterator[dict]:
+    """Hugging Face repos downloaded outside the catalog (GGUF repos come with the found models)."""
     for key, local in cached.items():
-        if key in catalog_ids or local.gguf_files or not (local.runnable or args.all):
+        if key in catalog_ids or local.gguf_files or not (local.runnable or show_all):
             continue
         row = {"repo": local.repo_id, "description": "", "in_catalog": False}
         try:
             row.update(_local_row(local, machine))
         except MoEScopeError as exc:
             row.update(status="downloaded", verdict=str(exc))
-        rows.append(row)
-        if not args.json:
-            _print_row(row)
-    for model in found_models(list(cached.values())):  # GGUFs in the cache, LM Studio's, Ollama's: opened in place
+        yield row
+
+
+def _found_rows(cached: dict, machine) -> Iterator[dict]:
+    """GGUFs in the cache, LM Studio's, Ollama's: opened in place."""
+    from engine.accounting.sizes import format_bytes
+    from engine.hub.fit import assess
+    from engine.hub.found import SOURCES
+    from engine.process.library_service import found_models
+
+    for model in found_models(list(cached.values())):
         row = {"repo": model.name, "description": f"{SOURCES[model.source]}, {model.quant or 'unknown format'}",
                "in_catalog": False, "source": model.source, "path": str(model.path),
                "status": f"downloaded, {format_bytes(model.size_bytes)}"}
@@ -109,12 +131,7 @@ def _list(args: argparse.Namespace) -> int:
         else:
             verdict = assess(model.estimate, machine)
             row.update(verdict=verdict.headline, budget=verdict.budget_arg)
-        rows.append(row)
-        if not args.json:
-            _print_row(row)
-    if args.json:
-        print(json.dumps(rows))
-    return 0
+        yield row
 
 
 def _local_row(local, machine) -> dict:
