@@ -54,59 +54,95 @@ def create_app(hub: EngineHub, settings: ServerSettings | None = None) -> FastAP
 
     @app.post("/v1/chat/completions")
     async def chat(request: Request):
-        return await _complete(request, "chat")
+        return await _complete(hub, settings, request, "chat")
 
     @app.post("/v1/completions")
     async def completions(request: Request):
-        return await _complete(request, "completion")
+        return await _complete(hub, settings, request, "completion")
 
     @app.get("/moescope/v1/telemetry")
     async def telemetry(request: Request) -> StreamingResponse:
         """What the panels show, as server-sent events: one JSON snapshot per engine snapshot (at most ~10 a second)."""
         return StreamingResponse(_telemetry_events(hub), media_type="text/event-stream")
 
-    async def _complete(request: Request, kind: str):
-        started = time.perf_counter()
-        endpoint = request.url.path
-        request_id = new_request_id()
-        try:
-            body = await _read_json(request, settings.max_body_bytes)
-            req = schema.parse(schema.ChatRequest if kind == "chat" else schema.CompletionRequest, body)
-            model = await _model(hub, req.model, settings.model_wait_s)
-            sampling = req.sampling(model.context_length)
-            prompt = {"messages": [m.turn() for m in req.messages]} if kind == "chat" else req.prompt_fields()
-            with_routing = req.return_routed_experts or settings.return_routed_experts
-            stream = _submit(hub, p.Generate(request_id, sampling=sampling, return_routing=with_routing, **prompt))
-        except ApiError as exc:
-            hub.log(LogEntry(request_id, endpoint, exc.status, seconds=time.perf_counter() - started, message=exc.message))
-            raise
-        prompt_param = "messages" if kind == "chat" else "prompt"
-        try:
-            first = await _unless_disconnected(request, stream.next())
-            if isinstance(first, p.Error):
-                raise schema.engine_error(first, prompt_param)
-            if req.stream:
-                include_usage = bool(req.stream_options and req.stream_options.include_usage)
-                events = _sse(kind, request_id, model.name, first, stream, include_usage, with_routing,
-                              lambda entry: hub.log(entry), endpoint, started)
-                return StreamingResponse(events, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
-            done = await _unless_disconnected(request, _last(stream, first))
-            if isinstance(done, p.Error):
-                raise schema.engine_error(done, prompt_param)
-            stream.close()
-            hub.log(_entry(request_id, endpoint, done, started))
-            return JSONResponse(schema.response(kind, request_id, model.name, done, with_routing))
-        except ApiError as exc:
-            stream.close()
-            hub.log(LogEntry(request_id, endpoint, exc.status, seconds=time.perf_counter() - started, message=exc.message))
-            raise
-        except (ClientGone, asyncio.CancelledError):
-            stream.close()  # cancels the generation
-            hub.log(LogEntry(request_id, endpoint, 499, seconds=time.perf_counter() - started,
-                             message="the client went away; cancelled"))
-            raise
-
     return app
+
+
+@dataclass
+class _Reply:
+    """A request accepted and submitted to the engine: what answering it needs."""
+
+    request_id: str
+    kind: str  # "chat" or "completion"
+    endpoint: str
+    started: float  # perf_counter when the request arrived
+    req: schema.ChatRequest | schema.CompletionRequest
+    model_name: str
+    with_routing: bool
+    stream: RequestStream  # the engine's events for this request
+
+    @property
+    def prompt_param(self) -> str:
+        return "messages" if self.kind == "chat" else "prompt"
+
+    def failed(self, status: int, message: str) -> LogEntry:
+        return LogEntry(self.request_id, self.endpoint, status, seconds=time.perf_counter() - self.started,
+                        message=message)
+
+
+async def _complete(hub: EngineHub, settings: ServerSettings, request: Request, kind: str):
+    """One OpenAI completion request: parsed and submitted, then answered whole or streamed."""
+    started = time.perf_counter()
+    request_id = new_request_id()
+    try:
+        reply = await _submit_request(hub, settings, request, kind, request_id, started)
+    except ApiError as exc:
+        hub.log(LogEntry(request_id, request.url.path, exc.status, seconds=time.perf_counter() - started,
+                         message=exc.message))
+        raise
+    try:
+        return await _answer(hub, request, reply)
+    except ApiError as exc:
+        reply.stream.close()
+        hub.log(reply.failed(exc.status, exc.message))
+        raise
+    except (ClientGone, asyncio.CancelledError):
+        reply.stream.close()  # cancels the generation
+        hub.log(reply.failed(499, "the client went away; cancelled"))
+        raise
+
+
+async def _submit_request(hub: EngineHub, settings: ServerSettings, request: Request, kind: str, request_id: str,
+                          started: float) -> _Reply:
+    """Read and check the request, wait for its model and hand it to the engine."""
+    body = await _read_json(request, settings.max_body_bytes)
+    req = schema.parse(schema.ChatRequest if kind == "chat" else schema.CompletionRequest, body)
+    model = await _model(hub, req.model, settings.model_wait_s)
+    sampling = req.sampling(model.context_length)
+    prompt = {"messages": [m.turn() for m in req.messages]} if kind == "chat" else req.prompt_fields()
+    with_routing = req.return_routed_experts or settings.return_routed_experts
+    stream = _submit(hub, p.Generate(request_id, sampling=sampling, return_routing=with_routing, **prompt))
+    return _Reply(request_id, kind, request.url.path, started, req, model.name, with_routing, stream)
+
+
+async def _answer(hub: EngineHub, request: Request, reply: _Reply):
+    """The engine's first event, then the reply: server-sent events, or one JSON body at the end."""
+    stream = reply.stream
+    first = await _unless_disconnected(request, stream.next())
+    if isinstance(first, p.Error):
+        raise schema.engine_error(first, reply.prompt_param)
+    if reply.req.stream:
+        options = reply.req.stream_options
+        events = _sse(reply.kind, reply.request_id, reply.model_name, first, stream,
+                      bool(options and options.include_usage), reply.with_routing,
+                      lambda entry: hub.log(entry), reply.endpoint, reply.started)
+        return StreamingResponse(events, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+    done = await _unless_disconnected(request, _last(stream, first))
+    if isinstance(done, p.Error):
+        raise schema.engine_error(done, reply.prompt_param)
+    stream.close()
+    hub.log(_entry(reply.request_id, reply.endpoint, done, reply.started))
+    return JSONResponse(schema.response(reply.kind, reply.request_id, reply.model_name, done, reply.with_routing))
 
 
 class RequireKey:
