@@ -18,6 +18,7 @@ from engine.decode import block_diffusion
 from engine.decode.kv_cache import new_cache
 from engine.decode.native import kernels as native
 from engine.decode.paths.base import PathChooser, Step
+from engine.decode.paths.context import DecodeContext, DecodeSettings
 from engine.decode.paths.native_layers import NativeLayersPath, NativePromptPath
 from engine.decode.paths.transformers_path import TransformersPath, last_position
 from engine.decode.paths.whole_token import WholeTokenPath
@@ -171,16 +172,17 @@ class MoERuntime:
 
     def _choose_paths(self, native_first: bool) -> None:
         """The decode paths, fastest first, and the live switches they read, as the settings ask."""
-        self.fast_decode = False  # asked for (live: the System panel's "Exact" switch); runs where available
         self._restriction: RoutingRestriction | None = None
-        self.native_layers = NativeLayersPath(self)
-        self.whole_token = WholeTokenPath(self)
-        self.paths = PathChooser([self.whole_token, self.native_layers, NativePromptPath(self),
+        self.decode_settings = DecodeSettings()  # live: fast decode, 8-bit prompt inputs, restricted routing
+        context = DecodeContext(self.model, self.cache, self.device, self.dtype, self.decode_settings)
+        self.native_layers = NativeLayersPath(context)
+        self.whole_token = WholeTokenPath(context)
+        self.paths = PathChooser([self.whole_token, self.native_layers, NativePromptPath(context, self.native_layers),
                                   TransformersPath(self.model)])
         self.decode_path = ""  # how the last decode token ran, in words (a DecodePath's label)
         self.decode_path_reason = ""  # why the next faster path did not run it
         self.set_fast_decode(self.settings.fast_decode)
-        self.int8_prompt = self.settings.int8_prompt  # live (the System panel's switch); the prompt path reads it
+        self.int8_prompt = self.settings.int8_prompt
         if native_first:
             native.load()  # at load: the first tokens should not run on the slower kernels
 
@@ -293,6 +295,7 @@ class MoERuntime:
         if self._restriction is not None:
             self._restriction.remove()
             self._restriction = None
+            self.decode_settings.routing_restricted = False
         if policy.restricts_routing:
             directory, top_k = self.cache.directory, self.layout.top_k
 
@@ -304,6 +307,7 @@ class MoERuntime:
                 self._restriction = RoutingRestriction(self.routers, allowed, policy)
             except RuntimeError as exc:
                 raise MoEScopeError(f"policy '{policy.name}' cannot run on this model: {exc}") from None
+            self.decode_settings.routing_restricted = True
         if policy.needs_profile:
             policy.set_profile(self._profile())
 
@@ -397,8 +401,22 @@ class MoERuntime:
             self.native_layers.enable()  # idempotent: the modules deviate only inside a native step
             if not native.failed():
                 self.cache.unpack()  # the native experts kernel reads plain weights (for the rest of the session)
-        self.fast_decode = enabled
+        self.decode_settings.fast_decode = enabled
         return self.fast_decode_on
+
+    @property
+    def fast_decode(self) -> bool:
+        """The native decode paths asked for (live: the System panel's "Exact" switch); they run where available."""
+        return self.decode_settings.fast_decode
+
+    @property
+    def int8_prompt(self) -> bool:
+        """The opt-in, lossy 8-bit prompt inputs asked for (live: the System panel's switch)."""
+        return self.decode_settings.int8_prompt
+
+    @int8_prompt.setter
+    def int8_prompt(self, enabled: bool) -> None:
+        self.decode_settings.int8_prompt = enabled
 
     @property
     def fast_decode_on(self) -> bool:
@@ -418,7 +436,7 @@ class MoERuntime:
     @property
     def routing_restricted(self) -> bool:
         """A lossy policy rewrites the routers' choices, layer by layer."""
-        return self._restriction is not None
+        return self.decode_settings.routing_restricted
 
     def set_policy(self, name: str) -> None:
         """Switch policy between tokens: residents stay; the new policy learns from here on."""

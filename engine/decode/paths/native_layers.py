@@ -42,6 +42,7 @@ from engine.decode.modules.switch import SWITCH_ATTR, NativeSwitch
 from engine.decode.native import kernels as native
 from engine.decode.native.library import Kernels
 from engine.decode.paths.base import DecodePath, Step
+from engine.decode.paths.context import DecodeContext
 from engine.decode.paths.transformers_path import model_forward
 from engine.formats.blocks import BlockFormat
 from engine.model.cache_argument import cache_from_call
@@ -211,15 +212,16 @@ def _fast_router_forward(self, hidden_states: torch.Tensor):
     return logits, top_value.to(logits.dtype) if cast_back else top_value, top_index
 
 
-_fast_classes: dict[type, type] = {}
-
-
+@cache
 def _fast_class(cls: type, forward) -> type:
-    """A subclass of `cls` whose forward is `forward`, the original kept as `_plain_forward`."""
-    if cls not in _fast_classes:
-        _fast_classes[cls] = type(f"Fast{cls.__name__}", (cls,),
-                                  {"forward": forward, "_plain_forward": cls.forward, "_moescope_plain": cls})
-    return _fast_classes[cls]
+    """A subclass of `cls` whose forward is `forward`, the original kept as `_plain_forward`: one per
+    class, shared by every model of the session."""
+    return type(f"Fast{cls.__name__}", (cls,), {"forward": forward, "_plain_forward": cls.forward, "_moescope_plain": cls})
+
+
+def _patched(cls: type) -> bool:
+    """`cls` is a native-step class already: FastLinear, FastQuantizedLinear or one `_fast_class` made."""
+    return "_moescope_plain" in vars(cls)
 
 
 def patch_module(module: torch.nn.Module, switch: NativeSwitch) -> bool:
@@ -227,7 +229,7 @@ def patch_module(module: torch.nn.Module, switch: NativeSwitch) -> bool:
     or router); True if it has it now. Same parameters, same results outside a native step."""
     module.__dict__[SWITCH_ATTR] = switch
     cls = type(module)
-    if cls in (FastLinear, FastQuantizedLinear) or cls in _fast_classes.values():
+    if _patched(cls):
         return True  # patched before (a live switch back on)
     if cls is torch.nn.Linear:
         module.__class__ = FastLinear
@@ -341,26 +343,26 @@ def install(model: torch.nn.Module) -> NativeSwitch:
     return switch
 
 
-def kernels_problem(runtime) -> str | None:
-    """Why the native kernels cannot run for this runtime now (every native path asks); None when they can."""
-    if not runtime.fast_decode:
+def kernels_problem(context: DecodeContext) -> str | None:
+    """Why the native kernels cannot run for this model now (every native path asks); None when they can."""
+    if not context.settings.fast_decode:
         return "exact kernels were asked for (--exact, or the System panel's Exact switch)"
-    if runtime.device.type != "cpu":
+    if context.device.type != "cpu":
         return "the native kernels run on the CPU"
-    if runtime.dtype != torch.bfloat16:
-        return f"the native kernels compute bf16 weights; this model runs in {str(runtime.dtype).removeprefix('torch.')}"
+    if context.dtype != torch.bfloat16:
+        return f"the native kernels compute bf16 weights; this model runs in {str(context.dtype).removeprefix('torch.')}"
     if native.ready() is None:
         return native.status()
     return None
 
 
-def native_problem(runtime, step: Step) -> str | None:
+def native_problem(context: DecodeContext, step: Step) -> str | None:
     """Why no native kernel can run `step` (shared by both native decode paths); None when they can."""
-    if step.prefill and runtime.fast_decode:
+    if step.prefill and context.settings.fast_decode:
         return "prompts (prefill) run on transformers' kernels"
-    if problem := kernels_problem(runtime):
+    if problem := kernels_problem(context):
         return problem
-    if runtime.cache.packed_params:
+    if context.cache.packed_params:
         return "the expert matrices are packed for oneDNN (they are unpacked when the Exact switch is turned off)"
     return None
 
@@ -383,13 +385,14 @@ class NativePromptPath(DecodePath):
     bf16 experts take the native call too where it beats torch's bf16 matmul (CPUs where that has
     no oneDNN kernel)."""
 
-    def __init__(self, runtime) -> None:
-        self.runtime = runtime
+    def __init__(self, context: DecodeContext, native_layers: NativeLayersPath) -> None:
+        self.context = context
+        self.native_layers = native_layers  # its switch, once installed, takes the prompt's linears onto the kernels
 
     @property
     def label(self) -> str:
         tiles = self._tiles()
-        asked = self.runtime.int8_prompt
+        asked = self.context.settings.int8_prompt
         if asked and not tiles:
             return "fast: prompt's experts and linears on the native kernels, 8-bit inputs to 4-bit matrices (lossy)"
         unused = "; 8-bit inputs not used: the tiles are faster" if asked else ""
@@ -404,25 +407,25 @@ class NativePromptPath(DecodePath):
         """The lossy 8-bit prompt inputs, where asked for and they pay: not beside AMX tiles, where the
         bf16 products on the tiles ran 128-token Q4_K prompts 1.6-1.9x faster than the 8-bit dots
         (docs/performance.md), so the request is set aside there and the path's label says so."""
-        return self.runtime.int8_prompt and not self._tiles()
+        return self.context.settings.int8_prompt and not self._tiles()
 
     def unavailable(self, step: Step) -> str | None:
         if not step.prefill:
             return "one-token steps take the decode paths"
-        if problem := kernels_problem(self.runtime):
+        if problem := kernels_problem(self.context):
             return problem
-        if not self.runtime.cache.quantized_slots and not native.bf16_prompt_beats_torch(native.ready()):
+        if not self.context.cache.quantized_slots and not native.bf16_prompt_beats_torch(native.ready()):
             return "the experts are bf16 and oneDNN's bf16 matmuls are the faster here: transformers' kernels run the prompt"
         return None
 
     def run(self, step: Step) -> torch.Tensor:
         kernels = native.ready()
-        switch = self.runtime.native_layers.switch  # installed when fast decode was turned on
+        switch = self.native_layers.switch  # installed when fast decode was turned on
         int8 = self._int8()
-        with self.runtime.cache.prompt_kernels(PromptKernels(NativePromptExperts(kernels, int8),
-                                                                   quantized_product(kernels), kernels.combine_rows)), \
+        with self.context.cache.prompt_kernels(PromptKernels(NativePromptExperts(kernels, int8),
+                                                             quantized_product(kernels), kernels.combine_rows)), \
                 switch.prompt_rows(int8=int8) if switch is not None else nullcontext():
-            return model_forward(self.runtime.model, step)
+            return model_forward(self.context.model, step)
 
 
 class NativeLayersPath(DecodePath):
@@ -430,8 +433,8 @@ class NativeLayersPath(DecodePath):
 
     label = "fast: native kernels, layer by layer"
 
-    def __init__(self, runtime) -> None:
-        self.runtime = runtime
+    def __init__(self, context: DecodeContext) -> None:
+        self.context = context
         self._switch: NativeSwitch | None = None
 
     @property
@@ -441,15 +444,15 @@ class NativeLayersPath(DecodePath):
     def enable(self) -> None:
         """Fast decode was asked for: patch the model's modules (once) and load the kernels."""
         if self._switch is None:
-            self._switch = install(self.runtime.model)
+            self._switch = install(self.context.model)
         native.load()
 
     def unavailable(self, step: Step) -> str | None:
-        problem = native_problem(self.runtime, step)
+        problem = native_problem(self.context, step)
         if problem is None and self._switch is None:
             return "the native kernels were not set up for this model"
         return problem
 
     def run(self, step: Step) -> torch.Tensor:
-        with self._switch.active(), self.runtime.cache.experts_kernel(NativeExperts(native.ready())):
-            return model_forward(self.runtime.model, step)
+        with self._switch.active(), self.context.cache.experts_kernel(NativeExperts(native.ready())):
+            return model_forward(self.context.model, step)

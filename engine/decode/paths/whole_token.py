@@ -45,6 +45,7 @@ from engine.decode.modules.families import (
 )
 from engine.decode.native import kernels as native
 from engine.decode.paths.base import DecodePath, Step
+from engine.decode.paths.context import DecodeContext
 from engine.decode.paths.native_layers import (
     expert_extras,
     expert_weights,
@@ -53,6 +54,7 @@ from engine.decode.paths.native_layers import (
     native_problem,
 )
 from engine.model.dense_quantize import QuantizedLinear
+from engine.offload.expert_cache import ExpertCache
 
 
 def _matrix(t: torch.Tensor) -> bool:
@@ -216,7 +218,7 @@ def _gated_mlp_problem(mlp: torch.nn.Module, what: str) -> str:
 class WholeTokenStep:
     """The native whole-token step of one loaded model, kept in step with the expert cache."""
 
-    def __init__(self, model: torch.nn.Module, cache, kernels) -> None:
+    def __init__(self, model: torch.nn.Module, cache: ExpertCache, kernels) -> None:
         inner = model.model
         # decoder layer of each MoE layer, in the expert cache's order; the others run a dense MLP
         self.moe_layers = [index for index, layer in enumerate(inner.layers) if not _dense(layer.mlp)]
@@ -335,26 +337,26 @@ class WholeTokenStep:
 class WholeTokenPath(DecodePath):
     label = "fast: whole token in one native call"
 
-    def __init__(self, runtime) -> None:
-        self.runtime = runtime
+    def __init__(self, context: DecodeContext) -> None:
+        self.context = context
         self._problem: str | None = None  # why this model has no whole-token step ("" = it has one)
         self._decoder: WholeTokenStep | None = None
         self._windows: list[int | None] = []  # each layer's attention window, if it slides
 
     def unavailable(self, step: Step) -> str | None:
-        runtime = self.runtime
-        problem = native_problem(runtime, step)
+        context = self.context
+        problem = native_problem(context, step)
         if problem is not None:
             return problem
         if self._problem is None:
-            self._problem = recognise(runtime.model) or _slots_problem(runtime.model, runtime.cache.reader)
+            self._problem = recognise(context.model) or _slots_problem(context.model, context.cache.reader)
             if not self._problem:
-                self._windows = [getattr(layer.self_attn, "sliding_window", None) for layer in runtime.model.model.layers]
+                self._windows = [getattr(layer.self_attn, "sliding_window", None) for layer in context.model.model.layers]
         if self._problem:
             return self._problem
-        if runtime.routing_restricted:
+        if context.settings.routing_restricted:
             return "the policy restricts routing to resident experts, layer by layer"
-        if problem := runtime.cache.whole_token_problem():
+        if problem := context.cache.whole_token_problem():
             return problem
         return _cache_problem(step.kv.layers, self._windows, step.position)
 
@@ -365,7 +367,7 @@ class WholeTokenPath(DecodePath):
     def decoder(self) -> WholeTokenStep:
         """The native step of this model, made on first use (call only when `recognise` accepts it)."""
         if self._decoder is None:
-            self._decoder = WholeTokenStep(self.runtime.model, self.runtime.cache, native.load())
+            self._decoder = WholeTokenStep(self.context.model, self.context.cache, native.load())
         return self._decoder
 
 
