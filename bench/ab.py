@@ -24,6 +24,7 @@ import tempfile
 from pathlib import Path
 
 from bench.output import RESULTS_DIR, write_report
+from engine.system.process_settings import apply_process_settings
 
 HERE = Path(__file__).resolve().parents[1]
 
@@ -56,6 +57,7 @@ def value(row: dict, metric: str) -> float:
 
 
 def main(argv=None) -> int:
+    apply_process_settings()  # before anything computes
     parser = argparse.ArgumentParser(prog="python -m bench.ab")
     parser.add_argument("--before", type=Path, required=True, help="the older checkout")
     parser.add_argument("--before-python", default=sys.executable)

@@ -20,6 +20,7 @@ from pathlib import Path
 
 from bench.native import ready_kernels
 from bench.output import RESULTS_DIR, write_report
+from engine.system.process_settings import apply_process_settings
 
 # name: (query heads, kv heads, head size)
 LAYOUTS = {
@@ -31,6 +32,7 @@ LAYOUTS = {
 
 
 def main(argv: list[str] | None = None) -> int:
+    apply_process_settings()  # before anything computes
     parser = argparse.ArgumentParser(prog="python -m bench.attention")
     parser.add_argument("--lengths", default="512,2048,8192")
     parser.add_argument("--threads", type=int, default=2)

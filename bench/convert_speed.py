@@ -28,6 +28,7 @@ import time
 from pathlib import Path
 
 from bench.output import RESULTS_DIR, write_report
+from engine.system.process_settings import apply_process_settings
 
 # MoEScope format -> llama-quantize type whose base type it is (with --pure, every tensor takes it)
 LLAMA_PURE_TYPE = {"q8_0": "Q8_0", "q6_k": "Q6_K", "q4_k": "Q4_K_M", "q3_k": "Q3_K_M", "q2_k": "Q2_K"}
@@ -77,6 +78,7 @@ def converted_bytes(runtime) -> int:
 
 
 def main(argv=None) -> int:
+    apply_process_settings()  # before anything computes
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--geometry", default="qwen3moe-64e")
     parser.add_argument("--formats", default="q4_k")

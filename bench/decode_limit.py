@@ -22,6 +22,7 @@ from bench.bandwidth import disk_random_read_bandwidth, disk_read_bandwidth, mem
 from bench.format_settings import active_bytes_per_token, split_format
 from bench.output import RESULTS_DIR, write_report
 from bench.synthetic import build_checkpoint
+from engine.system.process_settings import apply_process_settings
 
 
 def same_prefix(a: list[int], b: list[int]) -> int:
@@ -56,6 +57,7 @@ def median_of(runs: list[dict], key: str) -> float:
 
 
 def main(argv=None) -> int:
+    apply_process_settings()  # before anything computes
     parser = argparse.ArgumentParser(prog="python -m bench.decode_limit")
     parser.add_argument("--geometries", default="qwen3moe-64e,mixtral-8e")
     parser.add_argument("--reps", type=int, default=3)

@@ -31,6 +31,7 @@ from bench.format_settings import active_bytes_per_token
 from bench.measure import prompt_ids
 from bench.output import RESULTS_DIR, write_report
 from bench.synthetic import build_checkpoint
+from engine.system.process_settings import apply_process_settings
 
 
 class TokenAndRead:
@@ -121,6 +122,7 @@ def run_stock(path: Path, active: int, args, attention: str | None = None) -> di
 
 
 def main(argv=None) -> int:
+    apply_process_settings()  # before anything computes
     import torch
 
     parser = argparse.ArgumentParser(prog="python -m bench.decode_pair")

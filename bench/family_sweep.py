@@ -24,6 +24,7 @@ from pathlib import Path
 import torch
 
 from bench.family_checkpoints import Family, families, save_family_checkpoint
+from engine.system.process_settings import apply_process_settings
 
 PROMPT = [1, 17, 42, 9, 77, 5, 63, 30, 11]
 NEW_TOKENS = 8
@@ -179,6 +180,7 @@ def family_count_sentence(results: list[FamilyResult]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
+    apply_process_settings()  # before anything computes
     parser = argparse.ArgumentParser(prog="python -m bench.family_sweep", description=__doc__.splitlines()[0])
     parser.add_argument("--only", nargs="*", help="these families only (transformers' models package names); "
                                                   "the table and README are not written")

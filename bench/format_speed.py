@@ -25,6 +25,7 @@ from pathlib import Path
 
 from bench.measure import prompt_ids
 from bench.output import RESULTS_DIR, write_report
+from engine.system.process_settings import apply_process_settings
 
 PICKER_FORMATS = "original,q8_0,q6_k,q4_k,q3_k,q2_k"
 
@@ -105,6 +106,7 @@ def timed_rounds(runtimes: dict, ids: list[int], decode: int, rounds: int) -> tu
 
 
 def main(argv=None) -> int:
+    apply_process_settings()  # before anything computes
     args = parse_args(argv)
     import torch
 

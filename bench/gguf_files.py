@@ -24,6 +24,7 @@ from itertools import islice
 from pathlib import Path
 
 from bench.llamacpp_build import LlamaCpp, LlamaCppUnavailable, build_tools, ensure_source
+from engine.system.process_settings import apply_process_settings
 
 REPO = Path(__file__).resolve().parent.parent
 SPECIALS = ("<|pad|>", "<|bos|>", "<|eos|>")  # ids 0, 1, 2: our synthetic and tiny configs use bos 1, eos 2
@@ -215,6 +216,7 @@ def _convert_main(source: Path, pre: str | None, converter_args: list[str]) -> N
 
 
 def main(argv: list[str] | None = None) -> int:
+    apply_process_settings()  # before anything computes
     parser = argparse.ArgumentParser(prog="python -m bench.gguf_files")
     sub = parser.add_subparsers(dest="command", required=True)
     run = sub.add_parser("convert", help="run llama.cpp's convert_hf_to_gguf.py from SOURCE; its arguments after --")

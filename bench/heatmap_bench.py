@@ -26,9 +26,11 @@ from PySide6.QtWidgets import QApplication
 
 from app.models.heatmap import HeatmapData
 from app.panels.heatmap import HeatmapPanel
+from engine.system.process_settings import apply_process_settings
 
 
 def main() -> None:
+    apply_process_settings()  # before anything computes
     parser = argparse.ArgumentParser()
     parser.add_argument("--layers", type=int, default=64)
     parser.add_argument("--experts", type=int, default=256)

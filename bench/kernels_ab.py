@@ -27,6 +27,7 @@ from pathlib import Path
 from bench.measure import prompt_ids
 from bench.output import RESULTS_DIR, write_report
 from bench.synthetic import build_checkpoint
+from engine.system.process_settings import apply_process_settings
 
 
 def load_other(args):
@@ -118,6 +119,7 @@ def prompt_blocks(kernels: dict, geometry_dims: tuple[int, int], fmt, turns: int
 
 
 def main(argv=None) -> int:
+    apply_process_settings()  # before anything computes
     import torch
 
     from engine.decode.native import kernels as native

@@ -19,6 +19,8 @@ import sys
 import tempfile
 from pathlib import Path
 
+from engine.system.process_settings import apply_process_settings
+
 ROOT = Path(__file__).resolve().parents[1]
 GPT_OSS_CONFIG = ROOT / "tests" / "helpers" / "hub" / "gpt-oss-20b.json"
 SHA = "0123456789abcdef0123456789abcdef01234567"
@@ -82,6 +84,7 @@ def write_sparse_qwen3_gguf(path: Path) -> Path:
 
 
 def main(argv: list[str] | None = None) -> int:
+    apply_process_settings()  # before anything computes
     argv = sys.argv[1:] if argv is None else argv
     out = Path(argv[0] if argv else ROOT / "docs" / "library.png").resolve()
     with tempfile.TemporaryDirectory(prefix="moescope-library-shot-") as tmp:

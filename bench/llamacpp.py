@@ -37,6 +37,7 @@ from bench.output import RESULTS_DIR, write_report
 from bench.synthetic import build_checkpoint
 from engine.decode.native.library import VARIANT_ENV
 from engine.system.cpu import cpuinfo_field
+from engine.system.process_settings import apply_process_settings
 
 # llama.cpp, MoEScope exact, MoEScope --fast-decode, MoEScope --fast-decode on the GGUF file, and the last
 # two with the opt-in lossy --int8-prompt: the run order
@@ -213,6 +214,7 @@ def table(rows: list[dict], args) -> list[str]:
 
 
 def main(argv=None) -> int:
+    apply_process_settings()  # before anything computes
     parser = argparse.ArgumentParser(prog="python -m bench.llamacpp")
     parser.add_argument("--geometries", default="qwen3moe-64e,mixtral-8e", help="bench.synthetic names or folders")
     parser.add_argument("--formats", default="bf16,q8_0,q4_k,q4_k-dq8_0",

@@ -37,6 +37,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from bench.output import RESULTS_DIR, write_report
+from engine.system.process_settings import apply_process_settings
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
@@ -158,6 +159,7 @@ def settings_from(args) -> list[Setting]:
 
 
 def main(argv: list[str] | None = None) -> int:
+    apply_process_settings()  # before anything computes
     parser = argparse.ArgumentParser(prog="python -m bench.lossy_cost",
                                      description="Quality cost of the lossy policy and the weight formats on the "
                                                  "demo model, against the float model.")

@@ -18,6 +18,8 @@ from contextlib import contextmanager
 
 import numpy as np
 
+from engine.system.process_settings import apply_process_settings
+
 
 def prompt_ids(vocab: int, length: int, seed: int = 1) -> list[int]:
     rng = np.random.default_rng(seed)
@@ -189,6 +191,7 @@ def measure_accelerate(args) -> dict:
 
 
 def main(argv=None) -> int:
+    apply_process_settings()  # before anything computes
     parser = argparse.ArgumentParser(prog="python -m bench.measure")
     parser.add_argument("system", choices=["ours", "stock", "accelerate"])
     parser.add_argument("--model", required=True)

@@ -23,6 +23,7 @@ import sys
 from pathlib import Path
 
 from bench.output import RESULTS_DIR, write_report
+from engine.system.process_settings import apply_process_settings
 
 MiB = 1024**2
 DECODE_TOKENS = 32
@@ -121,6 +122,7 @@ def table(results: list[dict]) -> list[str]:
 
 
 def main(argv: list[str] | None = None) -> int:
+    apply_process_settings()  # before anything computes
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--models", default="demo,qwen3moe-mini", help="comma-separated: demo, a bench geometry, a folder")
     parser.add_argument("--out", type=Path, default=RESULTS_DIR)

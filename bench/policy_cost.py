@@ -20,6 +20,7 @@ from bench.replay_table import real_traces
 from engine.accounting.policies import make_policy
 from engine.accounting.policies.base import CachePolicy
 from engine.accounting.sizes import parse_budget
+from engine.system.process_settings import apply_process_settings
 from engine.traces.replay import plan_slots, replay, resolve_slots
 
 HOOKS = ("reset", "on_request_start", "on_token_end", "set_capacity", "on_access", "on_prediction",
@@ -69,6 +70,7 @@ def cost(spec: str, budget: str, repeats: int) -> float:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    apply_process_settings()  # before anything computes
     parser = argparse.ArgumentParser(prog="python -m bench.policy_cost")
     parser.add_argument("--policies", default="lru,markov,crosslayer")
     parser.add_argument("--budgets", default="25%,50%")

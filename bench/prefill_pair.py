@@ -20,6 +20,7 @@ from pathlib import Path
 from bench.measure import prompt_ids
 from bench.output import RESULTS_DIR, write_report
 from bench.synthetic import build_checkpoint
+from engine.system.process_settings import apply_process_settings
 
 
 def pair(path: Path, prompt_len: int, turns: int, threads: int) -> dict:
@@ -67,6 +68,7 @@ def pair(path: Path, prompt_len: int, turns: int, threads: int) -> dict:
 
 
 def main(argv=None) -> int:
+    apply_process_settings()  # before anything computes
     parser = argparse.ArgumentParser(prog="python -m bench.prefill_pair")
     parser.add_argument("--geometries", default="qwen3moe-64e,mixtral-8e")
     parser.add_argument("--prompt-len", type=int, default=128)

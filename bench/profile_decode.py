@@ -23,9 +23,11 @@ import time
 from pathlib import Path
 
 from bench.output import RESULTS_DIR, result_stem
+from engine.system.process_settings import apply_process_settings
 
 
 def main(argv: list[str] | None = None) -> int:
+    apply_process_settings()  # before anything computes
     parser = argparse.ArgumentParser(prog="python -m bench.profile_decode")
     parser.add_argument("--geometry", default="qwen3moe-64e")
     parser.add_argument("--model", default="", help="a checkpoint folder or GGUF file instead of --geometry")

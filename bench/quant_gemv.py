@@ -19,6 +19,7 @@ import time
 
 from bench.native import ready_kernels
 from bench.output import RESULTS_DIR, write_report
+from engine.system.process_settings import apply_process_settings
 
 DEFAULT_FORMATS = "q8_0,q6_k,q5_0,q4_k,q4_0,q3_k,q2_k"
 
@@ -34,6 +35,7 @@ def timed(call, reps: int) -> float:
 
 
 def main(argv=None) -> int:
+    apply_process_settings()  # before anything computes
     parser = argparse.ArgumentParser(prog="python -m bench.quant_gemv")
     parser.add_argument("--rows", type=int, default=4096)
     parser.add_argument("--cols", type=int, default=4096)

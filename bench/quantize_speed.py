@@ -25,6 +25,7 @@ from engine.decode.native import kernels as native
 from engine.decode.native.library import QUANTIZED_NATIVELY
 from engine.formats.blocks import FORMATS
 from engine.formats.quantize import quantize
+from engine.system.process_settings import apply_process_settings
 
 DEFAULT_FORMATS = "q8_0,q4_0,q5_0,q6_k,q4_k,q3_k,q2_k"
 
@@ -53,6 +54,7 @@ def measure(name: str, x: np.ndarray, rounds: int) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
+    apply_process_settings()  # before anything computes
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--formats", default=DEFAULT_FORMATS)
     parser.add_argument("--rounds", type=int, default=5)

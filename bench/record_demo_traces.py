@@ -17,6 +17,8 @@ import random
 import sys
 from pathlib import Path
 
+from engine.system.process_settings import apply_process_settings
+
 TRACES = Path(__file__).resolve().parent / "traces"
 QUESTIONS_PER_SKILL = 4
 
@@ -48,6 +50,7 @@ def record(path: Path, asked: list[tuple[str, str]], max_new_tokens: int) -> Non
 
 
 def main(argv: list[str] | None = None) -> int:
+    apply_process_settings()  # before anything computes
     parser = argparse.ArgumentParser(prog="python -m bench.record_demo_traces")
     parser.add_argument("--per-skill", type=int, default=QUESTIONS_PER_SKILL, help="held-out questions per skill")
     parser.add_argument("--max-new-tokens", type=int, default=48)

@@ -31,6 +31,7 @@ from engine.accounting.policies import POLICIES, make_policy
 from engine.accounting.policies.markov import MarkovPolicy
 from engine.accounting.routing import RoutingStep
 from engine.accounting.sizes import format_bytes, parse_budget
+from engine.system.process_settings import apply_process_settings
 from engine.traces.replay import CALIBRATION, Comparison, belady_for, compare, plan_slots, replay, resolve_slots
 from engine.traces.trace import Trace, read_trace
 
@@ -248,6 +249,7 @@ def markdown(report: dict, traces: dict[str, Trace], notes: list[str]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
+    apply_process_settings()  # before anything computes
     parser = argparse.ArgumentParser(prog="python -m bench.replay_table")
     parser.add_argument("--out", type=Path, default=RESULTS)
     parser.add_argument("--label", default="", help="e.g. after-crosslayer: named in the file name")

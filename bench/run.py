@@ -30,6 +30,7 @@ from pathlib import Path
 from bench.bandwidth import disk_read_bandwidth, host_to_gpu_bandwidth, memory_read_bandwidth
 from bench.routing import OLMOE_GEOMETRY, OLMOE_TRACE
 from bench.synthetic import build_checkpoint
+from engine.system.process_settings import apply_process_settings
 
 RESULTS = Path(__file__).resolve().parent / "results"
 def measure(*args: str) -> dict:
@@ -324,6 +325,7 @@ def plot(report: dict, target: Path) -> None:
 
 
 def main(argv=None) -> int:
+    apply_process_settings()  # before anything computes
     parser = argparse.ArgumentParser(prog="python -m bench.run")
     parser.add_argument("--quick", action="store_true", help="one small model, two budgets (< 5 minutes)")
     parser.add_argument("--models", default="qwen3moe-64e,mixtral-8e-12l,demo",

@@ -16,6 +16,7 @@ from pathlib import Path
 from bench.output import RESULTS_DIR, result_stem
 from engine import protocol as p
 from engine.process.client import EngineClient
+from engine.system.process_settings import apply_process_settings
 
 
 class _Waiter:
@@ -38,6 +39,7 @@ class _Waiter:
 
 
 def main(argv=None) -> int:
+    apply_process_settings()  # before anything computes
     parser = argparse.ArgumentParser(prog="python -m bench.telemetry_overhead")
     parser.add_argument("--model", default="qwen3moe-mini")
     parser.add_argument("--budget", default="50%")

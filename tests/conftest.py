@@ -14,10 +14,13 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("QT_QPA_PLATFORM", "offscreen")
 os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
 
+from engine.system.process_settings import apply_process_settings  # noqa: E402
+
+apply_process_settings()  # as the entry points do: the stock references run in MKL's reproducible mode too
+
 import pytest  # noqa: E402
 from transformers.utils import logging as hf_logging  # noqa: E402
 
-import engine  # noqa: E402, F401  (MKL's reproducible mode, for the stock references too: before MKL's first call)
 from tests.helpers.checkpoints import FAMILIES, save_tiny_checkpoint  # noqa: E402
 
 hf_logging.disable_progress_bar()

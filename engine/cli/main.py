@@ -17,6 +17,7 @@ from engine.cli.serve import add_serve_parser, run_serve
 from engine.cli.trace import add_trace_parser, run_trace
 from engine.errors import MODEL_ACCEPTS, MoEScopeError
 from engine.protocol import CONTEXT_OVERFLOW, TEXT_ONLY_NOTE
+from engine.system.process_settings import apply_process_settings
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -198,6 +199,7 @@ COMMANDS["serve"] = run_serve
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    apply_process_settings()  # before anything computes
     parser = build_parser()
     args = parser.parse_args(argv)
     if args.command is None:

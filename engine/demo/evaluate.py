@@ -21,6 +21,7 @@ from pathlib import Path
 import numpy as np
 
 from engine.demo.corpus import SKILLS, Example, heldout
+from engine.system.process_settings import apply_process_settings
 
 # Takes a batch of user messages (single-turn chats), returns the assistant replies.
 AnswerFn = Callable[[Sequence[str]], list[str]]
@@ -188,6 +189,7 @@ def print_report(rep: dict) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
+    apply_process_settings()  # before anything computes
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="resources/models/demo")
     ap.add_argument("--n", type=int, default=50, help="held-out questions per skill (fewer if a skill has fewer)")

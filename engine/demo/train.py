@@ -24,6 +24,7 @@ from transformers import GenerationConfig, PreTrainedTokenizerFast, Qwen3MoeConf
 
 from engine.demo.corpus import SKILLS, Example, training_mix
 from engine.demo.tokenizer import IM_END, IM_START, build_tokenizer, save_tokenizer
+from engine.system.process_settings import apply_process_settings
 
 # Harder (algorithmic) skills get more samples; memorised tables and chat need fewer.
 DEFAULT_WEIGHTS: dict[str, float] = {
@@ -303,6 +304,7 @@ def save(model: Qwen3MoeForCausalLM, tok: PreTrainedTokenizerFast, out: Path) ->
 
 
 def main(argv: list[str] | None = None) -> None:
+    apply_process_settings()  # before anything computes
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", type=Path, default=Path("resources/models/demo"))
     ap.add_argument("--seed", type=int, default=0)
