@@ -181,7 +181,7 @@ def test_the_machine_probe_takes_the_overhead_this_process_measured(tmp_path, mo
     from engine.hub.machine import probe_machine
     from engine.system import memory
 
-    monkeypatch.setattr(memory, "_measured_overhead", None)
+    monkeypatch.setattr(memory.PROCESS, "measured_overhead", None)
     before = probe_machine(tmp_path)
     assert (before.engine_overhead, before.overhead_measured) == (memory.ENGINE_OVERHEAD_ESTIMATE, False)
     memory.note_overhead(memory.EngineOverhead(baseline_bytes=300 * MiB, loaded_bytes=900 * MiB,

@@ -20,7 +20,17 @@ def proc_bytes(path: str, key: str) -> int | None:
     return None
 
 
-_peak_before_reset = 0  # the process's peak before the last reset_phase_peak
+@dataclass
+class ProcessMemory:
+    """What this process remembers about its own memory between calls: one per process, `PROCESS`,
+    which the functions below read and update."""
+
+    peak_before_reset: int = 0  # the process's peak before the last reset_phase_peak
+    baseline: int | None = None  # resident memory before any weights, taken the first time it is asked
+    measured_overhead: int | None = None  # EngineOverhead.total_bytes of this process's last load
+
+
+PROCESS = ProcessMemory()
 
 
 def phase_peak_rss_bytes() -> int:
@@ -38,14 +48,13 @@ def phase_peak_rss_bytes() -> int:
 
 def peak_rss_bytes() -> int:
     """This process's peak resident memory since it started, across phase resets."""
-    return max(_peak_before_reset, phase_peak_rss_bytes())
+    return max(PROCESS.peak_before_reset, phase_peak_rss_bytes())
 
 
 def reset_phase_peak() -> bool:
     """Start measuring a phase's peak from the memory resident now (Linux: clear_refs resets VmHWM);
     peak_rss_bytes keeps the whole process's. False where the peak cannot be reset."""
-    global _peak_before_reset
-    _peak_before_reset = peak_rss_bytes()
+    PROCESS.peak_before_reset = peak_rss_bytes()
     try:
         with open("/proc/self/clear_refs", "w") as clear:
             clear.write("5")
@@ -106,18 +115,14 @@ MiB = 1024**2
 # figure rounded up. Once a model has loaded, the measured figure replaces it.
 ENGINE_OVERHEAD_ESTIMATE = 480 * MiB
 
-_baseline: int | None = None
-_measured_overhead: int | None = None
-
 
 def baseline_rss_bytes() -> int:
     """This process's resident memory before any weights: taken the first time it is asked (the
     runtime asks before it reads a model, after the generation path's imports), then kept, so a
     second model's load does not count the first one's leftovers."""
-    global _baseline
-    if _baseline is None:
-        _baseline = rss_bytes()
-    return _baseline
+    if PROCESS.baseline is None:
+        PROCESS.baseline = rss_bytes()
+    return PROCESS.baseline
 
 
 @dataclass(frozen=True)
@@ -146,13 +151,12 @@ class EngineOverhead:
 
 def note_overhead(overhead: EngineOverhead) -> None:
     """Remember the latest measurement, for fit estimates made in this process."""
-    global _measured_overhead
-    _measured_overhead = overhead.total_bytes
+    PROCESS.measured_overhead = overhead.total_bytes
 
 
 def engine_overhead_bytes() -> tuple[int, bool]:
     """(bytes, measured): the engine's own memory as this process measured it at its last load,
     else the documented estimate."""
-    if _measured_overhead is not None:
-        return _measured_overhead, True
+    if PROCESS.measured_overhead is not None:
+        return PROCESS.measured_overhead, True
     return ENGINE_OVERHEAD_ESTIMATE, False
