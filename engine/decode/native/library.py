@@ -532,7 +532,7 @@ class _Held:
 
 
 class NativeWholeTokenStep:
-    """The whole-token step (src/step/decode_step.h): set up once per model, then one call per token."""
+    """The whole-token step (src/step/whole_token_step.h): set up once per model, then one call per token."""
 
     def __init__(self, kernels: Kernels, embed: torch.Tensor, final_norm: torch.Tensor, final_eps: float,
                  lm_head: Weight, top_k: int, normalize: bool, cast_back: bool, softmax_of_top: bool = False,

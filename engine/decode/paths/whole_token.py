@@ -12,7 +12,7 @@ per-layer path computes it), and GLM-4.5 (glm4_moe) with its partial rotary embe
 three with grouped sigmoid routers, shared experts and dense first layers; as transformers writes
 them, bf16 or block formats on the CPU),
 `WholeTokenStep.step` runs the embedding, every layer
-and the lm_head in one call (`NativeWholeTokenStep`, over src/step/decode_step.h), with the same
+and the lm_head in one call (`NativeWholeTokenStep`, over src/step/whole_token_step.h), with the same
 kernels in the same order; the expert cache then records the token from the picks it returns,
 through the same `record` the per-layer path uses.
 

@@ -17,14 +17,14 @@
 #include "ops/ops.h"
 #include "prompt/experts.h"
 #include "prompt/scratch.h"
-#include "step/decode_step.h"
+#include "step/whole_token_step.h"
 
 #ifndef MOESCOPE_VARIANT
 #define MOESCOPE_VARIANT "unnamed"
 #endif
 
 struct ms_step {
-  moescope::DecodeStep step;
+  moescope::WholeTokenStep step;
 };
 
 namespace {
@@ -313,9 +313,9 @@ ms_step* moescope_step_new(const ms_matrix* embed, ms_vector final_norm, double 
                            int64_t top_k, int normalize, int cast_back, int softmax_of_top, int norms_round_once) {
   ms_step* made = nullptr;
   guarded([&] {
-    made = new ms_step{DecodeStep(matrix_of(embed, "embed_tokens"), vector_of(final_norm), final_eps,
-                                  matrix_of(lm_head, "lm_head"), top_k, normalize != 0, cast_back != 0,
-                                  softmax_of_top != 0, norms_round_once != 0)};
+    made = new ms_step{WholeTokenStep(matrix_of(embed, "embed_tokens"), vector_of(final_norm), final_eps,
+                                      matrix_of(lm_head, "lm_head"), top_k, normalize != 0, cast_back != 0,
+                                      softmax_of_top != 0, norms_round_once != 0)};
   });
   return made;
 }
@@ -408,7 +408,7 @@ const char* moescope_step_phase_names(void) { return "norms,attention,o_proj,rou
 int moescope_step_phase_seconds(const ms_step* s, double* out, int n) {
   const auto& seconds = s->step.phase_seconds();
   int written = 0;
-  for (; written < n && written < DecodeStep::kPhases; ++written) out[written] = seconds[written];
+  for (; written < n && written < WholeTokenStep::kPhases; ++written) out[written] = seconds[written];
   return written;
 }
 

@@ -98,7 +98,7 @@ MOESCOPE_API int moescope_moe_prompt(const uint16_t* x, int64_t rows, int64_t hi
                                      const int64_t* count, const ms_expert* experts, int64_t n, const ms_gate* gate,
                                      int int8_inputs, uint16_t* y);
 
-/* The whole-token step (src/step/decode_step.h). */
+/* The whole-token step (src/step/whole_token_step.h). */
 typedef struct ms_step ms_step;
 MOESCOPE_API ms_step* moescope_step_new(const ms_matrix* embed, ms_vector final_norm, double final_eps,
                                         const ms_matrix* lm_head, int64_t top_k, int normalize, int cast_back,

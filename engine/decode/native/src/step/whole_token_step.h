@@ -33,7 +33,7 @@ namespace moescope {
 // the ABI's own struct, so a token's buffers pass through unconverted.
 using KvBuffer = ms_kv;
 
-class DecodeStep {
+class WholeTokenStep {
  public:
   enum Phase { kNorms, kAttention, kOutProj, kRouter, kExperts, kLmHead, kPhases };
   // attention: q/k/v projections with norms and rotary, the KV write, attention over the cache
@@ -43,8 +43,8 @@ class DecodeStep {
   // (biased) logits, then a softmax over those k in bf16 (GPT-OSS), instead of a float32 softmax
   // over all experts, then the top k. `norms_round_once`: the RMSNorms multiply by their weight in
   // float32 and round once (GPT-OSS).
-  DecodeStep(const Matrix& embed, const Vector& final_norm, double final_eps, const Matrix& lm_head, int64_t top_k,
-             bool normalize, bool cast_back, bool softmax_of_top, bool norms_round_once);
+  WholeTokenStep(const Matrix& embed, const Vector& final_norm, double final_eps, const Matrix& lm_head, int64_t top_k,
+                 bool normalize, bool cast_back, bool softmax_of_top, bool norms_round_once);
 
   // A decoder layer: its norms and o_proj; its attention comes with set_attention or
   // set_latent_attention, its router with set_router or set_grouped_router (none: a dense MLP,

@@ -1,5 +1,5 @@
-// The whole-token step (decode_step.h): its setters, run, and each thread's part of a token.
-#include "decode_step.h"
+// The whole-token step (whole_token_step.h): its setters, run, and each thread's part of a token.
+#include "whole_token_step.h"
 
 #include <omp.h>
 
@@ -25,8 +25,8 @@ void check_bf16_matrix(const Matrix& m, const char* name) {
 
 }  // namespace
 
-DecodeStep::DecodeStep(const Matrix& embed, const Vector& final_norm, double final_eps, const Matrix& lm_head,
-                       int64_t top_k, bool normalize, bool cast_back, bool softmax_of_top, bool norms_round_once)
+WholeTokenStep::WholeTokenStep(const Matrix& embed, const Vector& final_norm, double final_eps, const Matrix& lm_head,
+                               int64_t top_k, bool normalize, bool cast_back, bool softmax_of_top, bool norms_round_once)
     : embed_(embed), lm_head_(lm_head), final_eps_(static_cast<float>(final_eps)), top_k_(top_k),
       normalize_(normalize), cast_back_(cast_back), softmax_of_top_(softmax_of_top),
       norms_round_once_(norms_round_once) {
@@ -37,17 +37,17 @@ DecodeStep::DecodeStep(const Matrix& embed, const Vector& final_norm, double fin
   MOESCOPE_CHECK(lm_head_.cols == hidden_ && top_k_ > 0, "lm_head: [vocab, hidden]; top_k > 0");
 }
 
-DecodeStep::Layer& DecodeStep::at_layer(int64_t layer, const char* who) {
+WholeTokenStep::Layer& WholeTokenStep::at_layer(int64_t layer, const char* who) {
   MOESCOPE_CHECK(layer >= 0 && layer < static_cast<int64_t>(layers_.size()), who, ": no such layer");
   return layers_[layer];
 }
 
-int64_t DecodeStep::moe_layer_count() const {
+int64_t WholeTokenStep::moe_layer_count() const {
   return std::count_if(layers_.begin(), layers_.end(), [](const Layer& l) { return l.router.rows > 0; });
 }
 
-void DecodeStep::add_layer(const Vector& input_norm, double input_eps, const Matrix& wo, const Vector& post_norm,
-                           double post_eps) {
+void WholeTokenStep::add_layer(const Vector& input_norm, double input_eps, const Matrix& wo, const Vector& post_norm,
+                               double post_eps) {
   Layer layer;
   layer.input_norm = checked(input_norm, hidden_, "input_layernorm");
   layer.post_norm = checked(post_norm, hidden_, "post_attention_layernorm");
@@ -59,9 +59,9 @@ void DecodeStep::add_layer(const Vector& input_norm, double input_eps, const Mat
   layers_.push_back(std::move(layer));
 }
 
-void DecodeStep::set_attention(int64_t layer, const Matrix& wq, const Matrix& wk, const Matrix& wv,
-                               const Vector& q_norm, const Vector& k_norm, double qk_eps, int64_t head_dim,
-                               double scale, int64_t rotary_dim) {
+void WholeTokenStep::set_attention(int64_t layer, const Matrix& wq, const Matrix& wk, const Matrix& wv,
+                                   const Vector& q_norm, const Vector& k_norm, double qk_eps, int64_t head_dim,
+                                   double scale, int64_t rotary_dim) {
   Layer& l = at_layer(layer, "set_attention");
   l.attention = attention_weights(wq, wk, wv, q_norm, k_norm, qk_eps, head_dim, hidden_);
   MOESCOPE_CHECK(rotary_dim > 0 && rotary_dim % 2 == 0 && rotary_dim <= head_dim,
@@ -72,10 +72,10 @@ void DecodeStep::set_attention(int64_t layer, const Matrix& wq, const Matrix& wk
   l.latent = false;
 }
 
-void DecodeStep::set_latent_attention(int64_t layer, const Matrix& q_a, const Vector& q_a_norm, double q_a_eps,
-                                      const Matrix& q_b, const Matrix& kv_a, const Vector& kv_a_norm,
-                                      double kv_a_eps, const Matrix& up, int64_t heads, int64_t nope, int64_t rope,
-                                      int64_t v_dim, double scale, bool interleaved) {
+void WholeTokenStep::set_latent_attention(int64_t layer, const Matrix& q_a, const Vector& q_a_norm, double q_a_eps,
+                                          const Matrix& q_b, const Matrix& kv_a, const Vector& kv_a_norm,
+                                          double kv_a_eps, const Matrix& up, int64_t heads, int64_t nope, int64_t rope,
+                                          int64_t v_dim, double scale, bool interleaved) {
   Layer& l = at_layer(layer, "set_latent_attention");
   LatentAttention& m = l.mla;
   m.shape = LatentShape{heads, nope, rope, v_dim, kv_a_norm.len};
@@ -105,7 +105,7 @@ void DecodeStep::set_latent_attention(int64_t layer, const Matrix& q_a, const Ve
   l.latent = true;
 }
 
-void DecodeStep::set_router(int64_t layer, const Matrix& router) {
+void WholeTokenStep::set_router(int64_t layer, const Matrix& router) {
   Layer& l = at_layer(layer, "set_router");
   check_bf16_matrix(router, "router");
   MOESCOPE_CHECK(router.cols == hidden_ && router.rows >= top_k_, "router: [experts >= top_k, hidden]");
@@ -113,8 +113,8 @@ void DecodeStep::set_router(int64_t layer, const Matrix& router) {
   l.grouped = false;
 }
 
-void DecodeStep::set_grouped_router(int64_t layer, const float* weight, int64_t experts, int64_t hidden,
-                                    const float* correction, int64_t groups, int64_t top_groups, double routed_scale) {
+void WholeTokenStep::set_grouped_router(int64_t layer, const float* weight, int64_t experts, int64_t hidden,
+                                        const float* correction, int64_t groups, int64_t top_groups, double routed_scale) {
   Layer& l = at_layer(layer, "set_grouped_router");
   MOESCOPE_CHECK(weight != nullptr && hidden == hidden_ && experts >= top_k_,
                  "grouped router: a contiguous float32 [experts >= top_k, hidden] weight");
@@ -133,7 +133,7 @@ void DecodeStep::set_grouped_router(int64_t layer, const float* weight, int64_t 
   l.grouped = true;
 }
 
-void DecodeStep::set_experts(int64_t layer, std::vector<ExpertWeights> experts, const GateRecipe& recipe) {
+void WholeTokenStep::set_experts(int64_t layer, std::vector<ExpertWeights> experts, const GateRecipe& recipe) {
   Layer& l = at_layer(layer, "set_experts");
   MOESCOPE_CHECK(static_cast<int64_t>(experts.size()) == l.router.rows,
                  "set_experts: one gate_up and one down for every expert the router scores");
@@ -146,24 +146,24 @@ void DecodeStep::set_experts(int64_t layer, std::vector<ExpertWeights> experts, 
   l.inter = l.experts[0].inter;
 }
 
-void DecodeStep::set_attention_biases(int64_t layer, const Vector& q, const Vector& k, const Vector& v) {
+void WholeTokenStep::set_attention_biases(int64_t layer, const Vector& q, const Vector& k, const Vector& v) {
   at_layer(layer, "set_attention_biases").attention.set_biases(q, k, v);
 }
 
-void DecodeStep::set_attention_extras(int64_t layer, const Vector& sinks, bool eager_rounding, const Vector& o_bias) {
+void WholeTokenStep::set_attention_extras(int64_t layer, const Vector& sinks, bool eager_rounding, const Vector& o_bias) {
   Layer& l = at_layer(layer, "set_attention_extras");
   l.extras.eager_rounding = eager_rounding;
   l.extras.sinks = checked(sinks, l.attention.head_dim > 0 ? l.attention.wq.rows / l.attention.head_dim : 0, "sinks");
   l.o_bias = checked(o_bias, hidden_, "o_proj bias");
 }
 
-void DecodeStep::set_router_bias(int64_t layer, const Vector& bias) {
+void WholeTokenStep::set_router_bias(int64_t layer, const Vector& bias) {
   Layer& l = at_layer(layer, "set_router_bias");
   l.router_bias = checked(bias, l.router.rows, "router bias");
 }
 
-void DecodeStep::set_shared_expert(int64_t layer, const Matrix& gate_proj, const Matrix& up_proj,
-                                   const Matrix& down_proj, const Vector& gate) {
+void WholeTokenStep::set_shared_expert(int64_t layer, const Matrix& gate_proj, const Matrix& up_proj,
+                                       const Matrix& down_proj, const Vector& gate) {
   Layer& l = at_layer(layer, "set_shared_expert");
   l.shared_gate_proj = gate_proj;
   l.shared_up_proj = up_proj;
@@ -181,7 +181,7 @@ void DecodeStep::set_shared_expert(int64_t layer, const Matrix& gate_proj, const
   l.shared = true;
 }
 
-void DecodeStep::size_buffers(int64_t widest, int64_t widest_inter, int64_t latent_in) {
+void WholeTokenStep::size_buffers(int64_t widest, int64_t widest_inter, int64_t latent_in) {
   latent_in_.resize(latent_in);
   scratch_.resize(std::max<int64_t>({widest, hidden_, lm_head_.rows}));
   query_.resize(widest);
@@ -202,9 +202,9 @@ void DecodeStep::size_buffers(int64_t widest, int64_t widest_inter, int64_t late
   router_probs_.resize(router_width);
 }
 
-void DecodeStep::run(int64_t token, const Vector& cos, const Vector& sin, const KvBuffer* keys, const KvBuffer* values,
-                     const int64_t* starts, const int64_t* lengths, int64_t layers, int64_t* picks, int64_t picks_len,
-                     bf16* logits, int64_t logits_len) {
+void WholeTokenStep::run(int64_t token, const Vector& cos, const Vector& sin, const KvBuffer* keys, const KvBuffer* values,
+                         const int64_t* starts, const int64_t* lengths, int64_t layers, int64_t* picks, int64_t picks_len,
+                         bf16* logits, int64_t logits_len) {
   MOESCOPE_CHECK(token >= 0 && token < embed_.rows, "run: token id outside the vocabulary");
   MOESCOPE_CHECK(layers == static_cast<int64_t>(layers_.size()),
                  "run: one key and one value buffer, start and length per layer");
@@ -266,7 +266,7 @@ void DecodeStep::run(int64_t token, const Vector& cos, const Vector& sin, const 
 // algorithm (aten/src/ATen/native/cpu/SortingKernel.cpp, topk_impl_loop: (value, index) pairs with
 // NaN largest, nth_element then a sort of the first k - 1, or a partial sort where k * 64 <= n) on
 // the same standard library algorithms, so equal logits come out in the same order.
-void DecodeStep::route_softmax_of_top(const bf16* logits, int64_t experts, int64_t* picked, float* weights) const {
+void WholeTokenStep::route_softmax_of_top(const bf16* logits, int64_t experts, int64_t* picked, float* weights) const {
   using Entry = std::pair<float, int64_t>;
   std::vector<Entry> queue(experts);
   for (int64_t e = 0; e < experts; ++e) queue[e] = {to_float(logits[e]), e};
@@ -290,7 +290,7 @@ void DecodeStep::route_softmax_of_top(const bf16* logits, int64_t experts, int64
   }
 }
 
-void DecodeStep::step_thread(const Shared& in, SpinBarrier& barrier, int tid, int team) {
+void WholeTokenStep::step_thread(const Shared& in, SpinBarrier& barrier, int tid, int team) {
   Clock clock(phase_seconds_, tid == 0);
   std::vector<bf16> x(reinterpret_cast<const bf16*>(embed_.row(in.token)),
                       reinterpret_cast<const bf16*>(embed_.row(in.token)) + hidden_);
@@ -365,7 +365,7 @@ void DecodeStep::step_thread(const Shared& in, SpinBarrier& barrier, int tid, in
 }
 
 
-void DecodeStep::attention_part(const Layer& l, const bf16* normed, const Shared& in, size_t i, SpinBarrier& barrier, int tid,
+void WholeTokenStep::attention_part(const Layer& l, const bf16* normed, const Shared& in, size_t i, SpinBarrier& barrier, int tid,
                     int team, bf16* head_scratch, float* scores, float* sums) {
   auto share = [&](int64_t n) { return thread_share(n, tid, team); };
   const AttentionWeights& a = l.attention;
@@ -426,7 +426,7 @@ void DecodeStep::attention_part(const Layer& l, const bf16* normed, const Shared
 }
 
 
-void DecodeStep::latent_attention_part(const Layer& l, const bf16* normed, const Shared& in, size_t i, SpinBarrier& barrier,
+void WholeTokenStep::latent_attention_part(const Layer& l, const bf16* normed, const Shared& in, size_t i, SpinBarrier& barrier,
                            int tid, int team, bf16* q_in, LatentScratch& scratch) {
   const LatentAttention& m = l.mla;
   const LatentShape& s = m.shape;
@@ -470,13 +470,13 @@ void DecodeStep::latent_attention_part(const Layer& l, const bf16* normed, const
 }
 
 
-void DecodeStep::grouped_logits(const Layer& l, const bf16* x, int64_t first, int64_t last) {
+void WholeTokenStep::grouped_logits(const Layer& l, const bf16* x, int64_t first, int64_t last) {
   const float* w = l.grouped_weight;
   for (int64_t e = first; e < last; ++e) router_acc_[e] = dot_f32_bf16(w + e * hidden_, x, hidden_);
 }
 
 
-void DecodeStep::route_grouped(const Layer& l, int64_t* picked, float* weights) {
+void WholeTokenStep::route_grouped(const Layer& l, int64_t* picked, float* weights) {
   const int64_t experts = l.router.rows, per_group = experts / l.groups;
   std::vector<float> score(experts), choice(experts), group_score(l.groups);
   const float* correction = l.correction;
@@ -515,7 +515,7 @@ void DecodeStep::route_grouped(const Layer& l, int64_t* picked, float* weights) 
 }
 
 
-void DecodeStep::shared_activation(const Layer& l, const bf16* x, std::pair<int64_t, int64_t> rows, int tid) {
+void WholeTokenStep::shared_activation(const Layer& l, const bf16* x, std::pair<int64_t, int64_t> rows, int tid) {
   const int64_t inter = l.shared_gate_proj.rows;
   float* gate = shared_acc_.data();
   float* up = gate + inter;
@@ -533,7 +533,7 @@ void DecodeStep::shared_activation(const Layer& l, const bf16* x, std::pair<int6
 }
 
 
-void DecodeStep::add_shared_rows(const Layer& l, int64_t begin, int64_t end, bool routed) {
+void WholeTokenStep::add_shared_rows(const Layer& l, int64_t begin, int64_t end, bool routed) {
   float* out = shared_acc_.data() + 2 * l.shared_gate_proj.rows;
   gemv_range(l.shared_down_proj, shared_act_.data(), begin, end, out);
   for (int64_t j = begin; j < end; ++j) {
@@ -544,15 +544,15 @@ void DecodeStep::add_shared_rows(const Layer& l, int64_t begin, int64_t end, boo
 }
 
 
-void DecodeStep::rows_of(const Matrix& w, const bf16* x, std::pair<int64_t, int64_t> rows, bf16* out,
-                         const bf16* bias) {
+void WholeTokenStep::rows_of(const Matrix& w, const bf16* x, std::pair<int64_t, int64_t> rows, bf16* out,
+                             const bf16* bias) {
   gemv_range(w, x, rows.first, rows.second, scratch_.data());
   round_linear(scratch_.data() + rows.first, bias == nullptr ? nullptr : bias + rows.first,
                rows.second - rows.first, out + rows.first);
 }
 
 
-void DecodeStep::route(const Layer& l, int64_t* picked, float* weights) {
+void WholeTokenStep::route(const Layer& l, int64_t* picked, float* weights) {
   const int64_t experts = l.router.rows;
   std::vector<bf16> logits(experts);
   round_linear(router_acc_.data(), l.router_bias, experts, logits.data());
