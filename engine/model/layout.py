@@ -259,126 +259,80 @@ def expert_modules(model: torch.nn.Module, compute_dtype: torch.dtype, name: str
     return [path for path, _ in experts], num_experts, params
 
 
+@dataclass(frozen=True)
+class _NameMap:
+    """transformers' conversion mapping of a model: checkpoint tensor names to the model's keys, and
+    the converter (if any) that builds a model weight from them."""
+
+    renamings: list[WeightRenaming]
+    converters: list[WeightConverter]
+    converter_of: dict[str, WeightConverter]  # source pattern -> its converter
+    meta_state: dict[str, torch.Tensor]
+    prefix: str
+
+    @classmethod
+    def of(cls, model: torch.nn.Module) -> _NameMap:
+        transforms = get_model_conversion_mapping(model)
+        converters = [t for t in transforms if isinstance(t, WeightConverter)]
+        return cls(renamings=[t for t in transforms if isinstance(t, WeightRenaming)], converters=converters,
+                   converter_of={pattern: conv for conv in converters for pattern in conv.source_patterns},
+                   meta_state=model.state_dict(), prefix=model.base_model_prefix)
+
+    def model_key(self, lookup: str, key: str) -> tuple[str, str | None, WeightConverter | None]:
+        """The model key checkpoint tensor `key` (looked up as `lookup`) fills, the source pattern it
+        matched, and that pattern's converter."""
+        model_key, src_pattern = rename_source_key(lookup, self.renamings, self.converters, self.prefix,
+                                                   self.meta_state)
+        converter = self.converter_of[src_pattern] if src_pattern is not None else None
+        if model_key not in self.meta_state and key in self.meta_state:
+            # transformers' own fallback: a renaming that also hit a key it was not meant for (DeepSeek-V4's
+            # `.norm.` -> `.kv_norm.` on the final norm) leaves the original name, which the model has
+            model_key, src_pattern = rename_source_key(key, [], [], self.prefix, self.meta_state)
+            converter = None
+        return model_key, src_pattern, converter
+
+
+@dataclass
+class _Placement:
+    """Where a checkpoint's tensors go, filled in tensor by tensor: pieces of the offloaded experts
+    (`paths`, each with `num_experts` of `params`), or dense weights."""
+
+    paths: list[str]
+    num_experts: int
+    params: list[ExpertParam]
+    quant: CheckpointQuantization | None
+    pieces: list[list[list[ExpertPiece]]] = field(init=False)  # [moe layer][expert] -> pieces
+    layer_of: dict[str, int] = field(init=False)  # experts module path -> MoE layer
+    param_by_name: dict[str, ExpertParam] = field(init=False)
+    dense: dict[str, TensorRecord] = field(default_factory=dict)
+    conversions: dict[str, DenseConversion] = field(default_factory=dict)
+    dense_scales: dict[str, TensorRecord] = field(default_factory=dict)
+    relayed: set[str] = field(default_factory=set)  # expert params read from the checkpoint's own blocks
+    expert_disk: int = 0
+
+    def __post_init__(self) -> None:
+        self.layer_of = {path: i for i, path in enumerate(self.paths)}
+        self.param_by_name = {p.name: p for p in self.params}
+        self.pieces = empty_pieces(len(self.paths), self.num_experts)
+
+    def expert_param(self, model_key: str) -> tuple[int, ExpertParam] | None:
+        """(MoE layer, expert parameter) of a model key inside an offloaded experts module."""
+        owner, _, pname = model_key.rpartition(".")
+        if owner in self.layer_of and pname in self.param_by_name:
+            return self.layer_of[owner], self.param_by_name[pname]
+        return None
+
+
 def build_layout(model: torch.nn.Module, files: CheckpointFiles, compute_dtype: torch.dtype) -> MoELayout:
     """Map every checkpoint tensor to a dense model weight or to a piece of one expert."""
     arch = (files.config.get("architectures") or [files.config.get("model_type", "?")])[0]
     module_paths, num_experts, params = expert_modules(model, compute_dtype, files.root.name, arch)
-    module_index = {name: i for i, name in enumerate(module_paths)}
-    twins = {path: module_index[owner] for path, owner in tied_experts(
-        model, [(path, m) for path, m in model.named_modules() if is_experts_module(m)]).items()
-        if owner in module_index}
-    offset = params[-1].offset + params[-1].nbytes
-    param_by_name = {p.name: p for p in params}
-
-    transforms = get_model_conversion_mapping(model)
-    renamings = [t for t in transforms if isinstance(t, WeightRenaming)]
-    converters = [t for t in transforms if isinstance(t, WeightConverter)]
-    converter_of = {pattern: conv for conv in converters for pattern in conv.source_patterns}
-    meta_state = model.state_dict()
-    pieces: list[list[list[ExpertPiece]]] = [[[] for _ in range(num_experts)] for _ in module_paths]
-    dense: dict[str, TensorRecord] = {}
-    conversions: dict[str, DenseConversion] = {}
-    expert_disk = 0
-
-    quant = checkpoint_quantization(files.config)
-    dense_scales: dict[str, TensorRecord] = {}
-    relayed: set[str] = set()
+    placed = _Placement(module_paths, num_experts, params, checkpoint_quantization(files.config))
+    names = _NameMap.of(model)
     for key, record in files.tensors.items():
-        scale = None
-        lookup = key
-        if quant is not None:
-            if quant.is_scale(key):
-                continue  # read with the tensor it scales
-            scale_name = quant.scale_of(key, record)
-            if scale_name is not None:
-                scale = files.tensors.get(scale_name)
-                if scale is None:
-                    raise CheckpointError(
-                        f"quantized tensor '{key}' has no scale '{scale_name}' in '{files.root.name}'; the download "
-                        f"may be incomplete, or this is not a {quant.method} checkpoint as config.json says")
-                lookup = quant.weight_key(key)
-        model_key, src_pattern = rename_source_key(
-            lookup, renamings, converters, model.base_model_prefix, meta_state
-        )
-        converter = converter_of[src_pattern] if src_pattern is not None else None
-        if model_key not in meta_state and key in meta_state:
-            # transformers' own fallback: a renaming that also hit a key it was not meant for (DeepSeek-V4's
-            # `.norm.` -> `.kv_norm.` on the final norm) leaves the original name, which the model has
-            model_key, src_pattern = rename_source_key(key, [], [], model.base_model_prefix, meta_state)
-            converter = None
-        model_key, listed_expert, converter = split_expert_list(converter, model_key, key, num_experts)
-        owner, _, pname = model_key.rpartition(".")
-        if owner in module_index and pname in param_by_name and scale is not None:
-            expert_disk += record.nbytes + scale.nbytes
-            relayed.add(pname)
-            _add_relayed(pieces[module_index[owner]], quant, key, record, scale, param_by_name[pname], num_experts,
-                         expert_source(converter, src_pattern, key), listed_expert)
-        elif owner in module_index and pname in param_by_name:
-            expert_disk += record.nbytes
-            layer = module_index[owner]
-            target = param_by_name[pname]
-            src_dtype = torch_dtype(record.dtype)
-            transpose = _fused_transpose(converter)
-            if transpose is not None:  # a fused [E, ...] tensor stored with its matrices transposed
-                swapped = None
-                if not (transpose.check_dims and record.shape == (num_experts, *target.shape)):
-                    swapped = target.shape[::-1]  # like transformers, a `check_dims` transpose skips the model's shape
-                expected = (num_experts, *(swapped or target.shape))
-                if record.shape != expected:
-                    raise CheckpointError(f"tensor '{key}' has shape {record.shape}, expected {expected}")
-                per_expert = record.nbytes // num_experts
-                for e in range(num_experts):
-                    pieces[layer][e].append(ExpertPiece(record.file, record.offset + e * per_expert, per_expert,
-                                                        src_dtype, pname, 0, transposed_from=swapped))
-                continue
-            source = expert_source(converter, src_pattern, key)
-            shape = record.shape[1:] if source.fused else record.shape
-            fits = bool(shape) and (shape[0] * source.parts, *shape[1:]) == target.shape
-            if not fits or (source.fused and record.shape[0] != num_experts):
-                want = f"[{num_experts}, ...] " if source.fused else ""
-                raise CheckpointError(f"tensor '{key}' has shape {record.shape}, which does not fit {want}"
-                                      f"expert parameter '{pname}' {target.shape}")
-            if source.fused:  # one [E, ...] tensor on disk: one slice per expert
-                per_expert = record.nbytes // num_experts
-                for e in range(num_experts):
-                    pieces[layer][e].append(ExpertPiece(
-                        record.file, record.offset + e * per_expert, per_expert, src_dtype, pname,
-                        source.part * per_expert, source.interleave_dim))
-            else:  # one tensor per expert
-                expert = _expert_index(key) if listed_expert is None else listed_expert
-                if expert >= num_experts:
-                    raise CheckpointError(f"tensor '{key}' is expert {expert}, and the model has {num_experts}")
-                pieces[layer][expert].append(ExpertPiece(
-                    record.file, record.offset, record.nbytes, src_dtype, pname, source.part * record.nbytes,
-                    source.interleave_dim))
-        elif converter is not None:
-            if model_key in meta_state:  # else an extra the model does not use, as in from_pretrained
-                conversions.setdefault(model_key, DenseConversion(model_key, converter)).sources.append(
-                    (src_pattern, record))
-        else:
-            dense[model_key] = record
-            if scale is not None:
-                dense_scales[model_key] = scale
-
-    for layer, per_layer in enumerate(pieces):
-        for e, expert_pieces in enumerate(per_layer):
-            covered = {}
-            for piece in expert_pieces:
-                covered[piece.param] = covered.get(piece.param, 0) + piece.elements
-            for p in params:
-                if covered.get(p.name, 0) != p.nbytes // compute_dtype.itemsize:
-                    raise CheckpointError(
-                        f"checkpoint is missing weights of expert {e} in '{module_paths[layer]}' ({p.name}); "
-                        "the download may be incomplete"
-                    )
-    slot_bytes, expert_format = aligned(offset), None
-    if relayed:  # the checkpoint's quantized experts stay in its format
-        matrices = {p.name for p in params if len(p.shape) == 2}
-        if relayed != matrices:
-            raise CheckpointError(f"expert weights {sorted(matrices - relayed)} are not {quant.method} quantized "
-                                  f"while {sorted(relayed)} are; mixed expert formats are not supported yet")
-        params, slot_bytes, _ = quantized_params(params, quant.fmt, "quantized expert weight", fallback=False)
-        expert_format = quant.fmt
+        _place_tensor(placed, names, files, key, record)
+    _check_experts_complete(placed, compute_dtype)
+    params, slot_bytes, expert_format = _slot_format(params, placed.relayed, placed.quant)
     return MoELayout(
         module_paths=module_paths,
         decoder_layers=[_decoder_layer_index(name) for name in module_paths],
@@ -386,16 +340,146 @@ def build_layout(model: torch.nn.Module, files: CheckpointFiles, compute_dtype: 
         top_k=top_k_of(model, module_paths[0], num_experts),
         params=params,
         slot_bytes=slot_bytes,
-        pieces=pieces,
-        dense=dense,
-        conversions=conversions,
-        dense_scales=dense_scales,
-        checkpoint_quant=quant,
-        expert_bytes_on_disk=expert_disk,
+        pieces=placed.pieces,
+        dense=placed.dense,
+        conversions=placed.conversions,
+        dense_scales=placed.dense_scales,
+        checkpoint_quant=placed.quant,
+        expert_bytes_on_disk=placed.expert_disk,
         compute_dtype=compute_dtype,
         expert_format=expert_format,
-        twins=twins,
+        twins=_twin_layers(model, placed.layer_of),
     )
+
+
+def _twin_layers(model: torch.nn.Module, layer_of: dict[str, int]) -> dict[str, int]:
+    """Experts modules tied to an offloaded one: path -> the MoE layer whose slots they run on."""
+    every = [(path, m) for path, m in model.named_modules() if is_experts_module(m)]
+    return {path: layer_of[owner] for path, owner in tied_experts(model, every).items() if owner in layer_of}
+
+
+def _place_tensor(placed: _Placement, names: _NameMap, files: CheckpointFiles, key: str,
+                  record: TensorRecord) -> None:
+    """One checkpoint tensor (with its scale, in a quantized checkpoint) into the experts or the dense weights."""
+    quant = placed.quant
+    if quant is not None and quant.is_scale(key):
+        return  # read with the tensor it scales
+    scale = _scale_of(quant, files, key, record)
+    lookup = quant.weight_key(key) if scale is not None else key
+    model_key, src_pattern, converter = names.model_key(lookup, key)
+    model_key, listed_expert, converter = split_expert_list(converter, model_key, key, placed.num_experts)
+    expert = placed.expert_param(model_key)
+    if expert is not None and scale is not None:
+        layer, target = expert
+        placed.expert_disk += record.nbytes + scale.nbytes
+        placed.relayed.add(target.name)
+        _add_relayed(placed.pieces[layer], quant, key, record, scale, target, placed.num_experts,
+                     expert_source(converter, src_pattern, key), listed_expert)
+    elif expert is not None:
+        layer, target = expert
+        placed.expert_disk += record.nbytes
+        _add_expert(placed.pieces[layer], key, record, target, converter, src_pattern, listed_expert)
+    elif converter is not None:
+        if model_key in names.meta_state:  # else an extra the model does not use, as in from_pretrained
+            placed.conversions.setdefault(model_key, DenseConversion(model_key, converter)).sources.append(
+                (src_pattern, record))
+    else:
+        placed.dense[model_key] = record
+        if scale is not None:
+            placed.dense_scales[model_key] = scale
+
+
+def _scale_of(quant: CheckpointQuantization | None, files: CheckpointFiles, key: str,
+              record: TensorRecord) -> TensorRecord | None:
+    """The scale tensor of a quantized checkpoint's tensor; None for a tensor stored unquantized."""
+    scale_name = quant.scale_of(key, record) if quant is not None else None
+    if scale_name is None:
+        return None
+    scale = files.tensors.get(scale_name)
+    if scale is None:
+        raise CheckpointError(
+            f"quantized tensor '{key}' has no scale '{scale_name}' in '{files.root.name}'; the download "
+            f"may be incomplete, or this is not a {quant.method} checkpoint as config.json says")
+    return scale
+
+
+def _add_expert(pieces: list[list[ExpertPiece]], key: str, record: TensorRecord, target: ExpertParam,
+                converter: WeightConverter | None, src_pattern: str | None, listed_expert: int | None) -> None:
+    """One checkpoint tensor in the compute dtype's kind as pieces of a layer's experts: a fused
+    [E, ...] tensor (transposed, or one part of the parameter), or one expert's part."""
+    num_experts = len(pieces)
+    src_dtype = torch_dtype(record.dtype)
+    transpose = _fused_transpose(converter)
+    if transpose is not None:  # a fused [E, ...] tensor stored with its matrices transposed
+        swapped = None
+        if not (transpose.check_dims and record.shape == (num_experts, *target.shape)):
+            swapped = target.shape[::-1]  # like transformers, a `check_dims` transpose skips the model's shape
+        expected = (num_experts, *(swapped or target.shape))
+        if record.shape != expected:
+            raise CheckpointError(f"tensor '{key}' has shape {record.shape}, expected {expected}")
+        add_fused_pieces(pieces, record.file, record.offset, record.nbytes // num_experts, src_dtype, target.name,
+                         transposed_from=swapped)
+        return
+    source = expert_source(converter, src_pattern, key)
+    shape = record.shape[1:] if source.fused else record.shape
+    fits = bool(shape) and (shape[0] * source.parts, *shape[1:]) == target.shape
+    if not fits or (source.fused and record.shape[0] != num_experts):
+        want = f"[{num_experts}, ...] " if source.fused else ""
+        raise CheckpointError(f"tensor '{key}' has shape {record.shape}, which does not fit {want}"
+                              f"expert parameter '{target.name}' {target.shape}")
+    if source.fused:  # one [E, ...] tensor on disk: one slice per expert
+        per_expert = record.nbytes // num_experts
+        add_fused_pieces(pieces, record.file, record.offset, per_expert, src_dtype, target.name,
+                         source.part * per_expert, interleave_dim=source.interleave_dim)
+        return
+    expert = _expert_index(key) if listed_expert is None else listed_expert  # one tensor per expert
+    if expert >= num_experts:
+        raise CheckpointError(f"tensor '{key}' is expert {expert}, and the model has {num_experts}")
+    pieces[expert].append(ExpertPiece(record.file, record.offset, record.nbytes, src_dtype, target.name,
+                                      source.part * record.nbytes, source.interleave_dim))
+
+
+def empty_pieces(layers: int, num_experts: int) -> list[list[list[ExpertPiece]]]:
+    """[moe layer][expert] -> pieces, none yet."""
+    return [[[] for _ in range(num_experts)] for _ in range(layers)]
+
+
+def add_fused_pieces(pieces: list[list[ExpertPiece]], file: Path, offset: int, per_expert: int,
+                     src_dtype: torch.dtype, param: str, dst_offset: int = 0, **fields) -> None:
+    """A fused [E, ...] tensor at `offset` of `file` as one piece per expert of a layer (`pieces`):
+    expert e's `per_expert` bytes follow expert e - 1's. `fields`: ExpertPiece's layout fields."""
+    for e, expert_pieces in enumerate(pieces):
+        expert_pieces.append(ExpertPiece(file, offset + e * per_expert, per_expert, src_dtype, param, dst_offset,
+                                         **fields))
+
+
+def _check_experts_complete(placed: _Placement, compute_dtype: torch.dtype) -> None:
+    """Every parameter of every expert filled to its last value; else the checkpoint is incomplete."""
+    for layer, per_layer in enumerate(placed.pieces):
+        for e, expert_pieces in enumerate(per_layer):
+            covered = {}
+            for piece in expert_pieces:
+                covered[piece.param] = covered.get(piece.param, 0) + piece.elements
+            for p in placed.params:
+                if covered.get(p.name, 0) != p.nbytes // compute_dtype.itemsize:
+                    raise CheckpointError(
+                        f"checkpoint is missing weights of expert {e} in '{placed.paths[layer]}' ({p.name}); "
+                        "the download may be incomplete"
+                    )
+
+
+def _slot_format(params: list[ExpertParam], relayed: set[str],
+                 quant: CheckpointQuantization | None) -> tuple[list[ExpertParam], int, BlockFormat | None]:
+    """The experts' params, slot size and block format: the compute dtype's, or the checkpoint's own
+    blocks when its quantized experts are relayed into them."""
+    if not relayed:
+        return params, aligned(params[-1].offset + params[-1].nbytes), None
+    matrices = {p.name for p in params if len(p.shape) == 2}
+    if relayed != matrices:
+        raise CheckpointError(f"expert weights {sorted(matrices - relayed)} are not {quant.method} quantized "
+                              f"while {sorted(relayed)} are; mixed expert formats are not supported yet")
+    params, slot_bytes, _ = quantized_params(params, quant.fmt, "quantized expert weight", fallback=False)
+    return params, slot_bytes, quant.fmt
 
 
 def _add_relayed(pieces: list[list[ExpertPiece]], quant: CheckpointQuantization, key: str, record: TensorRecord,

@@ -14,7 +14,7 @@ named by the `gguf` package's own tensor-name map.
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -23,7 +23,16 @@ from engine.formats.blocks import FORMATS, BlockFormat, format_for
 from engine.model.checkpoint import TensorRecord
 from engine.model.gguf import mla as gguf_mla
 from engine.model.gguf.file import GGUFModel, GGUFTensor
-from engine.model.layout import ExpertParam, ExpertPiece, MoELayout, aligned, expert_modules, find_top_k
+from engine.model.layout import (
+    ExpertParam,
+    ExpertPiece,
+    MoELayout,
+    add_fused_pieces,
+    aligned,
+    empty_pieces,
+    expert_modules,
+    find_top_k,
+)
 
 # The experts forward's parameters and the fused GGUF tensors that fill them, in order: gate rows then
 # up rows, as transformers concatenates them. Matrices are [E, out, in] in the file whatever the
@@ -102,6 +111,39 @@ def _choose(param: str, by_layer: list[list[GGUFTensor]], columns: int) -> tuple
     return formats, why
 
 
+@dataclass
+class _SlotPlan:
+    """One expert's slot: its params (each as wide as its widest layer's format), the format each layer
+    keeps each param in, and why each tensor not kept in its own type is converted."""
+
+    params: list[ExpertParam] = field(default_factory=list)
+    formats: dict[str, list[BlockFormat | None]] = field(default_factory=dict)  # param -> format per layer
+    why_of: dict[str, str] = field(default_factory=dict)  # tensor name -> why it is converted
+    size: int = 0  # bytes of the params, each aligned
+
+    def layer_params(self, layers: int) -> dict[int, list[ExpertParam]]:
+        """MoE layer -> its params where a layer keeps any in another format than `params` say."""
+        layer_params = {}
+        for layer in range(layers):
+            own = [p if self.formats[p.name][layer] in (None, p.fmt) else
+                   replace(p, fmt=self.formats[p.name][layer],
+                           nbytes=self.formats[p.name][layer].packed_bytes(p.rows_columns))
+                   for p in self.params]
+            if own != self.params:
+                layer_params[layer] = own
+        return layer_params
+
+
+@dataclass
+class _Placed:
+    """The experts' pieces as read from the GGUF, and the tensors to convert first."""
+
+    pieces: list[list[list[ExpertPiece]]]
+    conversions: list[Conversion] = field(default_factory=list)
+    expert_tensors: set[str] = field(default_factory=set)  # names of the GGUF tensors that hold experts
+    expert_disk: int = 0
+
+
 def build_gguf_layout(model: torch.nn.Module, gguf_model: GGUFModel,
                       compute_dtype: torch.dtype) -> tuple[MoELayout, list[Conversion]]:
     """The MoE layout of a GGUF model, and the expert tensors to convert before the store reads them."""
@@ -111,96 +153,115 @@ def build_gguf_layout(model: torch.nn.Module, gguf_model: GGUFModel,
         raise CheckpointError(f"{name}: the experts of '{gguf_model.architecture}' are laid out in a way MoEScope "
                               "cannot read from a GGUF yet")
     blocks = [_block_index(path) for path in module_paths]
-    paired = gguf_model.architecture in PAIRED_GATE_UP
-
-    def sources(param: str, block: int) -> list[GGUFTensor]:
-        found = []
-        for stem in EXPERT_SOURCES[param]:
-            tensor = gguf_model.tensors.get(f"blk.{block}.{stem}")
-            if tensor is None:
-                raise CheckpointError(f"{name} has no tensor 'blk.{block}.{stem}'; the file is incomplete "
-                                      "or was not written by llama.cpp's converter")
-            found.append(tensor)
-        return found
-
-    params: list[ExpertParam] = []
-    formats: dict[str, list[BlockFormat | None]] = {}  # param -> the format each layer keeps it in
-    why_of: dict[str, str] = {}  # tensor name -> why it is converted
-    offset = 0
-    for mp in model_params:
-        rows, columns = mp.rows_columns if len(mp.shape) == 2 else (mp.shape[0], None)
-        by_layer = [sources(mp.name, block) for block in blocks]
-        for t in (t for tensors in by_layer for t in tensors):
-            if t.shape[0] != num_experts or t.shape[1] * len(EXPERT_SOURCES[mp.name]) != rows \
-                    or (columns is not None and t.shape[-1] != columns):
-                raise CheckpointError(f"{name}: tensor '{t.name}' has shape {list(t.shape)}, which does not fit "
-                                      f"{num_experts} experts of '{mp.name}' {list(mp.shape)}")
-        per_layer, why = _choose(mp.name, by_layer, columns or 1)
-        why_of.update(why)
-        widest = max((f for f in per_layer if f is not None), key=lambda f: f.bits, default=None)
-        if widest is None or columns is None:
-            param = ExpertParam(mp.name, mp.shape, compute_dtype, offset, mp.nbytes, transposed=mp.transposed)
-            per_layer = [None] * len(blocks)
-        else:
-            param = ExpertParam(mp.name, mp.shape, torch.uint8, offset, widest.packed_bytes((rows, columns)), widest,
-                                mp.transposed)
-        formats[mp.name] = per_layer
-        params.append(param)
-        offset += aligned(param.nbytes)
-    layer_params = {}
-    for layer in range(len(blocks)):
-        own = [p if formats[p.name][layer] in (None, p.fmt) else
-               replace(p, fmt=formats[p.name][layer], nbytes=formats[p.name][layer].packed_bytes(p.rows_columns))
-               for p in params]
-        if own != params:
-            layer_params[layer] = own
-
-    pieces: list[list[list[ExpertPiece]]] = [[[] for _ in range(num_experts)] for _ in module_paths]
-    conversions: list[Conversion] = []
-    expert_disk = 0
-    expert_tensors: set[str] = set()
-    for layer, block in enumerate(blocks):
-        for param in params:
-            dst = 0
-            found = sources(param.name, block)
-            # gate and up read as halves, then paired along the output features as the slot holds them
-            weave_dim = None
-            if paired and len(found) == 2:
-                weave_dim = 1 if param.transposed and param.fmt is None else 0
-            # a float matrix the module reads [in, out] is transposed from the file's [out, in]
-            stored_as = param.rows_columns if param.transposed and param.fmt is None else None
-            for tensor in found:
-                expert_tensors.add(tensor.name)
-                expert_disk += tensor.nbytes
-                per_expert = tensor.nbytes // num_experts
-                if tensor.name in why_of:  # its pieces will point into the converted file (gguf.convert)
-                    fmt = formats[param.name][layer]
-                    conversions.append(Conversion(tensor, fmt, why_of[tensor.name], layer, param.name, dst, weave_dim))
-                    dst += fmt.row_bytes(tensor.shape[-1]) * tensor.shape[1]
-                    continue
-                src_dtype = FLOAT_TYPES.get(tensor.type_name, torch.uint8)
-                for e in range(num_experts):
-                    pieces[layer][e].append(ExpertPiece(tensor.file, tensor.offset + e * per_expert, per_expert,
-                                                        src_dtype, param.name, dst, transposed_from=stored_as,
-                                                        weave_dim=weave_dim))
-                dst += per_expert
-
-    dense = _dense_records(model, gguf_model, expert_tensors, set(module_paths))
+    plan = _plan_slot(gguf_model, blocks, num_experts, model_params, compute_dtype)
+    placed = _place_experts(gguf_model, blocks, num_experts, plan)
+    dense = _dense_records(model, gguf_model, placed.expert_tensors, set(module_paths))
     layout = MoELayout(
         module_paths=module_paths,
         decoder_layers=blocks,
         num_experts=num_experts,
         top_k=find_top_k(model.config),
-        params=params,
-        slot_bytes=aligned(offset),
-        pieces=pieces,
+        params=plan.params,
+        slot_bytes=aligned(plan.size),
+        pieces=placed.pieces,
         dense=dense,
-        expert_bytes_on_disk=expert_disk,
+        expert_bytes_on_disk=placed.expert_disk,
         compute_dtype=compute_dtype,
-        expert_format=next((p.fmt for p in params if p.fmt is not None), None),
-        layer_params=layer_params,
+        expert_format=next((p.fmt for p in plan.params if p.fmt is not None), None),
+        layer_params=plan.layer_params(len(blocks)),
     )
-    return layout, conversions
+    return layout, placed.conversions
+
+
+def _sources(gguf_model: GGUFModel, param: str, block: int) -> list[GGUFTensor]:
+    """The fused tensors of block `block` that fill the experts' `param`, in order."""
+    found = []
+    for stem in EXPERT_SOURCES[param]:
+        tensor = gguf_model.tensors.get(f"blk.{block}.{stem}")
+        if tensor is None:
+            raise CheckpointError(f"{gguf_model.path.name} has no tensor 'blk.{block}.{stem}'; the file is "
+                                  "incomplete or was not written by llama.cpp's converter")
+        found.append(tensor)
+    return found
+
+
+def _rows_columns(param: ExpertParam) -> tuple[int, int | None]:
+    """A matrix's [output, input] features; a bias's outputs and no inputs."""
+    return param.rows_columns if len(param.shape) == 2 else (param.shape[0], None)
+
+
+def _plan_slot(gguf_model: GGUFModel, blocks: list[int], num_experts: int, model_params: list[ExpertParam],
+               compute_dtype: torch.dtype) -> _SlotPlan:
+    """Each expert param in the format its layers' tensors are kept in (the widest), at its offset in the slot."""
+    plan = _SlotPlan()
+    for mp in model_params:
+        by_layer = [_sources(gguf_model, mp.name, block) for block in blocks]
+        _check_shapes(gguf_model, mp, by_layer, num_experts)
+        per_layer, why = _choose(mp.name, by_layer, _rows_columns(mp)[1] or 1)
+        plan.why_of.update(why)
+        param, plan.formats[mp.name] = _slot_param(mp, per_layer, plan.size, compute_dtype)
+        plan.params.append(param)
+        plan.size += aligned(param.nbytes)
+    return plan
+
+
+def _check_shapes(gguf_model: GGUFModel, mp: ExpertParam, by_layer: list[list[GGUFTensor]], num_experts: int) -> None:
+    """Every tensor holds `num_experts` experts' share of `mp`'s rows, with its columns."""
+    rows, columns = _rows_columns(mp)
+    for t in (t for tensors in by_layer for t in tensors):
+        if t.shape[0] != num_experts or t.shape[1] * len(EXPERT_SOURCES[mp.name]) != rows \
+                or (columns is not None and t.shape[-1] != columns):
+            raise CheckpointError(f"{gguf_model.path.name}: tensor '{t.name}' has shape {list(t.shape)}, which does "
+                                  f"not fit {num_experts} experts of '{mp.name}' {list(mp.shape)}")
+
+
+def _slot_param(mp: ExpertParam, per_layer: list[BlockFormat | None], offset: int,
+                compute_dtype: torch.dtype) -> tuple[ExpertParam, list[BlockFormat | None]]:
+    """`mp` at `offset` of the slot, in the widest of its layers' formats (floats and biases in the
+    compute dtype), and the format each layer keeps it in."""
+    rows, columns = _rows_columns(mp)
+    widest = max((f for f in per_layer if f is not None), key=lambda f: f.bits, default=None)
+    if widest is None or columns is None:
+        return (ExpertParam(mp.name, mp.shape, compute_dtype, offset, mp.nbytes, transposed=mp.transposed),
+                [None] * len(per_layer))
+    return (ExpertParam(mp.name, mp.shape, torch.uint8, offset, widest.packed_bytes((rows, columns)), widest,
+                        mp.transposed), per_layer)
+
+
+def _place_experts(gguf_model: GGUFModel, blocks: list[int], num_experts: int, plan: _SlotPlan) -> _Placed:
+    """Every layer's expert params as pieces of the file, or as conversions whose output the pieces read."""
+    placed = _Placed(empty_pieces(len(blocks), num_experts))
+    paired = gguf_model.architecture in PAIRED_GATE_UP
+    for layer, block in enumerate(blocks):
+        for param in plan.params:
+            _place_param(placed, plan, layer, param, _sources(gguf_model, param.name, block), paired)
+    return placed
+
+
+def _place_param(placed: _Placed, plan: _SlotPlan, layer: int, param: ExpertParam, found: list[GGUFTensor],
+                 paired: bool) -> None:
+    """One layer's tensors of `param` (gate then up, or one), one after another in the parameter."""
+    dst = 0
+    # gate and up read as halves, then paired along the output features as the slot holds them
+    weave_dim = None
+    if paired and len(found) == 2:
+        weave_dim = 1 if param.transposed and param.fmt is None else 0
+    # a float matrix the module reads [in, out] is transposed from the file's [out, in]
+    stored_as = param.rows_columns if param.transposed and param.fmt is None else None
+    for tensor in found:
+        placed.expert_tensors.add(tensor.name)
+        placed.expert_disk += tensor.nbytes
+        per_expert = tensor.nbytes // len(placed.pieces[layer])  # a list of pieces per expert
+        if tensor.name in plan.why_of:  # its pieces will point into the converted file (gguf.convert)
+            fmt = plan.formats[param.name][layer]
+            placed.conversions.append(Conversion(tensor, fmt, plan.why_of[tensor.name], layer, param.name, dst,
+                                                 weave_dim))
+            dst += fmt.row_bytes(tensor.shape[-1]) * tensor.shape[1]
+            continue
+        add_fused_pieces(placed.pieces[layer], tensor.file, tensor.offset, per_expert,
+                         FLOAT_TYPES.get(tensor.type_name, torch.uint8), param.name, dst, transposed_from=stored_as,
+                         weave_dim=weave_dim)
+        dst += per_expert
 
 
 def _dense_records(model: torch.nn.Module, gguf_model: GGUFModel, expert_tensors: set[str],
