@@ -404,9 +404,9 @@ class NativePromptPath(DecodePath):
         return kernels is not None and kernels.amx()
 
     def _int8(self) -> bool:
-        """The lossy 8-bit prompt inputs, where asked for and they pay: not beside AMX tiles, where the
-        bf16 products on the tiles ran 128-token Q4_K prompts 1.6-1.9x faster than the 8-bit dots
-        (docs/performance.md), so the request is set aside there and the path's label says so."""
+        """The lossy 8-bit prompt inputs, where asked for and they pay: not beside AMX tiles, whose bf16
+        products are the faster there (docs/performance-history.md, "AMX tiles for prompts"), so the
+        request is set aside there and the path's label says so."""
         return self.context.settings.int8_prompt and not self._tiles()
 
     def unavailable(self, step: Step) -> str | None:

@@ -1,7 +1,7 @@
 """The whole-token path (default decode; not with `--exact`): one native call per decode token when every expert is resident.
 
 The native per-layer path (engine.decode.paths.native_layers) runs each layer's weights at close
-to the memory bandwidth, but a Qwen3-MoE-shaped token still spent about a third of its time in
+to the memory bandwidth, but a Qwen3-MoE-shaped token still spent much of its time in
 Python and small torch ops between those kernels (decoder-layer calls, residual adds, the rotary table, the
 mask, module lookups, the router's softmax and top-k as separate ops). For the decoders whose
 every piece the native kernels compute (engine.decode.modules.families: Qwen3-MoE, Qwen2-MoE
