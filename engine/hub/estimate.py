@@ -96,87 +96,124 @@ def _numel(shape: tuple[int, ...]) -> int:
     return n
 
 
+@dataclass
+class _ExpertCount:
+    """The offloaded experts of a model built on the meta device, counted as the engine lays them out."""
+
+    layers: int = 0  # MoE layers
+    num_experts: int = 0  # per MoE layer
+    top_k: int = 0
+    params: int = 0  # every routed expert of every layer
+    matrix_params: int = 0  # of those, the expert matrices'
+    per_expert: int = 0  # one expert's params
+    slot: int = 0  # one expert slot, in bytes
+    param_shapes: list[tuple[int, ...]] = field(default_factory=list)  # one expert's share of each parameter
+    transposed: bool = False
+    problem: str | None = None  # why the engine cannot offload them
+
+
 def estimate_from_config(config: dict, *, weight_file_bytes: int | None = None) -> SizeEstimate:
     """Sizes from a config.json dict; `weight_file_bytes` (the safetensors files' total) when known."""
-    from engine.accounting.sizes import format_bytes
     from engine.model.dtypes import resolve_dtype
-    from engine.model.layout import SLOT_ALIGN, offloaded_experts, top_k_of
 
     model, cfg = _meta_model(config)
     dtype = resolve_dtype("auto", config)
     itemsize = dtype.itemsize
-    named_experts = offloaded_experts(model)
-    experts = [m for _, m in named_experts]
+    experts = _count_experts(model, itemsize)
     total = sum(p.numel() for p in model.parameters())  # tied weights counted once
-    expert_params = sum(p.numel() for m in experts for p in m.parameters(recurse=False))
-    expert_matrix_params = sum(p.numel() for m in experts for p in m.parameters(recurse=False) if p.dim() == 3)
-    num_experts = slot = per_expert = top_k = 0
-    problem = None
-    if experts:
-        first = experts[0]
-        num_experts = int(getattr(first, "num_experts", 0) or next(first.parameters(recurse=False)).shape[0])
-        slot = _slot_bytes(first, itemsize, SLOT_ALIGN)
-        per_expert = expert_params // (num_experts * len(experts))
-        try:
-            top_k = top_k_of(model, named_experts[0][0], num_experts)
-        except CheckpointError as exc:
-            problem = str(exc)
-    else:
-        problem = "a dense model, not a mixture-of-experts model; MoEScope offloads experts"
-    model_type = str(config.get("model_type"))
+    dense = total - experts.params
     quant = quantization_of(config)
-    notes: list[str] = []
-    problem = problem or config_problem(config)
-    if quant:
-        notes.append(f"experts stay {quant}; dense weights are counted in {dtype_name(dtype)}")
-    dense = total - expert_params
     download = weight_file_bytes
     if download is None:
-        download = _computed_file_bytes(total, expert_matrix_params, itemsize, quant)
-    elif not quant and total:
-        ratio = download / (total * itemsize)
-        if not 0.9 <= ratio <= 1.1:
-            notes.append(f"the weight files hold {format_bytes(download)}, the config describes "
-                         f"{format_bytes(total * itemsize)} (extra layers, e.g. multi-token prediction, or another dtype)")
-    try:
-        embedding = model.get_input_embeddings().weight.numel()
-    except (AttributeError, NotImplementedError):
-        embedding = 0
+        download = _computed_file_bytes(total, experts.matrix_params, itemsize, quant)
     estimate = SizeEstimate(
-        model_type=model_type,
+        model_type=str(config.get("model_type")),
         architecture=(config.get("architectures") or [type(model).__name__])[0],
         num_layers=int(getattr(cfg.get_text_config(), "num_hidden_layers", 0) or 0),
-        num_moe_layers=len(experts),
-        num_experts=num_experts,
-        top_k=top_k,
+        num_moe_layers=experts.layers,
+        num_experts=experts.num_experts,
+        top_k=experts.top_k,
         total_params=total,
-        expert_params=expert_params,
+        expert_params=experts.params,
         dense_params=dense,
-        active_params=dense + top_k * per_expert * len(experts),
-        embedding_params=embedding,
+        active_params=dense + experts.top_k * experts.per_expert * experts.layers,
+        embedding_params=_embedding_params(model),
         dtype=dtype_name(dtype),
         bytes_per_param=itemsize,
         dense_bytes=(dense + _persistent_buffers(model)) * itemsize,
-        expert_bytes=expert_params * itemsize,
-        bytes_per_expert=slot,
-        all_expert_bytes=slot * num_experts * len(experts),
-        min_budget_bytes=slot * top_k * len(experts),
+        expert_bytes=experts.params * itemsize,
+        bytes_per_expert=experts.slot,
+        all_expert_bytes=experts.slot * experts.num_experts * experts.layers,
+        min_budget_bytes=experts.slot * experts.top_k * experts.layers,
         kv_bytes_per_token=_kv_bytes_per_token(cfg, itemsize),
         download_bytes=download,
         quantization=quant,
-        problem=problem,
-        notes=notes,
-        expert_param_shapes=[tuple(p.shape[1:]) for p in experts[0].parameters(recurse=False)] if experts else [],
-        experts_transposed=bool(experts and getattr(experts[0], "is_transposed", False)),
+        problem=experts.problem or config_problem(config),
+        notes=_notes(quant, dtype_name(dtype), weight_file_bytes, total * itemsize),
+        expert_param_shapes=experts.param_shapes,
+        experts_transposed=experts.transposed,
     )
+    return _in_checkpoint_blocks(estimate)
+
+
+def _count_experts(model, itemsize: int) -> _ExpertCount:
+    """The model's offloaded experts: how many, their params and one slot's bytes, the router's top-k."""
+    from engine.model.layout import SLOT_ALIGN, offloaded_experts, top_k_of
+
+    named = offloaded_experts(model)
+    experts = [m for _, m in named]
+    params = sum(p.numel() for m in experts for p in m.parameters(recurse=False))
+    matrix_params = sum(p.numel() for m in experts for p in m.parameters(recurse=False) if p.dim() == 3)
+    if not experts:
+        return _ExpertCount(params=params, matrix_params=matrix_params,
+                            problem="a dense model, not a mixture-of-experts model; MoEScope offloads experts")
+    first = experts[0]
+    num_experts = int(getattr(first, "num_experts", 0) or next(first.parameters(recurse=False)).shape[0])
+    count = _ExpertCount(
+        layers=len(experts), num_experts=num_experts, params=params, matrix_params=matrix_params,
+        slot=_slot_bytes(first, itemsize, SLOT_ALIGN), per_expert=params // (num_experts * len(experts)),
+        param_shapes=[tuple(p.shape[1:]) for p in first.parameters(recurse=False)],
+        transposed=bool(getattr(first, "is_transposed", False)))
+    try:
+        count.top_k = top_k_of(model, named[0][0], num_experts)
+    except CheckpointError as exc:
+        count.problem = str(exc)
+    return count
+
+
+def _notes(quant: str | None, dtype: str, weight_file_bytes: int | None, config_bytes: int) -> list[str]:
+    """What the sizes leave unsaid: quantized experts kept so, and weight files that hold more or less
+    than the config describes."""
+    from engine.accounting.sizes import format_bytes
+
+    notes = []
+    if quant:
+        notes.append(f"experts stay {quant}; dense weights are counted in {dtype}")
+    elif weight_file_bytes is not None and config_bytes and not 0.9 <= weight_file_bytes / config_bytes <= 1.1:
+        notes.append(f"the weight files hold {format_bytes(weight_file_bytes)}, the config describes "
+                     f"{format_bytes(config_bytes)} (extra layers, e.g. multi-token prediction, or another dtype)")
+    return notes
+
+
+def _embedding_params(model) -> int:
+    """The input embedding's parameters; 0 where the model has none to give."""
+    try:
+        return model.get_input_embeddings().weight.numel()
+    except (AttributeError, NotImplementedError):
+        return 0
+
+
+def _in_checkpoint_blocks(estimate: SizeEstimate) -> SizeEstimate:
+    """A runnable quantized checkpoint's experts as the engine keeps them: in the checkpoint's own blocks."""
+    quant = estimate.quantization
     kept = QUANTIZED_EXPERTS.get(quant or "")
-    if kept is not None and estimate.runnable:  # the engine keeps these experts in the checkpoint's blocks
-        in_format = estimate.in_format(kept)
-        if in_format is None:
-            estimate.problem = f"the {quant} expert matrices are not whole {kept.block}-element blocks"
-        else:
-            estimate = replace(in_format, expert_format="original")  # the checkpoint's own format
-    return estimate
+    if kept is None or not estimate.runnable:
+        return estimate
+    in_format = estimate.in_format(kept)
+    if in_format is None:
+        estimate.problem = f"the {quant} expert matrices are not whole {kept.block}-element blocks"
+        return estimate
+    return replace(in_format, expert_format="original")  # the checkpoint's own format
 
 
 def _meta_model(config: dict):
