@@ -17,12 +17,12 @@ from safetensors import safe_open
 
 from engine.errors import CheckpointError, DeviceError
 from engine.model import experts_registry as experts_impl
-from engine.model.checkpoint import TensorRecord, open_checkpoint
+from engine.model.checkpoint import CheckpointFiles, TensorRecord, open_checkpoint
 from engine.model.dtypes import resolve_dtype
 from engine.model.gguf.file import is_gguf
 from engine.model.layout import MoELayout, build_layout
 from engine.model.loaded import LoadedWeights, ProgressFn, set_tensor, tie_loaded
-from engine.model.model_class import model_class, text_generator
+from engine.model.model_class import ModelClass, model_class, text_generator
 from engine.model.prequantized import dequantize_tensor
 
 
@@ -46,9 +46,6 @@ def build_model(
     progress: ProgressFn | None = None,
     load_dense: bool = True,
 ) -> LoadedWeights:
-    from accelerate import init_empty_weights
-    from transformers import AutoConfig, AutoModelForCausalLM
-
     if is_gguf(Path(path)):
         from engine.model.gguf.loader import build_gguf_model
 
@@ -56,20 +53,46 @@ def build_model(
     files = open_checkpoint(path, allow_pickle=allow_pickle, trust_remote_code=trust_remote_code)
     compute_dtype = resolve_dtype(dtype, files.config)
     experts_impl.register()
-    try:
-        config = AutoConfig.from_pretrained(files.root, trust_remote_code=trust_remote_code)
-    except (ValueError, KeyError) as exc:
-        raise CheckpointError(f"transformers cannot read {files.root / 'config.json'}: {exc}") from None
+    config = _read_config(files, trust_remote_code)
     remote = trust_remote_code and "AutoModelForCausalLM" in (getattr(config, "auto_map", None) or {})
     chosen = None if remote else model_class(config)
+    prefix, model = text_generator(_empty_model(files, config, chosen, compute_dtype))
+    files = files.under(prefix)
+    _read_generation_config(model, files)
+    layout = build_layout(model, files, compute_dtype)
+    _drop_expert_params(model, layout)
+    text_only = chosen is not None and chosen.text_only
+    if load_dense:
+        _load_dense(model, layout, device, progress)
+        model.to(device)  # non-persistent buffers (rotary tables) are created on the CPU
+        model.eval().requires_grad_(False)
+    return LoadedWeights(model, layout, files, compute_dtype, text_only=text_only)
+
+
+def _read_config(files: CheckpointFiles, trust_remote_code: bool):
+    """The checkpoint's config as transformers reads it."""
+    from transformers import AutoConfig
+
+    try:
+        return AutoConfig.from_pretrained(files.root, trust_remote_code=trust_remote_code)
+    except (ValueError, KeyError) as exc:
+        raise CheckpointError(f"transformers cannot read {files.root / 'config.json'}: {exc}") from None
+
+
+def _empty_model(files: CheckpointFiles, config, chosen: ModelClass | None,
+                 compute_dtype: torch.dtype) -> torch.nn.Module:
+    """The model with its parameters on the meta device: `chosen`'s class, or (None) the checkpoint's
+    own code through the auto class."""
+    from accelerate import init_empty_weights
+    from transformers import AutoModelForCausalLM
+
     with warnings.catch_warnings(), init_empty_weights(include_buffers=False):
         warnings.simplefilter("ignore")
         try:
             kwargs = dict(dtype=compute_dtype, experts_implementation=experts_impl.IMPLEMENTATION_NAME)
-            if chosen is None:  # the checkpoint's own code, through the auto class
-                model = AutoModelForCausalLM.from_config(config, trust_remote_code=True, **kwargs)
-            else:
-                model = chosen.cls._from_config(config, **kwargs)
+            if chosen is None:
+                return AutoModelForCausalLM.from_config(config, trust_remote_code=True, **kwargs)
+            return chosen.cls._from_config(config, **kwargs)
         except ValueError as exc:
             raise CheckpointError(f"transformers cannot build '{files.root.name}' as a causal LM: {exc}") from None
         except ModuleNotFoundError as exc:  # a family's model code may import what transformers does not require
@@ -77,27 +100,26 @@ def build_model(
             raise CheckpointError(f"transformers' code for '{files.root.name}' ({type(config).__name__}) needs the "
                                   f"Python package '{package}', which is not installed; install it "
                                   f"(pip install {package}) and load again") from None
-    prefix, model = text_generator(model)
-    files = files.under(prefix)
-    if (files.root / "generation_config.json").is_file():
-        from transformers import GenerationConfig
 
-        # from_pretrained reads this file too: its EOS ids and defaults are the model author's. In the
-        # class's own kind where it has one (a block-diffusion model's holds its denoising schedule).
-        config_class = getattr(type(model), "generation_config_class", None) or GenerationConfig
-        model.generation_config = config_class.from_pretrained(files.root)
-    layout = build_layout(model, files, compute_dtype)
+
+def _read_generation_config(model: torch.nn.Module, files: CheckpointFiles) -> None:
+    """The checkpoint's generation_config.json onto the model, where it has one."""
+    if not (files.root / "generation_config.json").is_file():
+        return
+    from transformers import GenerationConfig
+
+    # from_pretrained reads this file too: its EOS ids and defaults are the model author's. In the
+    # class's own kind where it has one (a block-diffusion model's holds its denoising schedule).
+    config_class = getattr(type(model), "generation_config_class", None) or GenerationConfig
+    model.generation_config = config_class.from_pretrained(files.root)
+
+
+def _drop_expert_params(model: torch.nn.Module, layout: MoELayout) -> None:
+    """The offloaded experts' parameters off the model: their bytes live in the store."""
     for module_path, _ in layout.experts_modules():
         experts = model.get_submodule(module_path)
         for p in layout.params:
-            setattr(experts, p.name, None)  # the bytes live in the store; slots are the only copy
-    text_only = chosen is not None and chosen.text_only
-    if not load_dense:
-        return LoadedWeights(model, layout, files, compute_dtype, text_only=text_only)
-    _load_dense(model, layout, device, progress)
-    model.to(device)  # non-persistent buffers (rotary tables) are created on the CPU
-    model.eval().requires_grad_(False)
-    return LoadedWeights(model, layout, files, compute_dtype, text_only=text_only)
+            setattr(experts, p.name, None)  # slots are the only copy
 
 
 def _load_dense(model: torch.nn.Module, layout: MoELayout, device: torch.device, progress: ProgressFn | None) -> None:
