@@ -225,48 +225,19 @@ def train(cfg: TrainConfig, out: Path, max_minutes: float, log_every: int = 50) 
     model.train()
     n_params = sum(p.numel() for p in model.parameters())
     print(f"params: {n_params / 1e6:.2f}M, rows: {len(x)}x{cfg.row_len}, steps: {cfg.steps}", flush=True)
-
-    # No weight decay on norms / router (1-D params and the gate), decay on matrices.
-    decay = [p for n, p in model.named_parameters() if p.ndim >= 2 and "gate.weight" not in n]
-    no_decay = [p for n, p in model.named_parameters() if p.ndim < 2 or "gate.weight" in n]
-    opt = torch.optim.AdamW(
-        [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
-        lr=cfg.lr,
-        betas=(0.9, 0.98),
-    )
+    opt = _optimizer(model, cfg)
     t0 = time.monotonic()
     cpu0 = time.process_time()  # CPU seconds: a contention-free measure on a shared machine
     history: list[dict[str, float]] = []
     stopped_early = False
-    run_loss = run_aux = run_mi = 0.0
+    running = [0.0, 0.0, 0.0]  # loss, aux, mi summed since the last log line
     for step in range(cfg.steps):
-        for g in opt.param_groups:
-            g["lr"] = lr_at(step, cfg)
         sl = slice(step * cfg.rows, (step + 1) * cfg.rows)
-        want_router = cfg.aux_loss_coef > 0 or cfg.skill_mi_coef > 0
-        res = model(input_ids=x[sl], labels=y[sl], output_router_logits=want_router)
-        loss = res.loss
-        mi = skill_expert_mi(res.router_logits, skills[sl], len(SKILL_NAMES)) if cfg.skill_mi_coef > 0 else None
-        if mi is not None:
-            loss = loss - cfg.skill_mi_coef * mi
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
-        run_loss += res.loss.item()
-        run_aux += res.aux_loss.item() if res.aux_loss is not None else 0.0
-        run_mi += mi.item() if mi is not None else 0.0
+        for i, value in enumerate(_train_step(model, opt, cfg, step, x[sl], y[sl], skills[sl])):
+            running[i] += value
         if (step + 1) % log_every == 0 or step + 1 == cfg.steps:
-            k = (step % log_every) + 1
-            elapsed = time.monotonic() - t0
-            rec = {"step": step + 1, "loss": run_loss / k, "aux": run_aux / k, "mi": run_mi / k, "elapsed_s": elapsed}
-            history.append(rec)
-            print(
-                f"step {step + 1:5d}  loss {rec['loss']:.4f}  aux {rec['aux']:.3f}  mi {rec['mi']:.3f}  "
-                f"lr {lr_at(step, cfg):.2e}  {elapsed / 60:.1f} min",
-                flush=True,
-            )
-            run_loss = run_aux = run_mi = 0.0
+            history.append(_log_line(cfg, step, running, (step % log_every) + 1, time.monotonic() - t0))
+            running = [0.0, 0.0, 0.0]
         if time.monotonic() - t0 > max_minutes * 60:
             stopped_early = True
             print(f"WARNING: hit the {max_minutes} min cap at step {step + 1}; run is not the full schedule")
@@ -287,6 +258,48 @@ def train(cfg: TrainConfig, out: Path, max_minutes: float, log_every: int = 50) 
     (out / "training_log.json").write_text(json.dumps(info, indent=2) + "\n")
     print(f"saved to {out} after {wall / 60:.1f} min wall, {cpu / 60:.1f} min CPU")
     return info
+
+
+def _optimizer(model: Qwen3MoeForCausalLM, cfg: TrainConfig) -> torch.optim.AdamW:
+    """AdamW with weight decay on the matrices only: none on norms and the router (1-D params and the gate)."""
+    decay = [p for n, p in model.named_parameters() if p.ndim >= 2 and "gate.weight" not in n]
+    no_decay = [p for n, p in model.named_parameters() if p.ndim < 2 or "gate.weight" in n]
+    return torch.optim.AdamW(
+        [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
+        lr=cfg.lr,
+        betas=(0.9, 0.98),
+    )
+
+
+def _train_step(model: Qwen3MoeForCausalLM, opt: torch.optim.AdamW, cfg: TrainConfig, step: int,
+                x: torch.Tensor, y: torch.Tensor, skills: torch.Tensor) -> tuple[float, float, float]:
+    """One optimiser step on a batch of rows; its (loss, aux loss, skill-expert MI) as floats."""
+    for g in opt.param_groups:
+        g["lr"] = lr_at(step, cfg)
+    want_router = cfg.aux_loss_coef > 0 or cfg.skill_mi_coef > 0
+    res = model(input_ids=x, labels=y, output_router_logits=want_router)
+    loss = res.loss
+    mi = skill_expert_mi(res.router_logits, skills, len(SKILL_NAMES)) if cfg.skill_mi_coef > 0 else None
+    if mi is not None:
+        loss = loss - cfg.skill_mi_coef * mi
+    opt.zero_grad(set_to_none=True)
+    loss.backward()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+    opt.step()
+    return (res.loss.item(), res.aux_loss.item() if res.aux_loss is not None else 0.0,
+            mi.item() if mi is not None else 0.0)
+
+
+def _log_line(cfg: TrainConfig, step: int, running: list[float], steps: int, elapsed: float) -> dict[str, float]:
+    """The means over the last `steps` steps, printed and returned as a history record."""
+    rec = {"step": step + 1, "loss": running[0] / steps, "aux": running[1] / steps, "mi": running[2] / steps,
+           "elapsed_s": elapsed}
+    print(
+        f"step {step + 1:5d}  loss {rec['loss']:.4f}  aux {rec['aux']:.3f}  mi {rec['mi']:.3f}  "
+        f"lr {lr_at(step, cfg):.2e}  {elapsed / 60:.1f} min",
+        flush=True,
+    )
+    return rec
 
 
 def save(model: Qwen3MoeForCausalLM, tok: PreTrainedTokenizerFast, out: Path) -> None:
