@@ -12,8 +12,9 @@ Per layer and forward, `run_layer`:
 3. plans the loads (`_plan_loads`): exact loads for the misses (they pre-empt speculative loads,
    `engine.offload.loads`), needed in-flight prefetches promoted, the policy's prefetches;
 4. computes (`_compute`) in the order resident -> in flight -> not started, each as soon as its
-   bytes are in (reordered execution, Mixtral-offloading; ProMoE's execution order). A decode
-   token whose picks are all resident runs on the one-token experts kernel it was handed.
+   bytes are in (reordered execution, Mixtral-offloading; ProMoE's execution order), on the
+   layer's rows gathered once in expert order (`LayerRows`). A decode token whose picks are all
+   resident runs on the one-token experts kernel it was handed.
 When a layer needs more experts at once than it has slots (long prefills), the misses stream
 through the layer's slots in waves: the slots double as the staging buffer, so memory never
 exceeds the budget.
@@ -45,11 +46,11 @@ from engine.offload.expert_compute import (
     OneTokenExperts,
     PromptKernels,
     SlotReader,
-    expert_mlp,
     grouped_available,
     grouped_expert_mlp,
     torch_one_token,
 )
+from engine.offload.layer_rows import LayerRouting, LayerRows
 from engine.offload.loads import JobState, LoadJob, LoadQueue
 from engine.offload.packed_linear import pack
 from engine.offload.store import ExpertStore
@@ -58,64 +59,6 @@ from engine.system import huge_pages
 PREDICTION_WINDOW_TRACED = 3  # layers ahead recorded in traces (so promoe:k<=3 can be replayed)
 # Quantized slots run grouped from a dequantized copy of this many bytes at most (one expert at least).
 GROUPED_SCRATCH_BYTES = 128 << 20
-
-
-class LayerRouting:
-    """One MoE layer's routing in a forward step, brought to the host once and summarised."""
-
-    def __init__(self, layer: int, top_k_index: torch.Tensor, num_experts: int) -> None:
-        self.num_tokens, self.top_k = top_k_index.shape
-        self.num_experts = num_experts
-        self.flat = top_k_index.reshape(-1)
-        picks = self.flat.tolist() if self.num_tokens == 1 else None
-        self._flat_host: np.ndarray | None = None
-        self._counts: np.ndarray | None = None
-        self._sorted: tuple[torch.Tensor, list[int]] | None = None
-        if picks is not None and len(set(picks)) == len(picks):  # a decode token: nothing to count
-            self.picks: list[int] | None = picks
-            self.needed = sorted(picks)
-            self.step = RoutingStep.of_layer(layer, self.needed)
-        else:
-            self.picks = None
-            counts = self.counts
-            self.needed = np.flatnonzero(counts).tolist()
-            last = self.flat_host[-self.top_k:].tolist() if self.num_tokens > 1 else None
-            self.step = RoutingStep.of_layer(layer, self.needed, counts[self.needed], self.num_tokens, last)
-
-    @property
-    def flat_host(self) -> np.ndarray:
-        if self._flat_host is None:
-            self._flat_host = np.asarray(self.picks) if self.picks is not None else self.flat.cpu().numpy()
-        return self._flat_host
-
-    @property
-    def counts(self) -> np.ndarray:
-        """[experts] rows routed to each expert."""
-        if self._counts is None:
-            self._counts = np.bincount(self.flat_host, minlength=self.num_experts)
-        return self._counts
-
-    def rows_of(self, expert: int) -> torch.Tensor:
-        """The flat (token, pick) rows routed to `expert`."""
-        order, bounds = self.by_expert()
-        return order[bounds[expert] : bounds[expert + 1]]
-
-    def by_expert(self) -> tuple[torch.Tensor, list[int]]:
-        """The flat rows sorted by expert and where each expert's rows start in that order ([experts + 1]).
-
-        The sort is transformers' own (`torch.sort`, not stable): within an expert, a row's place in
-        its matmul decides which of the GEMM's row kernels computes it, and on some CPUs (AVX2 builds
-        of oneDNN) those sum in different orders, so the rows go in the order the stock model gives."""
-        if self._sorted is None:
-            self._sorted = (torch.sort(self.flat)[1], np.concatenate(([0], np.cumsum(self.counts))).tolist())
-        return self._sorted
-
-    def by_expert_host(self) -> np.ndarray:
-        """`by_expert`'s order as a host array, sorted on the host where the routing is on a GPU (no
-        second sync)."""
-        if self.flat.device.type == "cpu":
-            return self.by_expert()[0].numpy()
-        return torch.sort(torch.from_numpy(self.flat_host))[1].numpy()
 
 
 @dataclass
@@ -550,97 +493,50 @@ class ExpertCache:
                  plan: LoadPlan, weights: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
         """Resident experts first, then the ones on the CPU, in flight, just started, and in waves:
         each as soon as its bytes are in (reordered execution)."""
-        top_k = routing.top_k
-        out = torch.empty((routing.flat.numel(), hidden_states.shape[-1]), dtype=out_dtype,
-                          device=hidden_states.device)
-        # The rows gathered once in expert order (on the first expert computed here, not by the
-        # grouped matmul), each expert's a contiguous slice, and its weighted outputs put back in one
-        # scatter at the end: the same values as gathering and scattering each expert's rows
-        # (advanced indexing per expert cost more than a small expert's matmuls).
-        by_expert: list[torch.Tensor] = []  # rows, routing weights and outputs in that order
-        computed: list[slice] = []  # parts of the sorted order whose outputs are in by_expert[2]
-        combined: list[torch.Tensor] = []  # the layer's output, where the prompt path's combine made it
-        reader = self.reader_at(layer)
-
-        def sorted_rows() -> list[int]:
-            """Where each expert's rows start in by_expert's order (filled on first use)."""
-            order, bounds = routing.by_expert()  # made once per layer step
-            if not by_expert:
-                by_expert.extend((hidden_states[order // top_k], weights[order].unsqueeze(-1), torch.empty_like(out)))
-            return bounds
-
-        def compute(expert: int) -> None:
-            bounds = sorted_rows()
-            rows, routing_weights, outputs = by_expert
-            slot = self.directory.slot_of[layer][expert]
-            part = slice(bounds[expert], bounds[expert + 1])
-            product = self._prompt.product if self._prompt is not None else None
-            y = expert_mlp(module, rows[part], reader.plain(self.slot_views[layer][slot], product), self._packed)
-            torch.mul(y, routing_weights[part], out=outputs[part])
-            computed.append(part)
-
-        def compute_in_one_call(experts: list[int]) -> bool:
-            """`experts` on the prompt path's layer kernel; False where it does not compute this module."""
-            bounds = sorted_rows()
-            rows, routing_weights, outputs = by_expert
-            slot_of, slots = self.directory.slot_of[layer], self.slot_views[layer]
-            start = [bounds[e] for e in experts]
-            count = [bounds[e + 1] - bounds[e] for e in experts]
-            y = self._prompt.layer(module, rows, start, count, [slots[slot_of[e]] for e in experts], reader)
-            if y is None:
-                return False
-            parts = [slice(s, s + c) for s, c in zip(start, count, strict=True) if c]
-            every_row, combine = sum(count) == rows.shape[0], self._prompt.combine
-            if every_row and combine is not None and y.device.type == "cpu" \
-                    and routing_weights.dtype in (torch.float32, torch.bfloat16) \
-                    and y.dtype == hidden_states.dtype == torch.bfloat16:
-                # nothing else to add: weighted, scattered and summed in one call
-                combined.append(combine(y, routing_weights.view(-1), routing.by_expert()[0], top_k))
-                return True
-            if every_row:  # one weighting
-                torch.mul(y, routing_weights, out=outputs)
-            else:
-                for part in parts:
-                    torch.mul(y[part], routing_weights[part], out=outputs[part])
-            computed.extend(parts)
-            return True
-
-        # resident experts run while the misses load: on the prompt kernel a fast prompt brought, else grouped
-        if self._prompt is None and self.grouped and len(plan.ready) > 1:
-            self._compute_grouped(layer, module, hidden_states, routing, plan.ready, weights, out)
-        elif not (self._prompt is not None and plan.ready and compute_in_one_call(plan.ready)):
-            for expert in plan.ready:
-                compute(expert)
+        rows = LayerRows(hidden_states, routing, weights, out_dtype, self.reader_at(layer), self._prompt, self._packed)
+        self._compute_resident(layer, module, rows, plan.ready)  # while the misses load
         for expert in plan.on_cpu:
-            rows = routing.rows_of(expert)
-            y = self.cpu_experts.run(layer, expert, module, hidden_states[rows // top_k])
-            out[rows] = y.to(out_dtype) * weights[rows].unsqueeze(-1)
-        jobs = plan.inflight + plan.loads  # the ones already on their way, then those started now
-        if routing.picks is not None and self.decode_grouped and len(jobs) > 1:
+            rows.compute_on_cpu(self.cpu_experts, layer, expert, module)
+        self._compute_loading(layer, module, rows, plan.inflight + plan.loads)  # on their way, then started now
+        self._compute_waves(layer, module, rows, plan)
+        return rows.result()
+
+    def _slot(self, layer: int, expert: int) -> dict[str, torch.Tensor]:
+        """The views of the slot `expert` sits in now."""
+        return self.slot_views[layer][self.directory.slot_of[layer][expert]]
+
+    def _compute_resident(self, layer: int, module: torch.nn.Module, rows: LayerRows, experts: list[int]) -> None:
+        """The resident `experts`: on the prompt kernel a fast prompt brought, else grouped, else one by one."""
+        if self._prompt is None and self.grouped and len(experts) > 1:
+            self._compute_grouped(layer, module, rows.hidden_states, rows.routing, experts, rows.weights, rows.out)
+            return
+        if self._prompt is not None and experts \
+                and rows.compute_in_one_call(module, experts, [self._slot(layer, e) for e in experts]):
+            return
+        for expert in experts:
+            rows.compute_one(module, expert, self._slot(layer, expert))
+
+    def _compute_loading(self, layer: int, module: torch.nn.Module, rows: LayerRows, jobs: list[LoadJob]) -> None:
+        """The experts of `jobs`, each as soon as its load finished."""
+        if rows.routing.picks is not None and self.decode_grouped and len(jobs) > 1:
             # A decode token's misses: their matmuls are small beside a load, their launches are not.
             for job in jobs:
                 self._wait(job)
-            self._compute_grouped(layer, module, hidden_states, routing, [job.expert for job in jobs], weights, out)
-            jobs = []
+            experts = [job.expert for job in jobs]
+            self._compute_grouped(layer, module, rows.hidden_states, rows.routing, experts, rows.weights, rows.out)
+            return
         for job in jobs:
             self._wait(job)
-            compute(job.expert)
+            rows.compute_one(module, job.expert, self._slot(layer, job.expert))
+
+    def _compute_waves(self, layer: int, module: torch.nn.Module, rows: LayerRows, plan: LoadPlan) -> None:
+        """More experts than slots: stream the remainder through the slots the step does not hold, in waves."""
         rest, size = plan.waves, len(self.directory.expert_in[layer]) - len(plan.held)
-        while rest:  # more experts than slots: stream the remainder through the other slots in waves
+        while rest:
             wave, rest = rest[:size], rest[size:]
-            for job in [self._start_load(layer, e, set(wave) | plan.held) for e in wave]:
+            for job in [self._start_load(layer, e, set(wave) | plan.held) for e in wave]:  # one by one, never grouped
                 self._wait(job)
-                compute(job.expert)
-        if combined:  # the one call computed every row, so no other expert ran
-            return combined[0]
-        if computed:
-            order, outputs = routing.by_expert()[0], by_expert[2]
-            if sum(part.stop - part.start for part in computed) == out.shape[0]:  # every row: one scatter
-                out.index_copy_(0, order, outputs)
-            else:
-                at = torch.cat([order[part] for part in computed])
-                out.index_copy_(0, at, torch.cat([outputs[part] for part in computed]))
-        return out.view(routing.num_tokens, top_k, -1).sum(dim=1).to(hidden_states.dtype)
+                rows.compute_one(module, job.expert, self._slot(layer, job.expert))
 
     def _compute_grouped(self, layer: int, module: torch.nn.Module, hidden: torch.Tensor, routing: LayerRouting,
                          experts: list[int], weights: torch.Tensor, out: torch.Tensor) -> None:
