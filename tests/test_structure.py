@@ -29,7 +29,7 @@ ALLOWED = {
     "engine.offload": {"engine.errors", "engine.system", "engine.accounting", "engine.formats", "engine.model"},
     "engine.decode": {"engine.errors", "engine.protocol", "engine.system", "engine.accounting", "engine.formats",
                       "engine.traces", "engine.model", "engine.hub", "engine.offload"},
-    "engine.demo": {"engine.protocol", "engine.decode"},
+    "engine.demo": {"engine.protocol", "engine.system", "engine.decode"},
     "engine.process": {"engine.errors", "engine.protocol", "engine.system", "engine.accounting", "engine.hub", "engine.decode"},
     "engine.serve": {"engine.errors", "engine.protocol"},
     "engine.remote": {"engine.errors", "engine.protocol"},
@@ -151,24 +151,9 @@ def test_every_event_is_in_the_event_union_and_every_command_in_the_command_unio
 
 
 MAX_FUNCTION_LINES = 60
-# Functions over the limit, each with why it is still long. Splitting one into named steps takes
-# it off this list (the test below fails for a listed one that has become short).
-LONG_FUNCTIONS = {
-    "engine/decode/runtime.py:MoERuntime.__init__": "the load in order; to become named steps",
-    "engine/model/layout.py:build_layout": "every family's expert naming in one pass; to split by step",
-    "engine/model/gguf/layout.py:build_gguf_layout": "the GGUF counterpart of build_layout; to split alike",
-    "engine/offload/expert_cache.py:ExpertCache._compute": "closures over a layer's rows; to become an object",
-    "engine/hub/estimate.py:estimate_from_config": "one estimate per config field group; to split",
-    "engine/model/loader.py:build_model": "the load's branches (GGUF, quantized, multimodal)",
-    "engine/cli/models.py:_list": "the listing's columns and sources",
-    "engine/demo/train.py:train": "the training loop with its schedule and checks",
-    "engine/serve/app.py:create_app": "FastAPI routes defined as closures over the app's state",
-    "engine/traces/replay.py:replay": "the replay loop with its accounting",
-    "app/library_dialog.py:LibraryDialog.__init__": "widget construction; to split by area",
-    "app/main_window.py:MainWindow.__init__": "widget construction and signal wiring",
-    "app/panels/budget.py:BudgetPanel.__init__": "widget construction",
-    "app/panels/system.py:SystemPanel.__init__": "widget construction",
-}
+# Functions over the limit, each with why it is long, in its docstring's words; none at present.
+# A new one is split into named steps, or named here with a reason the review accepts.
+LONG_FUNCTIONS: dict[str, str] = {}
 
 
 def function_lengths(packages: tuple[str, ...]) -> dict[str, int]:
