@@ -33,6 +33,7 @@ import math
 import os
 import sys
 from collections import Counter
+from contextlib import nullcontext
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -92,6 +93,7 @@ def measure(setting: Setting, n: int, reference: dict | None) -> dict:
     and the float row keeps its log-probabilities for the rows after it."""
     from bench.answer_scores import answer_logprobs, compare, heldout_chats
     from engine.decode.native import kernels as native
+    from engine.decode.native.testing import forced_paths
     from engine.decode.runtime import MoERuntime
     from engine.demo.corpus import SKILLS, heldout
     from engine.demo.engine_backend import engine_answer_fn
@@ -106,20 +108,18 @@ def measure(setting: Setting, n: int, reference: dict | None) -> dict:
     # Beside AMX tiles the prompt path sets the 8-bit inputs aside (faster without them); their cost is
     # measured as they run where they apply, on the dot products.
     kernels = native.load() if setting.kernels == "fast-int8" else None
-    if kernels is not None:
-        kernels.set_amx(False)
-    try:
-        runtime.set_fast_decode(fast)  # exact: transformers' kernels, whatever the load default is
-        chats = heldout_chats(runtime.tokenizer, SKILLS, n)
-        logprobs = answer_logprobs(runtime, chats)
-        scores = compare(chats, reference["logprobs"] if reference else logprobs, logprobs)
-        acc = accuracy_per_skill(engine_answer_fn(runtime), {s: heldout(s, n) for s in SKILLS})
-        row = {**asdict(setting), **stored_formats(runtime), **asdict(scores), "decode_path": runtime.decode_path,
-               "accuracy": {s: r["accuracy"] for s, r in acc.items()}, "questions": {s: r["n"] for s, r in acc.items()}}
-    finally:
-        runtime.close()
-        if kernels is not None:
-            kernels.set_amx(True)
+    with forced_paths(kernels, amx=False) if kernels is not None else nullcontext():
+        try:
+            runtime.set_fast_decode(fast)  # exact: transformers' kernels, whatever the load default is
+            chats = heldout_chats(runtime.tokenizer, SKILLS, n)
+            logprobs = answer_logprobs(runtime, chats)
+            scores = compare(chats, reference["logprobs"] if reference else logprobs, logprobs)
+            acc = accuracy_per_skill(engine_answer_fn(runtime), {s: heldout(s, n) for s in SKILLS})
+            row = {**asdict(setting), **stored_formats(runtime), **asdict(scores), "decode_path": runtime.decode_path,
+                   "accuracy": {s: r["accuracy"] for s, r in acc.items()},
+                   "questions": {s: r["n"] for s, r in acc.items()}}
+        finally:
+            runtime.close()
     base = reference["accuracy"] if reference else row["accuracy"]
     row["delta_points"] = {s: 100 * (a - base[s]) for s, a in row["accuracy"].items()}
     if reference is None:

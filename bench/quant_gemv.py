@@ -50,6 +50,7 @@ def main(argv=None) -> int:
 
     from bench.bandwidth import memory_read_bandwidth
     from engine.decode.native import kernels as native
+    from engine.decode.native.testing import forced_paths
     from engine.formats.blocks import FORMATS
     from engine.formats.dequantize import dequantize
     from engine.formats.quantize import quantize
@@ -72,15 +73,13 @@ def main(argv=None) -> int:
             bandwidth.append(memory_read_bandwidth(nbytes=256 << 20, repeats=3, threads=args.threads))
             order = ["integer", "float", "bf16"]
             for system in reversed(order) if round_ % 2 else order:
-                kernels.set_integer_dots(system == "integer")
                 target = plain if system == "bf16" else matrix
-                seconds[system].append(timed(lambda target=target: kernels.gemv(target, x), args.reps))
-        kernels.set_integer_dots(True)
+                with forced_paths(kernels, integer_dots=system == "integer"):
+                    seconds[system].append(timed(lambda target=target: kernels.gemv(target, x), args.reps))
         errors = {}
         for system in ("integer", "float"):
-            kernels.set_integer_dots(system == "integer")
-            errors[system] = ((kernels.gemv(matrix, x).float() - truth).abs().max() / truth.abs().max()).item()
-        kernels.set_integer_dots(True)
+            with forced_paths(kernels, integer_dots=system == "integer"):
+                errors[system] = ((kernels.gemv(matrix, x).float() - truth).abs().max() / truth.abs().max()).item()
         bw = statistics.median(bandwidth)
         row = {"format": name, "bits": fmt.bits, "bandwidth_bytes_per_s": bw, "errors": errors,
                **{f"{s}_weights_per_s": weights / statistics.median(t) for s, t in seconds.items()},

@@ -10,6 +10,7 @@ import torch
 import torch.nn.functional as F
 
 from engine.decode.native import kernels as native
+from engine.decode.native.testing import forced_paths
 from engine.formats.blocks import FORMATS, checkpoint_format
 from engine.formats.dequantize import dequantize
 from engine.formats.quantize import quantize
@@ -84,11 +85,8 @@ def test_quantized_gemv_is_the_dequantized_bf16_product(variant, name, integer):
     packed, reference = quantized(name, rows=300, columns=1024, seed=2)
     x = (torch.randn(1, 1024) * 0.5).to(torch.bfloat16)
     x[0, :7] = torch.tensor([3.0, -3.0, 1e-3, -1e-3, 0.0, 2.5, -2.99])  # extremes of the fixed-point planes
-    variant.set_integer_dots(integer)
-    try:
+    with forced_paths(variant, integer_dots=integer):
         ours = variant.gemv(native.weight(variant, packed, checkpoint_format(name), 1024), x)
-    finally:
-        variant.set_integer_dots(True)
     assert ours.shape == (1, 300) and ours.dtype == torch.bfloat16
     close(ours, F.linear(x, reference), f"{name} gemv")
     exact = x.double() @ reference.double().t()  # the same products, summed exactly
@@ -159,16 +157,32 @@ def test_quantized_experts_in_one_call(variant, name, seed):
 
     truth, reference = through_torch(torch.float32), through_torch(torch.bfloat16)
     for integer in (True, False):
-        variant.set_integer_dots(integer)
-        try:
+        with forced_paths(variant, integer_dots=integer):
             ours = variant.moe_decode(x, [native.weight(variant, g, fmt, hidden) for g, _ in experts],
                                       [native.weight(variant, d, fmt, inter) for _, d in experts], route).float()
-        finally:
-            variant.set_integer_dots(True)
         scale = truth.abs().max()
         assert (ours - truth).abs().max() <= 2 * (reference - truth).abs().max() + 0.01 * scale, (name, integer)
         if not integer:
             close(ours, reference, f"{name} experts")  # the float loops: the reference's own values
+
+
+def test_forced_paths_come_back_to_the_default_when_the_block_raises():
+    switched = []
+
+    class Recorder:
+        def _set_integer_dots(self, on: bool) -> None:
+            switched.append(("integer_dots", on))
+
+        def _set_amx(self, on: bool) -> None:
+            switched.append(("amx", on))
+
+    with pytest.raises(RuntimeError), forced_paths(Recorder(), integer_dots=False, amx=False):
+        raise RuntimeError("a failing test")
+    assert switched == [("integer_dots", False), ("amx", False), ("integer_dots", True), ("amx", True)]
+    switched.clear()
+    with forced_paths(Recorder(), amx=False):  # a switch not named is left alone
+        pass
+    assert switched == [("amx", False), ("amx", True)]
 
 
 def test_a_matrix_that_does_not_match_its_type_is_refused(variant):
@@ -207,11 +221,8 @@ def test_gpt_oss_experts_in_one_call(variant):
     x = (torch.randn(1, hidden, generator=generator) * 2).to(torch.bfloat16)
     route = torch.softmax(torch.randn(4, generator=generator), dim=0).to(torch.bfloat16)
     reference = torch_one_token(module, x, chosen, route, torch.bfloat16, reader)
-    variant.set_integer_dots(False)  # the float loops: the reference's weights, summed in another order
-    try:
+    with forced_paths(variant, integer_dots=False):  # the float loops: the reference's weights, summed in another order
         ours = NativeExperts(variant)(module, x, chosen, route, torch.bfloat16, reader)
-    finally:
-        variant.set_integer_dots(True)
     close(ours, reference, "gpt-oss experts")
     ours_int = NativeExperts(variant)(module, x, chosen, route, torch.bfloat16, reader)
     assert (ours_int.float() - reference.float()).abs().max() <= 0.05 * reference.float().abs().max()
@@ -318,17 +329,14 @@ def test_amx_tiles_and_dot_products_give_a_prompt_the_same_products(name):
     rows = (torch.randn(sum(counts), hidden, generator=torch.Generator().manual_seed(1)) * 2).to(torch.bfloat16)
     start = [sum(counts[:e]) for e in range(len(counts))]
     odd = matrix(100, hidden, 50)
-    try:
-        results = {}
-        for amx in (True, False):
-            built.set_amx(amx)
+    results = {}
+    for amx in (True, False):
+        with forced_paths(built, amx=amx):
             assert built.amx() == amx and ("-amx" in built.code_path()) == amx
             results[amx] = (built.linear_rows(odd[0], rows[:37]),
                             built.moe_prompt(rows, start, counts, [w for w, _ in gate_up], [w for w, _ in down]),
                             built.moe_prompt(rows, start, counts, [w for w, _ in gate_up], [w for w, _ in down],
                                              recipe=built.GateRecipe(interleaved=True)))
-    finally:
-        built.set_amx(True)
     for amx, (linear, experts, interleaved) in results.items():
         close(linear, F.linear(rows[:37], odd[1]), f"linear_rows, amx {amx}")
         for e, (first, count) in enumerate(zip(start, counts[:-1], strict=False)):  # the last has no rows

@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from engine.cli.main import main as moescope
+from engine.decode.native.testing import forced_paths
 from engine.decode.runtime import MoERuntime
 from engine.errors import CheckpointError
 from engine.formats.blocks import FORMATS
@@ -517,28 +518,27 @@ def test_8_bit_prompt_inputs_are_opt_in_labelled_and_close(wide, kernels, monkey
 
     from engine.decode.paths.base import Step
 
-    kernels.set_amx(False)
     asked, asked_dense = [], []
     moe_prompt, linear_rows = kernels.moe_prompt, kernels.linear_rows
     monkeypatch.setattr(kernels, "moe_prompt", lambda *args: asked.append(args[-1]) or moe_prompt(*args))
     monkeypatch.setattr(kernels, "linear_rows", lambda *args: asked_dense.append(args[3:]) or linear_rows(*args))
-    runtime = MoERuntime(LoadModel(path=str(wide["mixtral"]), budget="all", store="ram", device="cpu",
-                                   dtype="bfloat16", expert_format="q4_k", dense_format=dense))
-    assert runtime.int8_prompt is False  # opt-in only
     logits, labels = {}, {}
-    try:
-        for int8 in (False, True):
-            runtime.int8_prompt = int8  # the System panel's switch is live
-            labels[int8] = runtime.paths.choose(Step(torch.tensor([PROMPT]), None, 0))[0].label
-            asked.clear()
-            asked_dense.clear()
-            logits[int8] = runtime.prompt_logits(PROMPT)
-            assert asked and set(asked) == {int8}
-            rounded = {a[0] for a in asked_dense if a}  # per dense linear's call (the routers' leave it out)
-            assert rounded == ({int8} if dense == "q4_k" else {False})
-    finally:
-        runtime.close()
-        kernels.set_amx(True)
+    with forced_paths(kernels, amx=False):
+        runtime = MoERuntime(LoadModel(path=str(wide["mixtral"]), budget="all", store="ram", device="cpu",
+                                       dtype="bfloat16", expert_format="q4_k", dense_format=dense))
+        assert runtime.int8_prompt is False  # opt-in only
+        try:
+            for int8 in (False, True):
+                runtime.int8_prompt = int8  # the System panel's switch is live
+                labels[int8] = runtime.paths.choose(Step(torch.tensor([PROMPT]), None, 0))[0].label
+                asked.clear()
+                asked_dense.clear()
+                logits[int8] = runtime.prompt_logits(PROMPT)
+                assert asked and set(asked) == {int8}
+                rounded = {a[0] for a in asked_dense if a}  # per dense linear's call (the routers' leave it out)
+                assert rounded == ({int8} if dense == "q4_k" else {False})
+        finally:
+            runtime.close()
     assert "lossy" not in labels[False] and "8-bit inputs" in labels[True] and "(lossy)" in labels[True]
     assert "AMX" not in labels[False] + labels[True]
     assert logits[True].shape == (len(PROMPT), runtime.model.config.vocab_size)

@@ -331,10 +331,12 @@ class Kernels:
         """Whether a prompt's bf16 products run on AMX tiles."""
         return bool(self.lib.moescope_amx())
 
-    def set_amx(self, on: bool) -> None:
+    # Switched by tests and benchmarks only, through testing.forced_paths, which restores the default.
+    def _set_amx(self, on: bool) -> None:
+        """A prompt's bf16 products run on AMX tiles where granted (default) or on the dot products."""
         self.lib.moescope_set_amx(int(on))
 
-    def set_integer_dots(self, on: bool) -> None:
+    def _set_integer_dots(self, on: bool) -> None:
         """Block types with an integer kernel use it (default) or the reference-exact float loops."""
         self.lib.moescope_set_integer_dots(int(on))
 
