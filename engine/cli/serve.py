@@ -15,6 +15,7 @@ from engine import protocol as p
 from engine.cli.args import add_model_args, load_settings
 from engine.errors import MoEScopeError
 from engine.serve import DEFAULT_PORT
+from engine.serve.hub import DEFAULT_SERVICE_S
 
 
 def add_serve_parser(sub) -> None:
@@ -26,7 +27,10 @@ def add_serve_parser(sub) -> None:
     serve.add_argument("--api-key", default=os.environ.get("MOESCOPE_API_KEY"),
                        help="require 'Authorization: Bearer KEY' on every request (default: $MOESCOPE_API_KEY)")
     serve.add_argument("--max-queue", type=int, default=16,
-                       help="requests waiting or running at once; more get 429 with Retry-After (default 16)")
+                       help="requests waiting or running at once (default 16); one more gets 429 with Retry-After: "
+                       "the median service time of the last 16 finished requests (from when the engine took each "
+                       f"up to its end, not counting its wait in the queue; {DEFAULT_SERVICE_S:g} s until one has "
+                       "finished) times the requests ahead, rounded up, at least 1 s")
     serve.add_argument("--max-body-kib", type=int, default=4096, help="largest request body accepted (default 4096)")
     serve.add_argument("--return-routed-experts", action="store_true",
                        help="every response carries routed_experts [tokens, layers, top_k], as vLLM's flag does "

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import math
+import statistics
 import threading
 import time
 import uuid
@@ -19,6 +21,9 @@ from dataclasses import dataclass, field
 from engine import protocol as p
 
 SendFn = Callable[[object], None]
+
+# Retry-After until a request has finished here: what one request is taken to need, in seconds
+DEFAULT_SERVICE_S = 10.0
 
 
 class QueueFull(Exception):
@@ -61,6 +66,15 @@ class _Waiter:
             self.loop.call_soon_threadsafe(self.queue.put_nowait, event)
 
 
+@dataclass
+class _Pending:
+    """A request submitted and not yet released: where its events go, and when the engine took it up."""
+
+    waiter: _Waiter
+    submitted: float
+    started: float | None = None  # set at its first event: when the engine finished what ran before it
+
+
 class RequestStream:
     """The events of one request: Token... then Done, or an Error."""
 
@@ -87,30 +101,35 @@ class RequestStream:
 class EngineHub:
     def __init__(self, send: SendFn, *, max_queue: int = 16, aliases: tuple[str, ...] = (),
                  on_log: Callable[[LogEntry], None] | None = None,
-                 on_crash: Callable[[], None] | None = None) -> None:
+                 on_crash: Callable[[], None] | None = None, clock: Callable[[], float] = time.monotonic) -> None:
         self._send = send
         self.max_queue = max_queue  # requests waiting or running, the running one included
         self.aliases = set(aliases)
         self.on_log = on_log
         self.on_crash = on_crash  # `moescope serve` restarts its engine here; the window leaves it to the user
+        self.clock = clock
         self.model: p.ModelLoaded | None = None
+        self.model_loaded_at = 0.0  # wall-clock time (time.time) of the last ModelLoaded
         self.snapshot: p.TelemetrySnapshot | None = None
         self._lock = threading.Lock()
-        self._requests: dict[str, _Waiter] = {}
+        self._requests: dict[str, _Pending] = {}
         self._model_waiters: list[_Waiter] = []
         self._telemetry: list[_Waiter] = []
-        self._durations: deque[float] = deque(maxlen=16)
+        self._service_s: deque[float] = deque(maxlen=16)  # the last finished requests', first event to Done
+        self._engine_free_at = 0.0  # clock() when the engine last finished a request (any client's)
 
     # ----- what the engine says (any thread) -----
     def on_event(self, event) -> None:
-        if isinstance(event, (p.Token, p.Done)) or (isinstance(event, p.Error) and event.request_id):
+        if isinstance(event, (p.Token, p.Done, p.PromptContext)) or (isinstance(event, p.Error) and event.request_id):
             with self._lock:
-                waiter = self._requests.get(event.request_id)
-            if waiter is not None:
-                waiter.put(event)
+                pending = self._timed(event)
+            if pending is not None and not isinstance(event, p.PromptContext):  # the context only marks the start
+                pending.waiter.put(event)
         elif isinstance(event, p.ModelLoaded):
             with self._lock:
                 self.model, waiters, self._model_waiters = event, self._model_waiters, []
+                self.model_loaded_at = time.time()
+                self._engine_free_at = self.clock()  # a (re)load: nothing ran before the next request
             for waiter in waiters:
                 waiter.put(event)
         elif isinstance(event, p.TelemetrySnapshot):
@@ -122,11 +141,27 @@ class EngineHub:
         elif isinstance(event, p.Error) and (event.kind == "engine-crashed" or not event.recoverable):
             self._engine_lost(event)
 
+    def _timed(self, event) -> _Pending | None:
+        """Note when the engine took the request up and, at its Done, its service time (under the lock).
+
+        The engine runs one request at a time, FIFO: a request starts when the one before it ended (or when
+        it was submitted, if the engine was idle), so its service time leaves out the wait in the queue.
+        Its first event (the worker's PromptContext, before the prefill) says the start has happened."""
+        now = self.clock()
+        pending = self._requests.get(event.request_id)
+        if pending is not None and pending.started is None:
+            pending.started = max(pending.submitted, self._engine_free_at)
+        if isinstance(event, (p.Done, p.Error)):
+            self._engine_free_at = now  # the window's chat replies too: they hold the same engine
+            if pending is not None and isinstance(event, p.Done) and event.finish_reason != "cancelled":
+                self._service_s.append(now - pending.started)
+        return pending
+
     def _engine_lost(self, event: p.Error) -> None:
         """Every request in flight ends with the error (the worker lost its queue with it)."""
         with self._lock:
             self.model = None
-            running = list(self._requests.items())
+            running = [(request_id, pending.waiter) for request_id, pending in self._requests.items()]
         for request_id, waiter in running:
             waiter.put(p.Error(event.kind, event.message, False, request_id))
         if event.kind == "engine-crashed" and self.on_crash is not None:
@@ -137,8 +172,10 @@ class EngineHub:
         return [self.model.name] if self.model is not None else []
 
     def knows_model(self, name: str) -> bool:
+        """`name` names the loaded model: its name, path or an alias, or one of them with Ollama's `:latest` tag."""
         m = self.model
-        return m is not None and name in {m.name, m.path, *self.aliases}
+        known = {m.name, m.path, *self.aliases} if m is not None else set()
+        return name in known or (name.endswith(":latest") and name.removesuffix(":latest") in known)
 
     async def wait_for_model(self, timeout: float) -> p.ModelLoaded:
         if self.model is not None:
@@ -161,8 +198,8 @@ class EngineHub:
         waiter = _Waiter(asyncio.get_running_loop())
         with self._lock:
             if len(self._requests) >= self.max_queue:
-                raise QueueFull(self._retry_after(len(self._requests)))
-            self._requests[generate.request_id] = waiter
+                raise QueueFull(self._retry_after())
+            self._requests[generate.request_id] = _Pending(waiter, self.clock())
         try:
             self._send(generate)
         except RuntimeError:  # the client has no engine process right now
@@ -177,9 +214,16 @@ class EngineHub:
             with contextlib.suppress(RuntimeError):
                 self._send(p.Cancel(request_id))
 
-    def _retry_after(self, queued: int) -> int:
-        typical = sorted(self._durations)[len(self._durations) // 2] if self._durations else 1.0
-        return max(1, round(typical * queued))
+    def retry_after(self) -> int:
+        """Seconds until the requests now waiting or running are likely done: the median service time of
+        the last 16 finished requests (DEFAULT_SERVICE_S before any has) times their number, rounded up,
+        at least 1."""
+        with self._lock:
+            return self._retry_after()
+
+    def _retry_after(self) -> int:
+        typical = statistics.median(self._service_s) if self._service_s else DEFAULT_SERVICE_S
+        return max(1, math.ceil(round(typical * len(self._requests), 3)))  # 0.7 s x 10 is 7 s, not 8
 
     @property
     def busy(self) -> int:
@@ -188,8 +232,6 @@ class EngineHub:
             return len(self._requests)
 
     def log(self, entry: LogEntry) -> None:
-        if entry.status == 200 and entry.seconds > 0:
-            self._durations.append(entry.seconds)
         if self.on_log is not None:
             self.on_log(entry)
 
