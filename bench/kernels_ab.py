@@ -122,8 +122,8 @@ def main(argv=None) -> int:
     apply_process_settings()  # before anything computes
     import torch
 
+    from engine.decode.modules.whole_token_step import WholeTokenStep
     from engine.decode.native import kernels as native
-    from engine.decode.paths.whole_token import WholeTokenStep
     from engine.decode.runtime import MoERuntime
     from engine.formats.blocks import parse_format
     from engine.protocol import LoadModel

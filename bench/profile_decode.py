@@ -7,7 +7,7 @@ decodes with a wall-clock split per token:
 - bookkeeping: the rest of `ExpertCache.run_layer` (routing counts, cache lookups, telemetry
   counters, sorting rows by slot), and the policy's end of token (where `markov` learns a token);
 - model: everything outside the experts (attention, norms, router, embeddings, LM head, sampling).
-With --fast-decode's whole-token step (engine.decode.paths.whole_token) the native call reports its own split
+With --fast-decode's whole-token step (engine.decode.modules.whole_token_step) the native call reports its own split
 (norms, qkv_rope, attention, o_proj, router, experts, lm_head), and the bookkeeping is the cache's
 record of the token afterwards. Also prints torch.profiler's top operators.
 
@@ -52,7 +52,7 @@ def main(argv: list[str] | None = None) -> int:
     from bench.measure import prompt_ids
     from bench.synthetic import build_checkpoint
     from engine.decode.generation import Generator
-    from engine.decode.paths import native_layers
+    from engine.decode.modules import native_experts
     from engine.decode.runtime import MoERuntime
     from engine.protocol import LoadModel, SamplingSettings
 
@@ -93,7 +93,7 @@ def main(argv: list[str] | None = None) -> int:
     cache_module.grouped_expert_mlp = timed(cache_module.grouped_expert_mlp, "kernels")
     cache_module.expert_mlp = timed(cache_module.expert_mlp, "kernels")
     runtime.cache._one_token = timed(runtime.cache._one_token, "kernels")  # the exact one-token path
-    native_layers.NativeExperts.__call__ = timed(native_layers.NativeExperts.__call__, "kernels")
+    native_experts.NativeExperts.__call__ = timed(native_experts.NativeExperts.__call__, "kernels")
     ids = prompt_ids(runtime.model.config.get_text_config().vocab_size, args.prompt_len)
     generator = Generator(runtime)
     generator.generate(ids[:8], SamplingSettings(temperature=0, max_new_tokens=4))  # warm-up

@@ -16,8 +16,7 @@ from transformers import PreTrainedConfig
 
 from engine.decode.generation import Generator
 from engine.decode.kv_cache import new_cache
-from engine.decode.modules import expert_recipe, families
-from engine.decode.paths import native_layers
+from engine.decode.modules import expert_recipe, families, native_experts, native_modules
 from engine.decode.paths.base import Step
 from engine.decode.runtime import MoERuntime
 from engine.model.cache_argument import cache_argument
@@ -94,8 +93,8 @@ def test_listed_routers_pick_what_their_own_forward_picks(cls):
     token = torch.randn(1, 64).to(torch.bfloat16)
     with torch.no_grad():
         reference = router(token)
-        switch = native_layers.NativeSwitch()
-        assert native_layers.patch_module(router, switch)
+        switch = native_modules.NativeSwitch()
+        assert native_modules.patch_module(router, switch)
         with switch.active():
             ours = router(token)
     assert torch.equal(ours[2], reference[2]), "the same experts"
@@ -118,8 +117,8 @@ def step_like_own_forward(module: torch.nn.Module, config, rotary, what: str):
         # by keyword, as decoder layers call them: families order the arguments differently
         reference, _ = module(hidden_states=token, position_embeddings=step, attention_mask=None,
                               **cache_argument(module, caches[0]))
-        switch = native_layers.NativeSwitch()
-        assert native_layers.patch_module(module, switch)
+        switch = native_modules.NativeSwitch()
+        assert native_modules.patch_module(module, switch)
         with switch.active():
             ours, _ = module(hidden_states=token, position_embeddings=step, attention_mask=None,
                              **cache_argument(module, caches[1]))
@@ -177,7 +176,7 @@ def test_one_query_eager_attention_with_sinks_and_mask_is_the_familys_own(window
     if window:
         mask[..., :-window] = torch.finfo(torch.float32).min
     mask = mask.to(torch.bfloat16)
-    switch = native_layers.NativeSwitch()
+    switch = native_modules.NativeSwitch()
     module.__dict__[SWITCH_ATTR] = switch
     reference, _ = eager_attention_forward(module, query, key, value, mask, scaling=module.scaling, s_aux=module.sinks)
     with switch.active():
@@ -227,7 +226,7 @@ def native_kinds(runtime: MoERuntime) -> set[str]:
     kinds = set()
     for module in runtime.model.modules():
         cls = type(module)
-        if cls is native_layers.FastLinear or not getattr(cls, "_moescope_plain", None):
+        if cls is native_modules.FastLinear or not getattr(cls, "_moescope_plain", None):
             continue
         kinds |= {kind for kind, test in (("norm", lambda m: families.is_llama_rms_norm(m, rounding_once=True)),
                                           ("attention", native_attention),
@@ -276,7 +275,7 @@ def test_gated_experts_run_on_the_native_kernel(kernels, tiny_checkpoints, famil
     try:
         modules = experts_modules(runtime)
         assert modules and all(expert_recipe.experts_problem(m) == "" for m in modules)
-        cache, native = runtime.cache, native_layers.NativeExperts(kernels)
+        cache, native = runtime.cache, native_experts.NativeExperts(kernels)
         torch.manual_seed(3)
         for layer, module in zip(range(len(cache.slot_views)), modules, strict=False):
             slots = cache.slot_views[layer]

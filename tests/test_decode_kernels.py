@@ -86,7 +86,7 @@ def test_attention_decode_step_matches_transformers(kernels, family):
     (bit for bit) and the same output as transformers' SDPA path, to bf16 rounding."""
     from transformers.cache_utils import DynamicCache
 
-    from engine.decode.paths import native_layers
+    from engine.decode.modules import native_modules
     from engine.model.cache_argument import cache_argument
 
     module, rotary, config = attention_module(family)
@@ -98,8 +98,8 @@ def test_attention_decode_step_matches_transformers(kernels, family):
             module(prompt, rotary(prompt, torch.arange(40)[None]), None, **cache_argument(module, cache))
         step = rotary(token, torch.tensor([[40]]))
         reference, _ = module(token, step, None, **cache_argument(module, caches[0]))
-        switch = native_layers.NativeSwitch()
-        assert native_layers.patch_module(module, switch) and type(module).__name__.startswith("Fast")
+        switch = native_modules.NativeSwitch()
+        assert native_modules.patch_module(module, switch) and type(module).__name__.startswith("Fast")
         with switch.active():
             ours, _ = module(token, step, None, **cache_argument(module, caches[1]))
     assert ours.shape == reference.shape == (1, 1, 256) and ours.dtype == torch.bfloat16
@@ -149,7 +149,7 @@ def test_router_decode_step_matches_transformers(kernels, family):
 
     import transformers
 
-    from engine.decode.paths import native_layers
+    from engine.decode.modules import native_modules
 
     prefix = {"qwen3_moe": "Qwen3Moe", "mixtral": "Mixtral"}[family]
     modeling = importlib.import_module(f"transformers.models.{family}.modeling_{family}")
@@ -161,8 +161,8 @@ def test_router_decode_step_matches_transformers(kernels, family):
     token = torch.randn(1, 256).to(torch.bfloat16)
     with torch.no_grad():
         ref_logits, ref_weights, ref_index = router(token)
-        switch = native_layers.NativeSwitch()
-        assert native_layers.patch_module(router, switch)
+        switch = native_modules.NativeSwitch()
+        assert native_modules.patch_module(router, switch)
         assert all(torch.equal(a, b) for a, b in zip(router(token), (ref_logits, ref_weights, ref_index), strict=True))
         with switch.active():
             logits, weights, index = router(token)
@@ -175,10 +175,10 @@ def test_router_decode_step_matches_transformers(kernels, family):
 @pytest.mark.parametrize("family, extra", [("qwen2_moe", {}), ("olmoe", {})])
 def test_other_attention_recipes_keep_their_code(family, extra):
     """Qwen2-MoE projects with biases, OLMoE norms the whole projection: not the native recipe."""
-    from engine.decode.paths import native_layers
+    from engine.decode.modules import native_modules
 
     module, _, _ = attention_module(family, **extra)
-    assert not native_layers.patch_module(module, native_layers.NativeSwitch())
+    assert not native_modules.patch_module(module, native_modules.NativeSwitch())
     assert not type(module).__name__.startswith("Fast")
 
 

@@ -198,7 +198,7 @@ def test_gpt_oss_experts_in_one_call(variant):
     from transformers.models.gpt_oss.modeling_gpt_oss import GptOssExperts
 
     from engine.decode.modules.expert_recipe import ExpertsRecipe, experts_recipe
-    from engine.decode.paths.native_layers import NativeExperts
+    from engine.decode.modules.native_experts import NativeExperts
     from engine.offload.expert_compute import SlotReader, torch_one_token
 
     hidden, inter, fmt = 256, 128, checkpoint_format("mxfp4")
@@ -240,7 +240,7 @@ def test_a_prompts_rows_through_a_layers_experts_in_one_call(variant, family, na
     from transformers.models.gpt_oss.modeling_gpt_oss import GptOssExperts
     from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeExperts
 
-    from engine.decode.paths.native_layers import NativePromptExperts
+    from engine.decode.modules.native_experts import NativePromptExperts
     from engine.model.layout import ExpertParam
     from engine.offload.expert_compute import SlotReader, expert_mlp
 

@@ -12,8 +12,8 @@ import torch
 
 from engine.decode.generation import Generator
 from engine.decode.kv_cache import new_cache
+from engine.decode.modules.whole_token_step import RotaryRows, _bits, recognise
 from engine.decode.paths.base import Step
-from engine.decode.paths.whole_token import RotaryRows, _bits, recognise
 from engine.decode.runtime import MoERuntime
 from engine.model.cache_argument import cache_argument
 from engine.protocol import LoadModel, SamplingSettings
