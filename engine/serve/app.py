@@ -1,5 +1,6 @@
 """The FastAPI application: OpenAI's `/v1/models`, `/v1/chat/completions`, `/v1/completions`, and
-MoEScope's telemetry stream, over one `EngineHub`.
+MoEScope's telemetry stream, over one `EngineHub`. Completions take one path (`_complete`); a `Dialect`
+says how each API reads its body and writes its answer and errors.
 
 No endpoint reads or writes files or loads a model: `model` only has to name the loaded one.
 """
@@ -19,8 +20,8 @@ from fastapi.responses import JSONResponse, StreamingResponse
 
 from engine import protocol as p
 from engine.serve import schema
+from engine.serve.dialect import ApiError, Dialect, Reply, engine_error, sse
 from engine.serve.hub import EngineHub, EngineUnavailable, LogEntry, QueueFull, RequestStream, new_request_id
-from engine.serve.schema import ApiError
 
 MiB = 2**20
 
@@ -42,23 +43,14 @@ def create_app(hub: EngineHub, settings: ServerSettings | None = None) -> FastAP
     app = FastAPI(title="MoEScope", docs_url=None, redoc_url=None, openapi_url=None)
 
     @app.exception_handler(ApiError)
-    async def api_error(_: Request, exc: ApiError) -> JSONResponse:
-        return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers)
+    async def api_error(request: Request, exc: ApiError) -> JSONResponse:
+        return _error_response(request.url.path, exc)
 
     if settings.api_key is not None:
         app.add_middleware(RequireKey, key=settings.api_key)
-
-    @app.get("/v1/models")
-    async def list_models() -> dict:
-        return schema.models(hub.model)
-
-    @app.post("/v1/chat/completions")
-    async def chat(request: Request):
-        return await _complete(hub, settings, request, "chat")
-
-    @app.post("/v1/completions")
-    async def completions(request: Request):
-        return await _complete(hub, settings, request, "completion")
+    for path, dialect in COMPLETIONS.items():
+        _completion_route(app, hub, settings, path, dialect)
+    _model_routes(app, hub, settings)
 
     @app.get("/moescope/v1/telemetry")
     async def telemetry(request: Request) -> StreamingResponse:
@@ -68,38 +60,42 @@ def create_app(hub: EngineHub, settings: ServerSettings | None = None) -> FastAP
     return app
 
 
-@dataclass
-class _Reply:
-    """A request accepted and submitted to the engine: what answering it needs."""
-
-    request_id: str
-    kind: str  # "chat" or "completion"
-    endpoint: str
-    started: float  # perf_counter when the request arrived
-    req: schema.ChatRequest | schema.CompletionRequest
-    model_name: str
-    with_routing: bool
-    stream: RequestStream  # the engine's events for this request
-
-    @property
-    def prompt_param(self) -> str:
-        return "messages" if self.kind == "chat" else "prompt"
-
-    def failed(self, status: int, message: str) -> LogEntry:
-        return LogEntry(self.request_id, self.endpoint, status, seconds=time.perf_counter() - self.started,
-                        message=message)
+COMPLETIONS: dict[str, Dialect] = {"/v1/chat/completions": schema.CHAT, "/v1/completions": schema.COMPLETION}
 
 
-async def _complete(hub: EngineHub, settings: ServerSettings, request: Request, kind: str):
-    """One OpenAI completion request: parsed and submitted, then answered whole or streamed."""
+def _completion_route(app: FastAPI, hub: EngineHub, settings: ServerSettings, path: str, dialect: Dialect) -> None:
+    async def complete(request: Request):
+        return await _complete(hub, settings, request, dialect)
+
+    app.post(path)(complete)
+
+
+def _model_routes(app: FastAPI, hub: EngineHub, settings: ServerSettings) -> None:
+    """What clients ask about the loaded model."""
+
+    @app.get("/v1/models")
+    async def list_models() -> dict:
+        return schema.models(hub.model)
+
+
+def _error_response(path: str, error: ApiError) -> JSONResponse:
+    """The error in the shape of the API the path belongs to."""
+    dialect = schema.CHAT
+    return JSONResponse(dialect.error_body(error), status_code=error.status, headers=error.headers)
+
+
+async def _complete(hub: EngineHub, settings: ServerSettings, request: Request, dialect: Dialect):
+    """One completion request, in any API: parsed and submitted, then answered whole or streamed."""
     started = time.perf_counter()
     request_id = new_request_id()
     try:
-        reply = await _submit_request(hub, settings, request, kind, request_id, started)
+        reply = await _submit_request(hub, settings, request, dialect, request_id, started)
     except ApiError as exc:
         hub.log(LogEntry(request_id, request.url.path, exc.status, seconds=time.perf_counter() - started,
                          message=exc.message))
         raise
+    if isinstance(reply, dict):  # nothing to generate
+        return JSONResponse(reply)
     try:
         return await _answer(hub, request, reply)
     except ApiError as exc:
@@ -112,37 +108,38 @@ async def _complete(hub: EngineHub, settings: ServerSettings, request: Request, 
         raise
 
 
-async def _submit_request(hub: EngineHub, settings: ServerSettings, request: Request, kind: str, request_id: str,
-                          started: float) -> _Reply:
-    """Read and check the request, wait for its model and hand it to the engine."""
-    body = await _read_json(request, settings.max_body_bytes)
-    req = schema.parse(schema.ChatRequest if kind == "chat" else schema.CompletionRequest, body)
+async def _submit_request(hub: EngineHub, settings: ServerSettings, request: Request, dialect: Dialect,
+                          request_id: str, started: float) -> Reply | dict:
+    """Read and check the request, wait for its model and hand it to the engine (or the whole answer to a
+    request that only asks for the model to be loaded)."""
+    req = dialect.parse(await _read_json(request, settings.max_body_bytes))
+    waiting = time.perf_counter()
     model = await _model(hub, req.model, settings.model_wait_s)
+    load_s = time.perf_counter() - waiting
+    if (loaded := dialect.preload(req)) is not None:
+        return loaded
     sampling = req.sampling(model.context_length)
-    prompt = {"messages": [m.turn() for m in req.messages]} if kind == "chat" else req.prompt_fields()
+    prompt = req.generate_fields()
     with_routing = req.return_routed_experts or settings.return_routed_experts
     stream = _submit(hub, p.Generate(request_id, sampling=sampling, return_routing=with_routing, **prompt))
-    return _Reply(request_id, kind, request.url.path, started, req, model.name, with_routing, stream)
+    return Reply(request_id, dialect, request.url.path, started, req, model.name, with_routing, stream, load_s)
 
 
-async def _answer(hub: EngineHub, request: Request, reply: _Reply):
-    """The engine's first event, then the reply: server-sent events, or one JSON body at the end."""
+async def _answer(hub: EngineHub, request: Request, reply: Reply):
+    """The engine's first event, then the reply: streamed in the dialect's frames, or one JSON body at the end."""
     stream = reply.stream
     first = await _unless_disconnected(request, stream.next())
     if isinstance(first, p.Error):
-        raise schema.engine_error(first, reply.prompt_param)
+        raise engine_error(first, reply.dialect.prompt_param)
     if reply.req.stream:
-        options = reply.req.stream_options
-        events = _sse(reply.kind, reply.request_id, reply.model_name, first, stream,
-                      bool(options and options.include_usage), reply.with_routing,
-                      lambda entry: hub.log(entry), reply.endpoint, reply.started)
-        return StreamingResponse(events, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+        return StreamingResponse(_streamed(hub, reply, first), media_type=reply.dialect.media_type,
+                                 headers={"Cache-Control": "no-cache"})
     done = await _unless_disconnected(request, _last(stream, first))
     if isinstance(done, p.Error):
-        raise schema.engine_error(done, reply.prompt_param)
+        raise engine_error(done, reply.dialect.prompt_param)
     stream.close()
-    hub.log(_entry(reply.request_id, reply.endpoint, done, reply.started))
-    return JSONResponse(schema.response(reply.kind, reply.request_id, reply.model_name, done, reply.with_routing))
+    hub.log(reply.answered(done))
+    return JSONResponse(reply.dialect.whole(reply, done))
 
 
 class RequireKey:
@@ -159,7 +156,7 @@ class RequireKey:
             if scheme.lower() != b"bearer" or not hmac.compare_digest(token.strip(), self.key):
                 error = ApiError(401, "a valid API key is required: send it as 'Authorization: Bearer KEY'",
                                  code="invalid_api_key", type="authentication_error")
-                await JSONResponse(error.body(), status_code=401)(scope, receive, send)
+                await _error_response(scope["path"], error)(scope, receive, send)
                 return
         await self.app(scope, receive, send)
 
@@ -230,44 +227,30 @@ async def _last(stream: RequestStream, first):
     return event
 
 
-def _entry(request_id: str, endpoint: str, done: p.Done, started: float) -> LogEntry:
-    usage = schema.usage(done)
-    return LogEntry(request_id, endpoint, 200, done.finish_reason, usage["prompt_tokens"], usage["completion_tokens"],
-                    time.perf_counter() - started)
-
-
-def _data(payload: dict | str) -> bytes:
-    return f"data: {payload if isinstance(payload, str) else json.dumps(payload)}\n\n".encode()
-
-
-async def _sse(kind: str, request_id: str, model: str, first, stream: RequestStream, include_usage: bool,
-               with_routing: bool, log, endpoint: str, started: float) -> AsyncIterator[bytes]:
+async def _streamed(hub: EngineHub, reply: Reply, first) -> AsyncIterator[bytes]:
     """The streamed answer; closing it early (the client went away) cancels the generation."""
+    dialect, stream = reply.dialect, reply.stream
     try:
-        if kind == "chat":
-            yield _data(schema.chunk(kind, request_id, model, role=True))
+        for payload in dialect.opening(reply):
+            yield dialect.frame(payload)
         event = first
         while True:
             if isinstance(event, p.Token):
-                yield _data(schema.chunk(kind, request_id, model, text=event.text))
+                yield dialect.frame(dialect.delta(reply, event.text))
             elif isinstance(event, p.Done):
-                yield _data(schema.chunk(kind, request_id, model, done=event, with_routing=with_routing))
-                if include_usage:
-                    yield _data(schema.chunk(kind, request_id, model, done=event, usage_only=True))
-                yield _data("[DONE]")
-                log(_entry(request_id, endpoint, event, started))
+                for payload in dialect.closing(reply, event):
+                    yield dialect.frame(payload)
+                hub.log(reply.answered(event))
                 return
             elif isinstance(event, p.Error):  # mid-stream: the status line is sent, so the error is an event
-                error = schema.engine_error(event, "messages" if kind == "chat" else "prompt")
-                yield _data(error.body())
-                log(LogEntry(request_id, endpoint, error.status, seconds=time.perf_counter() - started,
-                             message=error.message))
+                error = engine_error(event, dialect.prompt_param)
+                yield dialect.frame(dialect.error_body(error))
+                hub.log(reply.failed(error.status, error.message))
                 return
             event = await stream.next()
     finally:
         if not stream.finished:
-            log(LogEntry(request_id, endpoint, 499, seconds=time.perf_counter() - started,
-                         message="the client went away; cancelled"))
+            hub.log(reply.failed(499, "the client went away; cancelled"))
         stream.close()
 
 
@@ -275,12 +258,12 @@ async def _telemetry_events(hub: EngineHub) -> AsyncIterator[bytes]:
     waiter = hub.listen_telemetry()
     try:
         if hub.snapshot is not None:
-            yield _data(snapshot_json(hub.snapshot))
+            yield sse(snapshot_json(hub.snapshot))
         while True:
             snapshot = await waiter.queue.get()
             while not waiter.queue.empty():  # a slow reader gets the latest, not a backlog
                 snapshot = waiter.queue.get_nowait()
-            yield _data(snapshot_json(snapshot))
+            yield sse(snapshot_json(snapshot))
     finally:
         hub.stop_listening(waiter)
 

@@ -1,4 +1,5 @@
-"""OpenAI's request bodies (validated), their mapping onto `SamplingSettings`, and the response bodies.
+"""OpenAI's dialect: its request bodies (validated), their mapping onto `SamplingSettings`, and the
+response bodies, whole or as server-sent events.
 
 One check of the sampling ranges: `SamplingSettings.problem()`, its field names mapped back to
 OpenAI's (`max_new_tokens` is `max_tokens`). Unknown fields are ignored, as vLLM does, so clients
@@ -10,24 +11,12 @@ from __future__ import annotations
 import time
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field
 
 from engine import protocol as p
+from engine.serve.dialect import FINISH, ApiError, Dialect, Reply, checked, routing, sse
 
 OPENAI_NAMES = {"max_new_tokens": "max_tokens"}
-
-
-class ApiError(Exception):
-    """An OpenAI-style error: `{"error": {"message", "type", "param", "code"}}` with an HTTP status."""
-
-    def __init__(self, status: int, message: str, *, param: str | None = None, code: str | None = None,
-                 type: str = "invalid_request_error", headers: dict[str, str] | None = None) -> None:
-        super().__init__(message)
-        self.status, self.message, self.param, self.code, self.type = status, message, param, code, type
-        self.headers = headers or {}
-
-    def body(self) -> dict:
-        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
 
 
 class _Open(BaseModel):
@@ -81,10 +70,7 @@ class _Request(_Open):
             seed=self.seed,
             stop=stop,
         )
-        if problem := settings.problem():
-            name = OPENAI_NAMES.get(problem.field, problem.field)
-            raise ApiError(400, f"{name}: {problem.message}", param=name)
-        return settings
+        return checked(settings, OPENAI_NAMES)
 
 
 class ChatRequest(_Request):
@@ -96,11 +82,14 @@ class ChatRequest(_Request):
             self.max_tokens = self.max_completion_tokens
         return super().sampling(context_length)
 
+    def generate_fields(self) -> dict:
+        return {"messages": [m.turn() for m in self.messages]}
+
 
 class CompletionRequest(_Request):
     prompt: str | list[str] | list[int]
 
-    def prompt_fields(self) -> dict:
+    def generate_fields(self) -> dict:
         """Generate's prompt: text, or token ids (a list of one text is the text)."""
         prompt = self.prompt
         if isinstance(prompt, list) and prompt and all(isinstance(x, str) for x in prompt):
@@ -115,46 +104,12 @@ class CompletionRequest(_Request):
         return {"prompt_ids": list(prompt)}
 
 
-def parse(model: type[_Request], body: object) -> _Request:
-    """The body as `model`, or a 400 naming the first field that is wrong."""
-    if not isinstance(body, dict):
-        raise ApiError(400, "the body must be a JSON object")
-    try:
-        return model.model_validate(body)
-    except ValidationError as exc:
-        error = exc.errors()[0]
-        param = _param(error.get("loc", ()))
-        what = "is required" if error.get("type") == "missing" else error.get("msg", "is not valid").lower()
-        raise ApiError(400, f"{param}: {what}", param=param) from None
-
-
-def _param(loc: tuple) -> str:
-    """('messages', 0, 'content', 'str') -> 'messages[0].content' (pydantic appends the union member tried)."""
-    out = ""
-    for part in loc:
-        if isinstance(part, int):
-            out += f"[{part}]"
-        elif part in ("str", "list[TextPart]", "list[str]", "list[int]", "function-after", "literal_error"):
-            break
-        else:
-            out += f".{part}" if out else str(part)
-    return out or "body"
-
-
 # ---------------------------------------------------------------- responses
-
-
-FINISH = {"eos": "stop", "stop": "stop", "length": "length", "cancelled": "stop"}
 
 
 def usage(done: p.Done) -> dict:
     prompt, completion = done.stats.prefill_tokens, len(done.token_ids)
     return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
-
-
-def routing(done: p.Done) -> list | None:
-    """vLLM's `routed_experts`: [tokens, layers, top_k] expert ids as nested lists."""
-    return done.routed_experts.numpy().tolist() if done.routed_experts is not None else None
 
 
 def completion_id(kind: str, request_id: str) -> str:
@@ -203,15 +158,36 @@ def models(model: p.ModelLoaded | None) -> dict:
     return {"object": "list", "data": data}
 
 
-ENGINE_ERRORS = {  # protocol Error kinds -> HTTP status, OpenAI type, code
-    "prompt-too-long": (400, "invalid_request_error", "context_length_exceeded"),
-    "error": (400, "invalid_request_error", None),  # a MoEScopeError about the request (empty prompt, no chat template)
-    "engine-crashed": (503, "server_error", "engine_crashed"),
-    "out-of-memory": (503, "server_error", "out_of_memory"),
-}
+class OpenAI(Dialect):
+    """`/v1/chat/completions` ("chat") or `/v1/completions` ("completion")."""
+
+    def __init__(self, kind: str, request: type[_Request]) -> None:
+        self.kind, self.request = kind, request
+        self.prompt_param = "messages" if kind == "chat" else "prompt"
+
+    def error_body(self, error: ApiError) -> dict:
+        return {"error": {"message": error.message, "type": error.type, "param": error.param, "code": error.code}}
+
+    def whole(self, reply: Reply, done: p.Done) -> dict:
+        return response(self.kind, reply.request_id, reply.model_name, done, reply.with_routing)
+
+    def opening(self, reply: Reply) -> list[dict | str]:
+        return [chunk(self.kind, reply.request_id, reply.model_name, role=True)] if self.kind == "chat" else []
+
+    def delta(self, reply: Reply, text: str) -> dict:
+        return chunk(self.kind, reply.request_id, reply.model_name, text=text)
+
+    def closing(self, reply: Reply, done: p.Done) -> list[dict | str]:
+        out: list[dict | str] = [chunk(self.kind, reply.request_id, reply.model_name, done=done,
+                                       with_routing=reply.with_routing)]
+        options = reply.req.stream_options
+        if options and options.include_usage:
+            out.append(chunk(self.kind, reply.request_id, reply.model_name, done=done, usage_only=True))
+        return [*out, "[DONE]"]
+
+    def frame(self, payload: dict | str) -> bytes:
+        return sse(payload)
 
 
-def engine_error(error: p.Error, prompt_param: str) -> ApiError:
-    status, kind, code = ENGINE_ERRORS.get(error.kind, (500, "server_error", error.kind))
-    param = prompt_param if error.kind == "prompt-too-long" else None
-    return ApiError(status, error.message, param=param, code=code, type=kind)
+CHAT = OpenAI("chat", ChatRequest)
+COMPLETION = OpenAI("completion", CompletionRequest)
