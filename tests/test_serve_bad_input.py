@@ -25,16 +25,18 @@ def server():
 
 def post(server, path: str, body: dict | None = None, *, raw: bytes | None = None, key: str | None = KEY) -> httpx.Response:
     headers = {"Authorization": f"Bearer {key}"} if key is not None else {}
+    url = (server.root if path.startswith("/api/") else server.url) + path  # Ollama's routes, or OpenAI's under /v1
     if raw is not None:
-        return httpx.post(server.url + path, content=raw, headers={**headers, "Content-Type": "application/json"},
-                          timeout=60)
-    return httpx.post(server.url + path, json=body, headers=headers, timeout=60)
+        return httpx.post(url, content=raw, headers={**headers, "Content-Type": "application/json"}, timeout=60)
+    return httpx.post(url, json=body, headers=headers, timeout=60)
 
 
-def error_of(response: httpx.Response, status: int) -> dict:
+def error_of(response: httpx.Response, status: int) -> dict | str:
+    """OpenAI's error object, or Ollama's message."""
     assert response.status_code == status, response.text
     error = response.json()["error"]
-    assert error["message"] and "\n" not in error["message"]  # one line, for a person
+    message = error if isinstance(error, str) else error["message"]
+    assert message and "\n" not in message  # one line, for a person
     return error
 
 
@@ -81,6 +83,18 @@ def test_wrong_or_missing_api_key(server, key):
                      httpx.get(server.url + "/models", headers={"Authorization": f"Bearer {key}"} if key else {})):
         error = error_of(response, 401)
         assert error["code"] == "invalid_api_key" and "API key" in error["message"]
+
+
+def test_ollamas_routes_need_the_key_and_answer_in_ollamas_shape(server):
+    chat = {"model": "demo", "messages": [{"role": "user", "content": "What is 4 plus 7?"}], "stream": False,
+            "options": {"temperature": 0}}
+    for response in (post(server, "/api/chat", chat, key="wrong"),
+                     httpx.get(server.root + "/api/tags", timeout=60)):
+        assert response.status_code == 401 and "API key" in response.json()["error"]
+    assert error_of(post(server, "/api/chat", {**chat, "messages": [{"role": "user", "content": "x" * 20_000}]}),
+                    413) == "the request body is larger than the server's limit of 16 KiB"
+    reply = post(server, "/api/chat", chat)
+    assert reply.status_code == 200 and reply.json()["message"]["content"] == "11"
 
 
 def test_the_server_keeps_serving_after_bad_requests(server):

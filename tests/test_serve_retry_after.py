@@ -121,18 +121,19 @@ def test_a_cancelled_reply_and_the_window_s_replies_do_not_count_but_hold_the_en
     asyncio.run(scenario())
 
 
-def test_the_429_carries_retry_after():
+def test_the_429_carries_retry_after_in_both_apis():
     async def scenario() -> None:
         clock = Clock()
         hub, _ = hub_on(clock, queue=2)
         await serve_in_turn(hub, clock, [3.0, 1.5])
         fill(hub)
+        body = {"model": "tiny-test", "messages": [{"role": "user", "content": "Hello"}]}
         transport = httpx.ASGITransport(app=create_app(hub))
         async with httpx.AsyncClient(transport=transport, base_url="http://moescope") as http:
-            response = await http.post("/v1/chat/completions", json={
-                "model": "tiny-test", "messages": [{"role": "user", "content": "Hello"}]})
-        assert response.status_code == 429 and response.headers["retry-after"] == "5"  # 2.25 s x 2, rounded up
-        error = response.json()["error"]
-        assert error["code"] == "queue_full" and "retry in 5 s" in error["message"]
+            openai, ollama = await http.post("/v1/chat/completions", json=body), await http.post("/api/chat", json=body)
+        for response in (openai, ollama):
+            assert response.status_code == 429 and response.headers["retry-after"] == "5"  # 2.25 s x 2, rounded up
+        assert openai.json()["error"]["code"] == "queue_full" and "retry in 5 s" in openai.json()["error"]["message"]
+        assert list(ollama.json()) == ["error"] and "retry in 5 s" in ollama.json()["error"]  # Ollama's shape
 
     asyncio.run(scenario())

@@ -1,4 +1,4 @@
-"""`moescope serve`: the model as an OpenAI-compatible server, with its own engine process.
+"""`moescope serve`: the model as an OpenAI- and Ollama-compatible server, with its own engine process.
 
 The server itself is torch-free (`engine.serve`): it loads nothing but the protocol client, and the
 worker process runs the model, restarted (and the model reloaded) if it crashes.
@@ -19,7 +19,8 @@ from engine.serve.hub import DEFAULT_SERVICE_S
 
 
 def add_serve_parser(sub) -> None:
-    serve = sub.add_parser("serve", help="serve the model over the OpenAI API (loopback only unless --api-key)")
+    serve = sub.add_parser("serve", help="serve the model over the OpenAI API (/v1) and Ollama's (/api); "
+                           "loopback only unless --api-key")
     add_model_args(serve)
     serve.add_argument("--host", default="127.0.0.1",
                        help="address to listen on; anything but loopback needs --api-key (default 127.0.0.1)")
@@ -74,7 +75,7 @@ def run_serve(args: argparse.Namespace) -> int:
         settings = ServerSettings(api_key=args.api_key, max_body_bytes=args.max_body_kib * 1024,
                                   return_routed_experts=args.return_routed_experts)
         model = hub.model.name if hub.model else args.model
-        print(f"moescope: serving {model} on {url_of(sock)} (OpenAI API; Ctrl-C stops)", file=sys.stderr, flush=True)
+        print(f"moescope: serving {model} on {url_of(sock)} (OpenAI API; Ollama's at /api; Ctrl-C stops)", file=sys.stderr, flush=True)
         serve_forever(create_app(hub, settings), sock)
     finally:
         client.stop()

@@ -1,4 +1,4 @@
-"""The OpenAI-compatible HTTP server: the loaded model for editors, agents and scripts.
+"""The OpenAI- and Ollama-compatible HTTP server: the loaded model for editors, agents and scripts.
 
 Torch-free (like `engine.process.client`): it speaks to the engine worker only through the protocol,
 on the client it is handed, so `moescope serve` (its own client) and the window (the window's

@@ -1,6 +1,7 @@
-"""The FastAPI application: OpenAI's `/v1/models`, `/v1/chat/completions`, `/v1/completions`, and
-MoEScope's telemetry stream, over one `EngineHub`. Completions take one path (`_complete`); a `Dialect`
-says how each API reads its body and writes its answer and errors.
+"""The FastAPI application: OpenAI's `/v1/models`, `/v1/chat/completions`, `/v1/completions`, Ollama's
+`/api/chat`, `/api/generate`, `/api/tags`, `/api/show`, `/api/ps`, `/api/version`, and MoEScope's
+telemetry stream, over one `EngineHub`. Both APIs' completions take one path (`_complete`); a `Dialect`
+says how each reads its body and writes its answer and errors.
 
 No endpoint reads or writes files or loads a model: `model` only has to name the loaded one.
 """
@@ -19,7 +20,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from engine import protocol as p
-from engine.serve import schema
+from engine.serve import ollama, schema
 from engine.serve.dialect import ApiError, Dialect, Reply, engine_error, sse
 from engine.serve.hub import EngineHub, EngineUnavailable, LogEntry, QueueFull, RequestStream, new_request_id
 
@@ -60,7 +61,8 @@ def create_app(hub: EngineHub, settings: ServerSettings | None = None) -> FastAP
     return app
 
 
-COMPLETIONS: dict[str, Dialect] = {"/v1/chat/completions": schema.CHAT, "/v1/completions": schema.COMPLETION}
+COMPLETIONS: dict[str, Dialect] = {"/v1/chat/completions": schema.CHAT, "/v1/completions": schema.COMPLETION,
+                                   "/api/chat": ollama.CHAT, "/api/generate": ollama.GENERATE}
 
 
 def _completion_route(app: FastAPI, hub: EngineHub, settings: ServerSettings, path: str, dialect: Dialect) -> None:
@@ -71,21 +73,38 @@ def _completion_route(app: FastAPI, hub: EngineHub, settings: ServerSettings, pa
 
 
 def _model_routes(app: FastAPI, hub: EngineHub, settings: ServerSettings) -> None:
-    """What clients ask about the loaded model."""
+    """What OpenAI's and Ollama's clients ask about the loaded model."""
 
     @app.get("/v1/models")
     async def list_models() -> dict:
         return schema.models(hub.model)
 
+    @app.get("/api/tags")
+    async def tags() -> dict:
+        return ollama.tags(hub.model, hub.model_loaded_at)
+
+    @app.get("/api/ps")
+    async def ps() -> dict:
+        return ollama.ps(hub.model, hub.model_loaded_at)
+
+    @app.post("/api/show")
+    async def show(request: Request) -> dict:
+        name = ollama.show_name(await _read_json(request, settings.max_body_bytes))
+        return ollama.show(await _model(hub, name, settings.model_wait_s), hub.model_loaded_at)
+
+    @app.get("/api/version")
+    async def version() -> dict:
+        return ollama.version()
+
 
 def _error_response(path: str, error: ApiError) -> JSONResponse:
     """The error in the shape of the API the path belongs to."""
-    dialect = schema.CHAT
+    dialect = ollama.CHAT if path.startswith(ollama.PREFIX) else schema.CHAT
     return JSONResponse(dialect.error_body(error), status_code=error.status, headers=error.headers)
 
 
 async def _complete(hub: EngineHub, settings: ServerSettings, request: Request, dialect: Dialect):
-    """One completion request, in any API: parsed and submitted, then answered whole or streamed."""
+    """One completion request, in either API: parsed and submitted, then answered whole or streamed."""
     started = time.perf_counter()
     request_id = new_request_id()
     try:

@@ -86,6 +86,19 @@ def serve(model: str, *extra: str) -> ServeProcess:
     return ServeProcess(model, *extra).start()
 
 
+def served(model: str, *extra: str):
+    """A module-scoped fixture: `moescope serve` on `model` for the module's tests, stopped after them."""
+    import pytest
+
+    @pytest.fixture(scope="module")
+    def server():
+        process = serve(model, *extra)
+        yield process
+        process.stop()
+
+    return server
+
+
 def cli_generate(model: str, prompt: str, *extra: Sequence[str]) -> dict:
     """`moescope generate --json` in its own process (the same engine code, no server in between)."""
     import json
