@@ -18,7 +18,6 @@ import sys
 import time
 from pathlib import Path
 
-os.environ.setdefault("QT_QPA_PLATFORM", "offscreen")
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import numpy as np
@@ -31,6 +30,7 @@ from engine.system.process_settings import apply_process_settings
 
 def main() -> None:
     apply_process_settings()  # before anything computes
+    os.environ.setdefault("QT_QPA_PLATFORM", "offscreen")  # before the QApplication
     parser = argparse.ArgumentParser()
     parser.add_argument("--layers", type=int, default=64)
     parser.add_argument("--experts", type=int, default=256)

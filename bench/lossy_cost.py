@@ -40,8 +40,6 @@ from pathlib import Path
 from bench.output import RESULTS_DIR, write_report
 from engine.system.process_settings import apply_process_settings
 
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
-
 # The goals, in points of held-out accuracy on each claimed skill, by expert format.
 GOAL_POINTS = {"q8_0": 2.0, "q4_k": 5.0, "q4_0": 5.0}
 
@@ -160,6 +158,7 @@ def settings_from(args) -> list[Setting]:
 
 def main(argv: list[str] | None = None) -> int:
     apply_process_settings()  # before anything computes
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")  # the demo model is local; never reach the hub
     parser = argparse.ArgumentParser(prog="python -m bench.lossy_cost",
                                      description="Quality cost of the lossy policy and the weight formats on the "
                                                  "demo model, against the float model.")
