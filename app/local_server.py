@@ -1,7 +1,7 @@
 """The window's "Local server": `engine.serve` on a thread, sharing the window's engine client.
 
-Requests from the API queue FIFO on the same engine as the chat (batch 1), and the panels show them
-live like chat replies. Loopback only: the window never opens the model to other machines.
+Requests from the API (OpenAI's at `/v1`, Ollama's at `/api`) queue FIFO on the same engine as the
+chat (batch 1), and the panels show them live like chat replies. Loopback only: the window never opens the model to other machines.
 """
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ from engine.errors import MoEScopeError
 
 class LocalServer(QObject):
     request_logged = Signal(object)  # engine.serve.hub.LogEntry, on the GUI thread
+    queue_changed = Signal(int)  # API requests waiting or running, the running one included
     _logged = Signal(object)  # emitted on the server's thread
 
     def __init__(self, bridge: EngineBridge, parent: QObject | None = None) -> None:
@@ -22,7 +23,9 @@ class LocalServer(QObject):
         self.hub = None
         self.thread = None
         self.url = ""
+        self._busy = 0  # the last count sent on queue_changed
         self._logged.connect(self.request_logged, Qt.ConnectionType.QueuedConnection)
+        self.request_logged.connect(lambda _: self._note_queue())
         bridge.event.connect(self._on_event)
 
     @property
@@ -53,11 +56,25 @@ class LocalServer(QObject):
             self.thread.stop()
         self.thread = self.hub = None
         self.url = ""
+        self._note_queue()
 
     def _send(self, command) -> None:
         if not self.bridge.send(command):
             raise RuntimeError("the engine is not running")
 
+    @property
+    def max_queue(self) -> int:
+        """How many API requests may wait or run at once (more are answered 429 with Retry-After); 0 when off."""
+        return self.hub.max_queue if self.hub is not None else 0
+
     def _on_event(self, event) -> None:
         if self.hub is not None:
             self.hub.on_event(event)
+            self._note_queue()
+
+    def _note_queue(self) -> None:
+        """Say the queue's length when it changed (a request's events arrive here; its end is logged)."""
+        busy = self.hub.busy if self.hub is not None else 0
+        if busy != self._busy:
+            self._busy = busy
+            self.queue_changed.emit(busy)

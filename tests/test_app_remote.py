@@ -7,6 +7,7 @@ import threading
 
 import httpx
 import numpy as np
+import ollama
 import openai
 import pytest
 
@@ -101,6 +102,8 @@ def test_the_local_server_serves_the_windows_engine(qtbot, tmp_path):
     url = panel.url.text()
     assert url.startswith("http://127.0.0.1:") and url.endswith("/v1")
 
+    changes: list[int] = []  # the dock's queue line follows these
+    window.server.queue_changed.connect(changes.append)
     client = openai.OpenAI(base_url=url, api_key="unused", timeout=120, max_retries=0)
     reply: list = []
     # the request blocks, so it runs on a thread: the engine's events reach the server through the GUI thread
@@ -114,6 +117,20 @@ def test_the_local_server_serves_the_windows_engine(qtbot, tmp_path):
     api_snapshots = [e for e in events.of(p.TelemetrySnapshot) if p.is_api_request(e.request_id)]
     assert api_snapshots  # the panels saw the API's request live, like a chat reply
     assert window.chat_view.widgets() == [] and not window.banner.isVisible()  # the chat is untouched
+    qtbot.waitUntil(lambda: changes[-1:] == [0], timeout=5000)
+    assert 1 in changes  # the request was counted while it ran
+    assert panel.queue.text().startswith("Requests: idle.") and "up to 16 may be in" in panel.queue.text()
+
+    root = url.removesuffix("/v1")
+    assert root in panel.status.text()  # where an Ollama client points
+    answer = []
+    worker = threading.Thread(target=lambda: answer.append(ollama.Client(host=root, timeout=120).chat(
+        model="demo", messages=[{"role": "user", "content": "Spell 'cat'."}], options={"temperature": 0})))
+    worker.start()
+    qtbot.waitUntil(lambda: bool(answer), timeout=REPLY_MS)
+    worker.join()
+    assert answer[0].message.content == "c-a-t"
+    qtbot.waitUntil(lambda: "/api/chat 200" in panel.log.toPlainText(), timeout=5000)
 
     panel.switch.setChecked(False)
     assert panel.url.text() == "" and not window.server.running

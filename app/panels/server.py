@@ -29,8 +29,9 @@ class ServerPanel(Panel):
     def __init__(self, server: LocalServer, parent: QWidget | None = None) -> None:
         super().__init__(parent)
         self.server = server
-        self.switch = QCheckBox("Local server (OpenAI API)")
-        self.switch.setToolTip("Serve the loaded model to editors, agents and scripts on this machine only")
+        self.switch = QCheckBox("Local server (OpenAI, Ollama)")
+        self.switch.setToolTip("Serve the loaded model to editors, agents and scripts on this machine only, "
+                               "over OpenAI's API (the URL below) and Ollama's (the same address without /v1)")
         self.switch.toggled.connect(self._toggled)
         self.port = QSpinBox()
         self.port.setRange(0, 65535)
@@ -44,6 +45,9 @@ class ServerPanel(Panel):
         self.copy.clicked.connect(lambda: QGuiApplication.clipboard().setText(self.url.text()))
         self.status = QLabel("Off. Turn it on to serve the model on 127.0.0.1 (this machine only).")
         self.status.setWordWrap(True)
+        self.queue = QLabel("")  # the API requests running and waiting, while the server is on
+        self.queue.setWordWrap(True)
+        server.queue_changed.connect(self._show_queue)
         self.log = QPlainTextEdit()
         self.log.setReadOnly(True)
         self.log.setMaximumBlockCount(LOG_LINES)
@@ -64,6 +68,7 @@ class ServerPanel(Panel):
         layout.addLayout(port)
         layout.addLayout(address)
         layout.addWidget(self.status)
+        layout.addWidget(self.queue)
         layout.addWidget(self.log, 1)
 
     def _toggled(self, on: bool) -> None:
@@ -76,14 +81,26 @@ class ServerPanel(Panel):
                 self.switch.blockSignals(False)
                 return
             self.url.setText(self.server.url)
-            self.status.setText("Listening on this machine only. Use the URL as the OpenAI base URL; "
-                                f"the model is '{self.server.bridge.model.name if self.server.bridge.model else ''}'.")
+            model = self.server.bridge.model.name if self.server.bridge.model else ""
+            self.status.setText(f"Listening on this machine only. OpenAI clients: the URL as base URL. Ollama clients: "
+                                f"{self.server.url.removesuffix('/v1')}. The model is '{model}'.")
         else:
             self.server.stop()
             self.url.clear()
             self.status.setText("Off.")
+        self._show_queue(0)
         self.port.setEnabled(not on)
         self.copy.setEnabled(on)
+
+    def _show_queue(self, busy: int) -> None:
+        """Requests run one at a time, in order; the dock says how many are in and how many may be."""
+        if not self.server.running:
+            self.queue.setText("")
+            return
+        limit = self.server.max_queue
+        now = "idle" if busy == 0 else f"1 running, {busy - 1} waiting"
+        self.queue.setText(f"Requests: {now}. They run one at a time, in order; up to {limit} may be in at once, "
+                           "more are told when to retry (Retry-After).")
 
     def add_entry(self, entry) -> None:
         self.log.appendPlainText(entry.line())
