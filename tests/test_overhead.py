@@ -73,6 +73,11 @@ def test_the_overhead_benchmark_measures_each_point_and_writes_its_table(tmp_pat
     assert 0 < result["baseline_bytes"] <= result["overhead_at_load"] < 2 * GiB
     # a fresh engine process never imports what only a conversion needs (gguf, sentencepiece)
     assert result["lazy_modules_loaded"] == []
+    # the loaded process's memory by part (smaps' mappings) adds up to its resident memory
+    assert "by part" in text and "sum of parts" in text
+    parts = result["parts_at_load"]
+    assert abs(sum(parts["by_part"].values()) - parts["rss"]) < 16 * 2**20
+    assert parts["threads"] >= 1 and parts["heap"]["in_use"] > 0
 
 
 def test_the_loads_first_forward_is_not_shown_and_does_not_change_the_reply():
