@@ -137,3 +137,36 @@ def test_a_loaded_model_sits_out_the_cycle_collector_until_it_closes():
     assert gc.get_freeze_count() == 0
     gc.collect()
     assert model() is None
+
+
+def _mapped_rss(path) -> int:
+    """Resident bytes of this process's mappings of `path` (/proc/self/smaps)."""
+    total, inside = 0, False
+    with open("/proc/self/smaps") as smaps:
+        for line in smaps:
+            head = line.split()
+            if "-" in head[0] and len(head) >= 5 and not head[0].endswith(":"):
+                inside = len(head) == 6 and head[5] == str(path)
+            elif inside and head[0] == "Rss:":
+                total += int(head[1]) * 1024
+    return total
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="MADV_PAGEOUT is Linux's")
+def test_a_checkpoints_pages_read_for_a_copy_are_let_go_and_read_back_unchanged(tmp_path):
+    # After the dense weights are copied into the huge-page arena, the checkpoint's mapping still
+    # held the pages the copy read: the dense weights resident twice.
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    from engine.system import memory
+
+    path = (tmp_path / "weights.safetensors").resolve()
+    save_file({"w": torch.arange(8 << 20, dtype=torch.int32)}, str(path))  # 32 MiB
+    weights = load_file(str(path))["w"]  # a view of the file's mapping
+    expected = int(weights.sum())  # reads every page
+    before = _mapped_rss(path)
+    assert before > 16 << 20
+    assert memory.release_file_pages([path]) >= 32 << 20
+    assert _mapped_rss(path) < before / 4
+    assert int(weights.sum()) == expected  # the same bytes, from the file again

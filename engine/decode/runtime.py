@@ -71,6 +71,7 @@ class MoERuntime:
         loaded = self._load_weights(progress)
         self._apply_formats(loaded, progress)
         huge_pages.gather(self.model, skip=self._read_by_rows())  # the dense weights in 2 MiB pages, side by side
+        memory.release_file_pages(self.files.files)  # the pages that copy read: the dense weights a second time
         self.tokenizer = self._load_tokenizer(loaded)
         self.store = self._open_store(settings.store, progress)
         # the native kernels from the first token: asked for, and they can run here

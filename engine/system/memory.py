@@ -5,7 +5,9 @@ from __future__ import annotations
 import ctypes
 import resource
 import sys
+from collections.abc import Iterable
 from dataclasses import dataclass
+from pathlib import Path
 
 
 def proc_bytes(path: str, key: str) -> int | None:
@@ -79,6 +81,34 @@ def release_free_heap() -> None:
     temporaries leave freed memory that the process would otherwise keep resident; elsewhere a no-op."""
     if (trim := _glibc("malloc_trim")) is not None:
         trim(0)
+
+
+MADV_PAGEOUT = 21  # Linux 5.4 and later (linux/mman.h); Python's mmap module names it only on some builds
+
+
+def release_file_pages(paths: Iterable[Path]) -> int:
+    """Drop this process's resident pages of the files at `paths`: checkpoint mappings whose weights
+    were copied elsewhere (`huge_pages.gather`) still hold the pages the copy read, the dense weights
+    a second time. MADV_PAGEOUT keeps every byte (a clean page comes back from the file on its next
+    read, a written one is swapped or kept), unlike MADV_DONTNEED, which would drop a private
+    mapping's changes. Returns the bytes of mapping advised; 0 where not Linux or refused."""
+    madvise = _glibc("madvise")
+    wanted = {str(Path(path).resolve()) for path in paths}
+    if madvise is None or not wanted:
+        return 0
+    madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    advised = 0
+    try:
+        with open("/proc/self/maps") as maps:
+            ranges = [line.split(maxsplit=5) for line in maps]
+    except OSError:
+        return 0
+    for fields in ranges:
+        if len(fields) == 6 and fields[5].strip() in wanted:
+            start, end = (int(bound, 16) for bound in fields[0].split("-"))
+            if madvise(start, end - start, MADV_PAGEOUT) == 0:
+                advised += end - start
+    return advised
 
 
 # A forward's buffers (a prompt's activations, the kernels' scratch, torch's outputs) are freed and asked
