@@ -10,6 +10,7 @@ import torch
 from engine.formats.blocks import BlockFormat, format_name
 from engine.model.checkpoint import CheckpointFiles
 from engine.model.layout import MoELayout, quantized_params
+from engine.system.memory import resident_bytes
 
 
 @dataclass
@@ -38,15 +39,16 @@ class ModelInfo:
 
 
 def host_tensor_bytes(model: torch.nn.Module) -> int:
-    """Bytes of the model's own parameters and buffers in this process's memory (on the CPU), each
-    storage once: its dense weights as they sit now (quantized or not); the experts are on the meta
-    device and their slots belong to the cache."""
+    """Bytes of the model's own parameters and buffers resident in this process's memory (on the
+    CPU), each storage once: its dense weights as they sit now (quantized or not); the experts are on
+    the meta device and their slots belong to the cache. Resident, not mapped: an input embedding
+    left in the checkpoint's mapping holds only the rows read so far."""
     seen: dict[int, int] = {}
     for tensor in (*model.parameters(), *model.buffers()):
         if tensor.device.type == "cpu":
             storage = tensor.untyped_storage()
             seen[storage.data_ptr()] = storage.nbytes()
-    return sum(seen.values())
+    return sum(resident_bytes(address, nbytes) for address, nbytes in seen.items())
 
 
 def describe(files: CheckpointFiles, layout: MoELayout, config, dtype: torch.dtype, device: str, store: str,

@@ -9,6 +9,8 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
+
 
 def proc_bytes(path: str, key: str) -> int | None:
     """A `key:  N kB` line of a /proc file, in bytes; None where there is no such file or line."""
@@ -109,6 +111,25 @@ def release_file_pages(paths: Iterable[Path]) -> int:
             if madvise(start, end - start, MADV_PAGEOUT) == 0:
                 advised += end - start
     return advised
+
+
+def resident_bytes(address: int, nbytes: int) -> int:
+    """How many of the `nbytes` at `address` are in this process's memory now, counted by whole
+    pages: mapped into its page table (/proc/self/pagemap's present bit). Not mincore, which says
+    whether a file's page is in the page cache, mapped here or not. `nbytes` where that cannot be
+    read (not Linux)."""
+    if nbytes <= 0:
+        return 0
+    page = resource.getpagesize()
+    first, last = address // page, (address + nbytes - 1) // page
+    try:
+        with open("/proc/self/pagemap", "rb") as pagemap:
+            pagemap.seek(first * 8)
+            entries = np.frombuffer(pagemap.read((last - first + 1) * 8), dtype=np.uint64)
+    except OSError:
+        return nbytes
+    present = int(np.count_nonzero(entries >> np.uint64(63)))
+    return min(nbytes, present * page)
 
 
 # A forward's buffers (a prompt's activations, the kernels' scratch, torch's outputs) are freed and asked
