@@ -88,12 +88,13 @@ def mallinfo2() -> dict[str, int]:
     """glibc's heap: bytes its arenas hold (sbrk + thread heaps), in use, free, in mmapped chunks; {} elsewhere."""
     import ctypes
 
+    from engine.system.memory import glibc
+
     class Info(ctypes.Structure):
         _fields_ = [(n, ctypes.c_size_t) for n in ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks",
                                                    "fsmblks", "uordblks", "fordblks", "keepcost")]
-    try:
-        call = ctypes.CDLL(None).mallinfo2
-    except (OSError, AttributeError):
+    call = glibc("mallinfo2")
+    if call is None:
         return {}
     call.restype = Info
     info = call()
@@ -121,15 +122,13 @@ def pymalloc_bytes() -> int:
 
 def weight_ranges(runtime) -> list[tuple[int, int]]:
     """(start, end) of every CPU storage holding weights: the model's dense tensors and the cache's pools."""
-    seen: dict[int, int] = {}
     if runtime is None:
         return []
-    tensors = [*runtime.model.parameters(), *runtime.model.buffers(), *runtime.cache.pools]
-    for tensor in tensors:
-        if tensor.device.type == "cpu":
-            storage = tensor.untyped_storage()
-            seen[storage.data_ptr()] = storage.nbytes()
-    return [(start, start + n) for start, n in seen.items()]
+    from engine.model.inspect import cpu_storages
+
+    model = runtime.model
+    storages = cpu_storages(model.parameters(), model.buffers(), runtime.cache.pools)
+    return [(start, start + n) for start, n in storages.items()]
 
 
 def thread_arena(maps: list[dict], i: int) -> bool:
@@ -205,6 +204,7 @@ def measure(model: str) -> dict:
     points["+ generation path imports"] = baseline_rss_bytes()  # the runtime's baseline: taken here, before the skeleton
     at_imports = parts()
     lazy_loaded = [name for name in LAZY if name in sys.modules]
+    from engine.hub.estimate import kv_cache_bytes_per_token
     from engine.hub.local import resolve_model
     from engine.model.loader import build_model
 
@@ -229,10 +229,7 @@ def measure(model: str) -> dict:
     points[f"after {NEW_LENGTHS} prompts of new lengths, heap trimmed"] = rss()
     at_end = parts(runtime)
     in_memory = overhead.dense_bytes + runtime.layout.all_expert_bytes  # every expert is resident at `all`
-    text = runtime.model.config.get_text_config()
-    head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
-    kv_per_token = 2 * text.num_hidden_layers * getattr(text, "num_key_value_heads", text.num_attention_heads) \
-        * head_dim * torch.empty((), dtype=runtime.dtype).element_size()
+    kv_per_token = kv_cache_bytes_per_token(runtime.model.config, torch.empty((), dtype=runtime.dtype).element_size())
     return {
         "model": model, "points": points, "dense_bytes": overhead.dense_bytes,
         "expert_bytes": runtime.layout.all_expert_bytes, "baseline_bytes": overhead.baseline_bytes,

@@ -143,16 +143,10 @@ def test_a_loaded_model_sits_out_the_cycle_collector_until_it_closes():
 
 
 def _mapped_rss(path) -> int:
-    """Resident bytes of this process's mappings of `path` (/proc/self/smaps)."""
-    total, inside = 0, False
-    with open("/proc/self/smaps") as smaps:
-        for line in smaps:
-            head = line.split()
-            if "-" in head[0] and len(head) >= 5 and not head[0].endswith(":"):
-                inside = len(head) == 6 and head[5] == str(path)
-            elif inside and head[0] == "Rss:":
-                total += int(head[1]) * 1024
-    return total
+    """Resident bytes of this process's mappings of `path`."""
+    from bench.overhead import mappings
+
+    return sum(m["Rss"] for m in mappings() if m["path"] == str(path))
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="MADV_PAGEOUT is Linux's")

@@ -145,7 +145,7 @@ def estimate_from_config(config: dict, *, weight_file_bytes: int | None = None) 
         bytes_per_expert=experts.slot,
         all_expert_bytes=experts.slot * experts.num_experts * experts.layers,
         min_budget_bytes=experts.slot * experts.top_k * experts.layers,
-        kv_bytes_per_token=_kv_bytes_per_token(cfg, itemsize),
+        kv_bytes_per_token=kv_cache_bytes_per_token(cfg, itemsize),
         download_bytes=download,
         quantization=quant,
         problem=experts.problem or config_problem(config),
@@ -263,7 +263,7 @@ def _computed_file_bytes(total: int, expert_matrices: int, itemsize: int, quant:
     return None
 
 
-def _kv_bytes_per_token(cfg, itemsize: int) -> int:
+def kv_cache_bytes_per_token(cfg, itemsize: int) -> int:
     """KV cache bytes per token (all layers), as transformers' cache stores it."""
     text = cfg.get_text_config()
     layers = int(getattr(text, "num_hidden_layers", 0) or 0)

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass, replace
+from itertools import chain
 from pathlib import Path
 
 import torch
@@ -43,12 +45,18 @@ def host_tensor_bytes(model: torch.nn.Module) -> int:
     CPU), each storage once: its dense weights as they sit now (quantized or not); the experts are on
     the meta device and their slots belong to the cache. Resident, not mapped: an input embedding
     left in the checkpoint's mapping holds only the rows read so far."""
+    return sum(resident_bytes(address, nbytes) for address, nbytes in cpu_storages(model.parameters(),
+                                                                                    model.buffers()).items())
+
+
+def cpu_storages(*tensors: Iterable[torch.Tensor]) -> dict[int, int]:
+    """Address -> bytes of each CPU storage under `tensors`, once however many tensors share it."""
     seen: dict[int, int] = {}
-    for tensor in (*model.parameters(), *model.buffers()):
+    for tensor in chain(*tensors):
         if tensor.device.type == "cpu":
             storage = tensor.untyped_storage()
             seen[storage.data_ptr()] = storage.nbytes()
-    return sum(resident_bytes(address, nbytes) for address, nbytes in seen.items())
+    return seen
 
 
 def describe(files: CheckpointFiles, layout: MoELayout, config, dtype: torch.dtype, device: str, store: str,

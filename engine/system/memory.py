@@ -67,7 +67,7 @@ def reset_phase_peak() -> bool:
     return True
 
 
-def _glibc(function: str):
+def glibc(function: str):
     """A function of the C library this process already runs on, where it is glibc on Linux; None
     elsewhere (another OS, or a libc without it, e.g. musl)."""
     if not sys.platform.startswith("linux"):
@@ -81,7 +81,7 @@ def _glibc(function: str):
 def release_free_heap() -> None:
     """Hand the C heap's free pages back to the OS (glibc's malloc_trim). A load's conversions and
     temporaries leave freed memory that the process would otherwise keep resident; elsewhere a no-op."""
-    if (trim := _glibc("malloc_trim")) is not None:
+    if (trim := glibc("malloc_trim")) is not None:
         trim(0)
 
 
@@ -94,7 +94,7 @@ def release_file_pages(paths: Iterable[Path]) -> int:
     a second time. MADV_PAGEOUT keeps every byte (a clean page comes back from the file on its next
     read, a written one is swapped or kept), unlike MADV_DONTNEED, which would drop a private
     mapping's changes. Returns the bytes of mapping advised; 0 where not Linux or refused."""
-    madvise = _glibc("madvise")
+    madvise = glibc("madvise")
     wanted = {str(Path(path).resolve()) for path in paths}
     if madvise is None or not wanted:
         return 0
@@ -145,7 +145,7 @@ def keep_freed_heap(limit: int = KEPT_FREE_HEAP) -> bool:
     """Have glibc keep up to `limit` bytes of freed heap for the next step's buffers, and serve
     allocations below it from the heap; False where the C library has no mallopt (elsewhere than
     glibc) or refused. release_free_heap still hands everything back when called."""
-    mallopt = _glibc("mallopt")
+    mallopt = glibc("mallopt")
     return mallopt is not None and bool(mallopt(M_MMAP_THRESHOLD, limit)) and bool(mallopt(M_TRIM_THRESHOLD, limit))
 
 
