@@ -2,7 +2,8 @@
 then read like any checkpoint by the disk or RAM store.
 
 The conversion writes one safetensors file per MoE layer (each expert's quantized matrices as
-bytes, its biases in the compute dtype) into `<key>.partial/`, then a manifest, and only then
+bytes, its biases in the compute dtype), streamed expert by expert so that its memory does not grow
+with the model (`engine.model.safetensors_writer`), into `<key>.partial/`, then a manifest, and only then
 renames the folder to `<key>`: a conversion that is killed midway leaves a `.partial` folder that
 is never read, and is removed when the next conversion starts. The key holds the checkpoint's
 fingerprint (its architecture: config and tensor shapes), the identity of the files the experts are
@@ -19,7 +20,6 @@ from dataclasses import replace
 from pathlib import Path
 
 import torch
-from safetensors.torch import save_file
 
 from engine.errors import MoEScopeError
 from engine.formats.blocks import BlockFormat
@@ -38,6 +38,7 @@ from engine.model.conversion_cache import (
 )
 from engine.model.dtypes import dtype_name, torch_dtype
 from engine.model.layout import ExpertParam, ExpertPiece, MoELayout, quantized_params
+from engine.model.safetensors_writer import Spec, StreamedSafetensors
 from engine.offload.store import DiskStore
 from engine.system.progress import ProgressFn
 
@@ -105,27 +106,9 @@ def _convert(layout: MoELayout, params: list[ExpertParam], fmt: BlockFormat, fol
             f"{free / 2**30:.2f} GiB is free; free some space there or keep the original format")
     partial.mkdir()
     source = DiskStore(layout)
-    slot = torch.empty(layout.slot_bytes, dtype=torch.uint8)
-    original = {p.name: p for p in layout.params}
     try:
         for layer in range(layout.num_layers):
-            tensors: dict[str, torch.Tensor] = {}
-            for expert in range(layout.num_experts):
-                source.fill(layer, expert, slot)
-                for p in params:
-                    o = original[p.name]
-                    raw = slot[o.offset : o.offset + o.nbytes]
-                    if o.fmt is not None:  # a quantized checkpoint's blocks (MXFP4, FP8): their values first
-                        matrix = dequantize(raw, o.fmt, o.rows_columns[1])
-                    else:
-                        value = raw.view(o.dtype).view(o.shape)
-                        if p.fmt is None:
-                            tensors[_name(expert, p.name)] = value.clone()
-                            continue
-                        matrix = value.t() if p.transposed else value  # quantized along its input features
-                    # the values as they are (bf16, fp16, float32): a quantizer widens them itself
-                    tensors[_name(expert, p.name)] = quantized_tensor(matrix, p.fmt, quantizer).reshape(-1)
-            save_file(tensors, str(_layer_file(partial, layer)))
+            _convert_layer(source, layout, params, layer, _layer_file(partial, layer), quantizer)
             if progress is not None:
                 progress((layer + 1) / layout.num_layers,
                          f"converting experts to {fmt.label}: MoE layer {layer + 1} of {layout.num_layers}")
@@ -137,6 +120,38 @@ def _convert(layout: MoELayout, params: list[ExpertParam], fmt: BlockFormat, fol
         raise DiskSpaceError(f"cannot write the converted experts to {partial}: {exc.strerror or exc}") from None
     finally:
         source.close()
+
+
+def _layer_specs(layout: MoELayout, params: list[ExpertParam]) -> dict[str, Spec]:
+    """Each converted tensor of a layer file: quantized matrices as flat bytes, the rest as read."""
+    original = {p.name: p for p in layout.params}
+    return {_name(expert, p.name): (torch.uint8, (p.nbytes,)) if p.fmt is not None
+            else (original[p.name].dtype, tuple(original[p.name].shape))
+            for expert in range(layout.num_experts) for p in params}
+
+
+def _convert_layer(source: DiskStore, layout: MoELayout, params: list[ExpertParam], layer: int, path: Path,
+                   quantizer: Quantizer) -> None:
+    """One MoE layer's file, streamed expert by expert: one source expert and one converted matrix in
+    memory at a time, whatever the number or size of the experts (the file's bytes are save_file's)."""
+    slot = torch.empty(layout.slot_bytes, dtype=torch.uint8)
+    original = {p.name: p for p in layout.params}
+    with StreamedSafetensors(path, _layer_specs(layout, params)) as out:
+        for expert in range(layout.num_experts):
+            source.fill(layer, expert, slot)
+            for p in params:
+                o = original[p.name]
+                raw = slot[o.offset : o.offset + o.nbytes]
+                if o.fmt is not None:  # a quantized checkpoint's blocks (MXFP4, FP8): their values first
+                    matrix = dequantize(raw, o.fmt, o.rows_columns[1])
+                else:
+                    value = raw.view(o.dtype).view(o.shape)
+                    if p.fmt is None:
+                        out.write(_name(expert, p.name), value)
+                        continue
+                    matrix = value.t() if p.transposed else value  # quantized along its input features
+                # the values as they are (bf16, fp16, float32): a quantizer widens them itself
+                out.write(_name(expert, p.name), quantized_tensor(matrix, p.fmt, quantizer).reshape(-1))
 
 
 def _pieces(folder: Path, layout: MoELayout, params: list[ExpertParam]) -> list[list[list[ExpertPiece]]]:
