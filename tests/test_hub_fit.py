@@ -4,6 +4,7 @@ fit verdict for made-up machines."""
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -169,12 +170,26 @@ def test_the_engines_own_memory_comes_out_of_ram_before_the_experts(estimates):
     assert short.kind == "offload" and short.budget_bytes < est.all_expert_bytes
     assert any("engine overhead" in d and "estimated until a model loads" in d for d in short.details)
     assert assess(est, machine(ram=working + ENGINE_OVERHEAD_ESTIMATE)).kind == "fits-ram"
-    # a measured overhead replaces the estimate
+    # a measured overhead replaces the estimate where it is larger than this model's footprint
     measured = MachineInfo(ram_total=10**12, ram_available=working + 64 * MiB, disk_free=10**15,
-                           engine_overhead=128 * MiB, overhead_measured=True)
+                           engine_overhead=900 * MiB, overhead_measured=True)
     verdict = assess(est, measured)
     assert verdict.kind == "offload"
-    assert any("engine overhead 128.00 MiB (measured at this engine's last load)" in d for d in verdict.details)
+    assert any("engine overhead 900.00 MiB (measured at this engine's last load)" in d for d in verdict.details)
+
+
+def test_the_verdict_never_counts_less_engine_memory_than_the_model_needs(estimates):
+    from engine.hub.fit import ACTIVATION_MARGIN
+    from engine.hub.footprint import engine_own_bytes
+
+    est = estimates["olmoe-1b-7b"]
+    own = engine_own_bytes(est, "all")
+    working = est.dense_bytes + est.all_expert_bytes + est.kv_bytes + ACTIVATION_MARGIN
+    # a small figure measured on another model does not shrink this one's bookkeeping
+    small = MachineInfo(ram_total=10**12, ram_available=working + own - MiB, disk_free=10**15,
+                        engine_overhead=128 * MiB, overhead_measured=True)
+    assert assess(est, small).kind == "offload"
+    assert assess(est, replace(small, ram_available=working + own)).kind == "fits-ram"
 
 
 def test_the_machine_probe_takes_the_overhead_this_process_measured(tmp_path, monkeypatch):

@@ -10,6 +10,7 @@ import json
 import os
 import sys
 from collections.abc import Sequence
+from pathlib import Path
 
 from engine.cli.args import add_format_arg, add_model_args, add_sampling_args, load_settings, sampling_settings
 from engine.cli.models import add_models_parser, run_models
@@ -135,7 +136,7 @@ def cmd_info(args: argparse.Namespace) -> int:
         raise MoEScopeError(str(exc)) from None
     info = inspect_checkpoint(resolve_model(args.model), allow_pickle=args.allow_pickle,
                               trust_remote_code=args.trust_remote_code, expert_format=fmt)
-    info.engine_overhead_bytes = _engine_overhead_here()
+    info.engine_overhead_bytes = _engine_overhead_here(resolve_model(args.model))
     kernels = _kernels_report()
     if args.json:
         print(json.dumps(asdict(info) | {"kernels": kernels}))
@@ -148,8 +149,8 @@ def cmd_info(args: argparse.Namespace) -> int:
     print(f"all experts      {format_bytes(info.all_expert_bytes)}")
     print(f"dense weights    {format_bytes(info.dense_bytes)}")
     print(f"minimum budget   {format_bytes(info.min_budget_bytes)}")
-    print(f"engine overhead  {format_bytes(info.engine_overhead_bytes)} (the engine process before any weights: "
-          "Python, torch, transformers, this model's code)")
+    print(f"engine overhead  {format_bytes(info.engine_overhead_bytes)} (the engine process beside the weights at "
+          "budget all: Python, torch, transformers, this model's code and bookkeeping)")
     whole = info.dense_bytes + info.all_expert_bytes + info.engine_overhead_bytes
     print(f"at budget all    {format_bytes(whole)} (dense + all experts + engine overhead, before the KV cache)")
     print(f"context          {info.context_length} tokens")
@@ -176,13 +177,27 @@ def _kernels_report() -> dict:
             "passed_over": native.why_not_better(), "problem": ""}
 
 
-def _engine_overhead_here() -> int:
-    """This process's resident memory with the generation path imported and no weights read (the
-    inspection built the model on the meta device): what the engine costs by itself before a load."""
+def _engine_overhead_here(path: Path) -> int:
+    """What the engine costs by itself with this model: this process's resident memory with the
+    generation path imported and no weights read (the inspection built the model on the meta device),
+    or the footprint the engine will have at budget all (engine.hub.footprint), whichever is larger."""
     from engine.decode import generation, runtime  # noqa: F401  (what a load imports)
+    from engine.hub.footprint import engine_own_bytes
     from engine.system.memory import rss_bytes
 
-    return rss_bytes()
+    here = rss_bytes()
+    try:
+        if path.is_dir():
+            from engine.hub.estimate import estimate_folder
+
+            est = estimate_folder(path)
+        else:
+            from engine.hub.gguf_info import estimate_gguf, read_header
+
+            est = estimate_gguf(read_header(path))
+    except MoEScopeError:  # sized by the inspection already; the process's own figure stands
+        return here
+    return max(here, engine_own_bytes(est, "all"))
 
 
 def cmd_policies(_: argparse.Namespace) -> int:

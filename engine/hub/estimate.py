@@ -54,6 +54,11 @@ class SizeEstimate:
     expert_format: str = "original"  # the experts' bytes above are in this format (see `in_format`)
     expert_param_shapes: list[tuple[int, ...]] = field(default_factory=list)  # one expert's share of each parameter
     experts_transposed: bool = False  # the expert matrices are [in, out] (x @ W), as GPT-OSS's
+    hidden_size: int = 0
+    vocab_size: int = 0
+    # an input embedding the LM head does not share: the engine leaves it in the checkpoint's mapping,
+    # resident by the rows read (engine.decode.runtime)
+    embedding_by_rows: bool = False
 
     @property
     def runnable(self) -> bool:
@@ -62,6 +67,10 @@ class SizeEstimate:
     @property
     def kv_bytes(self) -> int:
         return self.kv_bytes_per_token * CONTEXT_TOKENS
+
+    @property
+    def embedding_bytes(self) -> int:
+        return self.embedding_params * self.bytes_per_param
 
     def in_format(self, fmt: BlockFormat | None) -> SizeEstimate | None:
         """The same model with its routed experts stored in `fmt` (None: as the checkpoint has them), laid
@@ -152,6 +161,9 @@ def estimate_from_config(config: dict, *, weight_file_bytes: int | None = None) 
         notes=_notes(quant, dtype_name(dtype), weight_file_bytes, total * itemsize),
         expert_param_shapes=experts.param_shapes,
         experts_transposed=experts.transposed,
+        hidden_size=int(getattr(cfg.get_text_config(), "hidden_size", 0) or 0),
+        vocab_size=int(getattr(cfg.get_text_config(), "vocab_size", 0) or 0),
+        embedding_by_rows=_embedding_by_rows(model),
     )
     return _in_checkpoint_blocks(estimate)
 
@@ -201,6 +213,16 @@ def _embedding_params(model) -> int:
         return model.get_input_embeddings().weight.numel()
     except (AttributeError, NotImplementedError):
         return 0
+
+
+def _embedding_by_rows(model) -> bool:
+    """Whether the input embedding is its own tensor (the LM head does not share it)."""
+    try:
+        embedding = model.get_input_embeddings().weight
+    except (AttributeError, NotImplementedError):
+        return False
+    head = model.get_output_embeddings()
+    return head is None or getattr(head, "weight", None) is not embedding
 
 
 def _in_checkpoint_blocks(estimate: SizeEstimate) -> SizeEstimate:

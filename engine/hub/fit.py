@@ -51,7 +51,7 @@ def assess(est: SizeEstimate, machine: MachineInfo, *, missing_bytes: int | None
 def _run_verdict(est: SizeEstimate, m: MachineInfo) -> FitVerdict:
     if est.problem:
         return FitVerdict("unsupported", f"cannot run yet: {est.problem}")
-    kv = est.kv_bytes
+    kv, m = est.kv_bytes, with_model_footprint(est, m)
     how = "measured at this engine's last load" if m.overhead_measured else "estimated until a model loads"
     details = [f"working memory: KV cache for {CONTEXT_TOKENS} tokens {format_bytes(kv)}, activations "
                f"{format_bytes(ACTIVATION_MARGIN)}; engine overhead {format_bytes(m.engine_overhead)} ({how})"]
@@ -107,6 +107,22 @@ def _run_verdict(est: SizeEstimate, m: MachineInfo) -> FitVerdict:
         f"{format_bytes(m.ram_available)} RAM available",
         details=details,
     )
+
+
+def with_model_footprint(est: SizeEstimate, m: MachineInfo) -> MachineInfo:
+    """`m` with the engine's own memory never below what it will use for this model (engine.hub.footprint:
+    the runtime, bookkeeping per layer and expert, below `all` the miss path's staging), measured or not."""
+    from dataclasses import replace
+
+    from engine.hub.footprint import engine_own_bytes
+
+    if not est.num_moe_layers:
+        return m
+    whole = est.dense_bytes + est.kv_bytes + ACTIVATION_MARGIN + est.all_expert_bytes
+    own = engine_own_bytes(est, "all")
+    if whole + max(own, m.engine_overhead) > m.ram_available:  # runs offloaded, if at all: the miss path's too
+        own = engine_own_bytes(est, est.min_budget_bytes)
+    return replace(m, engine_overhead=max(own, m.engine_overhead))
 
 
 FORMAT_CHOICES = ("original", "q8_0", "q6_k", "q4_k", "q3_k", "q2_k")  # most precise first, as the window offers them

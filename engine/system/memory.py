@@ -161,9 +161,11 @@ def rss_bytes() -> int:
 
 MiB = 1024**2
 # What the engine process costs by itself (Python, torch, transformers, the engine's code, a model's
-# modeling code and tokenizer, the native kernels) before it has measured itself: `python -m
-# bench.overhead` (bench/results/overhead-*.md) measured it on the CPU build and this is that
-# figure rounded up. Once a model has loaded, the measured figure replaces it.
+# modeling code and tokenizer, the native kernels) before it has measured itself, for no model in
+# particular: at least every engine-own figure at a run's peak that `python -m bench.estimate_check`
+# measured on the CPU build (bench/results/estimate-check-*.md), rounded up. Once a model has loaded,
+# the measured figure replaces it; the fit verdict takes the larger of either and the model's own
+# footprint (engine.hub.footprint), which grows with its layers and experts.
 ENGINE_OVERHEAD_ESTIMATE = 480 * MiB
 
 
