@@ -1,7 +1,8 @@
 """The window's "Local server": `engine.serve` on a thread, sharing the window's engine client.
 
-Requests from the API (OpenAI's at `/v1`, Ollama's at `/api`) queue FIFO on the same engine as the
-chat (batch 1), and the panels show them live like chat replies. Loopback only: the window never opens the model to other machines.
+Requests from the API (OpenAI's at `/v1`, Ollama's at `/api`) queue FIFO for a place in the engine's
+batch, beside the chat (whose replies go ahead of them), and the panels show them live like chat
+replies. Loopback only: the window never opens the model to other machines.
 """
 
 from __future__ import annotations

@@ -27,7 +27,7 @@ def prompt_ids(vocab: int, length: int, seed: int = 1) -> list[int]:
 
 
 def peak_rss() -> int:
-    from engine.decode.generation import peak_rss_bytes
+    from engine.system.memory import peak_rss_bytes
 
     return peak_rss_bytes()
 

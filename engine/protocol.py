@@ -101,6 +101,9 @@ class LoadModel:
     trace: str | None = None  # record routing to this file (JSON lines, engine.traces.trace)
     warm: bool = True  # at load: fill the cache, and run a first forward so torch's first-use setup is done
     pack_weights: bool = True  # CPU bf16/fp16: expert matrices pre-arranged for oneDNN at `all` (same bits)
+    # replies that decode at once, in turns of one forward each, each with its own KV cache (the server's
+    # clients, the window's chat beside them); 0: as many as memory holds, at most 4
+    parallel: int = 0
 
 
 # What a chat does when its history no longer fits the model's context (`Generate.context_overflow`):
@@ -295,6 +298,7 @@ class ModelLoaded:
     # popularity profile came from, experts computed on the CPU; the CLI prints the same lines
     load_notes: list[str] = field(default_factory=list)
     text_only: bool = False  # a multimodal model (images, audio) of which the text part runs; images are a later step
+    parallel: int = 1  # replies that decode at once (LoadModel.parallel as resolved)
 
 
 @dataclass
@@ -387,6 +391,42 @@ class PolicyChanged:
 
 
 @dataclass
+class StreamInfo:
+    """One reply decoding now, for the server dock's list of running requests."""
+
+    request_id: str
+    state: str  # prefill | decoding
+    prompt_tokens: int
+    tokens: int
+    decode_tokens_per_s: float
+
+
+@dataclass
+class BatchSharing:
+    """Expert uses of the replies that decode together, counted per turn (one forward of each reply):
+    `uses` (layer, expert) picks in all, of which `distinct` differ. uses / distinct is how many times
+    fewer expert reads (and, below `all`, loads) a turn needs than the replies one at a time."""
+
+    streams: int  # replies in the last turn
+    turns: int  # turns with two replies or more, since the last reset (a batch starting from none)
+    uses: int
+    distinct: int
+    layers: int
+
+    @property
+    def distinct_per_layer(self) -> float:
+        return self.distinct / max(self.turns * self.layers, 1)
+
+    @property
+    def fewer_reads(self) -> float:
+        return self.uses / max(self.distinct, 1)
+
+    def line(self) -> str:
+        return (f"{self.streams} streams, {self.distinct_per_layer:.1f} distinct experts a layer, "
+                f"{self.fewer_reads:.2f}x fewer expert reads than one at a time")
+
+
+@dataclass
 class TelemetrySnapshot:
     time: float  # seconds since the engine started
     state: str  # idle | loading | prefill | decoding
@@ -428,6 +468,8 @@ class TelemetrySnapshot:
     decode_path: str = ""  # how the last decode token ran (exact kernels, native per layer, whole token...)
     decode_path_reason: str = ""  # why the next faster path did not run it ("" when the fastest did)
     extra: dict = field(default_factory=dict)  # policy-specific figures (prefetch accuracy, ...)
+    streams: list[StreamInfo] = field(default_factory=list)  # the replies decoding now, oldest first
+    sharing: BatchSharing | None = None  # while replies decode together: how much their experts overlap
 
 
 @dataclass

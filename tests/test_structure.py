@@ -135,7 +135,7 @@ def dataclasses_of(predicate) -> set[type]:
 def test_every_event_is_in_the_event_union_and_every_command_in_the_command_union():
     events, commands = set(typing.get_args(p.Event)), set(typing.get_args(p.Command))
     parts = {p.Array, p.SettingProblem, p.PolicyInfo, p.LibraryEntry, p.FormatFit, p.QuantFit, p.ReplyStats,
-             p.SamplingSettings}  # not messages
+             p.SamplingSettings, p.StreamInfo, p.BatchSharing}  # not messages
     assert not events & commands
     assert dataclasses_of(lambda cls: cls not in parts) == events | commands  # none left out of both
     # and what the engine process sends is an event: `send(p.Something(...))` anywhere in engine.process

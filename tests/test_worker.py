@@ -71,14 +71,15 @@ def test_streamed_reply_equals_the_cli(engine, endless_checkpoint, capsys):
 
 def test_cancel_stops_within_a_token_and_the_next_request_works(engine):
     client, log = engine
-    # The cancel is in the pipe before the first token: the worker reads it between tokens 1 and 2.
+    # The cancel is in the pipe before the first forward: the worker reads it before the next one
+    # (here the prompt's, or the first token's if the reply opened before the cancel arrived).
     # (Sending it on the Nth streamed token instead races the reader thread against a tiny model's
     # ~1 ms tokens, so how many more tokens come depends on the machine's load, not on the worker.)
     client.send(p.Generate("long", prompt_ids=PROMPT_IDS, sampling=p.SamplingSettings(temperature=0, max_new_tokens=200)))
     client.send(p.Cancel("long"))
     done = done_for(log, "long")
     assert done.finish_reason == "cancelled"
-    assert 1 <= len(done.token_ids) <= 2
+    assert len(done.token_ids) <= 2
     client.send(p.Generate("next", prompt_ids=PROMPT_IDS, sampling=p.SamplingSettings(temperature=0, max_new_tokens=5)))
     assert done_for(log, "next").finish_reason == "length"
 

@@ -32,6 +32,11 @@ def add_serve_parser(sub) -> None:
                        "the median service time of the last 16 finished requests (from when the engine took each "
                        f"up to its end, not counting its wait in the queue; {DEFAULT_SERVICE_S:g} s until one has "
                        "finished) times the requests ahead, rounded up, at least 1 s")
+    serve.add_argument("--parallel", type=int, default=0, metavar="N",
+                       help="replies decoded at once, each with its own KV cache: they take turns of one forward "
+                       "each, experts they share are read once a turn, a new prompt goes in 512-token chunks between "
+                       "the others' tokens (default 0: as many as the free memory holds a 4096-token KV cache for, "
+                       "at most 4); the window's chat may join as one more. --max-queue counts these too")
     serve.add_argument("--max-body-kib", type=int, default=4096, help="largest request body accepted (default 4096)")
     serve.add_argument("--return-routed-experts", action="store_true",
                        help="every response carries routed_experts [tokens, layers, top_k], as vLLM's flag does "
@@ -44,8 +49,8 @@ def run_serve(args: argparse.Namespace) -> int:
     from engine.serve.hub import EngineHub
     from engine.serve.runner import check_bind, listen, serve_forever, url_of
 
-    if args.max_queue < 1 or args.max_body_kib < 1:
-        raise MoEScopeError("--max-queue and --max-body-kib must be at least 1")
+    if args.max_queue < 1 or args.max_body_kib < 1 or args.parallel < 0:
+        raise MoEScopeError("--max-queue and --max-body-kib must be at least 1, --parallel at least 0 (0: automatic)")
     check_bind(args.host, args.api_key)
     sock = listen(args.host, args.port)
     loaded = threading.Event()
@@ -75,7 +80,9 @@ def run_serve(args: argparse.Namespace) -> int:
         settings = ServerSettings(api_key=args.api_key, max_body_bytes=args.max_body_kib * 1024,
                                   return_routed_experts=args.return_routed_experts)
         model = hub.model.name if hub.model else args.model
-        print(f"moescope: serving {model} on {url_of(sock)} (OpenAI API; Ollama's at /api; Ctrl-C stops)", file=sys.stderr, flush=True)
+        parallel = hub.model.parallel if hub.model else 1
+        print(f"moescope: serving {model} on {url_of(sock)} (OpenAI API; Ollama's at /api; {parallel} replies at once, "
+              f"{args.max_queue} waiting or running at most; Ctrl-C stops)", file=sys.stderr, flush=True)
         serve_forever(create_app(hub, settings), sock)
     finally:
         client.stop()

@@ -23,6 +23,7 @@ from engine.decode.paths.native_layers import NativeLayersPath, NativePromptPath
 from engine.decode.paths.transformers_path import TransformersPath, last_position
 from engine.decode.paths.whole_token import WholeTokenPath
 from engine.decode.routers import RouterTaps, RoutingRestriction
+from engine.decode.sequence import PREFILL_CHUNK_TOKENS
 from engine.errors import MoEScopeError
 from engine.formats.blocks import BlockFormat, format_name, parse_format
 from engine.formats.dequantize import reference_dequantizer
@@ -182,6 +183,7 @@ class MoERuntime:
                                   TransformersPath(self.model)])
         self.decode_path = ""  # how the last decode token ran, in words (a DecodePath's label)
         self.decode_path_reason = ""  # why the next faster path did not run it
+        self.prefill_chunk_tokens = PREFILL_CHUNK_TOKENS  # a prompt's tokens per forward (engine.decode.sequence)
         self.set_fast_decode(self.settings.fast_decode)
         self.int8_prompt = self.settings.int8_prompt
         if native_first:

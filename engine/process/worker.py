@@ -16,6 +16,7 @@ from collections import deque
 
 from engine import protocol as p
 from engine.errors import MoEScopeError
+from engine.process.batch import Batch, Stream, parallel_for
 from engine.process.library_service import LibraryService
 
 
@@ -24,6 +25,7 @@ class Worker:
         self.conn = conn
         self.runtime = None
         self.generator = None
+        self.batch = Batch(1, 0)  # the replies decoding now (engine.process.batch); sized at each load
         self.pending: deque = deque()
         self.started = time.perf_counter()
         self.telemetry_enabled = True
@@ -49,6 +51,9 @@ class Worker:
         self.clock = ReplyClock()
         self.send(p.EngineStarted(os.getpid()))
         while True:
+            if self.batch:
+                self._turn()
+                continue
             command = self.pending.popleft() if self.pending else self._receive()
             if command is None or isinstance(command, p.Shutdown):
                 break
@@ -82,7 +87,7 @@ class Worker:
         if isinstance(command, p.LoadModel):
             self._load(command)
         elif isinstance(command, p.Generate):
-            self._generate(command)
+            self._start(command)
         elif isinstance(command, p.Unload):
             self._unload()
         elif isinstance(command, p.Cancel):
@@ -139,6 +144,7 @@ class Worker:
             self.state = "idle"
 
         self.runtime, self.generator = runtime, Generator(runtime)
+        self.batch = Batch(_parallel(command, runtime), runtime.counters.num_layers)
         self.telemetry = TelemetryBuilder(runtime, self.started)
         info = runtime.info()
         self.send(p.LoadProgress(1.0, "ready"))
@@ -158,7 +164,7 @@ class Worker:
             expert_format=runtime.format_names[0], dense_format=runtime.format_names[1],
             overhead_bytes=runtime.overhead.total_bytes, baseline_rss_bytes=runtime.overhead.baseline_bytes,
             dense_resident_bytes=runtime.overhead.dense_bytes, text_only=info.text_only,
-            load_notes=runtime.load_notes(),
+            load_notes=runtime.load_notes(), parallel=self.batch.parallel,
         ))
         self._snapshot(force=True)
 
@@ -171,85 +177,155 @@ class Worker:
         # without this the next model would load beside the last one's weights.
         gc.collect()
 
-    def _generate(self, command: p.Generate) -> None:
-        runtime = self._require_model()
-        generator = self.generator
-        settings = command.sampling
-        rid = command.request_id
+    def _prompt_ids(self, command: p.Generate) -> list[int]:
+        """The request's prompt as token ids; the PromptContext event says how it fits the context."""
+        runtime, generator = self._require_model(), self.generator
         first_message = dropped = 0
         if command.prompt_ids is not None:
             prompt_ids = list(command.prompt_ids)
         elif command.messages is not None:
             # older turns left out here, once for every client; a message too long alone is refused before
             # anything runs
-            fitted = generator.fit_chat(command.messages, settings, command.context_overflow)
+            fitted = generator.fit_chat(command.messages, command.sampling, command.context_overflow)
             prompt_ids, first_message, dropped = fitted.ids, fitted.first_message, fitted.dropped_messages
         elif command.prompt is not None:
             prompt_ids = generator.encode_raw(command.prompt)
         else:
             raise MoEScopeError("a request needs messages, a prompt or prompt ids")
-        if len(prompt_ids) < runtime.context_length:  # else the generation loop refuses it
-            self.send(p.PromptContext(rid, len(prompt_ids), runtime.context_length, first_message, dropped))
-        self.clock.start(rid, len(prompt_ids))
-        runtime.counters.start_request()
-        self.state = "prefill"
-        self._snapshot(force=True)
+        if len(prompt_ids) < runtime.context_length:  # else the sequence refuses it
+            self.send(p.PromptContext(command.request_id, len(prompt_ids), runtime.context_length, first_message,
+                                      dropped))
+        return prompt_ids
+
+    def _start(self, command: p.Generate) -> None:
+        """Open a reply in the batch (it runs in the next turns), or run a block-diffusion model's alone."""
+        runtime = self._require_model()
+        prompt_ids = self._prompt_ids(command)
+        if runtime.block_diffusion:
+            self._generate_alone(command, prompt_ids)
+            return
+        from engine.process.telemetry import ReplyClock
+
+        rid, clock = command.request_id, ReplyClock()
         token_ids: list[int] = []
 
         def on_token(token: int) -> None:
-            self.state = "decoding"
-            self.clock.token()
+            clock.token()
             token_ids.append(token)
 
         def on_text(delta: str) -> None:
             self.send(p.Token(rid, delta, token_ids[-1:]))
 
+        sequence = self.generator.start(prompt_ids, command.sampling, on_text=on_text, on_token=on_token,
+                                        keep_routing=command.return_routing)
+        clock.start(rid, len(prompt_ids))
+        if not self.batch:  # a batch starts: the panels' "this reply" figures count from here
+            runtime.counters.start_request()
+            runtime.cache.policy.on_request_start()
+        self.batch.add(Stream(rid, sequence, clock))
+        self.clock = self.batch.streams[0].clock
+        self._snapshot(force=True)
+
+    def _turn(self) -> None:
+        """Apply what arrived, open the replies that have room, then one forward of every open reply."""
+        for request_id in self._poll():
+            self.batch.cancel(request_id)
+        self._admit()
+        self.state = self.batch.state
+        self.batch.turn(self._finished, self._failed)
+        if self.batch:
+            self.clock = self.batch.streams[0].clock
+            self._snapshot()
+        else:
+            self.state = "idle"
+
+    def _admit(self) -> None:
+        """Requests waiting in order open while the batch has room; the window's chat goes ahead of the
+        server's. Anything else waiting (a load, a library search) waits for the batch to end."""
+        for command in [c for c in self.pending if isinstance(c, p.Generate) and not p.is_api_request(c.request_id)]:
+            if self.batch.has_room(command.request_id):
+                self.pending.remove(command)
+                self._open(command)
+        while self.pending and isinstance(self.pending[0], p.Generate) and self.batch.has_room(self.pending[0].request_id):
+            self._open(self.pending.popleft())
+
+    def _open(self, command: p.Generate) -> None:
+        try:
+            self._start(command)
+        except Exception as exc:
+            self._report(exc, command.request_id)
+
+    def _finished(self, stream: Stream) -> None:
+        from engine.decode.generation import GenerationResult
+
+        result = GenerationResult.of(stream.sequence)
+        if not self.batch:
+            self.state = "idle"
+        self._snapshot(force=True)  # the panels hold the reply's last figures when its Done arrives
+        routed = p.Array.of(result.routed_experts) if result.routed_experts is not None else None
+        self.send(p.Done(stream.request_id, result.finish_reason, result.text, result.token_ids, result.stats, routed))
+
+    def _failed(self, stream: Stream, exc: Exception) -> None:
+        self._report(exc, stream.request_id)
+
+    def _generate_alone(self, command: p.Generate, prompt_ids: list[int]) -> None:
+        """A block-diffusion model's reply: its own loop, alone, commands applied between its forwards."""
+        rid = command.request_id
+        self.clock.start(rid, len(prompt_ids))
+        self.state = "prefill"
+        self._snapshot(force=True)
+
+        def on_token(token: int) -> None:
+            self.state = "decoding"
+            self.clock.token()
+
         def between_tokens() -> bool:
             self._snapshot()
-            return self._poll_during(rid)
+            cancelled = self._poll()
+            return None in cancelled or rid in cancelled
 
         def on_draft(text: str) -> None:
             self.state = "decoding"
             self.send(p.Draft(rid, text))
 
         try:
-            result = generator.generate(prompt_ids, settings, on_text=on_text, on_token=on_token,
-                                        between_tokens=between_tokens, keep_routing=command.return_routing,
-                                        on_draft=None if p.is_api_request(rid) else on_draft)
+            result = self.generator.generate(
+                prompt_ids, command.sampling, on_text=lambda delta: self.send(p.Token(rid, delta, [])),
+                on_token=on_token, between_tokens=between_tokens,
+                on_draft=None if p.is_api_request(rid) else on_draft)
         finally:
             self.state = "idle"
         self._snapshot(force=True)
-        routed = p.Array.of(result.routed_experts) if result.routed_experts is not None else None
-        self.send(p.Done(rid, result.finish_reason, result.text, result.token_ids, result.stats, routed))
+        self.send(p.Done(rid, result.finish_reason, result.text, result.token_ids, result.stats))
 
-    def _poll_during(self, request_id: str) -> bool:
-        """Apply what arrived while generating; True means stop this reply."""
-        stop = False
+    def _poll(self) -> set[str | None]:
+        """Apply what arrived while replies run; the request ids to cancel (None: every reply)."""
+        cancelled: set[str | None] = set()
         while self.conn.poll(0):
             command = self._receive()
             if command is None:
                 self.pending.append(p.Shutdown())
-                return True
+                return {None}
             if isinstance(command, p.Cancel):
-                stop = stop or command.request_id in (None, request_id)
+                cancelled.add(command.request_id)
                 self._drop_queued(command.request_id)
             elif isinstance(command, (p.SetBudget, p.SetPolicy, p.SetFastDecode, p.SetInt8Prompt, p.SetTelemetry)):
                 try:
                     self._apply_live(command)
                 except Exception as exc:
-                    self._report(exc, request_id)
+                    self._report(exc, None)
             elif isinstance(command, (p.DownloadModel, p.CancelDownload, p.ListLibrary)):
                 # at once: downloads run on their own thread, the listing reads local files (search and
-                # estimates, which ask the Hub or build a model skeleton, wait for the reply to end)
+                # estimates, which ask the Hub or build a model skeleton, wait for the replies to end)
                 try:
                     self.library.handle(command)
                 except Exception as exc:
                     self._report(exc, command.request_id)
-            else:  # a new request, a load, an unload or a shutdown waits for this reply to stop
+            else:  # a new request waits for room; a load, an unload or a shutdown stops every reply first
                 if isinstance(command, (p.LoadModel, p.Unload, p.Shutdown)):
-                    stop = True
+                    cancelled.add(None)
                 self.pending.append(command)
-        return stop
+        return cancelled
 
     def _drop_queued(self, request_id: str | None) -> None:
         """A Cancel for a request still waiting behind the running one: it never starts (the server's
@@ -266,4 +342,18 @@ class Worker:
         now = time.perf_counter()
         if force or now - self._last_snapshot >= self.telemetry_interval:
             self._last_snapshot = now
-            self.send(self.telemetry.snapshot(self.state, self.clock))
+            snapshot = self.telemetry.snapshot(self.state, self.clock)
+            snapshot.streams = [stream.info() for stream in self.batch.streams]
+            snapshot.sharing = self.batch.sharing.snapshot()
+            self.send(snapshot)
+
+
+def _parallel(command: p.LoadModel, runtime) -> int:
+    """LoadModel.parallel, or (0) as many replies as the memory left after the load holds."""
+    import psutil
+
+    from engine.hub.estimate import kv_cache_bytes_per_token
+
+    itemsize = runtime.dtype.itemsize if hasattr(runtime.dtype, "itemsize") else 2
+    per_token = kv_cache_bytes_per_token(runtime.model.config, itemsize)
+    return parallel_for(command.parallel, per_token, runtime.context_length, psutil.virtual_memory().available)

@@ -116,7 +116,6 @@ class EngineHub:
         self._model_waiters: list[_Waiter] = []
         self._telemetry: list[_Waiter] = []
         self._service_s: deque[float] = deque(maxlen=16)  # the last finished requests', first event to Done
-        self._engine_free_at = 0.0  # clock() when the engine last finished a request (any client's)
 
     # ----- what the engine says (any thread) -----
     def on_event(self, event) -> None:
@@ -129,7 +128,6 @@ class EngineHub:
             with self._lock:
                 self.model, waiters, self._model_waiters = event, self._model_waiters, []
                 self.model_loaded_at = time.time()
-                self._engine_free_at = self.clock()  # a (re)load: nothing ran before the next request
             for waiter in waiters:
                 waiter.put(event)
         elif isinstance(event, p.TelemetrySnapshot):
@@ -144,17 +142,15 @@ class EngineHub:
     def _timed(self, event) -> _Pending | None:
         """Note when the engine took the request up and, at its Done, its service time (under the lock).
 
-        The engine runs one request at a time, FIFO: a request starts when the one before it ended (or when
-        it was submitted, if the engine was idle), so its service time leaves out the wait in the queue.
-        Its first event (the worker's PromptContext, before the prefill) says the start has happened."""
+        The engine opens a request when a place in its batch is free and says so with its first event
+        (the worker's PromptContext, before the prefill), so the service time leaves out the wait in
+        the queue."""
         now = self.clock()
         pending = self._requests.get(event.request_id)
         if pending is not None and pending.started is None:
-            pending.started = max(pending.submitted, self._engine_free_at)
-        if isinstance(event, (p.Done, p.Error)):
-            self._engine_free_at = now  # the window's chat replies too: they hold the same engine
-            if pending is not None and isinstance(event, p.Done) and event.finish_reason != "cancelled":
-                self._service_s.append(now - pending.started)
+            pending.started = now
+        if (pending is not None and isinstance(event, p.Done) and event.finish_reason != "cancelled"):
+            self._service_s.append(now - pending.started)
         return pending
 
     def _engine_lost(self, event: p.Error) -> None:
@@ -194,7 +190,7 @@ class EngineHub:
                 self._model_waiters.remove(waiter)
 
     def submit(self, generate: p.Generate) -> RequestStream:
-        """Queue `generate` on the engine (FIFO behind what runs), or raise QueueFull / EngineUnavailable."""
+        """Queue `generate` on the engine (FIFO for a place in its batch), or raise QueueFull / EngineUnavailable."""
         waiter = _Waiter(asyncio.get_running_loop())
         with self._lock:
             if len(self._requests) >= self.max_queue:
@@ -216,14 +212,16 @@ class EngineHub:
 
     def retry_after(self) -> int:
         """Seconds until the requests now waiting or running are likely done: the median service time of
-        the last 16 finished requests (DEFAULT_SERVICE_S before any has) times their number, rounded up,
-        at least 1."""
+        the last 16 finished requests (DEFAULT_SERVICE_S before any has) times their number over the
+        replies the engine runs at once (ModelLoaded.parallel), rounded up, at least 1. (A reply in a
+        batch of N takes longer than alone; its measured service time already says by how much.)"""
         with self._lock:
             return self._retry_after()
 
     def _retry_after(self) -> int:
         typical = statistics.median(self._service_s) if self._service_s else DEFAULT_SERVICE_S
-        return max(1, math.ceil(round(typical * len(self._requests), 3)))  # 0.7 s x 10 is 7 s, not 8
+        parallel = max(1, self.model.parallel) if self.model is not None else 1
+        return max(1, math.ceil(round(typical * len(self._requests) / parallel, 3)))  # 0.7 s x 10 is 7 s, not 8
 
     @property
     def busy(self) -> int:

@@ -1,0 +1,136 @@
+"""The replies the engine decodes at once: continuous batching, in turns.
+
+Up to `parallel` replies are open together (the window's chat may join as one more, so it never
+waits behind the server's clients). A turn advances every open reply by one forward: a chunk of
+its prompt, or one token. New replies join between turns, finished and cancelled ones leave, and
+each keeps its own KV cache, sampling, stop strings and figures (engine.decode.sequence), so a
+reply's tokens are the ones it would get alone. Experts that several replies pick in a turn are
+read (and, below `all`, loaded) once and then hit in the cache for the others; `BatchSharing`
+counts how often that happens.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from engine import protocol as p
+
+if TYPE_CHECKING:  # the worker imports this before torch (it starts and answers before any model loads)
+    from engine.decode.sequence import Sequence
+    from engine.process.telemetry import ReplyClock
+
+
+@dataclass
+class Stream:
+    """One open reply: its request, its sequence and the clock the telemetry reads."""
+
+    request_id: str
+    sequence: Sequence
+    clock: ReplyClock
+    return_routing: bool = False
+
+    def info(self) -> p.StreamInfo:
+        state = "prefill" if self.sequence.prefilling else "decoding"
+        return p.StreamInfo(self.request_id, state, self.sequence.prompt_tokens, self.clock.tokens,
+                            self.clock.decode_tokens_per_s)
+
+
+class _Sharing:
+    """Expert picks per turn, summed over the turns with two replies or more."""
+
+    def __init__(self, layers: int) -> None:
+        self.layers = layers
+        self.reset()
+
+    def reset(self) -> None:
+        self.turns = self.uses = self.distinct = self.streams = 0
+
+    def add_turn(self, picks: list[np.ndarray]) -> None:
+        """`picks`: each reply's [layers, top_k] experts of this turn (-1 pads)."""
+        self.streams = len(picks)
+        if len(picks) < 2:
+            return
+        self.turns += 1
+        for layer in range(self.layers):
+            row = np.concatenate([rows[layer] for rows in picks if layer < rows.shape[0]])
+            row = row[row >= 0]
+            self.uses += row.size
+            self.distinct += np.unique(row).size
+
+    def snapshot(self) -> p.BatchSharing | None:
+        if not self.turns:
+            return None
+        return p.BatchSharing(self.streams, self.turns, self.uses, self.distinct, self.layers)
+
+
+class Batch:
+    def __init__(self, parallel: int, layers: int) -> None:
+        self.parallel = max(1, parallel)
+        self.streams: list[Stream] = []
+        self.sharing = _Sharing(layers)
+
+    def __bool__(self) -> bool:
+        return bool(self.streams)
+
+    def has_room(self, request_id: str) -> bool:
+        """The server's requests wait for a free place; the window's chat takes one more if it must."""
+        limit = self.parallel if p.is_api_request(request_id) else self.parallel + 1
+        return len(self.streams) < limit
+
+    def add(self, stream: Stream) -> None:
+        if not self.streams:
+            self.sharing.reset()
+        stream.sequence.watch_picks = True
+        self.streams.append(stream)
+
+    def cancel(self, request_id: str | None) -> None:
+        """Cancel one open reply (None: all of them); it leaves at the end of the turn."""
+        for stream in self.streams:
+            if request_id is None or stream.request_id == request_id:
+                stream.sequence.cancel()
+
+    def turn(self, on_done: Callable[[Stream], None], on_error: Callable[[Stream, Exception], None]) -> None:
+        """One forward of every open reply, oldest first; the finished ones leave through `on_done`,
+        one that fails through `on_error` (the others go on)."""
+        picks = []
+        for stream in list(self.streams):
+            try:
+                going = stream.sequence.step()
+            except Exception as exc:
+                self._leave(stream)
+                on_error(stream, exc)
+                continue
+            if stream.sequence.last_picks is not None:
+                picks.append(stream.sequence.last_picks)
+            if not going:
+                self._leave(stream)
+                on_done(stream)
+        self.sharing.add_turn(picks)
+
+    def _leave(self, stream: Stream) -> None:
+        self.streams.remove(stream)
+        stream.sequence.release()
+
+    @property
+    def state(self) -> str:
+        return "decoding" if any(not s.sequence.prefilling for s in self.streams) else "prefill"
+
+
+AUTO_PARALLEL_MAX = 4  # more replies at once gain little on a CPU: their experts stop overlapping
+AUTO_REPLY_TOKENS = 4096  # the KV cache a reply is given room for when choosing how many fit
+
+
+def parallel_for(requested: int, kv_bytes_per_token: int, context_length: int, available_bytes: int) -> int:
+    """How many replies decode at once: `requested` if set (at least 1), else as many as the memory
+    available now holds each one's KV cache for min(context, AUTO_REPLY_TOKENS) tokens, 1 to
+    AUTO_PARALLEL_MAX."""
+    if requested > 0:
+        return requested
+    per_reply = kv_bytes_per_token * min(context_length, AUTO_REPLY_TOKENS)
+    if per_reply <= 0:
+        return AUTO_PARALLEL_MAX
+    return max(1, min(AUTO_PARALLEL_MAX, available_bytes // per_reply))
