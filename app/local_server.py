@@ -68,6 +68,12 @@ class LocalServer(QObject):
         """How many API requests may wait or run at once (more are answered 429 with Retry-After); 0 when off."""
         return self.hub.max_queue if self.hub is not None else 0
 
+    @property
+    def parallel(self) -> int:
+        """How many replies the engine decodes at once (1 before a model is loaded)."""
+        model = self.bridge.model
+        return max(1, getattr(model, "parallel", 1)) if model is not None else 1
+
     def _on_event(self, event) -> None:
         if self.hub is not None:
             self.hub.on_event(event)

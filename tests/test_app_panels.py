@@ -345,3 +345,28 @@ def test_system_panel_says_how_the_last_token_ran(qtbot):
     panel.render()
     assert "Why not faster: not every expert is resident" in panel.decode_path.toolTip()
     assert panel.decode_reason.text() == "not faster: not every expert is resident (the budget is below all)"
+
+
+def test_server_dock_lists_the_replies_decoding_together_and_their_sharing(qtbot):
+    from dataclasses import replace
+
+    from app.engine_bridge import EngineBridge
+    from app.local_server import LocalServer
+    from app.panels.server import ServerPanel
+
+    bridge = EngineBridge(client_factory=lambda on_event: None)  # no engine: the dock takes events as given
+    bridge.model = replace(model_loaded(), parallel=4)
+    panel = ServerPanel(LocalServer(bridge))
+    qtbot.addWidget(panel)
+    streams = [p.StreamInfo(f"{p.API_REQUEST_PREFIX}1234abcd5678", "decoding", 30, 12, 8.5),
+               p.StreamInfo("chat-7", "prefill", 900, 0, 0.0)]
+    sharing = p.BatchSharing(streams=2, turns=10, uses=320, distinct=200, layers=4)
+    panel.on_event(replace(snapshot(), streams=streams, sharing=sharing))
+    panel.refresh()
+    lines = panel.running.text().splitlines()
+    assert lines == ["1234abcd: 12 tokens, 8.5 tok/s", "chat: reading its 900-token prompt",
+                     "2 streams, 5.0 distinct experts a layer, 1.60x fewer expert reads than one at a time"]
+    panel.on_event(replace(snapshot(), streams=[], sharing=None))  # the batch ended
+    panel.refresh()
+    assert panel.running.text() == ""
+    assert panel.server.parallel == 4

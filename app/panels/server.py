@@ -1,4 +1,5 @@
-"""The "Local server" dock: the switch, the port, the URL to copy, and a log of the API's requests."""
+"""The "Local server" dock: the switch, the port, the URL to copy, the replies decoding now, and a log of
+the API's requests."""
 
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ from PySide6.QtWidgets import (
 
 from app.local_server import LocalServer
 from app.panels.base import Panel
+from engine import protocol as p
 from engine.serve import DEFAULT_PORT
 
 LOG_LINES = 200
@@ -48,6 +50,10 @@ class ServerPanel(Panel):
         self.queue = QLabel("")  # the API requests running and waiting, while the server is on
         self.queue.setWordWrap(True)
         server.queue_changed.connect(self._show_queue)
+        self.running = QLabel("")  # the replies decoding now (the window's chat among them), from telemetry
+        self.running.setWordWrap(True)
+        self._streams: list[p.StreamInfo] = []
+        self._sharing: p.BatchSharing | None = None
         self.log = QPlainTextEdit()
         self.log.setReadOnly(True)
         self.log.setMaximumBlockCount(LOG_LINES)
@@ -69,6 +75,7 @@ class ServerPanel(Panel):
         layout.addLayout(address)
         layout.addWidget(self.status)
         layout.addWidget(self.queue)
+        layout.addWidget(self.running)
         layout.addWidget(self.log, 1)
 
     def _toggled(self, on: bool) -> None:
@@ -93,14 +100,37 @@ class ServerPanel(Panel):
         self.copy.setEnabled(on)
 
     def _show_queue(self, busy: int) -> None:
-        """Requests run one at a time, in order; the dock says how many are in and how many may be."""
+        """The API's requests in the engine's batch and waiting for a place, and the limits on both."""
         if not self.server.running:
             self.queue.setText("")
             return
-        limit = self.server.max_queue
-        now = "idle" if busy == 0 else f"1 running, {busy - 1} waiting"
-        self.queue.setText(f"Requests: {now}. They run one at a time, in order; up to {limit} may be in at once, "
-                           "more are told when to retry (Retry-After).")
+        limit, parallel = self.server.max_queue, self.server.parallel
+        running = min(busy, parallel)
+        now = "idle" if busy == 0 else f"{running} running, {busy - running} waiting"
+        self.queue.setText(f"Requests: {now}. Up to {parallel} decode at once, taking turns token by token "
+                           f"(the chat's replies go first); up to {limit} may be in, more are told when to retry "
+                           "(Retry-After).")
+
+    def on_event(self, event) -> None:
+        changed = isinstance(event, p.TelemetrySnapshot) and (event.streams, event.sharing) != (self._streams,
+                                                                                                 self._sharing)
+        if changed:
+            self._streams, self._sharing = event.streams, event.sharing
+            self.dirty = True
+
+    def render(self) -> None:
+        lines = [_stream_line(stream) for stream in self._streams] if len(self._streams) > 1 or any(
+            p.is_api_request(s.request_id) for s in self._streams) else []
+        if lines and self._sharing is not None:
+            lines.append(self._sharing.line())
+        self.running.setText("\n".join(lines))
 
     def add_entry(self, entry) -> None:
         self.log.appendPlainText(entry.line())
+
+
+def _stream_line(stream: p.StreamInfo) -> str:
+    who = "chat" if not p.is_api_request(stream.request_id) else stream.request_id.removeprefix(p.API_REQUEST_PREFIX)[:8]
+    if stream.state == "prefill":
+        return f"{who}: reading its {stream.prompt_tokens}-token prompt"
+    return f"{who}: {stream.tokens} tokens, {stream.decode_tokens_per_s:.1f} tok/s"
