@@ -152,6 +152,7 @@ def _convert_layer(source: DiskStore, layout: MoELayout, params: list[ExpertPara
                     matrix = value.t() if p.transposed else value  # quantized along its input features
                 # the values as they are (bf16, fp16, float32): a quantizer widens them itself
                 out.write(_name(expert, p.name), quantized_tensor(matrix, p.fmt, quantizer).reshape(-1))
+            source.drop_cached()  # the expert's source pages, whole folios included
 
 
 def _pieces(folder: Path, layout: MoELayout, params: list[ExpertParam]) -> list[list[list[ExpertPiece]]]:

@@ -122,6 +122,17 @@ class DiskStore(ExpertStore):
             relay.fp8_from_tiles(data.view(piece.shape), scales.view(torch.float32).view(piece.scale_shape), out)
         return piece.nbytes + piece.scales.nbytes
 
+    def drop_cached(self) -> None:
+        """Drop the page cache of every file this store has read. Each read drops its own range, but
+        the kernel keeps a large folio that a range covers only in part, and tensors do not start on
+        folio boundaries: a long run of reads (a conversion) would leave much of each file cached,
+        which a cgroup's memory limit counts."""
+        with self._lock:
+            fds = list(self._fds.values())
+        if hasattr(os, "posix_fadvise"):
+            for fd in fds:
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+
     def close(self) -> None:
         with self._lock:
             for fd in self._fds.values():
