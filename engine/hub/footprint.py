@@ -33,8 +33,10 @@ LOAD_CODE = 37 * MiB  # code pages a load and its first forward add: libtorch, e
 # the runtime's structures, the tokenizer
 MODEL_OBJECTS = 42 * MiB
 MODEL_CODE = 57 * MiB  # bench.overhead: "+ model skeleton (meta)", held while the load gathers the dense weights
-PER_LAYER = 190 * KiB  # tiny checkpoints of 4 and 32 layers, 8 experts each
-PER_EXPERT = 5300  # bytes per routed expert: tiny checkpoints of 8 and 256 experts per layer
+# tiny checkpoints that differ in one count: 190 KiB and 5.3 KB in the runs the figures were set from,
+# 289 KiB and 7.6 KB in estimate-check-vm-2026-11-29 (each engine-own figure moves by a few MiB run to run)
+PER_LAYER = 190 * KiB  # 4 and 32 layers, 8 experts each
+PER_EXPERT = 5300  # bytes per routed expert: 8 and 256 experts per layer
 MISS_CODE = 5 * MiB  # bench.overhead's libtorch code pages, budget 25 % less budget all
 LOAD_THREADS = 2  # the cache's load threads, each with a slot-sized staging buffer (engine.offload)
 FAULT_AROUND = 64 * KiB  # the kernel maps this much of a cached file around each page a read faults in
