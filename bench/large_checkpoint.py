@@ -26,6 +26,10 @@ SHAPES: dict[str, dict] = {
     "qwen3moe-2g": dict(hidden_size=2048, intermediate_size=6144, moe_intermediate_size=768, num_hidden_layers=7,
                         num_attention_heads=32, num_key_value_heads=4, head_dim=128, num_experts=32,
                         num_experts_per_tok=8, vocab_size=32768),
+    # 50 MB, for the bench's own end-to-end test
+    "qwen3moe-tiny": dict(hidden_size=512, intermediate_size=1024, moe_intermediate_size=256, num_hidden_layers=2,
+                          num_attention_heads=8, num_key_value_heads=4, head_dim=64, num_experts=32,
+                          num_experts_per_tok=4, vocab_size=4096),
 }
 
 

@@ -198,7 +198,8 @@ def main(argv=None) -> int:
     model_dir = build_large(args.shape)
     cap = int(args.cap_gib * GiB)
     budget, headline = proposed_budget(model_dir, cap)
-    env = {**os.environ, "XDG_CACHE_HOME": str(model_dir.parent / "memcap-xdg")}  # conversions beside the checkpoint
+    # the conversions beside the checkpoints, one folder a shape (each run empties its own)
+    env = {**os.environ, "XDG_CACHE_HOME": str(model_dir.parent / "memcap-xdg" / args.shape)}
     gguf = None if args.skip_llama else llama_gguf(model_dir)  # made before anything is measured
     rows = run_ours(model_dir, budget, cap, args, env) if budget else {}
     if gguf is not None:

@@ -3,6 +3,7 @@ line saying why not where it does not (the bench itself is slow and not run here
 
 from __future__ import annotations
 
+import json
 import os
 import sys
 
@@ -34,3 +35,15 @@ def test_a_command_is_held_to_its_cap_and_the_group_goes_afterwards():
                                    128 * MiB, timeout=60)
     assert not beyond.ok and beyond.oom_killed and beyond.group_peak_bytes <= 128 * MiB
     assert not list(cgroup_cap.MEMORY_V1.glob(f"moescope-memcap-{os.getpid()}-*"))
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(cgroup_cap.unavailable() is not None, reason=str(cgroup_cap.unavailable()))
+def test_the_bench_converts_and_decodes_a_small_shape_under_its_cap(tmp_path, capsys):
+    assert memcap.main(["--shape", "qwen3moe-tiny", "--cap-gib", "1", "--decode", "4", "--prompt-len", "4",
+                        "--skip-llama", "--out", str(tmp_path)]) == 0
+    payload = json.loads(next(tmp_path.glob("memcap-*.json")).read_text())
+    convert, decode = payload["rows"]["convert"], payload["rows"]["decode"]
+    assert convert["returncode"] == 0 and decode["returncode"] == 0 and decode["decode_tokens_per_s"] > 0
+    assert max(convert["group_peak_bytes"], decode["group_peak_bytes"]) <= 2**30
+    assert "| MoEScope: decode" in capsys.readouterr().out
