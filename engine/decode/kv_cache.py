@@ -32,16 +32,16 @@ def _start_in(buffer: torch.Tensor | None, rows: torch.Tensor) -> int | None:
 
 
 def _room(buffer: torch.Tensor | None, filled: torch.Tensor | None, like: torch.Tensor, m: int,
-          start: int | None) -> tuple[torch.Tensor, int]:
+          start: int | None, expected: int = 0) -> tuple[torch.Tensor, int]:
     """(a buffer holding `filled` (n positions) at [start, start + n), with room behind them for `m`
     more, start): the given buffer where `filled` already lies in it at `start` with that room, else
-    a new one with `filled` copied to its front."""
+    a new one with `filled` copied to its front, with room for `expected` positions in all if more."""
     n = _length(filled)
     if n == 0:
         start = 0
     if (buffer is None or start is None or buffer.shape[:-2] != like.shape[:-2] or buffer.dtype != like.dtype
             or buffer.shape[-2] < start + n + m):
-        capacity = -(-(n + m + BLOCK) // BLOCK) * BLOCK
+        capacity = -(-(max(n + m, expected) + BLOCK) // BLOCK) * BLOCK
         buffer, start = like.new_empty((*like.shape[:-2], capacity, like.shape[-1])), 0
         if n:
             buffer[..., :n, :].copy_(filled)
@@ -64,6 +64,9 @@ class _BufferedLayer:
         self._keys = self._values = None
         self._key_buffer: torch.Tensor | None = None
         self._value_buffer: torch.Tensor | None = None
+        # positions the first buffer makes room for: a prompt fed in chunks then grows it once, not once a
+        # chunk (each growth holds the old buffer and the new one, copied, at the same time)
+        self.expected = 0
 
     def _keep(self, n: int) -> int:
         """Of n positions in the buffers, how many the cache keeps (the last ones)."""
@@ -103,8 +106,9 @@ class _BufferedLayer:
         self._settle()
         n, m = _length(self._keys), keys.shape[-2]
         start = self._where()
-        self._key_buffer, start_k = _room(self._key_buffer, self._keys, keys, m, start)
-        self._value_buffer, start_v = _room(self._value_buffer, self._values, values, m, start)
+        expected = self._keep(self.expected)
+        self._key_buffer, start_k = _room(self._key_buffer, self._keys, keys, m, start, expected)
+        self._value_buffer, start_v = _room(self._value_buffer, self._values, values, m, start, expected)
         assert start_k == start_v  # both moved, or neither: they were checked together
         end = start_k + n + m
         self._key_buffer[..., start_k + n : end, :].copy_(keys)
@@ -215,3 +219,11 @@ def new_cache(model: torch.nn.Module) -> DynamicCache | None:
         elif type(layer) is DynamicSlidingWindowLayer:
             cache.layers[index] = BlockSlidingLayer(layer.sliding_window)
     return cache
+
+
+def expect_positions(cache: DynamicCache | None, positions: int) -> None:
+    """Tell the cache's block-growing layers how many positions are coming (a whole prompt fed in
+    chunks), so each allocates its buffers once; other layers are left as they are."""
+    for layer in getattr(cache, "layers", []):
+        if isinstance(layer, _BufferedLayer):
+            layer.expected = positions

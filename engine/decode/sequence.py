@@ -18,7 +18,7 @@ from collections.abc import Sequence as Ids
 import numpy as np
 import torch
 
-from engine.decode.kv_cache import new_cache
+from engine.decode.kv_cache import expect_positions, new_cache
 from engine.decode.paths.base import Step
 from engine.decode.reply import Reply, ReplyTimeline, TextFn, TokenFn, stack_routing
 from engine.decode.sampling import Sampler
@@ -56,6 +56,7 @@ class Sequence:
         self.chunk_tokens = max(1, chunk_tokens)
         self.keep_routing = keep_routing
         self.kv = new_cache(runtime.model)
+        expect_positions(self.kv, self.prompt_tokens)
         self.fed = 0  # positions in the KV cache
         self.token: int | None = None  # the last token out, the next step's input
         self.routed: list[np.ndarray] = []  # one [layers, top_k] per generated token fed back
