@@ -277,3 +277,17 @@ def test_a_format_the_experts_cannot_take_is_left_out(tmp_path):
     # OLMoE's tiny experts are 24 wide: no block format (32 or 256 elements) stores their down projection
     est = estimate_folder(save_tiny_checkpoint("olmoe", tmp_path / "olmoe"))
     assert [v.format for v in format_verdicts(est, machine(ram=64 * GiB))] == ["original"]
+
+
+def test_the_verdict_says_how_many_replies_fit_at_once_each_with_its_kv_cache(estimates):
+    from engine.hub.fit import ACTIVATION_MARGIN, with_model_footprint
+
+    est = estimates["olmoe-1b-7b"]
+    base = machine(ram=10**12)
+    own = with_model_footprint(est, base).engine_overhead
+    whole = est.dense_bytes + est.all_expert_bytes + est.kv_bytes + ACTIVATION_MARGIN + own
+    assert assess(est, machine(ram=whole)).parallel == 1  # room for one reply's KV cache only
+    two = assess(est, machine(ram=whole + est.kv_bytes))
+    assert two.kind == "fits-ram" and two.parallel == 2
+    assert any(d.startswith("replies at once: 2 fit beside this budget") for d in two.details)
+    assert assess(est, machine(ram=whole + 100 * est.kv_bytes)).parallel == 4  # at most four

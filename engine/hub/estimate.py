@@ -19,6 +19,7 @@ from engine.model.checkpoint import read_config
 from engine.model.dtypes import dtype_name
 
 CONTEXT_TOKENS = 4096  # the context the working-memory estimate assumes
+PARALLEL_MAX = 4  # replies decoded at once, at most, when the engine chooses (engine.process.batch)
 
 # Stored bits per weight of quantized expert matrices in the checkpoint files (MXFP4: 4-bit values +
 # one 8-bit scale per 32; FP8: 8 bits, one float32 scale per 128x128 tile).

@@ -8,7 +8,7 @@ from pathlib import Path
 
 from engine.accounting.sizes import format_bytes
 from engine.formats.blocks import FORMATS, parse_format
-from engine.hub.estimate import CONTEXT_TOKENS, SizeEstimate, estimate_from_config
+from engine.hub.estimate import CONTEXT_TOKENS, PARALLEL_MAX, SizeEstimate, estimate_from_config
 from engine.hub.machine import MachineInfo
 from engine.hub.supported import SHORT_DTYPES
 
@@ -30,6 +30,7 @@ class FitVerdict:
     budget_arg: str | None = None  # the same, written for --budget
     disk_short_bytes: int = 0  # more free disk the download needs
     details: list[str] = field(default_factory=list)
+    parallel: int = 1  # replies that can decode at once beside the recommended budget (each its own KV cache)
 
     @property
     def runs(self) -> bool:
@@ -83,22 +84,22 @@ def _run_verdict(est: SizeEstimate, m: MachineInfo) -> FitVerdict:
     # Budgets are bytes for experts: the engine's own memory and the working memory come out of RAM first.
     cpu_fixed = est.dense_bytes + kv + ACTIVATION_MARGIN + m.engine_overhead
     if cpu_fixed + est.all_expert_bytes <= m.ram_available:
-        return FitVerdict(
+        return _with_parallel(est, m.ram_available - cpu_fixed - est.all_expert_bytes, FitVerdict(
             "fits-ram",
             f"fits in RAM: {format_bytes(cpu_fixed + est.all_expert_bytes)} with every expert resident and the "
             f"engine's own {format_bytes(m.engine_overhead)}, {format_bytes(m.ram_available)} available; use --budget all",
             "cpu", "disk", est.all_expert_bytes, "all", details=details,
-        )
+        ))
     if cpu_fixed + est.min_budget_bytes <= m.ram_available:
         room = int((m.ram_available - cpu_fixed) * CPU_CACHE_SHARE)
         budget = _whole_slots(max(est.min_budget_bytes, min(est.all_expert_bytes, room)), est)
-        return FitVerdict(
+        return _with_parallel(est, m.ram_available - cpu_fixed - budget, FitVerdict(
             "offload",
             f"runs with experts offloaded to disk, budget {format_bytes(budget)} recommended (minimum "
             f"{format_bytes(est.min_budget_bytes)}, all experts {format_bytes(est.all_expert_bytes)}; "
             f"{format_bytes(m.ram_available)} RAM available)",
             "cpu", "disk", budget, budget_arg(budget, est), details=details,
-        )
+        ))
     return FitVerdict(
         "too-big",
         f"too big for this machine: needs at least {format_bytes(cpu_fixed + est.min_budget_bytes)} of memory "
@@ -107,6 +108,16 @@ def _run_verdict(est: SizeEstimate, m: MachineInfo) -> FitVerdict:
         f"{format_bytes(m.ram_available)} RAM available",
         details=details,
     )
+
+
+def _with_parallel(est: SizeEstimate, spare_bytes: int, verdict: FitVerdict) -> FitVerdict:
+    """The verdict with how many replies can decode at once (`moescope serve --parallel`): the first one's
+    KV cache is counted already, each more takes another from the RAM left beside the budget."""
+    more = spare_bytes // est.kv_bytes if est.kv_bytes else PARALLEL_MAX
+    verdict.parallel = int(max(1, min(PARALLEL_MAX, 1 + more)))
+    verdict.details.append(f"replies at once: {verdict.parallel} fit beside this budget, each with its own KV cache "
+                           f"for {CONTEXT_TOKENS} tokens ({format_bytes(est.kv_bytes)})")
+    return verdict
 
 
 def with_model_footprint(est: SizeEstimate, m: MachineInfo) -> MachineInfo:

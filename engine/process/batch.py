@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from engine import protocol as p
+from engine.hub.estimate import CONTEXT_TOKENS, PARALLEL_MAX
 
 if TYPE_CHECKING:  # the worker imports this before torch (it starts and answers before any model loads)
     from engine.decode.sequence import Sequence
@@ -120,8 +121,9 @@ class Batch:
         return "decoding" if any(not s.sequence.prefilling for s in self.streams) else "prefill"
 
 
-AUTO_PARALLEL_MAX = 4  # more replies at once gain little on a CPU: their experts stop overlapping
-AUTO_REPLY_TOKENS = 4096  # the KV cache a reply is given room for when choosing how many fit
+# more replies at once gain little on a CPU (their experts stop overlapping); each is given room for the
+# KV cache of the context the fit verdict assumes
+AUTO_PARALLEL_MAX, AUTO_REPLY_TOKENS = PARALLEL_MAX, CONTEXT_TOKENS
 
 
 def parallel_for(requested: int, kv_bytes_per_token: int, context_length: int, available_bytes: int) -> int:
