@@ -370,3 +370,23 @@ def test_server_dock_lists_the_replies_decoding_together_and_their_sharing(qtbot
     panel.refresh()
     assert panel.running.text() == ""
     assert panel.server.parallel == 4
+
+
+def test_heatmap_and_traffic_say_when_replies_decode_together(qtbot):
+    from dataclasses import replace
+
+    streams = [p.StreamInfo(f"{p.API_REQUEST_PREFIX}{i}", "decoding", 10, 5, 3.0) for i in range(3)]
+    sharing = p.BatchSharing(streams=3, turns=4, uses=96, distinct=64, layers=4)
+    together = replace(snapshot(layers=4, experts=8), streams=streams, sharing=sharing)
+    heatmap = HeatmapPanel()
+    qtbot.addWidget(heatmap)
+    heatmap.on_event(model_loaded(layers=4, experts=8))
+    heatmap.on_event(together)
+    heatmap.refresh()
+    assert "(the 3 replies decoding together)" in heatmap.scale_label.text()  # the union of their experts
+    assert TrafficPanel.figures_text(together).endswith(
+        "3 streams, 4.0 distinct experts a layer, 1.50x fewer expert reads than one at a time")
+    alone = snapshot(layers=4, experts=8)
+    heatmap.on_event(alone)
+    heatmap.refresh()
+    assert "(this reply)" in heatmap.scale_label.text() and "streams" not in TrafficPanel.figures_text(alone)

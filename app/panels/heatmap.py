@@ -115,7 +115,9 @@ class HeatmapPanel(Panel):
         if self._shape != (layers, experts):
             self._set_shape(layers, experts)  # after setImage: ImageItem.setRect needs the image's size
         self._update_outline()
-        span = "this reply" if data.mode == "reply" else "since load"
+        streams = len(self.snapshot.streams) if self.snapshot is not None and not data.remote else 0
+        span = "since load" if data.mode != "reply" else (
+            f"the {streams} replies decoding together" if streams > 1 else "this reply")
         where = f"from {self.routing.source}" if data.remote and self.routing else "outlined = resident"
         self.scale_label.setText(f"brightest: {self.peak} tokens ({span}); {where}")
         self.updates += 1

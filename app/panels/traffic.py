@@ -101,6 +101,8 @@ class TrafficPanel(Panel):
                 f" · stall {s.stall_s_per_token * 1000:.1f} ms/token · loaded since start {format_bytes(s.bytes_loaded_total)}")
         if s.pcie_rx_bytes_per_s is not None:
             text += f" · PCIe rx (driver) {format_rate(s.pcie_rx_bytes_per_s)}"
+        if s.sharing is not None and len(s.streams) > 1:  # replies decoding together read shared experts once
+            text += f" · {s.sharing.line()}"
         return text
 
     def apply_theme(self, theme: Theme) -> None:
