@@ -2,7 +2,7 @@
 
 Up to `parallel` replies are open together (the window's chat may join as one more, so it never
 waits behind the server's clients). A turn advances every open reply by one forward: a chunk of
-its prompt, or one token. New replies join between turns, finished and cancelled ones leave, and
+its prompt (those first), or one token. New replies join between turns, finished and cancelled ones leave, and
 each keeps its own KV cache, sampling, stop strings and figures (engine.decode.sequence), so a
 reply's tokens are the ones it would get alone. Experts that several replies pick in a turn are
 read (and, below `all`, loaded) once and then hit in the cache for the others; `BatchSharing`
@@ -95,10 +95,11 @@ class Batch:
                 stream.sequence.cancel()
 
     def turn(self, on_done: Callable[[Stream], None], on_error: Callable[[Stream, Exception], None]) -> None:
-        """One forward of every open reply, oldest first; the finished ones leave through `on_done`,
-        one that fails through `on_error` (the others go on)."""
+        """One forward of every open reply: those still reading their prompt first (a new request's
+        first token waits for no other reply's token), then the others, oldest first. The finished ones
+        leave through `on_done`, one that fails through `on_error` (the others go on)."""
         picks = []
-        for stream in list(self.streams):
+        for stream in sorted(self.streams, key=lambda s: not s.sequence.prefilling):
             try:
                 going = stream.sequence.step()
             except Exception as exc:
