@@ -3,7 +3,8 @@
 CMake, CPU only, into the user cache folder and reused after.
 
     <cache>/llamacpp/<version>/source/   the sdist's vendor/llama.cpp (converter, gguf-py, CMake project)
-    <cache>/llamacpp/<version>/build/    the CMake build; tools in build/bin/ (build-avx2/: --isa avx2)
+    <cache>/llamacpp/<version>/build/    the CMake build; tools in build/bin/ (build-avx2/: --isa avx2),
+                                         llama-server among them once a bench asks for it
     <cache>/llamacpp/<version>/gguf/     converted checkpoints (bench.gguf_files)
 
 `MOESCOPE_LLAMACPP_DIR` replaces `<cache>/llamacpp` (tests point it at an existing build).
@@ -23,7 +24,8 @@ from pathlib import Path
 from engine.system.cpu import cpuinfo_field
 
 VERSION = "0.3.36"  # llama-cpp-python; its vendored llama.cpp is what we build
-TOOLS = ("llama-bench", "llama-quantize")
+TOOLS = ("llama-bench", "llama-quantize")  # what build_tools builds unless asked for more
+SERVER = "llama-server"  # built on request (bench.serve_load), into the same build folder
 CMAKE_OPTIONS = (
     "-DCMAKE_BUILD_TYPE=Release",
     "-DGGML_NATIVE=ON",  # this CPU's instruction set, as our own kernels get (-march=native)
@@ -32,7 +34,10 @@ CMAKE_OPTIONS = (
     "-DLLAMA_OPENSSL=OFF",
     "-DLLAMA_BUILD_TESTS=OFF",
     "-DLLAMA_BUILD_EXAMPLES=OFF",
-    "-DLLAMA_BUILD_SERVER=OFF",
+    # the server's targets configured (built only when asked for), its web UI left out: no npm, no download
+    "-DLLAMA_BUILD_SERVER=ON",
+    "-DLLAMA_BUILD_UI=OFF",
+    "-DLLAMA_USE_PREBUILT_UI=OFF",
     "-DLLAMA_BUILD_APP=OFF",
 )
 
@@ -146,27 +151,27 @@ def ensure_source(version: str = VERSION) -> LlamaCpp:
     return lc
 
 
-def build_tools(version: str = VERSION, log=print, isa: str = "native") -> LlamaCpp:
-    """llama-bench and llama-quantize, built once (Release, native or `isa`, OpenMP, static) and reused.
+def build_tools(version: str = VERSION, log=print, isa: str = "native", tools: tuple[str, ...] = TOOLS) -> LlamaCpp:
+    """`tools` (llama-bench and llama-quantize unless told; SERVER too on request), built once (Release,
+    native or `isa`, OpenMP, static) and reused; a tool asked for later is built into the same folder.
 
-    The stamp holds the options and targets; when they change, CMake rebuilds what they touch."""
+    The stamp holds the options; when they change, CMake reconfigures and rebuilds what they touch."""
     lc = replace(ensure_source(version), isa=isa)
     stamp = lc.build_dir / ".moescope-stamp"
     options = cmake_options(isa=isa)
-    wanted = "\n".join([*options, *TOOLS])
-    if stamp.exists() and stamp.read_text() == wanted and all(lc.tool(t).exists() for t in TOOLS):
+    wanted = "\n".join(options)
+    configured = stamp.exists() and stamp.read_text() == wanted
+    missing = [t for t in tools if not lc.tool(t).exists()]
+    if configured and not missing:
         return lc
-    compilers = [c for c in ("c++", "g++", "clang++") if shutil.which(c)]
-    if not shutil.which("cmake"):
-        raise LlamaCppUnavailable("building llama.cpp needs CMake (`cmake` is not on PATH; e.g. apt install cmake)")
-    if not compilers or not (shutil.which("cc") or shutil.which("gcc") or shutil.which("clang")):
-        raise LlamaCppUnavailable("building llama.cpp needs a C and C++ compiler (none on PATH; e.g. apt install g++)")
+    _check_toolchain()
     generator = ["-G", "Ninja"] if shutil.which("ninja") else []
     jobs = str(os.cpu_count() or 1)
-    if not all(lc.tool(t).exists() for t in TOOLS):
-        log(f"building llama.cpp {version} ({', '.join(TOOLS)}) in {lc.build_dir}: several minutes, once")
-    for cmd in (["cmake", "-S", str(lc.source), "-B", str(lc.build_dir), *generator, *options],
-                ["cmake", "--build", str(lc.build_dir), "--config", "Release", "-j", jobs, "--target", *TOOLS]):
+    if missing:
+        log(f"building llama.cpp {version} ({', '.join(missing)}) in {lc.build_dir}: several minutes, once")
+    commands = [] if configured else [["cmake", "-S", str(lc.source), "-B", str(lc.build_dir), *generator, *options]]
+    commands.append(["cmake", "--build", str(lc.build_dir), "--config", "Release", "-j", jobs, "--target", *tools])
+    for cmd in commands:
         proc = subprocess.run(cmd, capture_output=True, text=True)
         if proc.returncode != 0:
             (lc.build_dir / "moescope-build.log").write_text(proc.stdout + proc.stderr)
@@ -174,3 +179,11 @@ def build_tools(version: str = VERSION, log=print, isa: str = "native") -> Llama
                                       f"{lc.build_dir / 'moescope-build.log'}")
     stamp.write_text(wanted)
     return lc
+
+
+def _check_toolchain() -> None:
+    if not shutil.which("cmake"):
+        raise LlamaCppUnavailable("building llama.cpp needs CMake (`cmake` is not on PATH; e.g. apt install cmake)")
+    compilers = [c for c in ("c++", "g++", "clang++") if shutil.which(c)]
+    if not compilers or not (shutil.which("cc") or shutil.which("gcc") or shutil.which("clang")):
+        raise LlamaCppUnavailable("building llama.cpp needs a C and C++ compiler (none on PATH; e.g. apt install g++)")
