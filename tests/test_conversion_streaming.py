@@ -113,3 +113,24 @@ def test_conversion_working_memory_does_not_grow_with_the_model(tmp_path):
     assert large - small < GROWTH_BOUND, f"{small / 2**20:.1f} MiB -> {large / 2**20:.1f} MiB"
     assert large < 2 * GROWTH_BOUND  # a few experts' worth at a time, not a layer's
     assert len(list(Path(tmp_path / "c64").rglob("*.safetensors"))) == 1
+
+
+def test_a_load_never_expands_a_quantized_lm_head(tmp_path, monkeypatch):
+    """Asking whether the LM head shares the embedding must not read its `weight`: on a quantized head
+    that expands the whole matrix, a vocabulary's worth of temporaries at load (2.6 GiB peak for
+    0.9 GiB resident on the 9.4 GB bench.memcap shape)."""
+    from engine.decode.runtime import MoERuntime
+    from engine.model.dense_quantize import QuantizedLinear
+    from engine.protocol import LoadModel
+
+    path = save_tiny_checkpoint("mixtral", tmp_path / "mixtral", intermediate_size=64)
+    expanded = []
+    weight = QuantizedLinear.weight
+    monkeypatch.setattr(QuantizedLinear, "weight", property(lambda self: expanded.append(self) or weight.fget(self)))
+    runtime = MoERuntime(LoadModel(path=str(path), budget="all", store="disk", device="cpu", dtype="bfloat16",
+                                   dense_format="q8_0", warm=False))
+    try:
+        head = runtime.model.get_output_embeddings()
+        assert isinstance(head, QuantizedLinear) and head not in expanded
+    finally:
+        runtime.close()

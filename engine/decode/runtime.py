@@ -376,7 +376,9 @@ class MoERuntime:
         largest dense tensor) unless the LM head shares it and reads all of it."""
         embedding = getattr(self.model.get_input_embeddings(), "weight", None)
         head = self.model.get_output_embeddings()
-        if embedding is None or (head is not None and getattr(head, "weight", None) is embedding):
+        # a quantized head shares nothing, and its `weight` would expand the whole matrix to ask
+        shared = head is not None and not isinstance(head, QuantizedLinear) and getattr(head, "weight", None) is embedding
+        if embedding is None or shared:
             return []
         return [embedding]
 
