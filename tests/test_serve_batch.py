@@ -110,3 +110,19 @@ def test_an_engine_killed_mid_batch_ends_every_stream_with_an_error_and_serves_a
         assert last["error"]["code"] == "engine_crashed" and "SIGKILL" in last["error"]["message"], last
     server.wait_for("restarting", start=mark)
     assert len(reply_alone(server, 0, 6)) > 0  # waits for the reloaded model, then is served
+
+
+def test_the_telemetry_stream_carries_the_batch_as_json():
+    from dataclasses import replace
+
+    from engine import protocol as p
+    from engine.serve.app import snapshot_json
+    from tests.helpers.app_fixtures import snapshot
+
+    together = replace(snapshot(), streams=[p.StreamInfo("api-1", "decoding", 12, 4, 9.5)],
+                       sharing=p.BatchSharing(streams=2, turns=3, uses=48, distinct=30, layers=4))
+    data = json.loads(json.dumps(snapshot_json(together)))
+    assert data["streams"] == [{"request_id": "api-1", "state": "decoding", "prompt_tokens": 12, "tokens": 4,
+                                "decode_tokens_per_s": 9.5}]
+    assert data["sharing"] == {"streams": 2, "turns": 3, "uses": 48, "distinct": 30, "layers": 4}
+    assert json.loads(json.dumps(snapshot_json(snapshot())))["sharing"] is None

@@ -14,7 +14,7 @@ import hmac
 import json
 import time
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, fields
+from dataclasses import asdict, dataclass, fields
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
@@ -293,6 +293,8 @@ def snapshot_json(snapshot: p.TelemetrySnapshot) -> dict:
     for f in fields(snapshot):
         value = getattr(snapshot, f.name)
         out[f.name] = value.numpy().tolist() if isinstance(value, p.Array) else value
+    out["streams"] = [asdict(stream) for stream in snapshot.streams]
+    out["sharing"] = asdict(snapshot.sharing) if snapshot.sharing is not None else None
     with contextlib.suppress(TypeError):
         json.dumps(out["extra"])
         return out
