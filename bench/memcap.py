@@ -12,9 +12,10 @@ seconds at most:
   conversion a user waits for the first time;
 - decode: `bench.measure ours`, the same format (the conversion cached), `--store disk`, the
   budget the fit verdict (engine.hub.fit) proposes for a machine with the cap as its RAM;
-- llama.cpp: `llama-bench -lm mmap` on the shape's Q4_K_M GGUF, `-n N` after a P-token context
-  (`-d P`), `-r 1` after its warm-up run. The GGUF is made once, outside the cap, by llama.cpp's
-  own converter and llama-quantize (bench.gguf_files).
+- llama.cpp: `llama-bench -lm mmap` on the shape's Q4_K_M GGUF, with its default repacking into
+  anonymous memory and with `--repack 0` (every weight read from the mapping), `-n N` after a
+  P-token context (`-d P`), `-r 1` after its warm-up run. The GGUF is made once, outside the cap,
+  by llama.cpp's own converter and llama-quantize (bench.gguf_files).
 
 Peaks: the process's own (ru_maxrss, which counts the file pages it has mapped) and the group's
 (memory.max_usage_in_bytes: resident memory and page cache). Slow: not run in CI.
@@ -95,8 +96,12 @@ def _python(*args: str) -> list[str]:
 def _summary(run: CappedRun) -> dict:
     out = {"seconds": run.seconds, "returncode": run.returncode, "peak_rss_bytes": run.peak_rss_bytes,
            "group_peak_bytes": run.group_peak_bytes, "limit_hits": run.limit_hits, "oom_killed": run.oom_killed}
-    if not run.ok:
-        out["error"] = "stopped at the timeout" if run.returncode is None else run.stderr.strip()[-600:]
+    if run.returncode is None:
+        out["error"] = "stopped at the timeout"
+    elif run.returncode < 0:
+        out["error"] = "OOM-killed" if run.oom_killed else f"killed by signal {-run.returncode}"
+    elif run.returncode:
+        out["error"] = run.stderr.strip()[-600:] or f"exit status {run.returncode}"
     return out
 
 
@@ -125,13 +130,16 @@ def run_ours(model_dir: Path, budget: str, cap: int, args, env: dict) -> dict[st
     return rows
 
 
-def run_llama(gguf: Path, cap: int, args) -> dict:
+def run_llama(gguf: Path, cap: int, args, repack: bool) -> dict:
+    """llama-bench from the mmap. With `repack` (its default on x86) it copies the K-quant weights it
+    can into its own interleaved layout in anonymous memory at load; without, every weight is read
+    from the mapping."""
     from bench.llamacpp import parse_llama_bench
     from bench.llamacpp_build import build_tools
 
     tool = build_tools(log=lambda m: print(m, file=sys.stderr)).tool("llama-bench")
     run = run_capped([str(tool), "-m", str(gguf), "-t", str(args.threads), "-r", "1", "-o", "json", "-lm", "mmap",
-                      "-p", "0", "-n", str(args.decode), "-d", str(args.prompt_len)], cap, timeout=args.timeout)
+                      "--repack", str(int(repack)), "-p", "0", "-n", str(args.decode), "-d", str(args.prompt_len)], cap, timeout=args.timeout)
     row = _summary(run)
     if run.ok:
         row |= parse_llama_bench(run.stdout)
@@ -164,12 +172,15 @@ def table(payload: dict) -> list[str]:
     if "decode" in rows:
         lines.append(_line(f"MoEScope: decode, --budget {payload['budget']}, disk store", rows["decode"],
                            "decode_tokens_per_s"))
-    if "llama" in rows:
-        lines.append(_line(f"llama.cpp: decode, {LLAMA_TYPE} from mmap", rows["llama"], "decode_tokens_per_s"))
-    ours, theirs = rows.get("decode", {}), rows.get("llama", {})
-    if "decode_tokens_per_s" in ours and theirs.get("decode_tokens_per_s"):
-        lines += ["", f"MoEScope's decode over llama.cpp's, side by side: "
-                      f"{ours['decode_tokens_per_s'] / theirs['decode_tokens_per_s']:.2f}x"]
+    for key, how in (("llama", "its default repack"), ("llama-norepack", "--repack 0")):
+        if key in rows:
+            lines.append(_line(f"llama.cpp: decode, {LLAMA_TYPE} from mmap, {how}", rows[key], "decode_tokens_per_s"))
+    ours = rows.get("decode", {})
+    for key in ("llama", "llama-norepack"):
+        theirs = rows.get(key, {})
+        if "decode_tokens_per_s" in ours and theirs.get("decode_tokens_per_s"):
+            lines += ["", f"MoEScope's decode over llama.cpp's ({key}), side by side: "
+                          f"{ours['decode_tokens_per_s'] / theirs['decode_tokens_per_s']:.2f}x"]
     return lines
 
 
@@ -203,7 +214,8 @@ def main(argv=None) -> int:
     gguf = None if args.skip_llama else llama_gguf(model_dir)  # made before anything is measured
     rows = run_ours(model_dir, budget, cap, args, env) if budget else {}
     if gguf is not None:
-        rows["llama"] = run_llama(gguf, cap, args)
+        rows["llama"] = run_llama(gguf, cap, args, repack=True)
+        rows["llama-norepack"] = run_llama(gguf, cap, args, repack=False)
     payload = {"shape": args.shape, "checkpoint_bytes": sum(f.stat().st_size for f in model_dir.glob("*.safetensors")),
                "args": vars(args) | {"out": str(args.out)}, "cap_bytes": cap, "budget": budget, "verdict": headline,
                "rows": rows}
