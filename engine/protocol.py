@@ -405,7 +405,8 @@ class StreamInfo:
 class BatchSharing:
     """Expert uses of the replies that decode together, counted per turn (one forward of each reply):
     `uses` (layer, expert) picks in all, of which `distinct` differ. uses / distinct is how many times
-    fewer expert reads (and, below `all`, loads) a turn needs than the replies one at a time."""
+    fewer experts a turn needs than the replies one at a time: below `all`, where their one-token
+    steps run gathered (engine.decode.layer_gather), each is loaded once for all that picked it."""
 
     streams: int  # replies in the last turn
     turns: int  # turns with two replies or more, since the last reset (a batch starting from none)
@@ -418,12 +419,12 @@ class BatchSharing:
         return self.distinct / max(self.turns * self.layers, 1)
 
     @property
-    def fewer_reads(self) -> float:
+    def picks_per_expert(self) -> float:
         return self.uses / max(self.distinct, 1)
 
     def line(self) -> str:
         return (f"{self.streams} streams, {self.distinct_per_layer:.1f} distinct experts a layer, "
-                f"{self.fewer_reads:.2f}x fewer expert reads than one at a time")
+                f"each picked {self.picks_per_expert:.2f}x a turn")
 
 
 @dataclass

@@ -365,7 +365,7 @@ def test_server_dock_lists_the_replies_decoding_together_and_their_sharing(qtbot
     panel.refresh()
     lines = panel.running.text().splitlines()
     assert lines == ["1234abcd: 12 tokens, 8.5 tok/s", "chat: reading its 900-token prompt",
-                     "2 streams, 5.0 distinct experts a layer, 1.60x fewer expert reads than one at a time"]
+                     "2 streams, 5.0 distinct experts a layer, each picked 1.60x a turn"]
     panel.on_event(replace(snapshot(), streams=[], sharing=None))  # the batch ended
     panel.refresh()
     assert panel.running.text() == ""
@@ -385,7 +385,7 @@ def test_heatmap_and_traffic_say_when_replies_decode_together(qtbot):
     heatmap.refresh()
     assert "(the 3 replies decoding together)" in heatmap.scale_label.text()  # the union of their experts
     assert TrafficPanel.figures_text(together).endswith(
-        "3 streams, 4.0 distinct experts a layer, 1.50x fewer expert reads than one at a time")
+        "3 streams, 4.0 distinct experts a layer, each picked 1.50x a turn")
     alone = snapshot(layers=4, experts=8)
     heatmap.on_event(alone)
     heatmap.refresh()

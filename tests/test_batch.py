@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 
 from engine.decode.generation import GenerationResult, Generator
+from engine.decode.layer_gather import LayerGather
 from engine.decode.runtime import MoERuntime
 from engine.decode.sequence import PREFILL_CHUNK_TOKENS
 from engine.process.batch import Batch, Stream, parallel_for
@@ -32,11 +33,12 @@ def greedy(tokens: int, stop: list[str] | None = None) -> SamplingSettings:
 
 
 def run_batch(runtime: MoERuntime, requests: list[tuple[list[int], SamplingSettings]],
-              cancel_after: dict[int, int] | None = None) -> tuple[list[GenerationResult], Batch]:
+              cancel_after: dict[int, int] | None = None, gather: bool = False) -> tuple[list[GenerationResult], Batch]:
     """The requests opened together in one batch and advanced turn by turn to their ends; the one at
-    index i is cancelled after `cancel_after[i]` turns."""
+    index i is cancelled after `cancel_after[i]` turns; `gather`: one-token forwards run gathered."""
     generator = Generator(runtime)
-    batch = Batch(len(requests), runtime.counters.num_layers)
+    batch = Batch(len(requests), runtime.counters.num_layers, LayerGather(runtime.cache) if gather else None,
+                  lambda: runtime.counters.end_token())
     for index, (prompt, settings) in enumerate(requests):
         batch.add(Stream(str(index), generator.start(prompt, settings), ReplyClock()))
     results: dict[int, GenerationResult] = {}
@@ -72,7 +74,7 @@ def test_four_interleaved_replies_each_equal_the_reply_alone_and_transformers(ex
     for prompt, n, one in zip(PROMPTS[1:], LENGTHS[1:], alone[1:], strict=True):
         assert one.token_ids == reference_generate(path, prompt, n)
     sharing = batch.sharing.snapshot()
-    assert sharing is not None and sharing.uses >= sharing.distinct > 0 and sharing.fewer_reads >= 1.0
+    assert sharing is not None and sharing.uses >= sharing.distinct > 0 and sharing.picks_per_expert >= 1.0
     assert [r.stats.decode_tokens for r in together] == [len(r.token_ids) for r in together]
     assert all(r.stats.hits + r.stats.misses > 0 for r in together)  # each reply's own figures
 
@@ -118,3 +120,33 @@ def test_parallel_is_what_was_asked_or_what_memory_holds():
     assert parallel_for(0, 16 * 1024, 32768, 200 * mib) == 3
     assert parallel_for(0, 16 * 1024, 32768, 10 * mib) == 1  # at least one
     assert parallel_for(0, 16 * 1024, 1024, 10 * 1024 * mib) == 4  # at most four
+
+
+@pytest.fixture(scope="module", params=FAMILIES)
+def fast_runtime(request, tiny_checkpoints, kernels):
+    """The native kernels (bf16) at a budget below `all`, where decode runs layer by layer: what gathers."""
+    runtime = MoERuntime(LoadModel(path=str(tiny_checkpoints[request.param]), budget="75%", store="ram",
+                                   dtype="bfloat16"))
+    yield runtime
+    runtime.close()
+
+
+def test_gathered_one_token_forwards_give_each_reply_its_tokens_alone_and_load_shared_experts_once(fast_runtime):
+    runtime = fast_runtime
+    generator = Generator(runtime)
+    alone = [generator.generate(prompt, greedy(n)) for prompt, n in zip(PROMPTS, LENGTHS, strict=True)]
+    assert runtime.decode_path == "fast: native kernels, layer by layer"
+    requests = [(p, greedy(n)) for p, n in zip(PROMPTS, LENGTHS, strict=True)]
+    loads = runtime.counters.layer_misses.sum()
+    gathered, batch = run_batch(runtime, requests, gather=True)
+    loads_gathered = runtime.counters.layer_misses.sum() - loads
+    turns, _ = run_batch(runtime, requests)  # second, so on the cache the first left: no head start
+    loads_in_turns = runtime.counters.layer_misses.sum() - loads - loads_gathered
+    for one, reply in zip(alone, gathered, strict=True):
+        assert reply.token_ids == one.token_ids and reply.finish_reason == one.finish_reason
+    assert [r.token_ids for r in turns] == [r.token_ids for r in alone]
+    sharing = batch.sharing.snapshot()
+    assert sharing is not None and sharing.picks_per_expert > 1.0  # replies picked the same experts in a turn
+    # a gathered layer loads an expert once for every reply that picked it: never more loads than in turns,
+    # where a reply's misses may evict another's experts before its turn comes
+    assert loads_gathered <= loads_in_turns, (loads_gathered, loads_in_turns)

@@ -18,8 +18,9 @@ from collections.abc import Sequence as Ids
 import numpy as np
 import torch
 
+from engine.accounting.counters import TokenRecord
 from engine.decode.kv_cache import expect_positions, new_cache
-from engine.decode.paths.base import Step
+from engine.decode.paths.base import DecodePath, Step
 from engine.decode.reply import Reply, ReplyTimeline, TextFn, TokenFn, stack_routing
 from engine.decode.sampling import Sampler
 from engine.errors import MoEScopeError, PromptTooLongError
@@ -76,15 +77,37 @@ class Sequence:
         """One forward: the next chunk of the prompt, or the last token. False when the reply is over."""
         if self.finished:
             return False
-        rt, counters = self.runtime, self.runtime.counters
+        path, forward = self.prepare()
+        self.watch_routing()
+        return self.finish(forward, path.run(forward))
+
+    def prepare(self) -> tuple[DecodePath, Step]:
+        """The next forward and the path that runs it (asked every step: the switches apply live).
+        The caller runs it, alone (`step`) or gathered with others' (engine.process.batch), then
+        hands its logits to `finish`."""
+        rt = self.runtime
         forward = self._next_forward()
-        path, reason = rt.paths.choose(forward)  # asked every step: the switches apply live
-        decoding = not self.prefilling
-        if decoding:
+        path, reason = rt.paths.choose(forward)
+        if not self.prefilling:
             rt.decode_path, rt.decode_path_reason = path.label, reason
+        return path, forward
+
+    def watch_routing(self) -> None:
+        """Right before this sequence's forward runs alone: keep its experts where asked."""
+        counters = self.runtime.counters
         counters.keep_token_picks = self.keep_routing or self.watch_picks
         counters.take_token_picks()
-        logits = path.run(forward)
+
+    def can_gather(self, path: DecodePath) -> bool:
+        """Its next forward may run gathered with others' (one token on a path that gathers; not when its
+        per-token routing is asked for, which a gathered layer does not keep apart)."""
+        return path.gathers and not self.prefilling and not self.keep_routing
+
+    def finish(self, forward: Step, logits: torch.Tensor, record: TokenRecord | None = None) -> bool:
+        """The forward ran: count it (`record`: its share of a gathered run's, else the counters' own),
+        then sample; False when the reply is over."""
+        rt, counters = self.runtime, self.runtime.counters
+        decoding = not self.prefilling
         self.kv = forward.kv  # the model's own cache class is made by its first forward
         self.fed += forward.input_ids.shape[1]
         picks = counters.take_token_picks()
@@ -92,7 +115,7 @@ class Sequence:
         self.last_picks = picks if decoding else None
         if decoding and picks is not None and self.keep_routing:
             self.routed.append(picks)
-        self.timeline.add(counters.end_token())
+        self.timeline.add(record if record is not None else counters.end_token())
         rt.cache.policy.on_token_end()
         if self.prefilling:
             return not self._stop_if(self.reply.interrupted())

@@ -88,6 +88,7 @@ class ExpertCache:
         packed_params: frozenset[str] = frozenset(),  # kept packed for oneDNN per slot (engine.offload.packed_linear)
     ) -> None:
         self.layout, self.store, self.device, self.counters = layout, store, device, counters
+        self.gather = None  # engine.decode.layer_gather.LayerGather, while replies' forwards run gathered
         policy.reset(layout.num_layers, layout.num_experts, layout.top_k)
         self.directory = CacheDirectory(slots_per_layer, policy)
         # Packed matrices (CPU) live as one opaque tensor per slot; the byte pool holds the rest.
@@ -437,7 +438,11 @@ class ExpertCache:
         top_k_index: torch.Tensor,
         top_k_weights: torch.Tensor,
     ) -> torch.Tensor:
-        """One MoE layer of a forward step: summarise the routing, record it, plan the loads, compute."""
+        """One MoE layer of a forward step: summarise the routing, record it, plan the loads, compute.
+        Inside a forward that runs gathered with others (engine.decode.layer_gather), it waits for theirs
+        and the layer runs once for all their rows."""
+        if self.gather is not None and self.gather.owns_current():
+            return self.gather.park(layer, module, hidden_states, top_k_index, top_k_weights)
         routing = LayerRouting(layer, top_k_index, self.layout.num_experts)  # the one host sync
         if self._jobs:
             self._collect_finished()
@@ -460,6 +465,33 @@ class ExpertCache:
                 self._wait(job)
             return self._one_token_step(layer, module, hidden_states, routing, weights, out_dtype)
         return self._compute(layer, module, hidden_states, routing, plan, weights, out_dtype)
+
+    def run_rows_apart(self, layer: int, module: torch.nn.Module, hidden_states: torch.Tensor,
+                       top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> torch.Tensor:
+        """One MoE layer for a few rows of different replies (engine.decode.layer_gather): their experts
+        recorded and loaded together (each once, however many rows picked it), then each row on the
+        one-token kernel, as it runs alone. Where their misses do not fit beside the resident experts
+        at once, or on a GPU's grouped decode, the many-rows computation runs instead."""
+        routing = LayerRouting(layer, top_k_index, self.layout.num_experts)
+        if self._jobs:
+            self._collect_finished()
+        found = self.record(routing.step)[0]
+        if self.policy.lookahead or self.tracer is not None:
+            self._observe_routing(layer, hidden_states, top_k_index, top_k_weights)
+        weights = top_k_weights.reshape(-1)
+        out_dtype = torch.promote_types(self.layout.compute_dtype, weights.dtype)
+        plan = self._plan_loads(layer, found, routing)
+        if self.decode_grouped or plan.on_cpu or plan.waves:
+            return self._compute(layer, module, hidden_states, routing, plan, weights, out_dtype)
+        for job in plan.inflight + plan.loads:
+            self._wait(job)
+        if self.policy.prefetches:
+            self._prefetch(layer, set(routing.needed))
+        rows = [self._one_token_step(layer, module, hidden_states[r:r + 1],
+                                     LayerRouting(layer, top_k_index[r:r + 1], self.layout.num_experts),
+                                     top_k_weights[r].reshape(-1), out_dtype)
+                for r in range(hidden_states.shape[0])]
+        return torch.cat(rows)
 
     def _one_token_step(self, layer: int, module: torch.nn.Module, hidden_states: torch.Tensor,
                         routing: LayerRouting, weights: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:

@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from engine import protocol as p
+from engine.accounting.counters import TokenRecord
 from engine.hub.estimate import CONTEXT_TOKENS, PARALLEL_MAX
 
 if TYPE_CHECKING:  # the worker imports this before torch (it starts and answers before any model loads)
@@ -50,9 +51,10 @@ class _Sharing:
     def reset(self) -> None:
         self.turns = self.uses = self.distinct = self.streams = 0
 
-    def add_turn(self, picks: list[np.ndarray]) -> None:
-        """`picks`: each reply's [layers, top_k] experts of this turn (-1 pads)."""
-        self.streams = len(picks)
+    def add_turn(self, picks: list[np.ndarray], streams: int) -> None:
+        """`picks`: the [layers, top_k] experts of this turn's replies that ran alone (-1 pads);
+        `streams`: how many replies the turn ran in all."""
+        self.streams = streams
         if len(picks) < 2:
             return
         self.turns += 1
@@ -62,6 +64,12 @@ class _Sharing:
             self.uses += row.size
             self.distinct += np.unique(row).size
 
+    def add_gathered(self, uses: int, distinct: int) -> None:
+        """A gathered run of forwards: its layers' picks and distinct experts, as counted there."""
+        self.turns += 1
+        self.uses += uses
+        self.distinct += distinct
+
     def snapshot(self) -> p.BatchSharing | None:
         if not self.turns:
             return None
@@ -69,10 +77,12 @@ class _Sharing:
 
 
 class Batch:
-    def __init__(self, parallel: int, layers: int) -> None:
+    def __init__(self, parallel: int, layers: int, gather=None, end_token: Callable | None = None) -> None:
         self.parallel = max(1, parallel)
         self.streams: list[Stream] = []
         self.sharing = _Sharing(layers)
+        self.gather = gather  # engine.decode.layer_gather.LayerGather: None runs every forward alone
+        self._end_token = end_token  # the counters' end of a step (a gathered run is one, shared out)
 
     def __bool__(self) -> bool:
         return bool(self.streams)
@@ -96,22 +106,76 @@ class Batch:
 
     def turn(self, on_done: Callable[[Stream], None], on_error: Callable[[Stream, Exception], None]) -> None:
         """One forward of every open reply: those still reading their prompt first (a new request's
-        first token waits for no other reply's token), then the others, oldest first. The finished ones
-        leave through `on_done`, one that fails through `on_error` (the others go on)."""
-        picks = []
+        first token waits for no other reply's token), then the others, oldest first; one-token
+        forwards on a path that gathers run together (`gather`). The finished ones leave through
+        `on_done`, one that fails through `on_error` (the others go on)."""
+        self._on_done, self._on_error = on_done, on_error
+        streams = len(self.streams)
+        picks: list[np.ndarray] = []
+        for group in self._groups():
+            if len(group) > 1:
+                self._run_gathered(group)
+                continue
+            stream, path, forward = group[0]
+            stream.sequence.watch_routing()
+            ran = self._attempt(stream, lambda p=path, f=forward: p.run(f), forward)
+            if ran and stream.sequence.last_picks is not None:
+                picks.append(stream.sequence.last_picks)
+        self.sharing.add_turn(picks, streams)
+
+    def _groups(self) -> list[list[tuple[Stream, object, object]]]:
+        """The turn's forwards in order, those a `LayerGather` can run together in one group per path."""
+        groups: list[list] = []
+        together: dict[int, list] = {}
         for stream in sorted(self.streams, key=lambda s: not s.sequence.prefilling):
+            if stream.sequence.finished:  # cancelled since the last turn
+                self._leave(stream)
+                self._on_done(stream)
+                continue
             try:
-                going = stream.sequence.step()
+                path, forward = stream.sequence.prepare()
             except Exception as exc:
                 self._leave(stream)
-                on_error(stream, exc)
+                self._on_error(stream, exc)
                 continue
-            if stream.sequence.last_picks is not None:
-                picks.append(stream.sequence.last_picks)
-            if not going:
+            if self.gather is not None and stream.sequence.can_gather(path):
+                if id(path) not in together:
+                    together[id(path)] = []
+                    groups.append(together[id(path)])
+                together[id(path)].append((stream, path, forward))
+            else:
+                groups.append([(stream, path, forward)])
+        return groups
+
+    def _run_gathered(self, group: list) -> None:
+        """One-token forwards of several replies, their MoE layers computed once for all their rows."""
+        path = group[0][1]
+        self.gather.uses = self.gather.distinct = self.gather.layers_run = 0
+        try:
+            with path.gather_context():
+                logits = self.gather.run([lambda f=forward: path.forward(f) for _, _, forward in group])
+        except Exception as exc:
+            for stream, _, _ in group:
                 self._leave(stream)
-                on_done(stream)
-        self.sharing.add_turn(picks)
+                self._on_error(stream, exc)
+            return
+        self.sharing.add_gathered(self.gather.uses, self.gather.distinct)
+        shares = split_record(self._end_token(), len(group))
+        for (stream, _, forward), out, share in zip(group, logits, shares, strict=True):
+            self._attempt(stream, lambda o=out: o, forward, share)
+
+    def _attempt(self, stream: Stream, run: Callable, forward, record=None) -> bool:
+        """Run (or take) the forward's logits and finish its step; False when the reply left."""
+        try:
+            going = stream.sequence.finish(forward, run(), record)
+        except Exception as exc:
+            self._leave(stream)
+            self._on_error(stream, exc)
+            return False
+        if not going:
+            self._leave(stream)
+            self._on_done(stream)
+        return going
 
     def _leave(self, stream: Stream) -> None:
         self.streams.remove(stream)
@@ -137,3 +201,12 @@ def parallel_for(requested: int, kv_bytes_per_token: int, context_length: int, a
     if per_reply <= 0:
         return AUTO_PARALLEL_MAX
     return max(1, min(AUTO_PARALLEL_MAX, available_bytes // per_reply))
+
+
+def split_record(record: TokenRecord, parts: int) -> list[TokenRecord]:
+    """A gathered run's cache record shared out evenly between its `parts` replies (the remainder to the first)."""
+    def share(total: int, index: int) -> int:
+        return total // parts + (total % parts if index == 0 else 0)
+
+    return [TokenRecord(share(record.hits, i), share(record.misses, i), share(record.bytes_loaded, i),
+                        record.stall_s / parts) for i in range(parts)]

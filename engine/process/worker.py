@@ -144,7 +144,7 @@ class Worker:
             self.state = "idle"
 
         self.runtime, self.generator = runtime, Generator(runtime)
-        self.batch = Batch(_parallel(command, runtime), runtime.counters.num_layers)
+        self.batch = _batch_for(command, runtime)
         self.telemetry = TelemetryBuilder(runtime, self.started)
         info = runtime.info()
         self.send(p.LoadProgress(1.0, "ready"))
@@ -346,6 +346,15 @@ class Worker:
             snapshot.streams = [stream.info() for stream in self.batch.streams]
             snapshot.sharing = self.batch.sharing.snapshot()
             self.send(snapshot)
+
+
+def _batch_for(command: p.LoadModel, runtime) -> Batch:
+    """The loaded model's batch: its size, and the gathering of one-token forwards (engine.decode.layer_gather)."""
+    from engine.decode.layer_gather import LayerGather
+
+    parallel = _parallel(command, runtime)
+    gather = LayerGather(runtime.cache) if parallel > 1 else None
+    return Batch(parallel, runtime.counters.num_layers, gather, lambda: runtime.counters.end_token())
 
 
 def _parallel(command: p.LoadModel, runtime) -> int:

@@ -9,6 +9,7 @@ To add a path: implement `DecodePath` and put it in `MoERuntime`'s list, fastest
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
 
 import torch
@@ -37,6 +38,7 @@ class Step:
 
 class DecodePath(ABC):
     label: str  # how a decode token ran, for the user: "exact: transformers' kernels", ...
+    gathers = False  # one-token steps of several replies can run at once under `gather_context`
 
     @abstractmethod
     def unavailable(self, step: Step) -> str | None:
@@ -46,6 +48,16 @@ class DecodePath(ABC):
     def run(self, step: Step) -> torch.Tensor:
         """Run the step; the logits of its last position, [1, 1, vocab] (of every position, [1, n, vocab],
         when the step asks: only prompt paths are asked)."""
+
+    def gather_context(self) -> AbstractContextManager:
+        """For a path that `gathers` (its `run` is the model's own forward under some settings): those
+        settings, so that several replies' forwards run under them at once, their MoE layers gathered
+        into one computation (engine.decode.layer_gather), each forward by `forward`."""
+        raise NotImplementedError
+
+    def forward(self, step: Step) -> torch.Tensor:
+        """The step's forward inside `gather_context()`."""
+        raise NotImplementedError
 
 
 class PathChooser:

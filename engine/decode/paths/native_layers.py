@@ -23,7 +23,8 @@ engine.decode.modules.native_experts.
 
 from __future__ import annotations
 
-from contextlib import nullcontext
+from collections.abc import Iterator
+from contextlib import contextmanager, nullcontext
 
 import torch
 
@@ -116,6 +117,7 @@ class NativeLayersPath(DecodePath):
     """The model's forward with its qualifying modules and the experts on the native kernels."""
 
     label = "fast: native kernels, layer by layer"
+    gathers = True
 
     def __init__(self, context: DecodeContext) -> None:
         self.context = context
@@ -138,5 +140,17 @@ class NativeLayersPath(DecodePath):
         return problem
 
     def run(self, step: Step) -> torch.Tensor:
-        with self._switch.active(), self.context.cache.experts_kernel(NativeExperts(native.ready())):
-            return model_forward(self.context.model, step)
+        with self.gather_context():
+            return self.forward(step)
+
+    @contextmanager
+    def gather_context(self) -> Iterator[None]:
+        """The decode settings, and the prompt's native kernels for the many rows of a gathered layer."""
+        kernels = native.ready()
+        prompt = PromptKernels(NativePromptExperts(kernels, False), quantized_product(kernels), kernels.combine_rows)
+        with self._switch.active(), self.context.cache.experts_kernel(NativeExperts(kernels)), \
+                self.context.cache.prompt_kernels(prompt):
+            yield
+
+    def forward(self, step: Step) -> torch.Tensor:
+        return model_forward(self.context.model, step)
