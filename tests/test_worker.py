@@ -28,9 +28,9 @@ def endless_checkpoint(tmp_path_factory):
     return save_tiny_checkpoint("mixtral", tmp_path_factory.mktemp("endless") / "mixtral", eos_token_id=None)
 
 
-def loaded_engine(checkpoint):
+def loaded_engine(checkpoint, parallel: int = 0):
     client, log = started_client()
-    client.send(p.LoadModel(path=str(checkpoint), budget="all", store="disk"))
+    client.send(p.LoadModel(path=str(checkpoint), budget="all", store="disk", parallel=parallel))
     loaded = log.wait_for(lambda e: isinstance(e, (p.ModelLoaded, p.Error)))
     assert isinstance(loaded, p.ModelLoaded), loaded
     yield client, log
@@ -48,6 +48,12 @@ def engine(endless_checkpoint):
 def own_engine(endless_checkpoint):
     """An engine process for a test that kills it."""
     yield from loaded_engine(endless_checkpoint)
+
+
+@pytest.fixture
+def one_at_a_time_engine(endless_checkpoint):
+    """An engine that decodes one API reply at a time (`--parallel 1`)."""
+    yield from loaded_engine(endless_checkpoint, parallel=1)
 
 
 def done_for(log, rid: str, start: int = 0, timeout: float = 60):
@@ -213,3 +219,24 @@ def test_gui_side_imports_pull_in_neither_torch_nor_qt():
             "print(bad)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True).stdout
     assert out.strip() == "[]"
+
+
+def test_the_window_s_chat_joins_ahead_of_waiting_api_requests(one_at_a_time_engine):
+    client, log = one_at_a_time_engine
+    assert log.of(p.ModelLoaded)[0].parallel == 1
+    mark = log.mark()
+    first, waiting = f"{p.API_REQUEST_PREFIX}first", f"{p.API_REQUEST_PREFIX}waiting"
+    for rid, tokens in ((first, 200), (waiting, 30), ("chat-1", 30)):
+        client.send(p.Generate(rid, prompt_ids=PROMPT_IDS, sampling=p.SamplingSettings(temperature=0,
+                                                                                         max_new_tokens=tokens)))
+    for rid in (first, waiting, "chat-1"):
+        done_for(log, rid, mark)
+    events = log.events[mark:]
+
+    def at(kind, rid: str) -> int:
+        return next(i for i, e in enumerate(events) if isinstance(e, kind) and e.request_id == rid)
+
+    # the chat opened beside the running API reply (one more than --parallel), before the waiting one
+    assert at(p.PromptContext, "chat-1") < at(p.Done, first) < at(p.PromptContext, waiting)
+    replies = {e.request_id: e.token_ids for e in events if isinstance(e, p.Done)}
+    assert replies["chat-1"] == replies[waiting] == replies[first][:30]  # each the reply it gets alone
