@@ -253,14 +253,14 @@ class Load:
         return time.perf_counter() - start, replies
 
     def probe_under_load(self, others: int = STREAMS - 1) -> float:
-        """TTFT of one request sent once `others` are streaming (the first of them has its first token,
-        all sent); the others are cancelled after it."""
+        """TTFT of one request sent once `others` are streaming (each has its first token: they decode,
+        none is still reading its prompt); the others are cancelled after it."""
         cancel = threading.Event()
         started: list[Reply] = []
         with ThreadPoolExecutor(others) as pool:
             futures = [pool.submit(self._background, cancel, started) for _ in range(others)]
             deadline = time.monotonic() + 600
-            while not any(r.first for r in started) and time.monotonic() < deadline:
+            while not (len(started) == others and all(r.first for r in started)) and time.monotonic() < deadline:
                 if any(f.done() for f in futures):
                     break  # all finished already: nothing to wait for
                 time.sleep(0.01)
