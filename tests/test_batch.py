@@ -33,14 +33,17 @@ def greedy(tokens: int, stop: list[str] | None = None) -> SamplingSettings:
 
 
 def run_batch(runtime: MoERuntime, requests: list[tuple[list[int], SamplingSettings]],
-              cancel_after: dict[int, int] | None = None, gather: bool = False) -> tuple[list[GenerationResult], Batch]:
+              cancel_after: dict[int, int] | None = None, gather: bool = False,
+              routing: bool = False) -> tuple[list[GenerationResult], Batch]:
     """The requests opened together in one batch and advanced turn by turn to their ends; the one at
-    index i is cancelled after `cancel_after[i]` turns; `gather`: one-token forwards run gathered."""
+    index i is cancelled after `cancel_after[i]` turns; `gather`: one-token forwards run gathered;
+    `routing`: the first keeps its experts per token."""
     generator = Generator(runtime)
     batch = Batch(len(requests), runtime.counters.num_layers, LayerGather(runtime.cache) if gather else None,
                   lambda: runtime.counters.end_token())
     for index, (prompt, settings) in enumerate(requests):
-        batch.add(Stream(str(index), generator.start(prompt, settings), ReplyClock()))
+        sequence = generator.start(prompt, settings, keep_routing=routing and index == 0)
+        batch.add(Stream(str(index), sequence, ReplyClock()))
     results: dict[int, GenerationResult] = {}
     turns = 0
 
@@ -134,11 +137,13 @@ def fast_runtime(request, tiny_checkpoints, kernels):
 def test_gathered_one_token_forwards_give_each_reply_its_tokens_alone_and_load_shared_experts_once(fast_runtime):
     runtime = fast_runtime
     generator = Generator(runtime)
-    alone = [generator.generate(prompt, greedy(n)) for prompt, n in zip(PROMPTS, LENGTHS, strict=True)]
+    alone = [generator.generate(prompt, greedy(n), keep_routing=True) for prompt, n in zip(PROMPTS, LENGTHS, strict=True)]
     assert runtime.decode_path == "fast: native kernels, layer by layer"
     requests = [(p, greedy(n)) for p, n in zip(PROMPTS, LENGTHS, strict=True)]
     loads = runtime.counters.layer_misses.sum()
-    gathered, batch = run_batch(runtime, requests, gather=True)
+    gathered, batch = run_batch(runtime, requests, gather=True, routing=True)
+    assert gathered[0].routed_experts is not None  # the experts per token, kept apart in gathered layers
+    assert (gathered[0].routed_experts == alone[0].routed_experts).all()
     loads_gathered = runtime.counters.layer_misses.sum() - loads
     turns, _ = run_batch(runtime, requests)  # second, so on the cache the first left: no head start
     loads_in_turns = runtime.counters.layer_misses.sum() - loads - loads_gathered

@@ -40,6 +40,7 @@ class LayerGather:
     def __init__(self, cache) -> None:
         self.cache = cache
         self._members: set[greenlet] = set()
+        self.picks: list[np.ndarray] = []  # after `run`: each forward's experts, [layers, top_k] (-1: no MoE layer)
         self.uses = self.distinct = self.layers_run = 0  # expert picks and distinct experts, per gathered layer
         cache.gather = self
 
@@ -57,6 +58,8 @@ class LayerGather:
         and is raised here."""
         lets = [greenlet(forward) for forward in forwards]
         self._members = set(lets)
+        self.picks = [np.full((self.cache.layout.num_layers, self.cache.layout.top_k), -1, dtype=np.int16)
+                      for _ in lets]
         results: list[torch.Tensor | None] = [None] * len(lets)
         parked: dict[int, _Parked] = {}
         try:
@@ -66,6 +69,7 @@ class LayerGather:
                 layer = min(p.layer for p in parked.values())  # the same layer for all, in practice
                 here = {i: p for i, p in parked.items() if p.layer == layer}
                 outputs = self._run_layer(list(here.values()))
+                self._keep_picks(here)
                 for (index, _), output in zip(here.items(), outputs, strict=True):
                     del parked[index]
                     self._take(index, lets[index].switch(output), results, parked)
@@ -77,6 +81,14 @@ class LayerGather:
         finally:
             self._members = set()
         return results
+
+    def _keep_picks(self, here: dict[int, _Parked]) -> None:
+        """Each one-token forward's experts at this layer, in order of id (as the counters keep them for
+        a forward alone)."""
+        for index, parked in here.items():
+            row = parked.top_k_index.reshape(-1)
+            if row.numel() == self.picks[index].shape[1]:
+                self.picks[index][parked.layer] = np.sort(row.cpu().numpy())
 
     @staticmethod
     def _take(index: int, value, results: list, parked: dict) -> None:

@@ -99,19 +99,20 @@ class Sequence:
         counters.take_token_picks()
 
     def can_gather(self, path: DecodePath) -> bool:
-        """Its next forward may run gathered with others' (one token on a path that gathers; not when its
-        per-token routing is asked for, which a gathered layer does not keep apart)."""
-        return path.gathers and not self.prefilling and not self.keep_routing
+        """Its next forward may run gathered with others' (one token, on a path that gathers)."""
+        return path.gathers and not self.prefilling
 
-    def finish(self, forward: Step, logits: torch.Tensor, record: TokenRecord | None = None) -> bool:
-        """The forward ran: count it (`record`: its share of a gathered run's, else the counters' own),
-        then sample; False when the reply is over."""
+    def finish(self, forward: Step, logits: torch.Tensor, record: TokenRecord | None = None,
+               picks: np.ndarray | None = None) -> bool:
+        """The forward ran: count it (`record`, `picks`: its share of a gathered run's, else the
+        counters' own), then sample; False when the reply is over."""
         rt, counters = self.runtime, self.runtime.counters
         decoding = not self.prefilling
         self.kv = forward.kv  # the model's own cache class is made by its first forward
         self.fed += forward.input_ids.shape[1]
-        picks = counters.take_token_picks()
-        counters.keep_token_picks = False
+        if picks is None:
+            picks = counters.take_token_picks()
+            counters.keep_token_picks = False
         self.last_picks = picks if decoding else None
         if decoding and picks is not None and self.keep_routing:
             self.routed.append(picks)

@@ -161,13 +161,13 @@ class Batch:
             return
         self.sharing.add_gathered(self.gather.uses, self.gather.distinct)
         shares = split_record(self._end_token(), len(group))
-        for (stream, _, forward), out, share in zip(group, logits, shares, strict=True):
-            self._attempt(stream, lambda o=out: o, forward, share)
+        for (stream, _, forward), out, share, picks in zip(group, logits, shares, self.gather.picks, strict=True):
+            self._attempt(stream, lambda o=out: o, forward, share, picks)
 
-    def _attempt(self, stream: Stream, run: Callable, forward, record=None) -> bool:
+    def _attempt(self, stream: Stream, run: Callable, forward, record=None, picks=None) -> bool:
         """Run (or take) the forward's logits and finish its step; False when the reply left."""
         try:
-            going = stream.sequence.finish(forward, run(), record)
+            going = stream.sequence.finish(forward, run(), record, picks)
         except Exception as exc:
             self._leave(stream)
             self._on_error(stream, exc)
