@@ -24,6 +24,13 @@ GEOMETRIES: dict[str, dict] = {
         num_hidden_layers=8, num_attention_heads=8, num_key_value_heads=4, head_dim=64, num_experts=32,
         num_experts_per_tok=4, vocab_size=8192, max_position_embeddings=2048, tie_word_embeddings=False,
     ),
+    # Many layers of many experts (Qwen3-30B-A3B's 48 x 128, halved in depth, narrow): what grows with the
+    # count of layers and experts in the engine's own memory (issue 62's fourth overhead shape), 1.1 GiB of experts.
+    "qwen3moe-24l-128e": dict(
+        model_type="qwen3_moe", hidden_size=512, intermediate_size=1024, moe_intermediate_size=128,
+        num_hidden_layers=24, num_attention_heads=8, num_key_value_heads=4, head_dim=64, num_experts=128,
+        num_experts_per_tok=8, vocab_size=16384, max_position_embeddings=4096, tie_word_embeddings=False,
+    ),
     # Coarse, Mixtral-like: 8 big experts, top-2 (issue 10's second geometry, 1.1 GiB of experts).
     "mixtral-8e": dict(
         model_type="mixtral", hidden_size=1024, intermediate_size=2816, num_hidden_layers=8,
