@@ -43,26 +43,41 @@ def build_large(name: str, root: Path = CACHE_DIR, **shape) -> Path:
     return target
 
 
+def meta_model(config, path: Path):
+    """`config` saved at `path`, and the model it builds on the meta device (its tensors' names and shapes)."""
+    from accelerate import init_empty_weights
+    from transformers import AutoModelForCausalLM
+
+    path.mkdir(parents=True, exist_ok=True)
+    config.save_pretrained(path)
+    with init_empty_weights():
+        return AutoModelForCausalLM.from_config(config)
+
+
+def random_bf16(seed: int = 0):
+    """A maker of small random bf16 tensors (finite, like trained weights' scale), seeded."""
+    import torch
+
+    gen = torch.Generator().manual_seed(seed)
+
+    def rand(shape) -> torch.Tensor:
+        return (torch.randn(shape, generator=gen) * 0.02).to(torch.bfloat16)
+
+    return rand
+
+
 def write_qwen3_moe(path: Path, **shape) -> Path:
     """A bf16 Qwen3-MoE checkpoint of `shape` (config fields) at `path`: one shard a decoder layer."""
     import torch
-    from accelerate import init_empty_weights
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import AutoConfig
 
     from engine.model.safetensors_writer import StreamedSafetensors
 
     config = AutoConfig.for_model("qwen3_moe", **shape, max_position_embeddings=4096, dtype="bfloat16",
                                   architectures=["Qwen3MoeForCausalLM"],  # what llama.cpp's converter reads
                                   bos_token_id=1, eos_token_id=2, tie_word_embeddings=False)
-    path.mkdir(parents=True, exist_ok=True)
-    config.save_pretrained(path)
-    with init_empty_weights():
-        meta = AutoModelForCausalLM.from_config(config)
-    gen = torch.Generator().manual_seed(0)
-
-    def rand(shape) -> torch.Tensor:
-        return (torch.randn(shape, generator=gen) * 0.02).to(torch.bfloat16)
-
+    meta = meta_model(config, path)
+    rand = random_bf16()
     hidden, inter = config.hidden_size, config.moe_intermediate_size
     proj_shapes = {"gate_proj": (inter, hidden), "up_proj": (inter, hidden), "down_proj": (hidden, inter)}
     pool = {proj: [rand(s) for _ in range(POOL)] for proj, s in proj_shapes.items()}

@@ -443,14 +443,7 @@ class ExpertCache:
         and the layer runs once for all their rows."""
         if self.gather is not None and self.gather.owns_current():
             return self.gather.park(layer, module, hidden_states, top_k_index, top_k_weights)
-        routing = LayerRouting(layer, top_k_index, self.layout.num_experts)  # the one host sync
-        if self._jobs:
-            self._collect_finished()
-        found = self.record(routing.step)[0]
-        if self.policy.lookahead or self.tracer is not None:
-            self._observe_routing(layer, hidden_states, top_k_index, top_k_weights)
-        weights = top_k_weights.reshape(-1)
-        out_dtype = torch.promote_types(self.layout.compute_dtype, weights.dtype)
+        routing, found, weights, out_dtype = self._begin_layer(layer, hidden_states, top_k_index, top_k_weights)
         one_token = routing.picks is not None and not self.decode_grouped
         if one_token and len(found.ready) == routing.top_k:  # a decode token, every pick resident
             if self.policy.prefetches:
@@ -466,12 +459,10 @@ class ExpertCache:
             return self._one_token_step(layer, module, hidden_states, routing, weights, out_dtype)
         return self._compute(layer, module, hidden_states, routing, plan, weights, out_dtype)
 
-    def run_rows_apart(self, layer: int, module: torch.nn.Module, hidden_states: torch.Tensor,
-                       top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> torch.Tensor:
-        """One MoE layer for a few rows of different replies (engine.decode.layer_gather): their experts
-        recorded and loaded together (each once, however many rows picked it), then each row on the
-        one-token kernel, as it runs alone. Where their misses do not fit beside the resident experts
-        at once, or on a GPU's grouped decode, the many-rows computation runs instead."""
+    def _begin_layer(self, layer: int, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
+                     top_k_weights: torch.Tensor) -> tuple[LayerRouting, Lookup, torch.Tensor, torch.dtype]:
+        """A layer's routing summarised (the one host sync), recorded and shown to the policy: (routing,
+        what was found resident, the flat weights, the output dtype)."""
         routing = LayerRouting(layer, top_k_index, self.layout.num_experts)
         if self._jobs:
             self._collect_finished()
@@ -479,7 +470,15 @@ class ExpertCache:
         if self.policy.lookahead or self.tracer is not None:
             self._observe_routing(layer, hidden_states, top_k_index, top_k_weights)
         weights = top_k_weights.reshape(-1)
-        out_dtype = torch.promote_types(self.layout.compute_dtype, weights.dtype)
+        return routing, found, weights, torch.promote_types(self.layout.compute_dtype, weights.dtype)
+
+    def run_rows_apart(self, layer: int, module: torch.nn.Module, hidden_states: torch.Tensor,
+                       top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> torch.Tensor:
+        """One MoE layer for a few rows of different replies (engine.decode.layer_gather): their experts
+        recorded and loaded together (each once, however many rows picked it), then each row on the
+        one-token kernel, as it runs alone. Where their misses do not fit beside the resident experts
+        at once, or on a GPU's grouped decode, the many-rows computation runs instead."""
+        routing, found, weights, out_dtype = self._begin_layer(layer, hidden_states, top_k_index, top_k_weights)
         plan = self._plan_loads(layer, found, routing)
         if self.decode_grouped or plan.on_cpu or plan.waves:
             return self._compute(layer, module, hidden_states, routing, plan, weights, out_dtype)

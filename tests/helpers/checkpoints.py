@@ -251,8 +251,9 @@ def write_large_qwen3_moe(path: Path, *, layers: int = 6, experts: int = 64, hid
     Written with safetensors directly, in the Hub's per-expert naming, so the test process never
     holds more than one shard; the values are random but finite.
     """
-    from accelerate import init_empty_weights
     from safetensors.torch import save_file
+
+    from bench.large_checkpoint import meta_model, random_bf16
 
     config = AutoConfig.for_model(
         "qwen3_moe", hidden_size=hidden, intermediate_size=2 * hidden, moe_intermediate_size=expert_intermediate,
@@ -260,15 +261,8 @@ def write_large_qwen3_moe(path: Path, *, layers: int = 6, experts: int = 64, hid
         num_experts_per_tok=8, vocab_size=vocab, max_position_embeddings=512, dtype="bfloat16",
         eos_token_id=vocab - 1, bos_token_id=1, tie_word_embeddings=False,
     )
-    path.mkdir(parents=True, exist_ok=True)
-    config.save_pretrained(path)
-    with init_empty_weights():
-        meta = AutoModelForCausalLM.from_config(config)
-    gen = torch.Generator().manual_seed(0)
-
-    def rand(shape) -> torch.Tensor:
-        return (torch.randn(shape, generator=gen) * 0.02).to(torch.bfloat16)
-
+    meta = meta_model(config, path)
+    rand = random_bf16()
     tensors: dict[str, torch.Tensor] = {}
     for name, p in meta.state_dict().items():
         if ".experts." in name:
