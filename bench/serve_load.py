@@ -42,6 +42,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from bench.output import RESULTS_DIR, write_report
+from engine.system.process_settings import apply_process_settings
 
 STREAMS = 4  # the load: 4 clients at once (llama-server -np 4, moescope serve --parallel 4)
 KIND = "serve-load"
@@ -488,10 +489,9 @@ def command_line(args) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from bench.llamacpp_build import LlamaCppUnavailable
-    from engine.system.process_settings import apply_process_settings
-
     apply_process_settings()  # before anything computes
+    from bench.llamacpp_build import LlamaCppUnavailable
+
     parser = argparse.ArgumentParser(prog="python -m bench.serve_load", description=__doc__.split("\n\n")[0])
     parser.add_argument("--geometry", default="qwen3moe-64e", help="a bench.synthetic geometry or a checkpoint folder")
     parser.add_argument("--tokens", type=int, default=64, help="tokens each request generates (default 64)")

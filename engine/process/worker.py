@@ -173,6 +173,7 @@ class Worker:
             return
         self.runtime.close()
         self.runtime = self.generator = self.telemetry = None
+        self.batch = Batch(1, 0)  # the last model's gather holds its cache, and its end of a step its runtime
         # The model's modules and the cache refer to each other: only the cycle collector frees them, and
         # without this the next model would load beside the last one's weights.
         gc.collect()
