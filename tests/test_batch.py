@@ -9,7 +9,8 @@ from engine.decode.generation import GenerationResult, Generator
 from engine.decode.layer_gather import LayerGather
 from engine.decode.runtime import MoERuntime
 from engine.decode.sequence import PREFILL_CHUNK_TOKENS
-from engine.process.batch import Batch, Stream, parallel_for
+from engine.hub.estimate import parallel_for
+from engine.process.batch import Batch, Stream
 from engine.process.telemetry import ReplyClock
 from engine.protocol import LoadModel, SamplingSettings
 from tests.helpers.checkpoints import reference_generate

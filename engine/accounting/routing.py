@@ -51,3 +51,13 @@ class RoutingStep:
     def rows(self) -> Iterator[tuple[int, list[int], list[int]]]:
         """(layer, experts, counts) per row, as plain lists."""
         yield from zip(self.layers.tolist(), self.experts.tolist(), self.counts.tolist(), strict=True)
+
+
+def picks_and_distinct(experts: np.ndarray) -> tuple[int, int]:
+    """[rows, n] expert ids, -1 for none (a row a layer; the picks of several tokens side by side): how
+    many picks there are, and how many distinct experts, each row's counted apart and summed."""
+    ordered = np.sort(experts, axis=1)
+    first = np.ones(ordered.shape, dtype=bool)
+    first[:, 1:] = ordered[:, 1:] != ordered[:, :-1]
+    picked = ordered >= 0
+    return int(picked.sum()), int((first & picked).sum())

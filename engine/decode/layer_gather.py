@@ -24,6 +24,8 @@ import numpy as np
 import torch
 from greenlet import GreenletExit, getcurrent, greenlet
 
+from engine.accounting.routing import picks_and_distinct
+
 
 @dataclass
 class _Parked:
@@ -41,7 +43,7 @@ class LayerGather:
         self.cache = cache
         self._members: set[greenlet] = set()
         self.picks: list[np.ndarray] = []  # after `run`: each forward's experts, [layers, top_k] (-1: no MoE layer)
-        self.uses = self.distinct = self.layers_run = 0  # expert picks and distinct experts, per gathered layer
+        self.uses = self.distinct = 0  # expert picks and distinct experts of the last `run`, its layers summed
         cache.gather = self
 
     def owns_current(self) -> bool:
@@ -58,6 +60,7 @@ class LayerGather:
         and is raised here."""
         lets = [greenlet(forward) for forward in forwards]
         self._members = set(lets)
+        self.uses = self.distinct = 0
         self.picks = [np.full((self.cache.layout.num_layers, self.cache.layout.top_k), -1, dtype=np.int16)
                       for _ in lets]
         results: list[torch.Tensor | None] = [None] * len(lets)
@@ -104,8 +107,7 @@ class LayerGather:
         picks = torch.cat([p.top_k_index for p in waiting])
         out = self.cache.run_rows_apart(first.layer, first.module, torch.cat([p.hidden_states for p in waiting]), picks,
                                         torch.cat([p.top_k_weights for p in waiting]))
-        chosen = picks.reshape(-1).numpy() if picks.device.type == "cpu" else picks.reshape(-1).cpu().numpy()
-        self.uses += int(chosen.size)
-        self.distinct += int(np.unique(chosen).size)
-        self.layers_run += 1
+        uses, distinct = picks_and_distinct(picks.reshape(1, -1).cpu().numpy())
+        self.uses += uses
+        self.distinct += distinct
         return list(out.split(rows))

@@ -12,7 +12,7 @@ from collections.abc import Callable, Sequence
 
 import numpy as np
 
-from engine.accounting.counters import TokenRecord
+from engine.accounting.counters import EngineCounters, TokenRecord
 from engine.protocol import ReplyStats
 from engine.system.memory import peak_rss_bytes
 
@@ -117,8 +117,8 @@ class ReplyTimeline:
             decode_tokens_per_s=self.decode_rate(generated, t_end),
             hits=p.hits + d.hits,
             misses=p.misses + d.misses,
-            hit_rate=_rate(p.hits + d.hits, p.misses + d.misses),
-            decode_hit_rate=_rate(d.hits, d.misses),
+            hit_rate=EngineCounters.rate(p.hits + d.hits, p.misses + d.misses),
+            decode_hit_rate=EngineCounters.rate(d.hits, d.misses),
             bytes_loaded=p.bytes_loaded + d.bytes_loaded,
             decode_bytes_loaded=d.bytes_loaded,
             stall_s=p.stall_s + d.stall_s,
@@ -126,11 +126,6 @@ class ReplyTimeline:
             peak_rss_bytes=peak_rss_bytes(),
             total_s=t_end - self.t0,
         )
-
-
-def _rate(hits: int, misses: int) -> float:
-    total = hits + misses
-    return hits / total if total else 1.0
 
 
 def stack_routing(rows: list[np.ndarray], layers: int) -> np.ndarray:

@@ -19,7 +19,9 @@ from engine.model.checkpoint import read_config
 from engine.model.dtypes import dtype_name
 
 CONTEXT_TOKENS = 4096  # the context the working-memory estimate assumes
-PARALLEL_MAX = 4  # replies decoded at once, at most, when the engine chooses (engine.process.batch)
+# replies decoded at once, at most, when the engine chooses (engine.process.batch): more gain little on a
+# CPU, where their experts stop overlapping
+PARALLEL_MAX = 4
 
 # Stored bits per weight of quantized expert matrices in the checkpoint files (MXFP4: 4-bit values +
 # one 8-bit scale per 32; FP8: 8 bits, one float32 scale per 128x128 tile).
@@ -284,6 +286,18 @@ def _computed_file_bytes(total: int, expert_matrices: int, itemsize: int, quant:
     if quant in QUANT_BITS:  # expert matrices quantized, everything else (incl. expert biases) in bf16
         return int(expert_matrices * QUANT_BITS[quant] / 8) + (total - expert_matrices) * 2
     return None
+
+
+def parallel_for(requested: int, kv_bytes_per_token: int, context_length: int, available_bytes: int) -> int:
+    """How many replies decode at once: `requested` if set (at least 1), else as many as
+    `available_bytes` holds each one's KV cache for min(context, CONTEXT_TOKENS) tokens, 1 to
+    PARALLEL_MAX. The engine asks at load (`--parallel 0`), the fit verdict beside its budget."""
+    if requested > 0:
+        return requested
+    per_reply = kv_bytes_per_token * min(context_length, CONTEXT_TOKENS)
+    if per_reply <= 0:
+        return PARALLEL_MAX
+    return max(1, min(PARALLEL_MAX, available_bytes // per_reply))
 
 
 def kv_cache_bytes_per_token(cfg, itemsize: int) -> int:

@@ -8,7 +8,7 @@ from pathlib import Path
 
 from engine.accounting.sizes import format_bytes
 from engine.formats.blocks import FORMATS, parse_format
-from engine.hub.estimate import CONTEXT_TOKENS, PARALLEL_MAX, SizeEstimate, estimate_from_config
+from engine.hub.estimate import CONTEXT_TOKENS, SizeEstimate, estimate_from_config, parallel_for
 from engine.hub.machine import MachineInfo
 from engine.hub.supported import SHORT_DTYPES
 
@@ -113,8 +113,7 @@ def _run_verdict(est: SizeEstimate, m: MachineInfo) -> FitVerdict:
 def _with_parallel(est: SizeEstimate, spare_bytes: int, verdict: FitVerdict) -> FitVerdict:
     """The verdict with how many replies can decode at once (`moescope serve --parallel`): the first one's
     KV cache is counted already, each more takes another from the RAM left beside the budget."""
-    more = spare_bytes // est.kv_bytes if est.kv_bytes else PARALLEL_MAX
-    verdict.parallel = int(max(1, min(PARALLEL_MAX, 1 + more)))
+    verdict.parallel = parallel_for(0, est.kv_bytes_per_token, CONTEXT_TOKENS, spare_bytes + est.kv_bytes)
     verdict.details.append(f"replies at once: {verdict.parallel} fit beside this budget, each with its own KV cache "
                            f"for {CONTEXT_TOKENS} tokens ({format_bytes(est.kv_bytes)})")
     return verdict

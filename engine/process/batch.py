@@ -4,9 +4,9 @@ Up to `parallel` replies are open together (the window's chat may join as one mo
 waits behind the server's clients). A turn advances every open reply by one forward: a chunk of
 its prompt (those first), or one token. New replies join between turns, finished and cancelled ones leave, and
 each keeps its own KV cache, sampling, stop strings and figures (engine.decode.sequence), so a
-reply's tokens are the ones it would get alone. Experts that several replies pick in a turn are
-read (and, below `all`, loaded) once and then hit in the cache for the others; `BatchSharing`
-counts how often that happens.
+reply's tokens are the ones it would get alone. One-token forwards on a path that gathers run
+together (engine.decode.layer_gather): the experts they share are loaded once a turn.
+`BatchSharing` counts how many picks the turns' experts had.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ import numpy as np
 
 from engine import protocol as p
 from engine.accounting.counters import TokenRecord
-from engine.hub.estimate import CONTEXT_TOKENS, PARALLEL_MAX
+from engine.accounting.routing import picks_and_distinct
 
 if TYPE_CHECKING:  # the worker imports this before torch (it starts and answers before any model loads)
     from engine.decode.sequence import Sequence
@@ -33,7 +33,6 @@ class Stream:
     request_id: str
     sequence: Sequence
     clock: ReplyClock
-    return_routing: bool = False
 
     def info(self) -> p.StreamInfo:
         state = "prefill" if self.sequence.prefilling else "decoding"
@@ -55,17 +54,11 @@ class _Sharing:
         """`picks`: the [layers, top_k] experts of this turn's replies that ran alone (-1 pads);
         `streams`: how many replies the turn ran in all."""
         self.streams = streams
-        if len(picks) < 2:
-            return
-        self.turns += 1
-        for layer in range(self.layers):
-            row = np.concatenate([rows[layer] for rows in picks if layer < rows.shape[0]])
-            row = row[row >= 0]
-            self.uses += row.size
-            self.distinct += np.unique(row).size
+        if len(picks) >= 2:
+            self.add(*picks_and_distinct(np.concatenate(picks, axis=1)))
 
-    def add_gathered(self, uses: int, distinct: int) -> None:
-        """A gathered run of forwards: its layers' picks and distinct experts, as counted there."""
+    def add(self, uses: int, distinct: int) -> None:
+        """A turn's picks and distinct experts (for a gathered run, as counted there)."""
         self.turns += 1
         self.uses += uses
         self.distinct += distinct
@@ -150,7 +143,6 @@ class Batch:
     def _run_gathered(self, group: list) -> None:
         """One-token forwards of several replies, their MoE layers computed once for all their rows."""
         path = group[0][1]
-        self.gather.uses = self.gather.distinct = self.gather.layers_run = 0
         try:
             with path.gather_context():
                 logits = self.gather.run([lambda f=forward: path.forward(f) for _, _, forward in group])
@@ -159,7 +151,7 @@ class Batch:
                 self._leave(stream)
                 self._on_error(stream, exc)
             return
-        self.sharing.add_gathered(self.gather.uses, self.gather.distinct)
+        self.sharing.add(self.gather.uses, self.gather.distinct)
         shares = split_record(self._end_token(), len(group))
         for (stream, _, forward), out, share, picks in zip(group, logits, shares, self.gather.picks, strict=True):
             self._attempt(stream, lambda o=out: o, forward, share, picks)
@@ -184,23 +176,6 @@ class Batch:
     @property
     def state(self) -> str:
         return "decoding" if any(not s.sequence.prefilling for s in self.streams) else "prefill"
-
-
-# more replies at once gain little on a CPU (their experts stop overlapping); each is given room for the
-# KV cache of the context the fit verdict assumes
-AUTO_PARALLEL_MAX, AUTO_REPLY_TOKENS = PARALLEL_MAX, CONTEXT_TOKENS
-
-
-def parallel_for(requested: int, kv_bytes_per_token: int, context_length: int, available_bytes: int) -> int:
-    """How many replies decode at once: `requested` if set (at least 1), else as many as the memory
-    available now holds each one's KV cache for min(context, AUTO_REPLY_TOKENS) tokens, 1 to
-    AUTO_PARALLEL_MAX."""
-    if requested > 0:
-        return requested
-    per_reply = kv_bytes_per_token * min(context_length, AUTO_REPLY_TOKENS)
-    if per_reply <= 0:
-        return AUTO_PARALLEL_MAX
-    return max(1, min(AUTO_PARALLEL_MAX, available_bytes // per_reply))
 
 
 def split_record(record: TokenRecord, parts: int) -> list[TokenRecord]:

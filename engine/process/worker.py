@@ -16,7 +16,7 @@ from collections import deque
 
 from engine import protocol as p
 from engine.errors import MoEScopeError
-from engine.process.batch import Batch, Stream, parallel_for
+from engine.process.batch import Batch, Stream
 from engine.process.library_service import LibraryService
 
 
@@ -362,8 +362,7 @@ def _parallel(command: p.LoadModel, runtime) -> int:
     """LoadModel.parallel, or (0) as many replies as the memory left after the load holds."""
     import psutil
 
-    from engine.hub.estimate import kv_cache_bytes_per_token
+    from engine.hub.estimate import kv_cache_bytes_per_token, parallel_for
 
-    itemsize = runtime.dtype.itemsize if hasattr(runtime.dtype, "itemsize") else 2
-    per_token = kv_cache_bytes_per_token(runtime.model.config, itemsize)
+    per_token = kv_cache_bytes_per_token(runtime.model.config, runtime.dtype.itemsize)
     return parallel_for(command.parallel, per_token, runtime.context_length, psutil.virtual_memory().available)
