@@ -6,7 +6,6 @@ from __future__ import annotations
 import pytest
 
 from engine.decode.generation import GenerationResult, Generator
-from engine.decode.layer_gather import LayerGather
 from engine.decode.runtime import MoERuntime
 from engine.decode.sequence import PREFILL_CHUNK_TOKENS
 from engine.hub.estimate import parallel_for
@@ -40,7 +39,7 @@ def run_batch(runtime: MoERuntime, requests: list[tuple[list[int], SamplingSetti
     index i is cancelled after `cancel_after[i]` turns; `gather`: one-token forwards run gathered;
     `routing`: the first keeps its experts per token."""
     generator = Generator(runtime)
-    batch = Batch(len(requests), runtime.counters.num_layers, LayerGather(runtime.cache) if gather else None,
+    batch = Batch(len(requests), runtime.counters.num_layers, gather,
                   lambda: runtime.counters.end_token())
     for index, (prompt, settings) in enumerate(requests):
         sequence = generator.start(prompt, settings, keep_routing=routing and index == 0)

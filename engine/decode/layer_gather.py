@@ -9,10 +9,11 @@ its own rows' output. The dense weights are still read once per reply.
 
 Greenlets rather than threads: one thread, one forward running at a time, switched only at the MoE
 layers, so torch's and the kernels' thread-local state and thread pools are the ones a single
-forward sees. The rows of one layer computed together sum each row as that computation does (not
-as the one-token kernel does), so a gathered reply is the fast path's arithmetic on the same
-weights, not bit-identical to the reply alone; `--exact` never gathers (its paths have no
-`gather_context`).
+forward sees. Each row of a gathered layer runs on the one-token kernel, as alone (the same bits),
+unless the misses do not fit beside the resident experts: then the many-rows computation (a
+prompt's) sums them its own way, the fast path's arithmetic on the same weights. `--exact` never
+gathers (its paths do not `gather`). The per-layer native path runs this
+(`NativeLayersPath.run_together`).
 """
 
 from __future__ import annotations

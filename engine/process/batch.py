@@ -5,7 +5,8 @@ waits behind the server's clients). A turn advances every open reply by one forw
 its prompt (those first), or one token. New replies join between turns, finished and cancelled ones leave, and
 each keeps its own KV cache, sampling, stop strings and figures (engine.decode.sequence), so a
 reply's tokens are the ones it would get alone. One-token forwards on a path that gathers run
-together (engine.decode.layer_gather): the experts they share are loaded once a turn.
+together (`DecodePath.run_together`: one native step for all of them, or their layers gathered by
+engine.decode.layer_gather): the weights they share are read, and the experts loaded, once a turn.
 `BatchSharing` counts how many picks the turns' experts had.
 """
 
@@ -70,11 +71,11 @@ class _Sharing:
 
 
 class Batch:
-    def __init__(self, parallel: int, layers: int, gather=None, end_token: Callable | None = None) -> None:
+    def __init__(self, parallel: int, layers: int, together: bool = False, end_token: Callable | None = None) -> None:
         self.parallel = max(1, parallel)
         self.streams: list[Stream] = []
         self.sharing = _Sharing(layers)
-        self.gather = gather  # engine.decode.layer_gather.LayerGather: None runs every forward alone
+        self.together = together  # one-token forwards on a path that gathers run together (else each alone)
         self._end_token = end_token  # the counters' end of a step (a gathered run is one, shared out)
 
     def __bool__(self) -> bool:
@@ -100,7 +101,7 @@ class Batch:
     def turn(self, on_done: Callable[[Stream], None], on_error: Callable[[Stream, Exception], None]) -> None:
         """One forward of every open reply: those still reading their prompt first (a new request's
         first token waits for no other reply's token), then the others, oldest first; one-token
-        forwards on a path that gathers run together (`gather`). The finished ones leave through
+        forwards on a path that gathers run together (`together`). The finished ones leave through
         `on_done`, one that fails through `on_error` (the others go on)."""
         self._on_done, self._on_error = on_done, on_error
         streams = len(self.streams)
@@ -117,7 +118,7 @@ class Batch:
         self.sharing.add_turn(picks, streams)
 
     def _groups(self) -> list[list[tuple[Stream, object, object]]]:
-        """The turn's forwards in order, those a `LayerGather` can run together in one group per path."""
+        """The turn's forwards in order, those a path can run together in one group per path."""
         groups: list[list] = []
         together: dict[int, list] = {}
         for stream in sorted(self.streams, key=lambda s: not s.sequence.prefilling):
@@ -131,7 +132,7 @@ class Batch:
                 self._leave(stream)
                 self._on_error(stream, exc)
                 continue
-            if self.gather is not None and stream.sequence.can_gather(path):
+            if self.together and stream.sequence.can_gather(path):
                 if id(path) not in together:
                     together[id(path)] = []
                     groups.append(together[id(path)])
@@ -141,19 +142,18 @@ class Batch:
         return groups
 
     def _run_gathered(self, group: list) -> None:
-        """One-token forwards of several replies, their MoE layers computed once for all their rows."""
+        """One-token forwards of several replies run together by their path."""
         path = group[0][1]
         try:
-            with path.gather_context():
-                logits = self.gather.run([lambda f=forward: path.forward(f) for _, _, forward in group])
+            together = path.run_together([forward for _, _, forward in group])
         except Exception as exc:
             for stream, _, _ in group:
                 self._leave(stream)
                 self._on_error(stream, exc)
             return
-        self.sharing.add(self.gather.uses, self.gather.distinct)
+        self.sharing.add(together.uses, together.distinct)
         shares = split_record(self._end_token(), len(group))
-        for (stream, _, forward), out, share, picks in zip(group, logits, shares, self.gather.picks, strict=True):
+        for (stream, _, forward), out, share, picks in zip(group, together.logits, shares, together.picks, strict=True):
             self._attempt(stream, lambda o=out: o, forward, share, picks)
 
     def _attempt(self, stream: Stream, run: Callable, forward, record=None, picks=None) -> bool:

@@ -173,7 +173,7 @@ class Worker:
             return
         self.runtime.close()
         self.runtime = self.generator = self.telemetry = None
-        self.batch = Batch(1, 0)  # the last model's gather holds its cache, and its end of a step its runtime
+        self.batch = Batch(1, 0)  # the last model's end of a step holds its runtime
         # The model's modules and the cache refer to each other: only the cycle collector frees them, and
         # without this the next model would load beside the last one's weights.
         gc.collect()
@@ -350,12 +350,9 @@ class Worker:
 
 
 def _batch_for(command: p.LoadModel, runtime) -> Batch:
-    """The loaded model's batch: its size, and the gathering of one-token forwards (engine.decode.layer_gather)."""
-    from engine.decode.layer_gather import LayerGather
-
+    """The loaded model's batch: its size, and whether one-token forwards run together."""
     parallel = _parallel(command, runtime)
-    gather = LayerGather(runtime.cache) if parallel > 1 else None
-    return Batch(parallel, runtime.counters.num_layers, gather, lambda: runtime.counters.end_token())
+    return Batch(parallel, runtime.counters.num_layers, parallel > 1, lambda: runtime.counters.end_token())
 
 
 def _parallel(command: p.LoadModel, runtime) -> int:

@@ -201,6 +201,7 @@ class WholeTokenStep:
         always_normalize, cast_back, softmax_of_top = (False, False, False) if _grouped(gate) else router_recipe(gate)
         self.model, self.cache = model, cache
         self.kernels = kernels
+        self.transposed = False
         self._rotary_dim = _rotary_dim(inner.rotary_emb)
         matrix = partial(linear_weight, kernels)
         self._native = kernels.NativeWholeTokenStep(
@@ -230,18 +231,20 @@ class WholeTokenStep:
                 self._native.set_router(index, router.weight)
             if softmax_of_top:
                 self._native.set_router_bias(index, router.bias)
-            self._native.set_experts(index, *self._experts(cache_layer[index]))
+            experts = self._experts(cache_layer[index])
+            self.transposed = experts[4]  # read as x @ W (GPT-OSS's bf16 experts): one reply per step
+            self._native.set_experts(index, *experts)
             if (shared := _shared(block)) is not None:
                 gate_row = getattr(block, "shared_expert_gate", None)
                 self._native.set_shared_expert(index, matrix(shared.gate_proj), matrix(shared.up_proj),
                                                matrix(shared.down_proj),
                                                None if gate_row is None else gate_row.weight.reshape(-1))
         self._placed = (cache.slot_views, cache.directory.changes)
-        self._picks = torch.empty((len(self.moe_layers), gate.top_k), dtype=torch.long)
-        # numpy views and the constant parts of each token's RoutingStep, made once: between tokens
-        # every numpy or torch call runs cold (the weight streams evict its code and data), so the
-        # per-token bookkeeping keeps to one sort
-        self._picks_np = self._picks.numpy()
+        self._top_k = gate.top_k
+        self._picks = torch.empty((1, len(self.moe_layers), gate.top_k), dtype=torch.long)
+        # the constant parts of each token's RoutingStep, made once: between tokens every numpy or
+        # torch call runs cold (the weight streams evict its code and data), so the per-token
+        # bookkeeping keeps to one sort
         self._rows = np.arange(len(self.moe_layers), dtype=np.int64)
         self._ones = np.ones((len(self.moe_layers), gate.top_k), dtype=np.int64)
         # the rotary call reads the embedding row's dtype only
@@ -286,19 +289,36 @@ class WholeTokenStep:
     def step(self, token: int, past_key_values) -> torch.Tensor:
         """Logits [1, 1, vocab] for `token` at the next position; the KV cache grows by it and the
         expert cache records the token's routing. Call only when `WholeTokenPath` allows it."""
+        return self.step_rows([token], [past_key_values])[0]
+
+    def step_rows(self, tokens: list[int], caches: list) -> tuple[torch.Tensor, np.ndarray]:
+        """One step for several replies (each its `token` and its KV cache): their logits [rows, 1,
+        vocab], each as the reply gets alone, and their experts [rows, MoE layers, top_k] in order of
+        id. Every weight is read once for all of them. The expert cache records each token."""
         cache = self.cache
         if self._placed != (cache.slot_views, cache.directory.changes):  # experts moved (a re-plan)
             for layer, index in enumerate(self.moe_layers):
                 self._native.set_experts(index, *self._experts(layer))
             self._placed = (cache.slot_views, cache.directory.changes)
-        position = past_key_values.get_seq_length()
-        cos, sin = self._rotary(position)
-        keys, values, starts, lengths = zip(*(layer.reserve_next() for layer in past_key_values.layers), strict=True)
-        logits = self._native.run(token, cos, sin, keys, values, starts, lengths, self._picks)
-        for layer in past_key_values.layers:
-            layer.grow_by_one()
-        cache.record_resident(RoutingStep(self._rows, np.sort(self._picks_np, axis=1), self._ones))
-        return logits
+        rotary = [self._rotary(kv.get_seq_length()) for kv in caches]
+        cos = torch.stack([c.reshape(-1) for c, _ in rotary])
+        sin = torch.stack([s.reshape(-1) for _, s in rotary])
+        reserved = [list(zip(*(layer.reserve_next() for layer in kv.layers), strict=True)) for kv in caches]
+        keys, values, starts, lengths = (list(part) for part in zip(*reserved, strict=True))
+        picks = self._picks_for(len(tokens))
+        logits = self._native.run(tokens, cos, sin, keys, values, starts, lengths, picks)
+        for kv in caches:
+            for layer in kv.layers:
+                layer.grow_by_one()
+        ordered = np.sort(picks.numpy(), axis=2)
+        for row in ordered:
+            cache.record_resident(RoutingStep(self._rows, row, self._ones))
+        return logits, ordered
+
+    def _picks_for(self, rows: int) -> torch.Tensor:
+        if self._picks.shape[0] != rows:
+            self._picks = torch.empty((rows, len(self.moe_layers), self._top_k), dtype=torch.long)
+        return self._picks
 
     def phase_seconds(self) -> dict[str, float]:
         """Seconds the native steps spent per part so far (norms, qkv_rope, attention, o_proj,

@@ -26,7 +26,7 @@ from engine.formats.blocks import FORMATS, FP8, BlockFormat
 LIB_DIR = Path(__file__).with_name("lib")
 SOURCE_DIR = Path(__file__).with_name("src")
 VARIANT_ENV = "MOESCOPE_KERNEL_VARIANT"  # runs this variant instead of the best one (A/B runs, tests)
-ABI_VERSION = 1
+ABI_VERSION = 2
 
 
 class KernelError(RuntimeError):
@@ -194,7 +194,7 @@ _SIGNATURES: dict[str, tuple] = {
     "moescope_step_set_attention_extras": (c_int, [_P, _I, _Vector, c_int, _Vector]),
     "moescope_step_set_router_bias": (c_int, [_P, _I, _Vector]),
     "moescope_step_set_shared_expert": (c_int, [_P, _I, _M, _M, _M, _Vector]),
-    "moescope_step_run": (c_int, [_P, _I, _Vector, _Vector, POINTER(_Kv), POINTER(_Kv), _P, _P, _I, _P, _I, _P, _I]),
+    "moescope_step_run": (c_int, [_P, _I, _P, _Vector, _Vector, POINTER(_Kv), POINTER(_Kv), _P, _P, _I, _P, _I, _P, _I]),
     "moescope_step_phase_names": (c_char_p, []),
     "moescope_step_phase_seconds": (c_int, [_P, POINTER(c_double), c_int]),
 }
@@ -534,7 +534,10 @@ class _Held:
 
 
 class NativeWholeTokenStep:
-    """The whole-token step (src/step/whole_token_step.h): set up once per model, then one call per token."""
+    """The whole-token step (src/step/whole_token_step.h): set up once per model, then one call per
+    token, or per turn of several replies' tokens."""
+
+    MAX_ROWS = 16  # WholeTokenStep::kMaxRows
 
     def __init__(self, kernels: Kernels, embed: torch.Tensor, final_norm: torch.Tensor, final_eps: float,
                  lm_head: Weight, top_k: int, normalize: bool, cast_back: bool, softmax_of_top: bool = False,
@@ -552,9 +555,9 @@ class NativeWholeTokenStep:
         self._handle = handle
         self._vocab = lm_head.matrix.rows
         self._layers = 0
-        self._views: list[_LayerViews] = []
+        self._views: list[list[_LayerViews]] = [[] for _ in range(self.MAX_ROWS)]  # per row of a step, per layer
         self._keys = self._values = None
-        self._starts = self._lengths = None
+        self._starts = self._lengths = self._tokens = None
 
     def __del__(self) -> None:
         handle, self._handle = getattr(self, "_handle", None), None
@@ -571,7 +574,8 @@ class NativeWholeTokenStep:
         self._call("moescope_step_add_layer", a, input_eps, ctypes.byref(wo.matrix), b, post_eps)
         self._held.hold(self._layers, "layer", a, b, wo)
         self._layers += 1
-        self._views.append(_LayerViews())
+        for views in self._views:
+            views.append(_LayerViews())
 
     def set_attention(self, layer: int, wq: Weight, wk: Weight, wv: Weight, q_norm: torch.Tensor | None,
                       k_norm: torch.Tensor | None, qk_eps: float, head_dim: int, scale: float,
@@ -644,32 +648,41 @@ class NativeWholeTokenStep:
                    ctypes.byref(down_proj.matrix), g)
         self._held.hold(layer, "shared", gate_proj, up_proj, down_proj, g)
 
-    def run(self, token: int, cos: torch.Tensor, sin: torch.Tensor, keys: Sequence[torch.Tensor],
-            values: Sequence[torch.Tensor], starts: Sequence[int], lengths: Sequence[int],
-            picks: torch.Tensor) -> torch.Tensor:
-        """One token; returns the logits [1, 1, vocab] in bf16 and fills `picks` [MoE layers, top_k]
-        (int64) with each MoE layer's experts in router order. keys/values: each layer's cache
-        buffer, attending to positions [starts[i], starts[i] + lengths[i]) besides the token itself."""
-        layers = self._layers
-        _check(len(keys) == layers and len(values) == layers and len(starts) == layers and len(lengths) == layers,
-               "run: one key and one value buffer, start and length per layer")
+    def run(self, tokens: Sequence[int], cos: torch.Tensor, sin: torch.Tensor,
+            keys: Sequence[Sequence[torch.Tensor]], values: Sequence[Sequence[torch.Tensor]],
+            starts: Sequence[Sequence[int]], lengths: Sequence[Sequence[int]], picks: torch.Tensor) -> torch.Tensor:
+        """One token of each of `len(tokens)` replies; returns their logits [rows, 1, vocab] in bf16 and
+        fills `picks` [rows, MoE layers, top_k] (int64) with each MoE layer's experts in router order.
+        cos/sin: [rows, n], each token's rotary row. keys/values/starts/lengths: per row, per layer: the
+        cache buffer, attending to positions [start, start + length) besides the token itself."""
+        layers, rows = self._layers, len(tokens)
+        _check(0 < rows <= self.MAX_ROWS, f"run: 1 to {self.MAX_ROWS} tokens")
+        _check(all(len(per_row) == rows for per_row in (keys, values, starts, lengths)),
+               "run: one key and one value buffer, start and length per layer, for every token")
         if self._keys is None:
-            self._keys, self._values = (_Kv * layers)(), (_Kv * layers)()
-            self._starts, self._lengths = (c_int64 * layers)(), (c_int64 * layers)()
-        for i, view in enumerate(self._views):  # the buffers stay the same tensors until the cache grows
-            if view.keys is not keys[i]:
-                self._keys[i], view.keys = _kv(keys[i], "run: keys"), keys[i]
-            if view.values is not values[i]:
-                self._values[i], view.values = _kv(values[i], "run: values"), values[i]
-        self._starts[:] = starts
-        self._lengths[:] = lengths
+            n = self.MAX_ROWS * layers
+            self._keys, self._values = (_Kv * n)(), (_Kv * n)()
+            self._starts, self._lengths = (c_int64 * n)(), (c_int64 * n)()
+            self._tokens = (c_int64 * self.MAX_ROWS)()
+        for r in range(rows):
+            _check(all(len(per_layer[r]) == layers for per_layer in (keys, values, starts, lengths)),
+                   "run: one key and one value buffer, start and length per layer")
+            for i, view in enumerate(self._views[r]):  # the buffers stay the same tensors until the cache grows
+                at = r * layers + i
+                if view.keys is not keys[r][i]:
+                    self._keys[at], view.keys = _kv(keys[r][i], "run: keys"), keys[r][i]
+                if view.values is not values[r][i]:
+                    self._values[at], view.values = _kv(values[r][i], "run: values"), values[r][i]
+            self._starts[r * layers:(r + 1) * layers] = starts[r]
+            self._lengths[r * layers:(r + 1) * layers] = lengths[r]
+        self._tokens[:rows] = tokens
         _check(picks.dtype == torch.long and picks.is_contiguous(), "run: picks must be a contiguous int64 tensor")
         c = _vector(cos.reshape(-1), "cos")
         s = _vector(sin.reshape(-1), "sin")
-        logits = torch.empty((1, 1, self._vocab), dtype=torch.bfloat16)
-        self._call("moescope_step_run", token, c, s, self._keys, self._values, ctypes.addressof(self._starts),
-                   ctypes.addressof(self._lengths), layers, picks.data_ptr(), picks.numel(), logits.data_ptr(),
-                   self._vocab)
+        logits = torch.empty((rows, 1, self._vocab), dtype=torch.bfloat16)
+        self._call("moescope_step_run", rows, ctypes.addressof(self._tokens), c, s, self._keys, self._values,
+                   ctypes.addressof(self._starts), ctypes.addressof(self._lengths), layers, picks.data_ptr(),
+                   picks.numel(), logits.data_ptr(), rows * self._vocab)
         return logits
 
     def phase_seconds(self) -> dict[str, float]:

@@ -9,9 +9,9 @@ To add a path: implement `DecodePath` and put it in `MoERuntime`'s list, fastest
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from contextlib import AbstractContextManager
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 from transformers import DynamicCache
 
@@ -36,9 +36,19 @@ class Step:
         return self.token if self.token is not None else int(self.input_ids[0, -1])
 
 
+@dataclass
+class Together:
+    """One-token steps of several replies run at once (`DecodePath.run_together`)."""
+
+    logits: list[torch.Tensor]  # per step, [1, 1, vocab]
+    picks: list[np.ndarray]  # per step, its experts [MoE layers, top_k] in order of id (-1: none)
+    uses: int  # expert picks of the run, its layers summed
+    distinct: int  # distinct experts the run computed, its layers summed
+
+
 class DecodePath(ABC):
     label: str  # how a decode token ran, for the user: "exact: transformers' kernels", ...
-    gathers = False  # one-token steps of several replies can run at once under `gather_context`
+    gathers = False  # one-token steps of several replies can run at once (`run_together`)
 
     @abstractmethod
     def unavailable(self, step: Step) -> str | None:
@@ -49,14 +59,9 @@ class DecodePath(ABC):
         """Run the step; the logits of its last position, [1, 1, vocab] (of every position, [1, n, vocab],
         when the step asks: only prompt paths are asked)."""
 
-    def gather_context(self) -> AbstractContextManager:
-        """For a path that `gathers` (its `run` is the model's own forward under some settings): those
-        settings, so that several replies' forwards run under them at once, their MoE layers gathered
-        into one computation (engine.decode.layer_gather), each forward by `forward`."""
-        raise NotImplementedError
-
-    def forward(self, step: Step) -> torch.Tensor:
-        """The step's forward inside `gather_context()`."""
+    def run_together(self, steps: list[Step]) -> Together:
+        """For a path that `gathers`: one-token steps of several replies at once, each reply's logits
+        and experts the ones it gets alone; the experts they share computed once."""
         raise NotImplementedError
 
 

@@ -28,11 +28,12 @@ from contextlib import contextmanager, nullcontext
 
 import torch
 
+from engine.decode.layer_gather import LayerGather
 from engine.decode.modules.native_experts import NativeExperts, NativePromptExperts, quantized_product
 from engine.decode.modules.native_modules import install
 from engine.decode.modules.switch import NativeSwitch
 from engine.decode.native import kernels as native
-from engine.decode.paths.base import DecodePath, Step
+from engine.decode.paths.base import DecodePath, Step, Together
 from engine.decode.paths.context import DecodeContext
 from engine.decode.paths.transformers_path import model_forward
 from engine.offload.expert_compute import PromptKernels
@@ -122,6 +123,7 @@ class NativeLayersPath(DecodePath):
     def __init__(self, context: DecodeContext) -> None:
         self.context = context
         self._switch: NativeSwitch | None = None
+        self._gather: LayerGather | None = None  # made at the first steps run together
 
     @property
     def switch(self) -> NativeSwitch | None:
@@ -140,17 +142,23 @@ class NativeLayersPath(DecodePath):
         return problem
 
     def run(self, step: Step) -> torch.Tensor:
-        with self.gather_context():
-            return self.forward(step)
+        with self._decode_context():
+            return model_forward(self.context.model, step)
+
+    def run_together(self, steps: list[Step]) -> Together:
+        """Each step's model forward, their MoE layers gathered into one computation (engine.decode.layer_gather)."""
+        if self._gather is None:
+            self._gather = LayerGather(self.context.cache)
+        gather = self._gather
+        with self._decode_context():
+            logits = gather.run([lambda s=step: model_forward(self.context.model, s) for step in steps])
+        return Together(logits, gather.picks, gather.uses, gather.distinct)
 
     @contextmanager
-    def gather_context(self) -> Iterator[None]:
+    def _decode_context(self) -> Iterator[None]:
         """The decode settings, and the prompt's native kernels for the many rows of a gathered layer."""
         kernels = native.ready()
         prompt = PromptKernels(NativePromptExperts(kernels, False), quantized_product(kernels), kernels.combine_rows)
         with self._switch.active(), self.context.cache.experts_kernel(NativeExperts(kernels)), \
                 self.context.cache.prompt_kernels(prompt):
             yield
-
-    def forward(self, step: Step) -> torch.Tensor:
-        return model_forward(self.context.model, step)

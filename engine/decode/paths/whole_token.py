@@ -16,6 +16,10 @@ and the lm_head in one call (`NativeWholeTokenStep`, over src/step/whole_token_s
 kernels in the same order; the expert cache then records the token from the picks it returns,
 through the same `record` the per-layer path uses.
 
+Several replies' tokens run as one step (`run_together`): every weight is read once for all of
+them and each expert of their union once, and each reply gets the logits it gets alone (the same
+sums; GPT-OSS's transposed experts run one reply at a time).
+
 It applies only while every expert of every layer is resident and nothing needs a layer's
 routing as it happens (a lookahead policy, a trace, a routing restriction); otherwise, and for
 the first token of every reply, another path runs.
@@ -23,18 +27,22 @@ the first token of every reply, another path runs.
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
+from engine.accounting.routing import picks_and_distinct
 from engine.decode.kv_cache import BlockLayer, BlockSlidingLayer
 from engine.decode.modules.whole_token_step import WholeTokenStep, recognise, slots_problem
 from engine.decode.native import kernels as native
-from engine.decode.paths.base import DecodePath, Step
+from engine.decode.native.library import NativeWholeTokenStep
+from engine.decode.paths.base import DecodePath, Step, Together
 from engine.decode.paths.context import DecodeContext
 from engine.decode.paths.native_layers import native_problem
 
 
 class WholeTokenPath(DecodePath):
     label = "fast: whole token in one native call"
+    gathers = True
 
     def __init__(self, context: DecodeContext) -> None:
         self.context = context
@@ -61,6 +69,17 @@ class WholeTokenPath(DecodePath):
 
     def run(self, step: Step) -> torch.Tensor:
         return self.decoder.step(step.last_token, step.kv)
+
+    def run_together(self, steps: list[Step]) -> Together:
+        decoder, rows = self.decoder, NativeWholeTokenStep.MAX_ROWS
+        logits, picks = [], []
+        for start in range(0, len(steps), 1 if decoder.transposed else rows):
+            part = steps[start:start + (1 if decoder.transposed else rows)]
+            out, experts = decoder.step_rows([step.last_token for step in part], [step.kv for step in part])
+            logits.extend(out.split(1))
+            picks.extend(experts.astype(np.int16))
+        uses, distinct = picks_and_distinct(np.concatenate(picks, axis=1))
+        return Together(logits, picks, uses, distinct)
 
     @property
     def decoder(self) -> WholeTokenStep:

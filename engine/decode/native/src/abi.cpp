@@ -392,14 +392,14 @@ int moescope_step_set_shared_expert(ms_step* s, int64_t layer, const ms_matrix* 
   });
 }
 
-int moescope_step_run(ms_step* s, int64_t token, ms_vector cos, ms_vector sin, const ms_kv* keys, const ms_kv* values,
-                      const int64_t* starts, const int64_t* lengths, int64_t layers, int64_t* picks, int64_t picks_len,
-                      uint16_t* logits, int64_t logits_len) {
+int moescope_step_run(ms_step* s, int64_t rows, const int64_t* tokens, ms_vector cos, ms_vector sin,
+                      const ms_kv* keys, const ms_kv* values, const int64_t* starts, const int64_t* lengths,
+                      int64_t layers, int64_t* picks, int64_t picks_len, uint16_t* logits, int64_t logits_len) {
   return guarded([&] {
     MOESCOPE_CHECK(keys != nullptr && values != nullptr && starts != nullptr && lengths != nullptr,
                    "run: one key and one value buffer, start and length per layer");
-    s->step.run(token, vector_of(cos), vector_of(sin), keys, values, starts, lengths, layers, picks, picks_len, logits,
-                logits_len);
+    s->step.run(rows, tokens, vector_of(cos), vector_of(sin), keys, values, starts, lengths, layers, picks, picks_len,
+                logits, logits_len);
   });
 }
 

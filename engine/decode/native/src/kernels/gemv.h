@@ -6,6 +6,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
+#include <vector>
 
 #include "../base/features.h"
 #include "../base/scalar.h"
@@ -38,6 +39,37 @@ inline void gemv_into_rows(const Matrix& m, const bf16* x, int64_t begin, int64_
     return;
   }
   for (int64_t n = begin; n < end; ++n) out[n - first] = qdot_row(m, n, x);
+}
+
+// out_i[n - first] = W[n, :] . x_i for rows [begin, end) and `count` inputs (several replies' tokens
+// at once): a block of rows at a time, each block's products for every input before the next, so a
+// weight row comes from memory once however many inputs read it. Each sum is the one-input loop's,
+// to the bit (the same dot of the same row and input).
+inline void gemv_many_into_rows(const Matrix& m, const bf16* const* xs, int64_t count, int64_t begin, int64_t end,
+                                float* const* outs, int64_t first) {
+  if (count == 1) return gemv_into_rows(m, xs[0], begin, end, outs[0], first);
+  // rows per block: about 16 KiB of weights, which stay in the L1 cache across the inputs
+  const int64_t block = std::max<int64_t>(1, 16384 / std::max<int64_t>(1, m.row_bytes));
+  const bool integer = m.type != kBF16 && has_integer_dot(m.type) && integer_dots_enabled();
+  thread_local std::vector<FixedInput> fixed;
+  if (integer) {
+    if (static_cast<int64_t>(fixed.size()) < count) fixed.resize(count);
+    for (int64_t i = 0; i < count; ++i) fixed[i].prepare(xs[i], m.cols);
+  }
+  const bf16* w = reinterpret_cast<const bf16*>(m.data);
+  const int64_t ld = m.row_bytes / 2;
+  for (int64_t b = begin; b < end; b += block) {
+    const int64_t e = std::min(end, b + block);
+    for (int64_t i = 0; i < count; ++i) {
+      float* out = outs[i] - first;
+      if (m.type == kBF16)
+        for (int64_t n = b; n < e; ++n) out[n] = dot_row(w + n * ld, xs[i], m.cols);
+      else if (integer)
+        for (int64_t n = b; n < e; ++n) out[n] = idot_row(m, n, fixed[i]);
+      else
+        for (int64_t n = b; n < e; ++n) out[n] = qdot_row(m, n, xs[i]);
+    }
+  }
 }
 
 // out[n] = W[n, :] . x for rows [begin, end).

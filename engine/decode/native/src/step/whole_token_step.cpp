@@ -181,78 +181,100 @@ void WholeTokenStep::set_shared_expert(int64_t layer, const Matrix& gate_proj, c
   l.shared = true;
 }
 
-void WholeTokenStep::size_buffers(int64_t widest, int64_t widest_inter, int64_t latent_in) {
-  latent_in_.resize(latent_in);
-  scratch_.resize(std::max<int64_t>({widest, hidden_, lm_head_.rows}));
-  query_.resize(widest);
-  attended_.resize(widest);
-  delta_.resize(hidden_);
-  int64_t widest_shared = 0;
-  for (const Layer& l : layers_) widest_shared = std::max<int64_t>(widest_shared, l.shared ? l.shared_gate_proj.rows : 0);
-  shared_acc_.resize(2 * widest_shared + hidden_);
-  shared_act_.resize(widest_shared);
-  projected_.resize(top_k_ * 2 * widest_inter);
-  activation_.resize(top_k_ * widest_inter);
-  expert_out_.resize(top_k_ * hidden_);
-  route_.resize(top_k_);
-  chosen_.resize(top_k_);
-  int64_t router_width = 0;
-  for (const Layer& l : layers_) router_width = std::max<int64_t>(router_width, l.router.rows);
-  router_acc_.resize(router_width);
-  router_probs_.resize(router_width);
+void WholeTokenStep::size_buffers(int64_t rows, int64_t widest, int64_t widest_inter, int64_t latent_in) {
+  widest_ = widest;
+  latent_stride_ = latent_in;
+  latent_in_.resize(rows * latent_in);
+  scratch_stride_ = std::max<int64_t>({widest, hidden_, lm_head_.rows});
+  scratch_.resize(rows * scratch_stride_);
+  query_.resize(rows * widest);
+  attended_.resize(rows * widest);
+  delta_.resize(rows * hidden_);
+  shared_inter_ = 0;
+  for (const Layer& l : layers_) shared_inter_ = std::max<int64_t>(shared_inter_, l.shared ? l.shared_gate_proj.rows : 0);
+  shared_stride_ = 2 * shared_inter_ + hidden_;
+  shared_acc_.resize(rows * shared_stride_);
+  shared_act_.resize(rows * shared_inter_);
+  shared_scale_.assign(rows, 1.f);
+  projected_.resize(rows * top_k_ * 2 * widest_inter);
+  activation_.resize(rows * top_k_ * widest_inter);
+  expert_out_.resize(rows * top_k_ * hidden_);
+  route_.resize(rows * top_k_);
+  router_stride_ = 0;
+  for (const Layer& l : layers_) router_stride_ = std::max<int64_t>(router_stride_, l.router.rows);
+  router_acc_.resize(rows * router_stride_);
+  router_probs_.resize(router_stride_);
 }
 
-void WholeTokenStep::run(int64_t token, const Vector& cos, const Vector& sin, const KvBuffer* keys, const KvBuffer* values,
-                         const int64_t* starts, const int64_t* lengths, int64_t layers, int64_t* picks, int64_t picks_len,
-                         bf16* logits, int64_t logits_len) {
-  MOESCOPE_CHECK(token >= 0 && token < embed_.rows, "run: token id outside the vocabulary");
+void WholeTokenStep::run(int64_t rows, const int64_t* tokens, const Vector& cos, const Vector& sin,
+                         const KvBuffer* keys, const KvBuffer* values, const int64_t* starts, const int64_t* lengths,
+                         int64_t layers, int64_t* picks, int64_t picks_len, bf16* logits, int64_t logits_len) {
+  MOESCOPE_CHECK(rows >= 1 && rows <= kMaxRows && tokens != nullptr, "run: 1 to ", kMaxRows, " tokens");
+  for (int64_t r = 0; r < rows; ++r)
+    MOESCOPE_CHECK(tokens[r] >= 0 && tokens[r] < embed_.rows, "run: token id outside the vocabulary");
   MOESCOPE_CHECK(layers == static_cast<int64_t>(layers_.size()),
                  "run: one key and one value buffer, start and length per layer");
   // Every check before the parallel region: nothing may throw inside it.
   std::vector<CacheView> key_views, value_views;
   int64_t widest = 0, widest_inter = 0, longest = 0, routed = 0, latent_in = 0;
+  bool transposed = false;
   MOESCOPE_CHECK(layers > 0, "run: add_layer was not called");
   const int64_t rotary_dim = layers_[0].rotary_dim();
-  MOESCOPE_CHECK(cos.len == sin.len && cos.data != nullptr && sin.data != nullptr, "run: one cos and one sin row");
-  const RotaryRows rotary(cos.data, sin.data, cos.len, rotary_dim, "run");
+  MOESCOPE_CHECK(cos.len == sin.len && cos.data != nullptr && sin.data != nullptr && cos.len % rows == 0,
+                 "run: one cos and one sin row per token");
+  std::vector<bf16> cos_rows, sin_rows;  // each token's rotary row, [rows, rotary_dim]
+  for (int64_t r = 0; r < rows; ++r) {
+    const int64_t n = cos.len / rows;
+    const RotaryRows rotary(cos.data + r * n, sin.data + r * n, n, rotary_dim, "run");
+    cos_rows.insert(cos_rows.end(), rotary.cos.begin(), rotary.cos.end());
+    sin_rows.insert(sin_rows.end(), rotary.sin.begin(), rotary.sin.end());
+  }
   for (int64_t i = 0; i < layers; ++i) {
     Layer& l = layers_[i];
     MOESCOPE_CHECK(l.rotary_dim() > 0, "run: layer ", i, " has no attention (set_attention or set_latent_attention)");
     MOESCOPE_CHECK(l.rotary_dim() == rotary_dim, "run: every layer of one rotary size");
-    MOESCOPE_CHECK(starts[i] >= 0 && lengths[i] >= 0, "run: starts and lengths are positions");
-    const AttentionWeights& a = l.attention;
-    const int64_t kv_heads = l.latent ? 1 : a.wk.rows / a.head_dim;
-    const int64_t widths[2] = {l.latent ? l.mla.shape.rank : a.head_dim, l.latent ? l.mla.shape.rope : a.head_dim};
-    for (int m = 0; m < 2; ++m) {
-      const KvBuffer& t = m == 0 ? keys[i] : values[i];
-      MOESCOPE_CHECK(t.data != nullptr && t.heads == kv_heads && t.capacity > starts[i] + lengths[i] &&
-                         t.width == widths[m] && t.element_stride == 1,
-                     "run: layer ", i, "'s key/value buffers [1, kv_heads, capacity > start + length, width] in bf16");
-    }
-    // the views begin at the first position attended to
-    key_views.push_back({keys[i].data + starts[i] * keys[i].position_stride, keys[i].head_stride,
-                         keys[i].position_stride});
-    value_views.push_back({values[i].data + starts[i] * values[i].position_stride, values[i].head_stride,
-                           values[i].position_stride});
-    longest = std::max(longest, lengths[i]);
     if (l.latent) {
       const LatentShape& s = l.mla.shape;
       latent_in = std::max<int64_t>(latent_in, l.mla.q_a.rows + l.mla.kv_a.rows);
       widest = std::max<int64_t>({widest, s.heads * (s.nope + s.rope), s.heads * s.v_dim, latent_in});
     } else {
-      widest = std::max<int64_t>(widest, a.wq.rows + 2 * a.wk.rows);
+      widest = std::max<int64_t>(widest, l.attention.wq.rows + 2 * l.attention.wk.rows);
     }
     l.moe_row = l.router.rows > 0 ? routed++ : -1;
     MOESCOPE_CHECK(l.router.rows == 0 || !l.experts.empty(), "run: set_experts was not called for layer ", i);
     MOESCOPE_CHECK(l.router.rows > 0 || l.shared, "run: layer ", i, " has neither a router nor an MLP");
     widest_inter = std::max<int64_t>(widest_inter, l.inter);
+    transposed = transposed || (!l.experts.empty() && l.experts[0].transposed);
   }
-  MOESCOPE_CHECK(picks != nullptr && picks_len == routed * top_k_, "run: picks must be [MoE layers, top_k] int64");
-  MOESCOPE_CHECK(logits != nullptr && logits_len == lm_head_.rows, "run: logits must hold the vocabulary's ",
-                 lm_head_.rows, " values");
-  size_buffers(widest, widest_inter, latent_in);
-  Shared shared{token, longest, lengths, picks, rotary.cos.data(), rotary.sin.data(),
-                key_views.data(), value_views.data(), logits};
+  MOESCOPE_CHECK(rows == 1 || !transposed, "run: transposed experts (GPT-OSS) run one token at a time");
+  for (int64_t r = 0; r < rows; ++r)
+    for (int64_t i = 0; i < layers; ++i) {
+      const Layer& l = layers_[i];
+      const AttentionWeights& a = l.attention;
+      const int64_t at = r * layers + i, start = starts[at], length = lengths[at];
+      MOESCOPE_CHECK(start >= 0 && length >= 0, "run: starts and lengths are positions");
+      const int64_t kv_heads = l.latent ? 1 : a.wk.rows / a.head_dim;
+      const int64_t widths[2] = {l.latent ? l.mla.shape.rank : a.head_dim, l.latent ? l.mla.shape.rope : a.head_dim};
+      for (int m = 0; m < 2; ++m) {
+        const KvBuffer& t = m == 0 ? keys[at] : values[at];
+        MOESCOPE_CHECK(t.data != nullptr && t.heads == kv_heads && t.capacity > start + length && t.width == widths[m] &&
+                           t.element_stride == 1,
+                       "run: layer ", i, "'s key/value buffers [1, kv_heads, capacity > start + length, width] in bf16");
+      }
+      // the views begin at the first position attended to
+      key_views.push_back({keys[at].data + start * keys[at].position_stride, keys[at].head_stride,
+                           keys[at].position_stride});
+      value_views.push_back({values[at].data + start * values[at].position_stride, values[at].head_stride,
+                             values[at].position_stride});
+      longest = std::max(longest, length);
+    }
+  MOESCOPE_CHECK(picks != nullptr && picks_len == rows * routed * top_k_,
+                 "run: picks must be [tokens, MoE layers, top_k] int64");
+  MOESCOPE_CHECK(logits != nullptr && logits_len == rows * lm_head_.rows, "run: logits must hold the vocabulary's ",
+                 lm_head_.rows, " values per token");
+  size_buffers(rows, widest, widest_inter, latent_in);
+  Shared shared{rows, layers, longest, tokens, lengths, picks, routed * top_k_, cos_rows.data(), sin_rows.data(),
+                rotary_dim, key_views.data(), value_views.data(), logits};
   SpinBarrier barrier;
 #pragma omp parallel num_threads(threads())
   {
@@ -292,10 +314,11 @@ void WholeTokenStep::route_softmax_of_top(const bf16* logits, int64_t experts, i
 
 void WholeTokenStep::step_thread(const Shared& in, SpinBarrier& barrier, int tid, int team) {
   Clock clock(phase_seconds_, tid == 0);
-  std::vector<bf16> x(reinterpret_cast<const bf16*>(embed_.row(in.token)),
-                      reinterpret_cast<const bf16*>(embed_.row(in.token)) + hidden_);
-  std::vector<bf16> normed(hidden_), head_scratch(hidden_);
-  int64_t group = 1, group_width = hidden_;  // the most query heads sharing a kv head, and their rows
+  const int64_t rows = in.rows, hidden = hidden_;
+  std::vector<bf16> x(rows * hidden), normed(rows * hidden), head_scratch(hidden);
+  for (int64_t r = 0; r < rows; ++r)
+    std::memcpy(x.data() + r * hidden, embed_.row(in.tokens[r]), hidden * sizeof(bf16));
+  int64_t group = 1, group_width = hidden;  // the most query heads sharing a kv head, and their rows
   for (const Layer& l : layers_)
     if (!l.latent) {
       const AttentionWeights& a = l.attention;
@@ -303,13 +326,16 @@ void WholeTokenStep::step_thread(const Shared& in, SpinBarrier& barrier, int tid
       group_width = std::max(group_width, a.wq.rows / (a.wk.rows / a.head_dim));
     }
   std::vector<float> scores(group * (in.longest + 1)), sums(group_width);
-  std::vector<bf16> q_in(latent_in_.size());  // a latent layer's normed q_a rows
+  std::vector<bf16> q_in(rows * latent_stride_);  // a latent layer's normed q_a rows
   LatentScratch latent_scratch;
   auto share = [&](int64_t n) { return thread_share(n, tid, team); };
+  auto each_row = [&](auto&& f) {
+    for (int64_t r = 0; r < rows; ++r) f(r, x.data() + r * hidden, normed.data() + r * hidden, delta_.data() + r * hidden);
+  };
   const bool round_once = norms_round_once_;
   for (size_t i = 0; i < layers_.size(); ++i) {
     const Layer& l = layers_[i];
-    rms_norm_row(x.data(), l.input_norm, hidden_, l.input_eps, normed.data(), round_once);
+    each_row([&](int64_t, bf16* xr, bf16* nr, bf16*) { rms_norm_row(xr, l.input_norm, hidden, l.input_eps, nr, round_once); });
     clock.lap(kNorms);
     if (l.latent)
       latent_attention_part(l, normed.data(), in, i, barrier, tid, team, q_in.data(), latent_scratch);
@@ -317,49 +343,56 @@ void WholeTokenStep::step_thread(const Shared& in, SpinBarrier& barrier, int tid
       attention_part(l, normed.data(), in, i, barrier, tid, team, head_scratch.data(), scores.data(), sums.data());
     barrier.wait();
     clock.lap(kAttention);
-    rows_of(l.wo, attended_.data(), share(hidden_), delta_.data(),
-            l.o_bias);
+    rows_of(l.wo, attended_.data(), widest_, rows, share(hidden), delta_.data(), hidden, l.o_bias);
     barrier.wait();
-    add_rows(x.data(), delta_.data(), hidden_, x.data());
+    each_row([&](int64_t, bf16* xr, bf16*, bf16* dr) { add_rows(xr, dr, hidden, xr); });
     clock.lap(kOutProj);
-    rms_norm_row(x.data(), l.post_norm, hidden_, l.post_eps, normed.data(), round_once);
+    each_row([&](int64_t, bf16* xr, bf16* nr, bf16*) { rms_norm_row(xr, l.post_norm, hidden, l.post_eps, nr, round_once); });
     clock.lap(kNorms);
     const bool routed = l.moe_row >= 0;
-    int64_t* picked = in.picked + std::max<int64_t>(l.moe_row, 0) * top_k_;
+    int64_t* picked = in.picked + std::max<int64_t>(l.moe_row, 0) * top_k_;  // row r's at + r * picked_stride
     if (routed) {  // the router's rows shared out; then one thread picks from its logits
       const auto [first, last] = share(l.router.rows);
-      if (l.grouped)
-        grouped_logits(l, normed.data(), first, last);
-      else if (first < last)
-        gemv_range(l.router, normed.data(), first, last, router_acc_.data());
+      if (l.grouped) {
+        grouped_logits(l, normed.data(), rows, first, last);
+      } else if (first < last) {
+        const Rows<const bf16> inputs(normed.data(), hidden, rows);
+        const Rows<float> sums_out(router_acc_.data(), router_stride_, rows);
+        gemv_many_into_rows(l.router, inputs.data(), rows, first, last, sums_out.data(), 0);
+      }
     }
-    if (l.shared) shared_activation(l, normed.data(), share(l.shared_gate_proj.rows), tid);
+    if (l.shared) shared_activation(l, normed.data(), rows, share(l.shared_gate_proj.rows), tid);
     if (routed) barrier.wait();  // every logit is in
     if (routed && tid == 0) {
-      if (l.grouped)
-        route_grouped(l, picked, route_.data());
-      else
-        route(l, picked, route_.data());
-      for (int64_t e = 0; e < top_k_; ++e) chosen_[e] = &l.experts[picked[e]];
+      for (int64_t r = 0; r < rows; ++r) {
+        const float* acc = router_acc_.data() + r * router_stride_;
+        int64_t* row_picks = picked + r * in.picked_stride;
+        if (l.grouped)
+          route_grouped(l, acc, row_picks, route_.data() + r * top_k_);
+        else
+          route(l, acc, row_picks, route_.data() + r * top_k_);
+      }
+      gather_union(l, picked, rows, in.picked_stride);
     }
     barrier.wait();
     clock.lap(kRouter);
-    const auto [j_first, j_last] = share(hidden_);  // the weighted sum by slices of the row
+    const auto [j_first, j_last] = share(hidden);  // the weighted sum by slices of the row
     if (routed) {
-      experts_part(l.gate, normed.data(), hidden_, l.inter, chosen_.data(), top_k_, projected_.data(),
-                   activation_.data(), expert_out_.data(), barrier, tid, team);
+      experts_of_rows(l, normed.data(), barrier, tid, team);
       barrier.wait();
-      weighted_sum_rows(expert_out_.data(), route_.data(), top_k_, hidden_, j_first, j_last, cast_back_,
-                        delta_.data());
+      each_row([&](int64_t r, bf16*, bf16*, bf16* dr) {
+        weighted_sum_rows(expert_out_.data() + r * top_k_ * hidden, route_.data() + r * top_k_, top_k_, hidden,
+                          j_first, j_last, cast_back_, dr);
+      });
     }
-    if (l.shared) add_shared_rows(l, j_first, j_last, routed);
+    if (l.shared) add_shared_rows(l, rows, j_first, j_last, routed);
     barrier.wait();
-    add_rows(x.data(), delta_.data(), hidden_, x.data());
+    each_row([&](int64_t, bf16* xr, bf16*, bf16* dr) { add_rows(xr, dr, hidden, xr); });
     clock.lap(kExperts);
   }
-  rms_norm_row(x.data(), final_norm_, hidden_, final_eps_, normed.data(), round_once);
+  each_row([&](int64_t, bf16* xr, bf16* nr, bf16*) { rms_norm_row(xr, final_norm_, hidden, final_eps_, nr, round_once); });
   clock.lap(kNorms);
-  rows_of(lm_head_, normed.data(), share(lm_head_.rows), in.logits);
+  rows_of(lm_head_, normed.data(), hidden, rows, share(lm_head_.rows), in.logits, lm_head_.rows);
   barrier.wait();
   clock.lap(kLmHead);
 }
@@ -370,59 +403,83 @@ void WholeTokenStep::attention_part(const Layer& l, const bf16* normed, const Sh
   auto share = [&](int64_t n) { return thread_share(n, tid, team); };
   const AttentionWeights& a = l.attention;
   const int64_t d = a.head_dim, heads = a.wq.rows / d, kv_heads = a.wk.rows / d, group = heads / kv_heads;
-  const CacheView keys = in.keys[i], values = in.values[i];
-  const int64_t len = in.lengths[i] + 1;
-  bf16* key_rows = const_cast<bf16*>(keys.data) + in.lengths[i] * keys.position_stride;
-  bf16* value_rows = const_cast<bf16*>(values.data) + in.lengths[i] * values.position_stride;
+  const int64_t rows = in.rows, S = scratch_stride_, W = widest_;
+  // row r's input, its rows of float scratch, query and output, and where its key and value go
+  auto x_of = [&](int64_t r) { return normed + r * hidden_; };
+  auto acc_of = [&](int64_t r) { return scratch_.data() + r * S; };
+  auto query_of = [&](int64_t r) { return query_.data() + r * W; };
+  auto out_of = [&](int64_t r) { return attended_.data() + r * W; };
+  auto key_rows = [&](int64_t r) {
+    return const_cast<bf16*>(in.key(r, i).data) + in.length(r, i) * in.key(r, i).position_stride;
+  };
+  auto value_rows = [&](int64_t r) {
+    return const_cast<bf16*>(in.value(r, i).data) + in.length(r, i) * in.value(r, i).position_stride;
+  };
   if (kv_heads % team == 0 && !a.full_norm) {
     // Each thread its own kv heads and the query heads sharing them: projections (one stream
-    // of rows per kv head), the KV write, then attention; nothing comes from another thread.
+    // of rows per kv head, every token's before the next head's), the KV write, then attention;
+    // nothing comes from another thread.
     const auto [first, last] = share(kv_heads);
     for (int64_t g = first; g < last; ++g) {
       for (int64_t h = g * group; h < (g + 1) * group; ++h)
-        project_head(a, 0, h, normed, in.cos, in.sin, scratch_.data() + h * d, head_scratch,
-                     query_.data() + h * d);
-      float* rows = scratch_.data() + (heads + g) * d;
-      project_head(a, 1, g, normed, in.cos, in.sin, rows, head_scratch, key_rows + g * keys.head_stride);
-      project_head(a, 2, g, normed, in.cos, in.sin, rows, head_scratch,
-                   value_rows + g * values.head_stride);
+        for (int64_t r = 0; r < rows; ++r)
+          project_head(a, 0, h, x_of(r), in.cos_of(r), in.sin_of(r), acc_of(r) + h * d, head_scratch,
+                       query_of(r) + h * d);
+      for (int64_t r = 0; r < rows; ++r) {
+        float* acc = acc_of(r) + (heads + g) * d;
+        project_head(a, 1, g, x_of(r), in.cos_of(r), in.sin_of(r), acc, head_scratch,
+                     key_rows(r) + g * in.key(r, i).head_stride);
+      }
+      for (int64_t r = 0; r < rows; ++r) {
+        float* acc = acc_of(r) + (heads + g) * d;
+        project_head(a, 2, g, x_of(r), in.cos_of(r), in.sin_of(r), acc, head_scratch,
+                     value_rows(r) + g * in.value(r, i).head_stride);
+      }
     }
-    for (int64_t g = first; g < last; ++g)
-      attend_group(query_.data() + g * group * d, group, d, g, keys, values, len, l.scale, scores, sums,
-                   attended_.data() + g * group * d, l.extras, g * group);
-  } else {
-    // Too few kv heads to share out: projections by heads, then attention by query heads.
-    const auto [first, last] = share(heads + 2 * kv_heads);
-    for (int64_t head = first; head < last; ++head) {
-      const int m = head < heads ? 0 : head < heads + kv_heads ? 1 : 2;
-      const int64_t h = m == 0 ? head : m == 1 ? head - heads : head - heads - kv_heads;
-      bf16* out = m == 0 ? query_.data() + h * d
-                  : m == 1 ? key_rows + h * keys.head_stride
-                           : value_rows + h * values.head_stride;
-      project_head(a, m, h, normed, in.cos, in.sin, scratch_.data() + head * d, head_scratch, out);
+    for (int64_t r = 0; r < rows; ++r)
+      for (int64_t g = first; g < last; ++g)
+        attend_group(query_of(r) + g * group * d, group, d, g, in.key(r, i), in.value(r, i), in.length(r, i) + 1,
+                     l.scale, scores, sums, out_of(r) + g * group * d, l.extras, g * group);
+    return;
+  }
+  // Too few kv heads to share out: projections by heads, then attention by query heads.
+  const auto [first, last] = share(heads + 2 * kv_heads);
+  for (int64_t head = first; head < last; ++head) {
+    const int m = head < heads ? 0 : head < heads + kv_heads ? 1 : 2;
+    const int64_t h = m == 0 ? head : m == 1 ? head - heads : head - heads - kv_heads;
+    for (int64_t r = 0; r < rows; ++r) {
+      bf16* out = m == 0 ? query_of(r) + h * d
+                  : m == 1 ? key_rows(r) + h * in.key(r, i).head_stride
+                           : value_rows(r) + h * in.value(r, i).head_stride;
+      project_head(a, m, h, x_of(r), in.cos_of(r), in.sin_of(r), acc_of(r) + head * d, head_scratch, out);
     }
-    barrier.wait();
-    if (a.full_norm) {  // OLMoE: RMSNorm over all of q and all of k, then the rotary embedding
-      const float q_scale = rms_scale(query_.data(), d, heads, d, a.eps);
-      const float k_scale = rms_scale(key_rows, keys.head_stride, kv_heads, d, a.eps);
-      barrier.wait();  // every thread has read the rows before any is rewritten
-      const auto [n_first, n_last] = share(heads + kv_heads);
+  }
+  barrier.wait();
+  if (a.full_norm) {  // OLMoE: RMSNorm over all of q and all of k, then the rotary embedding
+    std::array<float, kMaxRows> q_scale{}, k_scale{};
+    for (int64_t r = 0; r < rows; ++r) {
+      q_scale[r] = rms_scale(query_of(r), d, heads, d, a.eps);
+      k_scale[r] = rms_scale(key_rows(r), in.key(r, i).head_stride, kv_heads, d, a.eps);
+    }
+    barrier.wait();  // every thread has read the rows before any is rewritten
+    const auto [n_first, n_last] = share(heads + kv_heads);
+    for (int64_t r = 0; r < rows; ++r)
       for (int64_t head = n_first; head < n_last; ++head) {
         const bool q = head < heads;
         const int64_t h = q ? head : head - heads;
-        bf16* row = q ? query_.data() + h * d : key_rows + h * keys.head_stride;
+        bf16* row = q ? query_of(r) + h * d : key_rows(r) + h * in.key(r, i).head_stride;
         const bf16* weight = (q ? a.q_norm : a.k_norm) + h * d;
-        const float scale = q ? q_scale : k_scale;
+        const float scale = q ? q_scale[r] : k_scale[r];
         for (int64_t c = 0; c < d; ++c) row[c] = to_bf16(to_float(weight[c]) * round_bf16(to_float(row[c]) * scale));
-        rope_head(row, in.cos, in.sin, a.rotary_dim);
+        rope_head(row, in.cos_of(r), in.sin_of(r), a.rotary_dim);
       }
-      barrier.wait();
-    }
-    const auto [q_first, q_last] = share(heads);
-    for (int64_t h = q_first; h < q_last; ++h)
-      attend_head(query_.data() + h * d, d, h / group, keys, values, len, l.scale, scores, sums,
-                  attended_.data() + h * d, l.extras, h);
+    barrier.wait();
   }
+  const auto [q_first, q_last] = share(heads);
+  for (int64_t r = 0; r < rows; ++r)
+    for (int64_t h = q_first; h < q_last; ++h)
+      attend_head(query_of(r) + h * d, d, h / group, in.key(r, i), in.value(r, i), in.length(r, i) + 1, l.scale,
+                  scores, sums, out_of(r) + h * d, l.extras, h);
 }
 
 
@@ -430,58 +487,84 @@ void WholeTokenStep::latent_attention_part(const Layer& l, const bf16* normed, c
                            int tid, int team, bf16* q_in, LatentScratch& scratch) {
   const LatentAttention& m = l.mla;
   const LatentShape& s = m.shape;
-  const int64_t qa = m.q_a.rows, kva = m.kv_a.rows, width = s.nope + s.rope, len = in.lengths[i] + 1;
-  const CacheView latents = in.keys[i], rotary = in.values[i];
-  auto rope = [&](bf16* head) {
+  const int64_t rows = in.rows, S = scratch_stride_, W = widest_, L = latent_stride_;
+  const int64_t qa = m.q_a.rows, kva = m.kv_a.rows, width = s.nope + s.rope;
+  auto rope = [&](bf16* head, int64_t r) {
     if (m.interleaved)
-      rope_head_interleaved(head, in.cos, in.sin, s.rope);
+      rope_head_interleaved(head, in.cos_of(r), in.sin_of(r), s.rope);
     else
-      rope_head(head, in.cos, in.sin, s.rope);
+      rope_head(head, in.cos_of(r), in.sin_of(r), s.rope);
   };
+  const Rows<const bf16> inputs(normed, hidden_, rows);
   const auto [first, last] = thread_share(qa + kva, tid, team);
-  if (first < std::min(last, qa)) gemv_range(m.q_a, normed, first, std::min(last, qa), scratch_.data());
-  if (std::max(first, qa) < last) gemv_range(m.kv_a, normed, std::max(first, qa) - qa, last - qa, scratch_.data() + qa);
-  round_linear(scratch_.data() + first, nullptr, last - first, latent_in_.data() + first);
+  if (first < std::min(last, qa)) {
+    const Rows<float> out(scratch_.data(), S, rows);
+    gemv_many_into_rows(m.q_a, inputs.data(), rows, first, std::min(last, qa), out.data(), 0);
+  }
+  if (std::max(first, qa) < last) {
+    const Rows<float> out(scratch_.data() + qa, S, rows);
+    gemv_many_into_rows(m.kv_a, inputs.data(), rows, std::max(first, qa) - qa, last - qa, out.data(), 0);
+  }
+  for (int64_t r = 0; r < rows; ++r)
+    round_linear(scratch_.data() + r * S + first, nullptr, last - first, latent_in_.data() + r * L + first);
   barrier.wait();
-  const bf16* q_from = normed;
-  if (qa > 0) {
-    rms_norm_row(latent_in_.data(), m.q_a_norm, qa, m.q_a_eps, q_in);
-    q_from = q_in;
+  std::array<const bf16*, kMaxRows> q_from{};
+  for (int64_t r = 0; r < rows; ++r) {
+    q_from[r] = normed + r * hidden_;
+    if (qa > 0) {
+      rms_norm_row(latent_in_.data() + r * L, m.q_a_norm, qa, m.q_a_eps, q_in + r * L);
+      q_from[r] = q_in + r * L;
+    }
   }
   const auto [h_first, h_last] = thread_share(s.heads, tid, team);
   for (int64_t h = h_first; h < h_last; ++h) {
-    gemv_rows(m.q_b, q_from, h * width, (h + 1) * width, scratch_.data() + h * width);
-    round_linear(scratch_.data() + h * width, nullptr, width, query_.data() + h * width);
-    rope(query_.data() + h * width + s.nope);
+    const Rows<float> out(scratch_.data() + h * width, S, rows);
+    gemv_many_into_rows(m.q_b, q_from.data(), rows, h * width, (h + 1) * width, out.data(), h * width);
+    for (int64_t r = 0; r < rows; ++r) {
+      bf16* query = query_.data() + r * W + h * width;
+      round_linear(scratch_.data() + r * S + h * width, nullptr, width, query);
+      rope(query + s.nope, r);
+    }
   }
   if (tid == team - 1) {  // (the last thread's share of heads is never the larger one)
-    bf16* latent_row = const_cast<bf16*>(latents.data) + in.lengths[i] * latents.position_stride;
-    bf16* rotary_row = const_cast<bf16*>(rotary.data) + in.lengths[i] * rotary.position_stride;
-    rms_norm_row(latent_in_.data() + qa, m.kv_a_norm, s.rank, m.kv_a_eps, latent_row);
-    std::memcpy(rotary_row, latent_in_.data() + qa + s.rank, s.rope * sizeof(bf16));
-    rope(rotary_row);
+    for (int64_t r = 0; r < rows; ++r) {
+      const CacheView latents = in.key(r, i), rotary = in.value(r, i);
+      bf16* latent_row = const_cast<bf16*>(latents.data) + in.length(r, i) * latents.position_stride;
+      bf16* rotary_row = const_cast<bf16*>(rotary.data) + in.length(r, i) * rotary.position_stride;
+      rms_norm_row(latent_in_.data() + r * L + qa, m.kv_a_norm, s.rank, m.kv_a_eps, latent_row);
+      std::memcpy(rotary_row, latent_in_.data() + r * L + qa + s.rank, s.rope * sizeof(bf16));
+      rope(rotary_row, r);
+    }
   }
   barrier.wait();
-  scratch.fit(s, len);
-  for (int64_t h = h_first; h < h_last; ++h)
-    latent_head(reinterpret_cast<const bf16*>(m.up.data), s, h, query_.data() + h * width, query_.data() + h * width + s.nope, latents.data,
-                latents.position_stride, rotary.data, rotary.position_stride, len, l.scale, scratch,
-                attended_.data() + h * s.v_dim);
+  for (int64_t r = 0; r < rows; ++r) {
+    const CacheView latents = in.key(r, i), rotary = in.value(r, i);
+    const int64_t len = in.length(r, i) + 1;
+    scratch.fit(s, len);
+    for (int64_t h = h_first; h < h_last; ++h) {
+      const bf16* query = query_.data() + r * W + h * width;
+      latent_head(reinterpret_cast<const bf16*>(m.up.data), s, h, query, query + s.nope, latents.data,
+                  latents.position_stride, rotary.data, rotary.position_stride, len, l.scale, scratch,
+                  attended_.data() + r * W + h * s.v_dim);
+    }
+  }
 }
 
 
-void WholeTokenStep::grouped_logits(const Layer& l, const bf16* x, int64_t first, int64_t last) {
+void WholeTokenStep::grouped_logits(const Layer& l, const bf16* x, int64_t rows, int64_t first, int64_t last) {
   const float* w = l.grouped_weight;
-  for (int64_t e = first; e < last; ++e) router_acc_[e] = dot_f32_bf16(w + e * hidden_, x, hidden_);
+  for (int64_t e = first; e < last; ++e)
+    for (int64_t r = 0; r < rows; ++r)
+      router_acc_[r * router_stride_ + e] = dot_f32_bf16(w + e * hidden_, x + r * hidden_, hidden_);
 }
 
 
-void WholeTokenStep::route_grouped(const Layer& l, int64_t* picked, float* weights) {
+void WholeTokenStep::route_grouped(const Layer& l, const float* acc, int64_t* picked, float* weights) {
   const int64_t experts = l.router.rows, per_group = experts / l.groups;
   std::vector<float> score(experts), choice(experts), group_score(l.groups);
   const float* correction = l.correction;
   for (int64_t e = 0; e < experts; ++e) {
-    score[e] = 1.f / (1.f + std::exp(-router_acc_[e]));
+    score[e] = 1.f / (1.f + std::exp(-acc[e]));
     choice[e] = score[e] + correction[e];
   }
   for (int64_t g = 0; g < l.groups; ++g) {  // a group's score: the sum of its two best choices
@@ -515,47 +598,144 @@ void WholeTokenStep::route_grouped(const Layer& l, int64_t* picked, float* weigh
 }
 
 
-void WholeTokenStep::shared_activation(const Layer& l, const bf16* x, std::pair<int64_t, int64_t> rows, int tid) {
+void WholeTokenStep::gather_union(const Layer& l, const int64_t* picked, int64_t rows, int64_t picked_stride) {
+  union_.clear();
+  std::vector<int64_t> ids;  // union_'s expert ids
+  std::vector<int64_t> of_pick(rows * top_k_);  // each pick's place in the union
+  for (int64_t r = 0; r < rows; ++r)
+    for (int64_t j = 0; j < top_k_; ++j) {
+      const int64_t e = picked[r * picked_stride + j];
+      const auto found = std::find(ids.begin(), ids.end(), e);
+      of_pick[r * top_k_ + j] = found - ids.begin();
+      if (found == ids.end()) {
+        ids.push_back(e);
+        union_.push_back(&l.experts[e]);
+      }
+    }
+  const int64_t n = static_cast<int64_t>(union_.size());
+  user_begin_.assign(n + 1, 0);
+  for (const int64_t u : of_pick) ++user_begin_[u + 1];
+  for (int64_t u = 0; u < n; ++u) user_begin_[u + 1] += user_begin_[u];
+  users_.resize(of_pick.size());
+  std::vector<int64_t> filled(user_begin_.begin(), user_begin_.end() - 1);
+  for (int64_t pick = 0; pick < static_cast<int64_t>(of_pick.size()); ++pick) users_[filled[of_pick[pick]]++] = pick;
+}
+
+
+// This thread's part of the layer's experts for every row: the union's experts, each expert's
+// matrices read once for all the picks of it (gemv_many_into_rows), into expert_out_ [rows *
+// top_k, hidden] (each pick's down projection, float32 sums). Whole experts per thread where they
+// divide evenly or are many (each thread streams its matrices end to end, which the hardware
+// prefetchers like best, and there is no barrier between the passes); otherwise every expert's
+// gate/up rows are split, then (after the barrier) its down rows. For one row this is the one-token
+// experts' own split (kernels/experts.h: experts_part).
+void WholeTokenStep::experts_of_rows(const Layer& l, const bf16* normed, SpinBarrier& barrier, int tid, int team) {
+  const int64_t n = static_cast<int64_t>(union_.size()), inter = l.inter, hidden = hidden_, k = top_k_;
+  const GateRecipe& recipe = l.gate;
+  struct Picks {  // one expert's picks: their inputs and their rows of each buffer
+    std::array<const bf16*, kMaxRows> x{}, act{};
+    std::array<float*, kMaxRows> projected{}, out{};
+    std::array<bf16*, kMaxRows> activation{};
+    int64_t count = 0;
+  };
+  auto picks_of = [&](int64_t u) {
+    Picks p;
+    for (int64_t at = user_begin_[u]; at < user_begin_[u + 1]; ++at, ++p.count) {
+      const int64_t pick = users_[at];
+      p.x[p.count] = normed + (pick / k) * hidden;
+      p.projected[p.count] = projected_.data() + pick * 2 * inter;
+      p.activation[p.count] = activation_.data() + pick * inter;
+      p.act[p.count] = p.activation[p.count];
+      p.out[p.count] = expert_out_.data() + pick * hidden;
+    }
+    return p;
+  };
+  auto gate_up = [&](const ExpertWeights& w, const Picks& p, int64_t begin, int64_t end) {
+    if (w.transposed) {  // one row (run checks): the one-token kernel
+      gate_up_part(recipe, w, p.x[0], inter, begin, end, p.projected[0]);
+    } else if (recipe.interleaved) {
+      gemv_many_into_rows(w.gate_up, p.x.data(), p.count, 2 * begin, 2 * end, p.projected.data(), 0);
+    } else {
+      gemv_many_into_rows(w.gate_up, p.x.data(), p.count, begin, end, p.projected.data(), 0);
+      gemv_many_into_rows(w.gate_up, p.x.data(), p.count, inter + begin, inter + end, p.projected.data(), 0);
+    }
+    for (int64_t c = 0; c < p.count; ++c) gate_rows(recipe, p.projected[c], w.gate_up_bias, inter, begin, end, p.activation[c]);
+  };
+  auto down = [&](const ExpertWeights& w, const Picks& p, int64_t begin, int64_t end) {
+    if (w.transposed) {
+      down_part(w, p.act[0], begin, end, p.out[0]);
+      return;
+    }
+    gemv_many_into_rows(w.down, p.act.data(), p.count, begin, end, p.out.data(), 0);
+    if (w.down_bias != nullptr)
+      for (int64_t c = 0; c < p.count; ++c)
+        for (int64_t j = begin; j < end; ++j) p.out[c][j] = biased(p.out[c][j], w.down_bias, j);
+  };
+  if (n % team == 0 || n >= 4 * team) {
+    const auto [first, last] = thread_share(n, tid, team);
+    for (int64_t u = first; u < last; ++u) gate_up(*union_[u], picks_of(u), 0, inter);
+    for (int64_t u = first; u < last; ++u) down(*union_[u], picks_of(u), 0, hidden);
+    return;
+  }
+  const auto [begin, end] = thread_share(inter, tid, team);
+  for (int64_t u = 0; u < n; ++u) gate_up(*union_[u], picks_of(u), begin, end);
+  barrier.wait();
+  const auto [h_begin, h_end] = thread_share(hidden, tid, team);
+  for (int64_t u = 0; u < n; ++u) down(*union_[u], picks_of(u), h_begin, h_end);
+}
+
+
+void WholeTokenStep::shared_activation(const Layer& l, const bf16* x, int64_t rows, std::pair<int64_t, int64_t> range,
+                                       int tid) {
   const int64_t inter = l.shared_gate_proj.rows;
-  float* gate = shared_acc_.data();
-  float* up = gate + inter;
-  gemv_range(l.shared_gate_proj, x, rows.first, rows.second, gate);
-  gemv_range(l.shared_up_proj, x, rows.first, rows.second, up);
-  for (int64_t i = rows.first; i < rows.second; ++i) {
-    const float g = round_bf16(gate[i]);
-    shared_act_[i] = to_bf16(round_bf16(g / (1.f + std::exp(-g))) * round_bf16(up[i]));
-  }
-  if (tid == 0 && l.shared_gated) {
-    float logit = 0.f;
-    gemv_range(l.shared_gate, x, 0, 1, &logit);
-    shared_scale_ = round_bf16(1.f / (1.f + std::exp(-round_bf16(logit))));
+  const Rows<const bf16> inputs(x, hidden_, rows);
+  const Rows<float> gate(shared_acc_.data(), shared_stride_, rows), up(shared_acc_.data() + inter, shared_stride_, rows);
+  gemv_many_into_rows(l.shared_gate_proj, inputs.data(), rows, range.first, range.second, gate.data(), 0);
+  gemv_many_into_rows(l.shared_up_proj, inputs.data(), rows, range.first, range.second, up.data(), 0);
+  for (int64_t r = 0; r < rows; ++r)
+    for (int64_t i = range.first; i < range.second; ++i) {
+      const float g = round_bf16(gate.at[r][i]);
+      shared_act_[r * shared_inter_ + i] = to_bf16(round_bf16(g / (1.f + std::exp(-g))) * round_bf16(up.at[r][i]));
+    }
+  if (tid == 0 && l.shared_gated)
+    for (int64_t r = 0; r < rows; ++r) {
+      float logit = 0.f;
+      gemv_range(l.shared_gate, x + r * hidden_, 0, 1, &logit);
+      shared_scale_[r] = round_bf16(1.f / (1.f + std::exp(-round_bf16(logit))));
+    }
+}
+
+
+void WholeTokenStep::add_shared_rows(const Layer& l, int64_t rows, int64_t begin, int64_t end, bool routed) {
+  const Rows<const bf16> activations(shared_act_.data(), shared_inter_, rows);
+  const Rows<float> out(shared_acc_.data() + 2 * l.shared_gate_proj.rows, shared_stride_, rows);
+  gemv_many_into_rows(l.shared_down_proj, activations.data(), rows, begin, end, out.data(), 0);
+  for (int64_t r = 0; r < rows; ++r) {
+    bf16* delta = delta_.data() + r * hidden_;
+    for (int64_t j = begin; j < end; ++j) {
+      float v = round_bf16(out.at[r][j]);
+      if (l.shared_gated) v = round_bf16(v * shared_scale_[r]);
+      delta[j] = routed ? to_bf16(to_float(delta[j]) + v) : to_bf16(v);
+    }
   }
 }
 
 
-void WholeTokenStep::add_shared_rows(const Layer& l, int64_t begin, int64_t end, bool routed) {
-  float* out = shared_acc_.data() + 2 * l.shared_gate_proj.rows;
-  gemv_range(l.shared_down_proj, shared_act_.data(), begin, end, out);
-  for (int64_t j = begin; j < end; ++j) {
-    float v = round_bf16(out[j]);
-    if (l.shared_gated) v = round_bf16(v * shared_scale_);
-    delta_[j] = routed ? to_bf16(to_float(delta_[j]) + v) : to_bf16(v);
-  }
+void WholeTokenStep::rows_of(const Matrix& w, const bf16* x, int64_t x_stride, int64_t rows,
+                             std::pair<int64_t, int64_t> range, bf16* out, int64_t out_stride, const bf16* bias) {
+  const Rows<const bf16> inputs(x, x_stride, rows);
+  const Rows<float> sums(scratch_.data(), scratch_stride_, rows);
+  gemv_many_into_rows(w, inputs.data(), rows, range.first, range.second, sums.data(), 0);
+  for (int64_t r = 0; r < rows; ++r)
+    round_linear(sums.at[r] + range.first, bias == nullptr ? nullptr : bias + range.first, range.second - range.first,
+                 out + r * out_stride + range.first);
 }
 
 
-void WholeTokenStep::rows_of(const Matrix& w, const bf16* x, std::pair<int64_t, int64_t> rows, bf16* out,
-                             const bf16* bias) {
-  gemv_range(w, x, rows.first, rows.second, scratch_.data());
-  round_linear(scratch_.data() + rows.first, bias == nullptr ? nullptr : bias + rows.first,
-               rows.second - rows.first, out + rows.first);
-}
-
-
-void WholeTokenStep::route(const Layer& l, int64_t* picked, float* weights) {
+void WholeTokenStep::route(const Layer& l, const float* acc, int64_t* picked, float* weights) {
   const int64_t experts = l.router.rows;
   std::vector<bf16> logits(experts);
-  round_linear(router_acc_.data(), l.router_bias, experts, logits.data());
+  round_linear(acc, l.router_bias, experts, logits.data());
   if (softmax_of_top_) return route_softmax_of_top(logits.data(), experts, picked, weights);
   float* p = router_probs_.data();
   float top = -std::numeric_limits<float>::infinity();

@@ -6,6 +6,11 @@
 // (one parallel region for the whole token, spin barriers inside) the start of a region per kernel.
 // The caller does the expert cache's bookkeeping afterwards from the picks it returns.
 //
+// Several replies' tokens run as one step (`rows` of them, each with its own KV cache and position):
+// every weight is read from memory once for all of them (kernels/gemv.h's gemv_many_into_rows), and
+// a layer's experts are the union of their picks, each loaded once for the rows that chose it. Each
+// row's sums are the one-row step's, so every reply's logits are the ones it gets alone.
+//
 // Setting up (the setters) checks every shape; the memory stays the caller's, who keeps it alive
 // while the step refers to it. run() checks its own arguments before its parallel region.
 #pragma once
@@ -38,6 +43,7 @@ class WholeTokenStep {
   enum Phase { kNorms, kAttention, kOutProj, kRouter, kExperts, kLmHead, kPhases };
   // attention: q/k/v projections with norms and rotary, the KV write, attention over the cache
   static constexpr const char* kPhaseNames[kPhases] = {"norms", "attention", "o_proj", "router", "experts", "lm_head"};
+  static constexpr int64_t kMaxRows = 16;  // tokens of one step (replies decoding together)
 
   // `embed`: the embedding [vocab, hidden]; `softmax_of_top`: the routers take the top k of their
   // (biased) logits, then a softmax over those k in bf16 (GPT-OSS), instead of a float32 softmax
@@ -92,14 +98,15 @@ class WholeTokenStep {
   void set_shared_expert(int64_t layer, const Matrix& gate_proj, const Matrix& up_proj, const Matrix& down_proj,
                          const Vector& gate);
 
-  // One token. keys/values: each layer's cache buffer, whose positions [starts[i], starts[i] +
-  // lengths[i]) are the ones this token attends to besides itself (all cached positions, or a
-  // sliding window's); its key and value are written right behind them. cos/sin: the rotary rows
-  // for the token's position. picks: [MoE layers, top_k], filled with each MoE layer's experts in
-  // router order. logits: [vocab] in bf16.
-  void run(int64_t token, const Vector& cos, const Vector& sin, const KvBuffer* keys, const KvBuffer* values,
-           const int64_t* starts, const int64_t* lengths, int64_t layers, int64_t* picks, int64_t picks_len,
-           bf16* logits, int64_t logits_len);
+  // `rows` tokens, each of its own reply (one to kMaxRows). keys/values/starts/lengths: [rows, layers],
+  // row r's layer i cache buffer, whose positions [starts, starts + lengths) are the ones the token
+  // attends to besides itself (all cached positions, or a sliding window's); its key and value are
+  // written right behind them. cos/sin: [rows, n], each token's rotary row for its position. picks:
+  // [rows, MoE layers, top_k], filled with each MoE layer's experts in router order. logits: [rows,
+  // vocab] in bf16. Transposed experts (GPT-OSS) run one row at a time.
+  void run(int64_t rows, const int64_t* tokens, const Vector& cos, const Vector& sin, const KvBuffer* keys,
+           const KvBuffer* values, const int64_t* starts, const int64_t* lengths, int64_t layers, int64_t* picks,
+           int64_t picks_len, bf16* logits, int64_t logits_len);
 
   // Seconds spent in each part of the steps run so far (the profile of a native token, which
   // torch's profiler cannot see into), in kPhaseNames' order.
@@ -167,30 +174,52 @@ class WholeTokenStep {
     int64_t rotary_dim() const { return latent ? mla.shape.rope : attention.rotary_dim; }
   };
 
-  // What one step's threads share: inputs, and where they write.
+  // What one step's threads share: inputs, and where they write; per row r and layer i.
   struct Shared {
-    int64_t token, longest;  // the longest of `lengths`
-    const int64_t* lengths;  // per layer, the cached positions attended to besides the token's own
-    int64_t* picked;
-    const bf16 *cos, *sin;
-    const CacheView *keys, *values;
-    bf16* logits;
+    int64_t rows, layers, longest;  // the longest of `lengths`
+    const int64_t* tokens;
+    const int64_t* lengths;  // [rows, layers]: the cached positions attended to besides the token's own
+    int64_t* picked;  // [rows, MoE layers, top_k]
+    int64_t picked_stride;
+    const bf16 *cos, *sin;  // [rows, rotary]
+    int64_t rotary;
+    const CacheView *keys, *values;  // [rows, layers]
+    bf16* logits;  // [rows, vocab]
+
+    int64_t length(int64_t r, size_t i) const { return lengths[r * layers + i]; }
+    const CacheView& key(int64_t r, size_t i) const { return keys[r * layers + i]; }
+    const CacheView& value(int64_t r, size_t i) const { return values[r * layers + i]; }
+    const bf16* cos_of(int64_t r) const { return cos + r * rotary; }
+    const bf16* sin_of(int64_t r) const { return sin + r * rotary; }
+  };
+
+  // Pointers to `rows` rows of a buffer, `stride` apart (the inputs or outputs of gemv_many_into_rows).
+  template <class T>
+  struct Rows {
+    std::array<T*, kMaxRows> at{};
+    Rows(T* base, int64_t stride, int64_t rows) {
+      for (int64_t r = 0; r < rows; ++r) at[r] = base + r * stride;
+    }
+    T* const* data() const { return at.data(); }
   };
 
   Layer& at_layer(int64_t layer, const char* who);
-  void size_buffers(int64_t widest, int64_t widest_inter, int64_t latent_in);
-  void route(const Layer& l, int64_t* picked, float* weights);
+  void size_buffers(int64_t rows, int64_t widest, int64_t widest_inter, int64_t latent_in);
+  void route(const Layer& l, const float* acc, int64_t* picked, float* weights);
   void route_softmax_of_top(const bf16* logits, int64_t experts, int64_t* picked, float* weights) const;
-  void route_grouped(const Layer& l, int64_t* picked, float* weights);
-  void grouped_logits(const Layer& l, const bf16* x, int64_t first, int64_t last);
+  void route_grouped(const Layer& l, const float* acc, int64_t* picked, float* weights);
+  void grouped_logits(const Layer& l, const bf16* x, int64_t rows, int64_t first, int64_t last);
+  void gather_union(const Layer& l, const int64_t* picked, int64_t rows, int64_t picked_stride);
   void step_thread(const Shared& in, SpinBarrier& barrier, int tid, int team);
   void attention_part(const Layer& l, const bf16* normed, const Shared& in, size_t i, SpinBarrier& barrier, int tid,
                       int team, bf16* head_scratch, float* scores, float* sums);
   void latent_attention_part(const Layer& l, const bf16* normed, const Shared& in, size_t i, SpinBarrier& barrier,
                              int tid, int team, bf16* q_in, LatentScratch& scratch);
-  void shared_activation(const Layer& l, const bf16* x, std::pair<int64_t, int64_t> rows, int tid);
-  void add_shared_rows(const Layer& l, int64_t begin, int64_t end, bool routed);
-  void rows_of(const Matrix& w, const bf16* x, std::pair<int64_t, int64_t> rows, bf16* out, const bf16* bias = nullptr);
+  void experts_of_rows(const Layer& l, const bf16* normed, SpinBarrier& barrier, int tid, int team);
+  void shared_activation(const Layer& l, const bf16* x, int64_t rows, std::pair<int64_t, int64_t> range, int tid);
+  void add_shared_rows(const Layer& l, int64_t rows, int64_t begin, int64_t end, bool routed);
+  void rows_of(const Matrix& w, const bf16* x, int64_t x_stride, int64_t rows, std::pair<int64_t, int64_t> range,
+               bf16* out, int64_t out_stride, const bf16* bias = nullptr);
 
   Matrix embed_;
   const bf16* final_norm_ = nullptr;
@@ -199,15 +228,21 @@ class WholeTokenStep {
   int64_t top_k_, hidden_ = 0;
   bool normalize_, cast_back_, softmax_of_top_, norms_round_once_;
   std::vector<Layer> layers_;
-  // buffers the threads share within a step (each writes its own part)
+  // buffers the threads share within a step (each writes its own part), one row per token: a
+  // buffer `b_` holds [rows, b_stride_] (the experts' per pick: [rows * top_k, ...])
   std::vector<float> scratch_, projected_, expert_out_, route_, shared_acc_;
+  int64_t scratch_stride_ = 0, widest_ = 0, latent_stride_ = 0, router_stride_ = 0, shared_stride_ = 0;
+  int64_t shared_inter_ = 0;  // the widest shared expert (shared_act_'s row)
   std::vector<bf16> shared_act_;  // a shared expert's activation
-  float shared_scale_ = 1.f;  // its gate's sigmoid this layer
-  std::vector<float> router_probs_;  // the router's float32 logits, then probabilities
+  std::vector<float> shared_scale_;  // its gate's sigmoid this layer, per row
+  std::vector<float> router_probs_;  // the router's float32 logits, then probabilities (one row at a time)
   std::vector<bf16> query_, attended_, delta_, activation_;
   std::vector<bf16> latent_in_;  // a latent layer's q_a and kv_a rows, rounded
   std::vector<float> router_acc_;  // the router's float32 sums (a grouped router's: its logits)
-  std::vector<const ExpertWeights*> chosen_;  // this layer's picked experts, in pick order
+  // this layer's experts, the union of the rows' picks in order of first pick; expert u's picks
+  // (row * top_k + j) are users_[user_begin_[u], user_begin_[u + 1])
+  std::vector<const ExpertWeights*> union_;
+  std::vector<int64_t> users_, user_begin_;
   std::array<double, kPhases> phase_seconds_{};
 };
 

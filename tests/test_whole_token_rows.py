@@ -1,0 +1,114 @@
+"""Several replies' tokens in one whole-token step (`WholeTokenStep.step_rows`, the path's
+`run_together`): every reply gets, bit for bit, the logits, KV cache entries and experts its own step
+gives, at its own position, on each family the step computes and in a block format. GPT-OSS's
+transposed experts take one reply per step. In a batch, replies at budget `all` decode together."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine.decode.generation import Generator
+from engine.decode.paths.base import Step
+from engine.decode.runtime import MoERuntime
+from engine.protocol import LoadModel
+from tests.test_batch import LENGTHS, PROMPTS, greedy, run_batch
+from tests.test_whole_token import fast_runtime, latent_checkpoint, prefilled
+
+pytestmark = pytest.mark.usefixtures("kernels")  # the native kernels (tests/conftest.py)
+
+ROWS_PROMPTS = [[5, 17, 33, 8, 61, 12, 40, 9, 27, 4], [3, 5, 7], [100, 2, 40, 41, 42, 43, 44], [9, 9, 1, 2, 3]]
+
+
+def assert_rows_equal_each_alone(runtime: MoERuntime, prompts: list[list[int]], steps: int) -> None:
+    """`steps` tokens of every prompt's reply, all in one step each time and each alone, side by side
+    from the same prompts (so at different positions): identical logits, experts and KV caches."""
+    path = runtime.whole_token
+    together = [prefilled(runtime, prompt) for prompt in prompts]
+    alone = [prefilled(runtime, prompt) for prompt in prompts]
+    tokens = [prompt[-1] for prompt in prompts]
+    counters = runtime.counters
+    with torch.inference_mode():
+        for _ in range(steps):
+            counters.keep_token_picks = False
+            ran = path.run_together([Step(torch.tensor([[t]]), kv, kv.get_seq_length(), token=t)
+                                     for t, kv in zip(tokens, together, strict=True)])
+            for row, (token, kv) in enumerate(zip(tokens, alone, strict=True)):
+                step = Step(torch.tensor([[token]]), kv, kv.get_seq_length(), token=token)
+                assert path.unavailable(step) is None
+                counters.keep_token_picks = True
+                own = path.run(step)
+                assert torch.equal(ran.logits[row], own), f"row {row}"
+                assert (ran.picks[row] == counters.take_token_picks()).all(), f"row {row}'s experts"
+            assert ran.uses == len(prompts) * ran.picks[0].size
+            assert 0 < ran.distinct <= ran.uses
+            tokens = [int(out[0, -1].argmax()) for out in ran.logits]
+    counters.keep_token_picks = False
+    for a, b in zip(together, alone, strict=True):
+        for x, y in zip(a.layers, b.layers, strict=True):
+            assert torch.equal(x.keys, y.keys) and torch.equal(x.values, y.values)
+
+
+@pytest.mark.parametrize("family", ["demo", "mixtral", "qwen2_moe", "olmoe"])
+def test_replies_in_one_step_get_their_own_logits(tiny_checkpoints, family):
+    # demo: Qwen3-MoE-shaped; Qwen2-MoE: biased q/k/v and a gated shared expert; OLMoE: q/k norms
+    # over the whole projection (the step's other attention split)
+    runtime = fast_runtime("demo" if family == "demo" else str(tiny_checkpoints[family]))
+    try:
+        assert_rows_equal_each_alone(runtime, ROWS_PROMPTS, 5)
+    finally:
+        runtime.close()
+
+
+def test_latent_attention_and_grouped_routing_in_one_step(tmp_path):
+    runtime = fast_runtime(latent_checkpoint("deepseek_v3", tmp_path))
+    try:
+        with torch.no_grad():  # a correction bias that changes which experts are chosen
+            for layer in runtime.model.model.layers[1:]:
+                layer.mlp.gate.e_score_correction_bias.normal_(0, 0.5)
+        assert_rows_equal_each_alone(runtime, ROWS_PROMPTS, 4)
+    finally:
+        runtime.close()
+
+
+def test_block_formats_and_uneven_thread_shares(tmp_path):
+    # Q4_K experts and Q8_0 dense weights from a GGUF file (their integer dots, one input prepared per
+    # row); 3 threads: the union of experts and the kv heads split unevenly, the other code paths
+    from tests.helpers.gguf_writer import save_tiny_hf, write_gguf
+
+    write_gguf(save_tiny_hf("mixtral", tmp_path / "hf"), tmp_path / "model.gguf", experts="Q4_K", dense="Q8_0")
+    threads = torch.get_num_threads()
+    torch.set_num_threads(3)
+    runtime = fast_runtime(str(tmp_path / "model.gguf"))
+    try:
+        assert runtime.cache.quantized_slots
+        assert_rows_equal_each_alone(runtime, ROWS_PROMPTS[:3], 4)
+    finally:
+        runtime.close()
+        torch.set_num_threads(threads)
+
+
+def test_transposed_experts_take_one_reply_per_step(tiny_checkpoints):
+    runtime = fast_runtime(str(tiny_checkpoints["gpt_oss"]))
+    try:
+        assert runtime.whole_token.decoder.transposed
+        assert_rows_equal_each_alone(runtime, ROWS_PROMPTS[:2], 3)
+    finally:
+        runtime.close()
+
+
+def test_a_batch_at_all_decodes_its_replies_in_one_step(tiny_checkpoints):
+    runtime = MoERuntime(LoadModel(path=str(tiny_checkpoints["mixtral"]), budget="all", store="ram",
+                                   dtype="bfloat16"))
+    try:
+        alone = [Generator(runtime).generate(p, greedy(n)) for p, n in zip(PROMPTS, LENGTHS, strict=True)]
+        assert runtime.decode_path == "fast: whole token in one native call"
+        together, batch = run_batch(runtime, [(p, greedy(n)) for p, n in zip(PROMPTS, LENGTHS, strict=True)],
+                                    gather=True)
+        for one, reply in zip(alone, together, strict=True):
+            assert reply.token_ids == one.token_ids and reply.finish_reason == one.finish_reason
+            assert reply.stats.decode_tokens == one.stats.decode_tokens
+        sharing = batch.sharing.snapshot()
+        assert sharing is not None and sharing.turns > 0 and sharing.picks_per_expert >= 1.0
+    finally:
+        runtime.close()
