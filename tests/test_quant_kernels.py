@@ -234,8 +234,8 @@ def test_a_prompts_rows_through_a_layers_experts_in_one_call(variant, family, na
     # A prompt's rows sorted by expert (as the expert cache gathers them) through a layer's resident
     # experts in one native call (moe_prompt): every expert's rows equal transformers' recipe on the
     # same weights dequantized to bf16, to summation order; experts with 0, 1 and a count that is no
-    # multiple of the kernel's 4-row (16 on AMX) tiles; gpt-oss's biases, interleaved gate/up and
-    # clamped SwiGLU.
+    # multiple of the kernel's 4-row (16 on AMX) tiles (1 and 3: few enough for the integer dots, the
+    # others on tiles); gpt-oss's biases, interleaved gate/up and clamped SwiGLU.
     from transformers import GptOssConfig, Qwen3MoeConfig
     from transformers.models.gpt_oss.modeling_gpt_oss import GptOssExperts
     from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeExperts

@@ -31,6 +31,13 @@ namespace moescope {
 // holding one thread while the others wait; and one call replaces the dozen small torch ops per
 // expert the per-expert loop makes. With `int8_inputs` (opt-in, lossy) Q4_K matrices take their
 // inputs rounded to 8 bits and multiply them in integers (prompt/int8.h).
+//
+// An expert with few rows (at most kFewRows, as most are in a short prompt: 16 tokens' top 8 of 64
+// give about 2.5 rows an expert) takes the decode kernels' integer dots instead, its matrix read in
+// place: expanding a tile costs more than it saves over so few rows. Their inputs are put in fixed
+// point once a call (`x_fixed`, `act_fixed`); the sums are the decode step's, to the same reference.
+constexpr int64_t kFewRows = 4;
+
 struct PromptExperts {
   const GateRecipe& recipe;
   const std::vector<ExpertWeights>& experts;
@@ -46,6 +53,13 @@ struct PromptExperts {
   const AmxInput* x_amx = nullptr;  // x and the activation as AMX operands, where the tiles are on
   const AmxInput* act_amx = nullptr;
   int64_t height = kTile;  // rows of W per tile: kTile, or kAmxRows on the tiles
+  const FixedInput* x_fixed = nullptr;  // per row of x (filled for few-row experts' rows), or none
+  const FixedInput* act_fixed = nullptr;  // and of the activation
+
+  // Expert e takes the integer dots for matrix m (its few rows' inputs in fixed point).
+  bool few_rows(const Matrix& m, int64_t e, const FixedInput* fixed) const {
+    return fixed != nullptr && count[e] <= kFewRows && m.type != kBF16 && has_integer_dot(m.type);
+  }
 
   // The tile's `height` rows at[] of matrix m times each of expert e's rows of `input` (or their 8-bit
   // groups where given and m is Q4_K, or AMX operands where given): emit(i, sums) with sums[r] = x_i . w_r.
@@ -54,6 +68,15 @@ struct PromptExperts {
   void tile(const Matrix& m, const int64_t* at, int64_t e, const PromptInput& input, const Int8Groups* groups,
             [[maybe_unused]] const AmxInput* amx_input, TileScratch& scratch, Emit&& emit,
             [[maybe_unused]] EmitBlock&& emit_block) const {
+    const FixedInput* fixed = &input == &x ? x_fixed : act_fixed;
+    if (few_rows(m, e, fixed)) {
+      float sums[kMaxTile];
+      for (int64_t i = 0; i < count[e]; ++i) {
+        for (int64_t j = 0; j < height; ++j) sums[j] = idot_row(m, at[j], fixed[start[e] + i]);
+        emit(i, sums);
+      }
+      return;
+    }
     if (groups != nullptr && m.type == kQ4_K) {
       int8_tile_times_rows(m, at, *groups, e, start[e], scratch, emit);
       return;
@@ -208,6 +231,15 @@ inline void moe_prompt(const bf16* x, int64_t rows, int64_t hidden, const std::v
       act(activation.data(), inter, start, count, all_fixed(true, act8.get()));
   PromptExperts work{recipe, experts, start, count, in, hidden, inter, act, activation.data(), y,
                      x8.get(), act8.get()};
+  // the few-row experts' inputs in fixed point, where their integer dots apply (not beside the
+  // opt-in 8-bit inputs or the AMX tiles, which take every expert)
+  std::vector<int64_t> few;  // the rows of x that few-row experts multiply
+  if (x8 == nullptr && act8 == nullptr && !amx && integer_dots_enabled())
+    for (size_t e = 0; e < experts.size(); ++e)
+      if (count[e] <= kFewRows && (has_integer_dot(experts[e].gate_up.type) || has_integer_dot(experts[e].down.type)))
+        for (int64_t i = 0; i < count[e]; ++i) few.push_back(start[e] + i);
+  std::vector<FixedInput> x_fixed(few.empty() ? 0 : rows), act_fixed(few.empty() ? 0 : rows);
+  if (!few.empty()) work.x_fixed = x_fixed.data(), work.act_fixed = act_fixed.data();
 #if defined(MOESCOPE_AMX)
   std::unique_ptr<AmxInput> x_amx, act_amx;
   if (amx) {
@@ -250,11 +282,19 @@ inline void moe_prompt(const bf16* x, int64_t rows, int64_t hidden, const std::v
 #if defined(MOESCOPE_AMX)
     if (amx) amx_configure();
 #endif
+    auto fill_fixed = [&](std::vector<FixedInput>& fixed, const bf16* rows_of, int64_t width) {
+      if (few.empty()) return;
+      const auto [first, last] = thread_share(static_cast<int64_t>(few.size()), tid, team);
+      for (int64_t f = first; f < last; ++f) fixed[few[f]].prepare(rows_of + few[f] * width, width);
+      barrier.wait();
+    };
+    fill_fixed(x_fixed, x, hidden);
     fill_share(x8.get(), in, false);
     const auto [g_first, g_last] = gate_tiles.share(tid, team);
     for (int64_t t = g_first; t < g_last; ++t)
       work.gate_up_tile(gate_tiles.tiles[t].first, gate_tiles.tiles[t].second, scratch);
     barrier.wait();  // every expert's activation rows are complete
+    fill_fixed(act_fixed, activation.data(), inter);
     fill_share(act8.get(), act, true);
     const auto [d_first, d_last] = down_tiles.share(tid, team);
     for (int64_t t = d_first; t < d_last; ++t)
