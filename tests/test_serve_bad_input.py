@@ -97,6 +97,18 @@ def test_ollamas_routes_need_the_key_and_answer_in_ollamas_shape(server):
     assert reply.status_code == 200 and reply.json()["message"]["content"] == "11"
 
 
+def test_anthropics_client_sends_the_key_its_own_way(server):
+    import anthropic
+
+    ask_it = {"model": "demo", "max_tokens": 8, "messages": [{"role": "user", "content": "What is 4 plus 7?"}],
+              "extra_body": {"temperature": 0}}
+    with pytest.raises(anthropic.AuthenticationError) as refused:
+        anthropic.Anthropic(base_url=server.root, api_key="wrong", max_retries=0).messages.create(**ask_it)
+    assert refused.value.body["error"]["type"] == "authentication_error"
+    message = anthropic.Anthropic(base_url=server.root, api_key=KEY, max_retries=0).messages.create(**ask_it)
+    assert message.content[0].text == "11"  # x-api-key: KEY
+
+
 def test_the_server_keeps_serving_after_bad_requests(server):
     post(server, "/chat/completions", raw=b"{nope")
     post(server, "/chat/completions", ask(max_tokens=0))

@@ -1,7 +1,7 @@
-"""The FastAPI application: OpenAI's `/v1/models`, `/v1/chat/completions`, `/v1/completions`, Ollama's
-`/api/chat`, `/api/generate`, `/api/tags`, `/api/show`, `/api/ps`, `/api/version`, and MoEScope's
-telemetry stream, over one `EngineHub`. Both APIs' completions take one path (`_complete`); a `Dialect`
-says how each reads its body and writes its answer and errors.
+"""The FastAPI application: OpenAI's `/v1/models`, `/v1/chat/completions`, `/v1/completions`, Anthropic's
+`/v1/messages`, Ollama's `/api/chat`, `/api/generate`, `/api/tags`, `/api/show`, `/api/ps`,
+`/api/version`, and MoEScope's telemetry stream, over one `EngineHub`. Every API's completions take
+one path (`_complete`); a `Dialect` says how each reads its body and writes its answer and errors.
 
 No endpoint reads or writes files or loads a model: `model` only has to name the loaded one.
 """
@@ -20,7 +20,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from engine import protocol as p
-from engine.serve import ollama, schema
+from engine.serve import anthropic, ollama, schema
 from engine.serve.dialect import ApiError, Dialect, Reply, engine_error, sse
 from engine.serve.hub import EngineHub, EngineUnavailable, LogEntry, QueueFull, RequestStream, new_request_id
 
@@ -62,7 +62,8 @@ def create_app(hub: EngineHub, settings: ServerSettings | None = None) -> FastAP
 
 
 COMPLETIONS: dict[str, Dialect] = {"/v1/chat/completions": schema.CHAT, "/v1/completions": schema.COMPLETION,
-                                   "/api/chat": ollama.CHAT, "/api/generate": ollama.GENERATE}
+                                   anthropic.PATH: anthropic.MESSAGES, "/api/chat": ollama.CHAT,
+                                   "/api/generate": ollama.GENERATE}
 
 
 def _completion_route(app: FastAPI, hub: EngineHub, settings: ServerSettings, path: str, dialect: Dialect) -> None:
@@ -99,7 +100,8 @@ def _model_routes(app: FastAPI, hub: EngineHub, settings: ServerSettings) -> Non
 
 def _error_response(path: str, error: ApiError) -> JSONResponse:
     """The error in the shape of the API the path belongs to."""
-    dialect = ollama.CHAT if path.startswith(ollama.PREFIX) else schema.CHAT
+    dialect = ollama.CHAT if path.startswith(ollama.PREFIX) else anthropic.MESSAGES if path == anthropic.PATH \
+        else schema.CHAT
     return JSONResponse(dialect.error_body(error), status_code=error.status, headers=error.headers)
 
 
@@ -162,16 +164,18 @@ async def _answer(hub: EngineHub, request: Request, reply: Reply):
 
 
 class RequireKey:
-    """Every HTTP request must carry `Authorization: Bearer KEY` (plain ASGI, so streaming and disconnects
-    pass through untouched)."""
+    """Every HTTP request must carry `Authorization: Bearer KEY`, or `x-api-key: KEY` as Anthropic's
+    client sends it (plain ASGI, so streaming and disconnects pass through untouched)."""
 
     def __init__(self, app, key: str) -> None:
         self.app, self.key = app, key.encode()
 
     async def __call__(self, scope, receive, send) -> None:
         if scope["type"] == "http":
-            given = dict(scope["headers"]).get(b"authorization", b"")
-            scheme, _, token = given.partition(b" ")
+            headers = dict(scope["headers"])
+            scheme, _, token = headers.get(b"authorization", b"").partition(b" ")
+            if b"x-api-key" in headers:
+                scheme, token = b"bearer", headers[b"x-api-key"]
             if scheme.lower() != b"bearer" or not hmac.compare_digest(token.strip(), self.key):
                 error = ApiError(401, "a valid API key is required: send it as 'Authorization: Bearer KEY'",
                                  code="invalid_api_key", type="authentication_error")
