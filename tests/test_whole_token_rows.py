@@ -71,15 +71,42 @@ def test_latent_attention_and_grouped_routing_in_one_step(tmp_path):
         runtime.close()
 
 
-def test_block_formats_and_uneven_thread_shares(tmp_path):
-    # Q4_K experts and Q8_0 dense weights from a GGUF file (their integer dots, one input prepared per
-    # row); 3 threads: the union of experts and the kv heads split unevenly, the other code paths
+@pytest.fixture(scope="module")
+def q4_k_gguf(tmp_path_factory) -> str:
+    """Mixtral's tiny checkpoint as a GGUF file: Q4_K experts (their dots unpack a block once for up to
+    four rows), Q8_0 dense weights."""
     from tests.helpers.gguf_writer import save_tiny_hf, write_gguf
 
-    write_gguf(save_tiny_hf("mixtral", tmp_path / "hf"), tmp_path / "model.gguf", experts="Q4_K", dense="Q8_0")
+    folder = tmp_path_factory.mktemp("q4_k")
+    write_gguf(save_tiny_hf("mixtral", folder / "hf"), folder / "model.gguf", experts="Q4_K", dense="Q8_0")
+    return str(folder / "model.gguf")
+
+
+def test_every_kernel_variant_gives_each_row_its_own_sums(variant, q4_k_gguf):
+    from engine.decode.modules.whole_token_step import WholeTokenStep
+
+    runtime = fast_runtime(q4_k_gguf)
+    try:
+        decoder = WholeTokenStep(runtime.model, runtime.cache, variant)
+        together = [prefilled(runtime, prompt) for prompt in ROWS_PROMPTS]
+        alone = [prefilled(runtime, prompt) for prompt in ROWS_PROMPTS]
+        tokens = [prompt[-1] for prompt in ROWS_PROMPTS]
+        with torch.inference_mode():
+            for _ in range(3):
+                logits, _ = decoder.step_rows(tokens, together)
+                for row, (token, kv) in enumerate(zip(tokens, alone, strict=True)):
+                    assert torch.equal(logits[row:row + 1], decoder.step(token, kv)), (variant.variant.name, row)
+                tokens = [int(out[0, -1].argmax()) for out in logits]
+    finally:
+        runtime.close()
+
+
+def test_block_formats_and_uneven_thread_shares(q4_k_gguf):
+    # Q4_K experts and Q8_0 dense weights (their integer dots, one input prepared per row); 3 threads:
+    # the union of experts and the kv heads split unevenly, the other code paths
     threads = torch.get_num_threads()
     torch.set_num_threads(3)
-    runtime = fast_runtime(str(tmp_path / "model.gguf"))
+    runtime = fast_runtime(q4_k_gguf)
     try:
         assert runtime.cache.quantized_slots
         assert_rows_equal_each_alone(runtime, ROWS_PROMPTS[:3], 4)

@@ -40,6 +40,13 @@ inline float qdot_row(const Matrix& m, int64_t r, const bf16* x) { return qdot_r
 inline float idot_row(const Matrix& m, int64_t r, const FixedInput& in) { return idot_row_generic(m, r, in); }
 #endif
 
+#if !defined(MOESCOPE_HAS_IDOT_ROWS)
+// Row r's dot with each of n inputs (an arch header may share work between them).
+inline void idot_rows(const Matrix& m, int64_t r, const FixedInput* const* in, int64_t n, float* out) {
+  for (int64_t i = 0; i < n; ++i) out[i] = idot_row(m, r, *in[i]);
+}
+#endif
+
 #if !defined(MOESCOPE_HAS_FLOAT_DOT_PREFERENCE)
 inline bool prefers_float_dot(int32_t) { return false; }
 #endif

@@ -4,6 +4,7 @@
 #pragma once
 
 #include <algorithm>
+#include <array>
 #include <cstdint>
 #include <cstring>
 #include <vector>
@@ -52,9 +53,20 @@ inline void gemv_many_into_rows(const Matrix& m, const bf16* const* xs, int64_t 
   const int64_t block = std::max<int64_t>(1, 16384 / std::max<int64_t>(1, m.row_bytes));
   const bool integer = m.type != kBF16 && has_integer_dot(m.type) && integer_dots_enabled();
   thread_local std::vector<FixedInput> fixed;
-  if (integer) {
+  if (integer) {  // each row's products with every input in one call (idot_rows)
     if (static_cast<int64_t>(fixed.size()) < count) fixed.resize(count);
+    std::array<const FixedInput*, 16> inputs{};
+    std::array<float, 16> sums{};
     for (int64_t i = 0; i < count; ++i) fixed[i].prepare(xs[i], m.cols);
+    for (int64_t at = 0; at < count; at += 16) {
+      const int64_t n = std::min<int64_t>(16, count - at);
+      for (int64_t i = 0; i < n; ++i) inputs[i] = &fixed[at + i];
+      for (int64_t r = begin; r < end; ++r) {
+        idot_rows(m, r, inputs.data(), n, sums.data());
+        for (int64_t i = 0; i < n; ++i) outs[at + i][r - first] = sums[i];
+      }
+    }
+    return;
   }
   const bf16* w = reinterpret_cast<const bf16*>(m.data);
   const int64_t ld = m.row_bytes / 2;
@@ -64,8 +76,6 @@ inline void gemv_many_into_rows(const Matrix& m, const bf16* const* xs, int64_t 
       float* out = outs[i] - first;
       if (m.type == kBF16)
         for (int64_t n = b; n < e; ++n) out[n] = dot_row(w + n * ld, xs[i], m.cols);
-      else if (integer)
-        for (int64_t n = b; n < e; ++n) out[n] = idot_row(m, n, fixed[i]);
       else
         for (int64_t n = b; n < e; ++n) out[n] = qdot_row(m, n, xs[i]);
     }

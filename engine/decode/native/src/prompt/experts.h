@@ -69,12 +69,15 @@ struct PromptExperts {
             [[maybe_unused]] const AmxInput* amx_input, TileScratch& scratch, Emit&& emit,
             [[maybe_unused]] EmitBlock&& emit_block) const {
     const FixedInput* fixed = &input == &x ? x_fixed : act_fixed;
-    if (few_rows(m, e, fixed)) {
-      float sums[kMaxTile];
-      for (int64_t i = 0; i < count[e]; ++i) {
-        for (int64_t j = 0; j < height; ++j) sums[j] = idot_row(m, at[j], fixed[start[e] + i]);
-        emit(i, sums);
+    if (few_rows(m, e, fixed)) {  // each weight row's dots with all the expert's rows (idot_rows)
+      const FixedInput* inputs[kFewRows];
+      float dots[kFewRows], sums[kFewRows][kMaxTile];
+      for (int64_t i = 0; i < count[e]; ++i) inputs[i] = &fixed[start[e] + i];
+      for (int64_t j = 0; j < height; ++j) {
+        idot_rows(m, at[j], inputs, count[e], dots);
+        for (int64_t i = 0; i < count[e]; ++i) sums[i][j] = dots[i];
       }
+      for (int64_t i = 0; i < count[e]; ++i) emit(i, sums[i]);
       return;
     }
     if (groups != nullptr && m.type == kQ4_K) {

@@ -128,6 +128,59 @@ inline float idot_q4_k(const uint8_t* row, int64_t blocks, const FixedInput& in)
   return hsum_ps(_mm256_sub_ps(acc, acc_min));
 }
 
+// idot_q4_k for N inputs at once (replies decoding together, kernels/gemv.h): a block's scales, mins
+// and nibbles are unpacked once for all of them, then each input's products summed as idot_q4_k sums
+// them (integer sums, then the same float operations in the same order), so each result is
+// idot_q4_k's to the bit. Each input costs its products alone.
+template <bool kIntel, int N>
+inline void idot_q4_k_many(const uint8_t* row, int64_t blocks, const FixedInput* const* in, float* out) {
+  const __m256i nibble = _mm256_set1_epi8(0x0F);
+  __m256i pick[8];
+  for (int j = 0; j < 8; ++j) pick[j] = _mm256_set1_epi16(static_cast<int16_t>((2 * j) | ((2 * j + 1) << 8)));
+  const int8_t* planes[N];
+  const float *chunk_scale[N], *sum32[N];
+  __m256 acc[N], acc_min[N];
+  for (int i = 0; i < N; ++i) {
+    planes[i] = in[i]->planes.data();
+    chunk_scale[i] = in[i]->scale.data();
+    sum32[i] = in[i]->sum32.data();
+    acc[i] = acc_min[i] = _mm256_setzero_ps();
+  }
+  for (int64_t blk = 0; blk < blocks; ++blk) {
+    const uint8_t* b = row + blk * 144;
+    prefetch_block<kIntel>(b, 144);
+    const __m256i scales_mins = _mm256_cvtepu8_epi16(q4_k_scales_mins(b + 4));  // 8 scales, then 8 mins
+    const __m256i scales = _mm256_permute2x128_si256(scales_mins, scales_mins, 0x00);
+    __m256i acc_hi[N], acc_lo[N];
+    for (int i = 0; i < N; ++i) acc_hi[i] = acc_lo[i] = _mm256_setzero_si256();
+    for (int c = 0; c < 4; ++c) {  // 64 weights: low nibbles are sub-block 2c, high ones 2c + 1
+      const __m256i bytes = load32(b + 16 + 32 * c);
+      const __m256i low = _mm256_and_si256(bytes, nibble), high = _mm256_and_si256(_mm256_srli_epi16(bytes, 4), nibble);
+      const __m256i low_scale = _mm256_shuffle_epi8(scales, pick[2 * c]);
+      const __m256i high_scale = _mm256_shuffle_epi8(scales, pick[2 * c + 1]);
+      const int64_t at = 2 * (blk * 256 + 64 * c);  // FixedInput::hi_at of the group's first element
+      for (int i = 0; i < N; ++i) {
+        const int8_t* x = planes[i] + at;
+        madd_planes(low, x, x + 32, low_scale, acc_hi[i], acc_lo[i]);
+        madd_planes(high, x + 64, x + 96, high_scale, acc_hi[i], acc_lo[i]);
+      }
+    }
+    int32_t halves;
+    std::memcpy(&halves, b, 4);
+    const __m128 d_dmin = _mm_cvtph_ps(_mm_cvtsi32_si128(halves));
+    const __m256 mins = _mm256_cvtepi32_ps(_mm256_cvtepu16_epi32(_mm256_extracti128_si256(scales_mins, 1)));
+    for (int i = 0; i < N; ++i) {
+      const __m128 d = _mm_mul_ps(d_dmin, _mm_set1_ps(chunk_scale[i][blk]));
+      const __m256 total = _mm256_fmadd_ps(_mm256_cvtepi32_ps(acc_hi[i]), _mm256_set1_ps(255.f),
+                                           _mm256_cvtepi32_ps(acc_lo[i]));
+      acc[i] = _mm256_fmadd_ps(total, _mm256_broadcastss_ps(d), acc[i]);
+      acc_min[i] = _mm256_fmadd_ps(_mm256_mul_ps(mins, _mm256_loadu_ps(sum32[i] + blk * 8)),
+                                   _mm256_broadcastss_ps(_mm_movehdup_ps(d)), acc_min[i]);
+    }
+  }
+  for (int i = 0; i < N; ++i) out[i] = hsum_ps(_mm256_sub_ps(acc[i], acc_min[i]));
+}
+
 // Q8_0: the int8 levels widened to int16 and multiplied with the input's int16 values (vpmaddwd),
 // one product per weight; a pair of products (127 * 32512 each) stays inside int32.
 template <bool kIntel>
@@ -332,6 +385,26 @@ inline float idot_row_tuned(const Matrix& m, int64_t r, const FixedInput& in) {
 
 inline float idot_row(const Matrix& m, int64_t r, const FixedInput& in) {
   return tuned([&](auto intel) { return idot_row_tuned<intel>(m, r, in); });
+}
+
+// Row r's dot with each of n inputs: Q4_K's unpacked once for up to four of them (idot_q4_k_many),
+// the other types one input at a time; each result idot_row's.
+#define MOESCOPE_HAS_IDOT_ROWS 1
+inline void idot_rows(const Matrix& m, int64_t r, const FixedInput* const* in, int64_t n, float* out) {
+  if (m.type != kQ4_K) {
+    for (int64_t i = 0; i < n; ++i) out[i] = idot_row(m, r, *in[i]);
+    return;
+  }
+  const uint8_t* row = m.row(r);
+  const int64_t blocks = m.cols / 256;
+  tuned([&](auto intel) {
+    constexpr bool kIntel = decltype(intel)::value;
+    int64_t i = 0;
+    for (; i + 4 <= n; i += 4) idot_q4_k_many<kIntel, 4>(row, blocks, in + i, out + i);
+    if (n - i == 3) idot_q4_k_many<kIntel, 3>(row, blocks, in + i, out + i);
+    if (n - i == 2) idot_q4_k_many<kIntel, 2>(row, blocks, in + i, out + i);
+    if (n - i == 1) out[i] = idot_q4_k<kIntel>(row, blocks, *in[i]);
+  });
 }
 #endif
 
