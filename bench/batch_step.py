@@ -83,6 +83,7 @@ def _bound(gguf: Path, picks: list) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
+    apply_process_settings()  # before anything computes
     parser = argparse.ArgumentParser(prog="python -m bench.batch_step", description=__doc__.split("\n\n")[0])
     parser.add_argument("--geometry", default="qwen3moe-64e", help="a bench.synthetic geometry")
     parser.add_argument("--replies", type=int, default=4)
@@ -91,8 +92,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--out", type=Path, default=RESULTS_DIR)
     args = parser.parse_args(argv)
-    os.environ["OMP_NUM_THREADS"] = str(args.threads)
-    apply_process_settings()
+    os.environ["OMP_NUM_THREADS"] = str(args.threads)  # before torch and the kernels start their threads
     import torch
 
     from bench.gguf_files import ensure_ggufs
