@@ -71,21 +71,22 @@ def test_latent_attention_and_grouped_routing_in_one_step(tmp_path):
         runtime.close()
 
 
-@pytest.fixture(scope="module")
-def q4_k_gguf(tmp_path_factory) -> str:
-    """Mixtral's tiny checkpoint as a GGUF file: Q4_K experts (their dots unpack a block once for up to
-    four rows), Q8_0 dense weights."""
+@pytest.fixture(scope="module", params=[("Q4_K", "Q8_0"), ("Q6_K", "Q6_K")], ids=["q4_k", "q6_k"])
+def block_gguf(request, tmp_path_factory) -> str:
+    """Mixtral's tiny checkpoint as a GGUF file: Q4_K or Q6_K experts (their dots unpack a block once
+    for up to four rows), Q8_0 or Q6_K dense weights."""
     from tests.helpers.gguf_writer import save_tiny_hf, write_gguf
 
-    folder = tmp_path_factory.mktemp("q4_k")
-    write_gguf(save_tiny_hf("mixtral", folder / "hf"), folder / "model.gguf", experts="Q4_K", dense="Q8_0")
+    experts, dense = request.param
+    folder = tmp_path_factory.mktemp(experts.lower())
+    write_gguf(save_tiny_hf("mixtral", folder / "hf"), folder / "model.gguf", experts=experts, dense=dense)
     return str(folder / "model.gguf")
 
 
-def test_every_kernel_variant_gives_each_row_its_own_sums(variant, q4_k_gguf):
+def test_every_kernel_variant_gives_each_row_its_own_sums(variant, block_gguf):
     from engine.decode.modules.whole_token_step import WholeTokenStep
 
-    runtime = fast_runtime(q4_k_gguf)
+    runtime = fast_runtime(block_gguf)
     try:
         decoder = WholeTokenStep(runtime.model, runtime.cache, variant)
         together = [prefilled(runtime, prompt) for prompt in ROWS_PROMPTS]
@@ -101,12 +102,12 @@ def test_every_kernel_variant_gives_each_row_its_own_sums(variant, q4_k_gguf):
         runtime.close()
 
 
-def test_block_formats_and_uneven_thread_shares(q4_k_gguf):
-    # Q4_K experts and Q8_0 dense weights (their integer dots, one input prepared per row); 3 threads:
+def test_block_formats_and_uneven_thread_shares(block_gguf):
+    # Q4_K or Q6_K experts and Q8_0 or Q6_K dense weights (their integer dots); 3 threads:
     # the union of experts and the kv heads split unevenly, the other code paths
     threads = torch.get_num_threads()
     torch.set_num_threads(3)
-    runtime = fast_runtime(q4_k_gguf)
+    runtime = fast_runtime(block_gguf)
     try:
         assert runtime.cache.quantized_slots
         assert_rows_equal_each_alone(runtime, ROWS_PROMPTS[:3], 4)

@@ -64,14 +64,13 @@ inline AttentionWeights attention_weights(const Matrix& wq, const Matrix& wk, co
   return out;
 }
 
-// One head of a token's q (m = 0), k (1) or v (2) for Llama-style attention: its rows of the
-// projection, rounded, then for q and k the optional per-head RMSNorm (Qwen3) and the rotary
-// embedding. `rows`: d floats of scratch; `normed`: d bf16 of scratch.
-inline void project_head(const AttentionWeights& a, int m, int64_t h, const bf16* x, const bf16* cos, const bf16* sin,
-                         float* rows, bf16* normed, bf16* out) {
+// The projection of q (m = 0), k (1) or v (2) the head takes its rows from.
+inline const Matrix& head_matrix(const AttentionWeights& a, int m) { return m == 0 ? a.wq : m == 1 ? a.wk : a.wv; }
+
+// project_head after its rows' sums (`rows`, d floats): rounded, biased, normed and rotated.
+inline void finish_head(const AttentionWeights& a, int m, int64_t h, const bf16* cos, const bf16* sin,
+                        const float* rows, bf16* normed, bf16* out) {
   const int64_t d = a.head_dim;
-  const Matrix& w = m == 0 ? a.wq : m == 1 ? a.wk : a.wv;
-  gemv_rows(w, x, h * d, (h + 1) * d, rows);
   round_linear(rows, a.bias[m] != nullptr ? a.bias[m] + h * d : nullptr, d, out);
   if (m == 2 || a.full_norm) return;  // values are neither normed nor rotated; full-width norms come later
   const bf16* norm = m == 0 ? a.q_norm : a.k_norm;
@@ -80,6 +79,16 @@ inline void project_head(const AttentionWeights& a, int m, int64_t h, const bf16
     std::memcpy(out, normed, d * sizeof(bf16));
   }
   rope_head(out, cos, sin, a.rotary_dim);
+}
+
+// One head of a token's q (m = 0), k (1) or v (2) for Llama-style attention: its rows of the
+// projection, rounded, then for q and k the optional per-head RMSNorm (Qwen3) and the rotary
+// embedding. `rows`: d floats of scratch; `normed`: d bf16 of scratch.
+inline void project_head(const AttentionWeights& a, int m, int64_t h, const bf16* x, const bf16* cos, const bf16* sin,
+                         float* rows, bf16* normed, bf16* out) {
+  const int64_t d = a.head_dim;
+  gemv_rows(head_matrix(a, m), x, h * d, (h + 1) * d, rows);
+  finish_head(a, m, h, cos, sin, rows, normed, out);
 }
 
 // One token's query (into q), key and value (into k, v) for a layer of Llama-style attention.

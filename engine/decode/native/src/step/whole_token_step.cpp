@@ -404,9 +404,7 @@ void WholeTokenStep::attention_part(const Layer& l, const bf16* normed, const Sh
   const AttentionWeights& a = l.attention;
   const int64_t d = a.head_dim, heads = a.wq.rows / d, kv_heads = a.wk.rows / d, group = heads / kv_heads;
   const int64_t rows = in.rows, S = scratch_stride_, W = widest_;
-  // row r's input, its rows of float scratch, query and output, and where its key and value go
-  auto x_of = [&](int64_t r) { return normed + r * hidden_; };
-  auto acc_of = [&](int64_t r) { return scratch_.data() + r * S; };
+  // row r's query and output, and where its key and value go
   auto query_of = [&](int64_t r) { return query_.data() + r * W; };
   auto out_of = [&](int64_t r) { return attended_.data() + r * W; };
   auto key_rows = [&](int64_t r) {
@@ -415,6 +413,15 @@ void WholeTokenStep::attention_part(const Layer& l, const bf16* normed, const Sh
   auto value_rows = [&](int64_t r) {
     return const_cast<bf16*>(in.value(r, i).data) + in.length(r, i) * in.value(r, i).position_stride;
   };
+  const Rows<const bf16> inputs(normed, hidden_, rows);
+  // head h of projection m for every row, its sums at `sums` in each row's scratch, into out(r)
+  // (each row's input put in fixed point once a layer, not once a head)
+  auto project = [&](int m, int64_t h, int64_t sums, auto&& out) {
+    const Rows<float> acc(scratch_.data() + sums, S, rows);
+    gemv_many_into_rows(head_matrix(a, m), inputs.data(), rows, h * d, (h + 1) * d, acc.data(), h * d);
+    for (int64_t r = 0; r < rows; ++r)
+      finish_head(a, m, h, in.cos_of(r), in.sin_of(r), acc.at[r], head_scratch, out(r));
+  };
   if (kv_heads % team == 0 && !a.full_norm) {
     // Each thread its own kv heads and the query heads sharing them: projections (one stream
     // of rows per kv head, every token's before the next head's), the KV write, then attention;
@@ -422,19 +429,9 @@ void WholeTokenStep::attention_part(const Layer& l, const bf16* normed, const Sh
     const auto [first, last] = share(kv_heads);
     for (int64_t g = first; g < last; ++g) {
       for (int64_t h = g * group; h < (g + 1) * group; ++h)
-        for (int64_t r = 0; r < rows; ++r)
-          project_head(a, 0, h, x_of(r), in.cos_of(r), in.sin_of(r), acc_of(r) + h * d, head_scratch,
-                       query_of(r) + h * d);
-      for (int64_t r = 0; r < rows; ++r) {
-        float* acc = acc_of(r) + (heads + g) * d;
-        project_head(a, 1, g, x_of(r), in.cos_of(r), in.sin_of(r), acc, head_scratch,
-                     key_rows(r) + g * in.key(r, i).head_stride);
-      }
-      for (int64_t r = 0; r < rows; ++r) {
-        float* acc = acc_of(r) + (heads + g) * d;
-        project_head(a, 2, g, x_of(r), in.cos_of(r), in.sin_of(r), acc, head_scratch,
-                     value_rows(r) + g * in.value(r, i).head_stride);
-      }
+        project(0, h, h * d, [&](int64_t r) { return query_of(r) + h * d; });
+      project(1, g, (heads + g) * d, [&](int64_t r) { return key_rows(r) + g * in.key(r, i).head_stride; });
+      project(2, g, (heads + g) * d, [&](int64_t r) { return value_rows(r) + g * in.value(r, i).head_stride; });
     }
     for (int64_t r = 0; r < rows; ++r)
       for (int64_t g = first; g < last; ++g)
@@ -447,12 +444,11 @@ void WholeTokenStep::attention_part(const Layer& l, const bf16* normed, const Sh
   for (int64_t head = first; head < last; ++head) {
     const int m = head < heads ? 0 : head < heads + kv_heads ? 1 : 2;
     const int64_t h = m == 0 ? head : m == 1 ? head - heads : head - heads - kv_heads;
-    for (int64_t r = 0; r < rows; ++r) {
-      bf16* out = m == 0 ? query_of(r) + h * d
-                  : m == 1 ? key_rows(r) + h * in.key(r, i).head_stride
-                           : value_rows(r) + h * in.value(r, i).head_stride;
-      project_head(a, m, h, x_of(r), in.cos_of(r), in.sin_of(r), acc_of(r) + head * d, head_scratch, out);
-    }
+    project(m, h, head * d, [&](int64_t r) {
+      return m == 0 ? query_of(r) + h * d
+             : m == 1 ? key_rows(r) + h * in.key(r, i).head_stride
+                      : value_rows(r) + h * in.value(r, i).head_stride;
+    });
   }
   barrier.wait();
   if (a.full_norm) {  // OLMoE: RMSNorm over all of q and all of k, then the rotary embedding
@@ -624,9 +620,9 @@ void WholeTokenStep::gather_union(const Layer& l, const int64_t* picked, int64_t
 
 // This thread's part of the layer's experts for every row: the union's experts, each expert's
 // matrices read once for all the picks of it (gemv_many_into_rows), into expert_out_ [rows *
-// top_k, hidden] (each pick's down projection, float32 sums). Whole experts per thread where they
-// divide evenly or are many (each thread streams its matrices end to end, which the hardware
-// prefetchers like best, and there is no barrier between the passes); otherwise every expert's
+// top_k, hidden] (each pick's down projection, float32 sums). Whole experts per thread, shared out
+// by their picks, where they divide evenly or are many (each thread streams its matrices end to
+// end, which the hardware prefetchers like best, and there is no barrier between the passes); otherwise every expert's
 // gate/up rows are split, then (after the barrier) its down rows. For one row this is the one-token
 // experts' own split (kernels/experts.h: experts_part).
 void WholeTokenStep::experts_of_rows(const Layer& l, const bf16* normed, SpinBarrier& barrier, int tid, int team) {
@@ -672,7 +668,13 @@ void WholeTokenStep::experts_of_rows(const Layer& l, const bf16* normed, SpinBar
         for (int64_t j = begin; j < end; ++j) p.out[c][j] = biased(p.out[c][j], w.down_bias, j);
   };
   if (n % team == 0 || n >= 4 * team) {
-    const auto [first, last] = thread_share(n, tid, team);
+    // by their picks, not their count: an expert's cost grows with the rows that chose it
+    auto first_at = [&](int t) {
+      const int64_t picks = user_begin_[n] * t / team;
+      return static_cast<int64_t>(std::lower_bound(user_begin_.begin(), user_begin_.end() - 1, picks) -
+                                  user_begin_.begin());
+    };
+    const int64_t first = first_at(tid), last = first_at(tid + 1);
     for (int64_t u = first; u < last; ++u) gate_up(*union_[u], picks_of(u), 0, inter);
     for (int64_t u = first; u < last; ++u) down(*union_[u], picks_of(u), 0, hidden);
     return;

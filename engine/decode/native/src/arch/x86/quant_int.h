@@ -280,6 +280,44 @@ inline float idot_q6_k(const uint8_t* row, int64_t blocks, const FixedInput& in)
   return hsum_ps(acc) - offsets;
 }
 
+// idot_q6_k for N inputs at once, as idot_q4_k_many is for Q4_K: a block's levels and scales are
+// unpacked once, each input's sums made as idot_q6_k makes them (the same result to the bit).
+template <bool kIntel, int N>
+inline void idot_q6_k_many(const uint8_t* row, int64_t blocks, const FixedInput* const* in, float* out) {
+  const PairPicks picks;
+  __m256 acc[N];
+  float offsets[N];
+  for (int i = 0; i < N; ++i) {
+    acc[i] = _mm256_setzero_ps();
+    offsets[i] = 0.f;
+  }
+  for (int64_t blk = 0; blk < blocks; ++blk) {
+    const uint8_t* b = row + blk * 210;
+    prefetch_block<kIntel>(b, 210);
+    const __m256i all = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 192)));
+    __m256i by_lane[2];
+    split_by_lane(all, by_lane);
+    __m256i acc_hi[N], acc_lo[N];
+    for (int i = 0; i < N; ++i) acc_hi[i] = acc_lo[i] = _mm256_setzero_si256();
+    for (int g = 0; g < 8; ++g) {  // 32 weights, sub-blocks 2g and 2g + 1
+      const __m256i levels = q6_k_group_levels(b, g);
+      const __m256i scale = picks.of(by_lane, g / 4, g % 4);
+      const int64_t at = blk * 256 + 32 * g;
+      for (int i = 0; i < N; ++i) madd_planes(levels, in[i]->hi_at(at), in[i]->lo_at(at), scale, acc_hi[i], acc_lo[i]);
+    }
+    const float block_d = half_to_float(b + 208);
+    for (int i = 0; i < N; ++i) {
+      const int32_t offset = weighted_sums16(all, in[i]->sum16.data() + blk * 16);
+      const float d = block_d * in[i]->scale[blk];
+      const __m256 total = _mm256_add_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(acc_hi[i]), _mm256_set1_ps(255.f)),
+                                         _mm256_cvtepi32_ps(acc_lo[i]));
+      acc[i] = _mm256_add_ps(acc[i], _mm256_mul_ps(total, _mm256_set1_ps(d)));
+      offsets[i] += d * 32.f * static_cast<float>(offset);
+    }
+  }
+  for (int i = 0; i < N; ++i) out[i] = hsum_ps(acc[i]) - offsets[i];
+}
+
 // Q4_0 (levels 0..15, minus 8) and Q5_0 (a fifth bit from the block's 32-bit mask, minus 16),
 // one float scale per 32 weights: unsigned levels times x, the offset times sum(x) taken off.
 template <bool kIntel>
@@ -387,11 +425,19 @@ inline float idot_row(const Matrix& m, int64_t r, const FixedInput& in) {
   return tuned([&](auto intel) { return idot_row_tuned<intel>(m, r, in); });
 }
 
-// Row r's dot with each of n inputs: Q4_K's unpacked once for up to four of them (idot_q4_k_many),
-// the other types one input at a time; each result idot_row's.
+// Row r's dot with each of n inputs: Q4_K's and Q6_K's blocks unpacked once for up to four of them
+// (idot_q4_k_many, idot_q6_k_many), the other types one input at a time; each result idot_row's.
 #define MOESCOPE_HAS_IDOT_ROWS 1
+template <bool kIntel, int N>
+inline void idot_many(int32_t type, const uint8_t* row, int64_t blocks, const FixedInput* const* in, float* out) {
+  if (type == kQ4_K)
+    idot_q4_k_many<kIntel, N>(row, blocks, in, out);
+  else
+    idot_q6_k_many<kIntel, N>(row, blocks, in, out);
+}
+
 inline void idot_rows(const Matrix& m, int64_t r, const FixedInput* const* in, int64_t n, float* out) {
-  if (m.type != kQ4_K) {
+  if ((m.type != kQ4_K && m.type != kQ6_K) || n == 1) {
     for (int64_t i = 0; i < n; ++i) out[i] = idot_row(m, r, *in[i]);
     return;
   }
@@ -400,10 +446,10 @@ inline void idot_rows(const Matrix& m, int64_t r, const FixedInput* const* in, i
   tuned([&](auto intel) {
     constexpr bool kIntel = decltype(intel)::value;
     int64_t i = 0;
-    for (; i + 4 <= n; i += 4) idot_q4_k_many<kIntel, 4>(row, blocks, in + i, out + i);
-    if (n - i == 3) idot_q4_k_many<kIntel, 3>(row, blocks, in + i, out + i);
-    if (n - i == 2) idot_q4_k_many<kIntel, 2>(row, blocks, in + i, out + i);
-    if (n - i == 1) out[i] = idot_q4_k<kIntel>(row, blocks, *in[i]);
+    for (; i + 4 <= n; i += 4) idot_many<kIntel, 4>(m.type, row, blocks, in + i, out + i);
+    if (n - i == 3) idot_many<kIntel, 3>(m.type, row, blocks, in + i, out + i);
+    if (n - i == 2) idot_many<kIntel, 2>(m.type, row, blocks, in + i, out + i);
+    if (n - i == 1) out[i] = idot_row(m, r, *in[i]);
   });
 }
 #endif
