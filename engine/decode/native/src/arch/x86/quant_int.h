@@ -253,35 +253,9 @@ inline float idot_mxfp4(const uint8_t* row, int64_t blocks, const FixedInput& in
 
 // Q6_K: levels 0..63 (stored as 4 low bits + 2 high bits), minus 32, times a signed 8-bit scale
 // per 16 weights. The products use the unsigned levels; 32 * scale * sum(x) comes off per sub-block.
-template <bool kIntel>
-inline float idot_q6_k(const uint8_t* row, int64_t blocks, const FixedInput& in) {
-  const PairPicks picks;
-  __m256 acc = _mm256_setzero_ps();
-  float offsets = 0.f;
-  for (int64_t blk = 0; blk < blocks; ++blk) {
-    const uint8_t* b = row + blk * 210;
-    prefetch_block<kIntel>(b, 210);
-    const __m256i all = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 192)));
-    __m256i by_lane[2];
-    split_by_lane(all, by_lane);
-    __m256i acc_hi = _mm256_setzero_si256(), acc_lo = acc_hi;
-    for (int g = 0; g < 8; ++g) {  // 32 weights, sub-blocks 2g and 2g + 1
-      const int64_t at = blk * 256 + 32 * g;
-      madd_planes(q6_k_group_levels(b, g), in.hi_at(at), in.lo_at(at), picks.of(by_lane, g / 4, g % 4), acc_hi, acc_lo);
-    }
-    // sum of scale * sum(x): |each| <= 128 * 16 * 32512, all 16 inside int32
-    const int32_t offset = weighted_sums16(all, in.sum16.data() + blk * 16);
-    const float d = half_to_float(b + 208) * in.scale[blk];
-    const __m256 total = _mm256_add_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(acc_hi), _mm256_set1_ps(255.f)),
-                                       _mm256_cvtepi32_ps(acc_lo));
-    acc = _mm256_add_ps(acc, _mm256_mul_ps(total, _mm256_set1_ps(d)));
-    offsets += d * 32.f * static_cast<float>(offset);  // 32 * scale * sum(x) can pass int32: in float
-  }
-  return hsum_ps(acc) - offsets;
-}
-
-// idot_q6_k for N inputs at once, as idot_q4_k_many is for Q4_K: a block's levels and scales are
-// unpacked once, each input's sums made as idot_q6_k makes them (the same result to the bit).
+//
+// Q6_K for N inputs at once (idot_q6_k is N = 1), as idot_q4_k_many is for Q4_K: a block's levels
+// and scales are unpacked once, each input's sums made in the same order as alone.
 template <bool kIntel, int N>
 inline void idot_q6_k_many(const uint8_t* row, int64_t blocks, const FixedInput* const* in, float* out) {
   const PairPicks picks;
@@ -316,6 +290,14 @@ inline void idot_q6_k_many(const uint8_t* row, int64_t blocks, const FixedInput*
     }
   }
   for (int i = 0; i < N; ++i) out[i] = hsum_ps(acc[i]) - offsets[i];
+}
+
+template <bool kIntel>
+inline float idot_q6_k(const uint8_t* row, int64_t blocks, const FixedInput& in) {
+  const FixedInput* one = &in;
+  float out;
+  idot_q6_k_many<kIntel, 1>(row, blocks, &one, &out);
+  return out;
 }
 
 // Q4_0 (levels 0..15, minus 8) and Q5_0 (a fifth bit from the block's 32-bit mask, minus 16),
