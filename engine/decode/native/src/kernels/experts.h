@@ -1,11 +1,13 @@
-// A decode token through a layer's k picked experts: each gated expert's gate/up projection, its
-// activation, its down projection, then the outputs weighted by the router and summed, rounded
-// where transformers rounds.
+// Decode tokens through a layer's picked experts: each gated expert's gate/up projection, its
+// activation, its down projection (for one token, or for every token of a step that picked it),
+// then the outputs weighted by the router and summed, rounded where transformers rounds.
 #pragma once
 
 #include <algorithm>
+#include <array>
 #include <cmath>
 #include <cstdint>
+#include <utility>
 #include <vector>
 
 #include "../base/check.h"
@@ -101,51 +103,91 @@ inline void gate_rows(const GateRecipe& r, const float* gate_up, const bf16* bia
   }
 }
 
-// The rows [begin, end) of an expert's gate/up projection that intermediate rows [begin, end) need.
-inline void gate_up_part(const GateRecipe& r, const ExpertWeights& w, const bf16* x, int64_t inter, int64_t begin,
-                         int64_t end, float* projected) {
-  if (r.interleaved) {
-    expert_rows(w, 0, x, 2 * begin, 2 * end, projected);
-  } else {
-    expert_rows(w, 0, x, begin, end, projected);
-    expert_rows(w, 0, x, inter + begin, inter + end, projected);
+// The picks of one expert in a step: each pick's input, its gate/up sums [2I], activation [I] and
+// down sums [H] (one pick per token that chose the expert; several tokens' in a step of several).
+constexpr int64_t kMaxPicks = 16;
+struct ExpertPicks {
+  std::array<const bf16*, kMaxPicks> x{}, activation_in{};
+  std::array<float*, kMaxPicks> projected{}, out{};
+  std::array<bf16*, kMaxPicks> activation{};
+  int64_t count = 0;
+
+  void add(const bf16* input, float* gate_up, bf16* act, float* down) {
+    x[count] = input, projected[count] = gate_up, activation[count] = act, activation_in[count] = act, out[count] = down;
+    ++count;
   }
-}
+};
 
-// The down projection's rows [begin, end) plus its bias, kept in float32 (already bf16 values).
-inline void down_part(const ExpertWeights& w, const bf16* activation, int64_t begin, int64_t end, float* out) {
-  expert_rows(w, 1, activation, begin, end, out);
-  if (w.down_bias != nullptr)
-    for (int64_t j = begin; j < end; ++j) out[j] = biased(out[j], w.down_bias, j);
-}
-
-// This thread's part of one token through k SiLU-gated experts, into `outputs` [k, hidden] (each
-// expert's down projection, float32 sums). Whole experts per thread where they divide evenly:
-// each thread streams its matrices end to end, which the hardware prefetchers like best (faster
-// than splitting every matrix by rows), and an expert's down projection needs only its own
-// activation, so there is no barrier between the passes. Otherwise every expert's gate/up rows are
-// split, then (after the barrier) its down rows. Scratch: projected [k, 2I], activation [k, I].
-inline void experts_part(const GateRecipe& r, const bf16* x, int64_t hidden, int64_t inter,
-                  const ExpertWeights* const* picked, int64_t k, float* projected, bf16* activation, float* outputs,
-                  SpinBarrier& barrier, int tid, int team) {
-  if (k % team == 0) {
-    const auto [first, last] = thread_share(k, tid, team);
-    for (int64_t e = first; e < last; ++e) {
-      gate_up_part(r, *picked[e], x, inter, 0, inter, projected + e * 2 * inter);
-      gate_rows(r, projected + e * 2 * inter, picked[e]->gate_up_bias, inter, 0, inter, activation + e * inter);
+// Intermediate rows [begin, end) of an expert for all its picks: the gate/up rows they need (each
+// weight row read once for all of them: gemv_many_into_rows), then the activation. Transposed
+// matrices (x @ W) take one pick.
+inline void gate_up_picks(const GateRecipe& r, const ExpertWeights& w, const ExpertPicks& p, int64_t inter,
+                          int64_t begin, int64_t end) {
+  if (w.transposed) {
+    if (r.interleaved) {
+      expert_rows(w, 0, p.x[0], 2 * begin, 2 * end, p.projected[0]);
+    } else {
+      expert_rows(w, 0, p.x[0], begin, end, p.projected[0]);
+      expert_rows(w, 0, p.x[0], inter + begin, inter + end, p.projected[0]);
     }
-    for (int64_t e = first; e < last; ++e) down_part(*picked[e], activation + e * inter, 0, hidden, outputs + e * hidden);
+  } else if (r.interleaved) {
+    gemv_many_into_rows(w.gate_up, p.x.data(), p.count, 2 * begin, 2 * end, p.projected.data(), 0);
+  } else {
+    gemv_many_into_rows(w.gate_up, p.x.data(), p.count, begin, end, p.projected.data(), 0);
+    gemv_many_into_rows(w.gate_up, p.x.data(), p.count, inter + begin, inter + end, p.projected.data(), 0);
+  }
+  for (int64_t c = 0; c < p.count; ++c) gate_rows(r, p.projected[c], w.gate_up_bias, inter, begin, end, p.activation[c]);
+}
+
+// The down projection's rows [begin, end) for all the expert's picks, plus its bias, kept in
+// float32 (already bf16 values).
+inline void down_picks(const ExpertWeights& w, const ExpertPicks& p, int64_t begin, int64_t end) {
+  if (w.transposed)
+    expert_rows(w, 1, p.activation_in[0], begin, end, p.out[0]);
+  else
+    gemv_many_into_rows(w.down, p.activation_in.data(), p.count, begin, end, p.out.data(), 0);
+  if (w.down_bias != nullptr)
+    for (int64_t c = 0; c < p.count; ++c)
+      for (int64_t j = begin; j < end; ++j) p.out[c][j] = biased(p.out[c][j], w.down_bias, j);
+}
+
+// This thread's part of n experts (`picks_of(u)`: expert u's weights and ExpertPicks), their picks
+// counted up to each in `picks_before` [n + 1]. Whole experts per thread, shared out by their picks
+// (an expert's cost grows with the tokens that chose it), where they divide evenly or are many: each
+// thread streams its matrices end to end, which the hardware prefetchers like best (faster than
+// splitting every matrix by rows), and an expert's down projection needs only its own activation,
+// so there is no barrier between the passes. Otherwise every expert's gate/up rows are split, then
+// (after the barrier) its down rows.
+template <class PicksOf>
+inline void experts_part(const GateRecipe& r, int64_t n, const int64_t* picks_before, int64_t hidden, int64_t inter,
+                         PicksOf&& picks_of, SpinBarrier& barrier, int tid, int team) {
+  if (n % team == 0 || n >= 4 * team) {
+    auto first_at = [&](int t) {
+      const int64_t picks = picks_before[n] * t / team;
+      return static_cast<int64_t>(std::lower_bound(picks_before, picks_before + n, picks) - picks_before);
+    };
+    const int64_t first = first_at(tid), last = first_at(tid + 1);
+    for (int64_t u = first; u < last; ++u) {
+      const auto [w, p] = picks_of(u);
+      gate_up_picks(r, *w, p, inter, 0, inter);
+    }
+    for (int64_t u = first; u < last; ++u) {
+      const auto [w, p] = picks_of(u);
+      down_picks(*w, p, 0, hidden);
+    }
     return;
   }
   const auto [begin, end] = thread_share(inter, tid, team);
-  for (int64_t e = 0; e < k; ++e) {
-    float* gate = projected + e * 2 * inter;
-    gate_up_part(r, *picked[e], x, inter, begin, end, gate);
-    gate_rows(r, gate, picked[e]->gate_up_bias, inter, begin, end, activation + e * inter);
+  for (int64_t u = 0; u < n; ++u) {
+    const auto [w, p] = picks_of(u);
+    gate_up_picks(r, *w, p, inter, begin, end);
   }
   barrier.wait();
   const auto [h_begin, h_end] = thread_share(hidden, tid, team);
-  for (int64_t e = 0; e < k; ++e) down_part(*picked[e], activation + e * inter, h_begin, h_end, outputs + e * hidden);
+  for (int64_t u = 0; u < n; ++u) {
+    const auto [w, p] = picks_of(u);
+    down_picks(*w, p, h_begin, h_end);
+  }
 }
 
 // out[begin, end) = the experts' outputs rounded, weighted by `route` and summed in pick order.
@@ -170,14 +212,19 @@ inline void moe_experts(const GateRecipe& r, const bf16* x, int64_t hidden, int6
   const int64_t k = static_cast<int64_t>(picked.size());
   std::vector<float> projected(k * 2 * inter), outputs(k * hidden);
   std::vector<bf16> activation(k * inter);
-  std::vector<const ExpertWeights*> experts;
-  for (const ExpertWeights& w : picked) experts.push_back(&w);
+  std::vector<int64_t> picks_before(k + 1);
+  for (int64_t e = 0; e <= k; ++e) picks_before[e] = e;  // one pick each
+  auto picks_of = [&](int64_t e) {
+    ExpertPicks p;
+    p.add(x, projected.data() + e * 2 * inter, activation.data() + e * inter, outputs.data() + e * hidden);
+    return std::make_pair(&picked[e], p);
+  };
   SpinBarrier barrier;
 #pragma omp parallel num_threads(threads())
   {
     barrier.join(omp_get_num_threads());  // the team may be smaller than asked for
-    experts_part(r, x, hidden, inter, experts.data(), k, projected.data(), activation.data(), outputs.data(), barrier,
-                 omp_get_thread_num(), omp_get_num_threads());
+    experts_part(r, k, picks_before.data(), hidden, inter, picks_of, barrier, omp_get_thread_num(),
+                 omp_get_num_threads());
   }
   weighted_sum_rows(outputs.data(), route, k, hidden, 0, hidden, round_products, out);
 }

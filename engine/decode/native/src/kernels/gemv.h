@@ -43,14 +43,13 @@ inline void gemv_into_rows(const Matrix& m, const bf16* x, int64_t begin, int64_
 }
 
 // out_i[n - first] = W[n, :] . x_i for rows [begin, end) and `count` inputs (several replies' tokens
-// at once): a block of rows at a time, each block's products for every input before the next, so a
-// weight row comes from memory once however many inputs read it. Each sum is the one-input loop's,
-// to the bit (the same dot of the same row and input).
+// at once), a weight row read from memory once however many inputs read it: the integer dots take
+// each row with every input in one call (idot_rows, which may unpack a block once for several), the
+// others a block of rows at a time for every input before the next. Each sum is the one-input
+// loop's, to the bit (the same dot of the same row and input).
 inline void gemv_many_into_rows(const Matrix& m, const bf16* const* xs, int64_t count, int64_t begin, int64_t end,
                                 float* const* outs, int64_t first) {
   if (count == 1) return gemv_into_rows(m, xs[0], begin, end, outs[0], first);
-  // rows per block: about 16 KiB of weights, which stay in the L1 cache across the inputs
-  const int64_t block = std::max<int64_t>(1, 16384 / std::max<int64_t>(1, m.row_bytes));
   const bool integer = m.type != kBF16 && has_integer_dot(m.type) && integer_dots_enabled();
   thread_local std::vector<FixedInput> fixed;
   if (integer) {  // each row's products with every input in one call (idot_rows)
@@ -68,6 +67,8 @@ inline void gemv_many_into_rows(const Matrix& m, const bf16* const* xs, int64_t 
     }
     return;
   }
+  // about 16 KiB of weights a block, in the L1 cache across the inputs
+  const int64_t block = std::max<int64_t>(1, 16384 / std::max<int64_t>(1, m.row_bytes));
   const bf16* w = reinterpret_cast<const bf16*>(m.data);
   const int64_t ld = m.row_bytes / 2;
   for (int64_t b = begin; b < end; b += block) {

@@ -618,72 +618,23 @@ void WholeTokenStep::gather_union(const Layer& l, const int64_t* picked, int64_t
 }
 
 
-// This thread's part of the layer's experts for every row: the union's experts, each expert's
-// matrices read once for all the picks of it (gemv_many_into_rows), into expert_out_ [rows *
-// top_k, hidden] (each pick's down projection, float32 sums). Whole experts per thread, shared out
-// by their picks, where they divide evenly or are many (each thread streams its matrices end to
-// end, which the hardware prefetchers like best, and there is no barrier between the passes); otherwise every expert's
-// gate/up rows are split, then (after the barrier) its down rows. For one row this is the one-token
-// experts' own split (kernels/experts.h: experts_part).
+// This thread's part of the layer's experts for every row (kernels/experts.h: experts_part): the
+// union's experts, each expert's matrices read once for all the picks of it, into expert_out_
+// [rows * top_k, hidden] (each pick's down projection, float32 sums).
 void WholeTokenStep::experts_of_rows(const Layer& l, const bf16* normed, SpinBarrier& barrier, int tid, int team) {
-  const int64_t n = static_cast<int64_t>(union_.size()), inter = l.inter, hidden = hidden_, k = top_k_;
-  const GateRecipe& recipe = l.gate;
-  struct Picks {  // one expert's picks: their inputs and their rows of each buffer
-    std::array<const bf16*, kMaxRows> x{}, act{};
-    std::array<float*, kMaxRows> projected{}, out{};
-    std::array<bf16*, kMaxRows> activation{};
-    int64_t count = 0;
-  };
+  static_assert(kMaxRows <= kMaxPicks, "an expert is picked at most once a row");
+  const int64_t inter = l.inter, hidden = hidden_, k = top_k_;
   auto picks_of = [&](int64_t u) {
-    Picks p;
-    for (int64_t at = user_begin_[u]; at < user_begin_[u + 1]; ++at, ++p.count) {
+    ExpertPicks p;
+    for (int64_t at = user_begin_[u]; at < user_begin_[u + 1]; ++at) {
       const int64_t pick = users_[at];
-      p.x[p.count] = normed + (pick / k) * hidden;
-      p.projected[p.count] = projected_.data() + pick * 2 * inter;
-      p.activation[p.count] = activation_.data() + pick * inter;
-      p.act[p.count] = p.activation[p.count];
-      p.out[p.count] = expert_out_.data() + pick * hidden;
+      p.add(normed + (pick / k) * hidden, projected_.data() + pick * 2 * inter, activation_.data() + pick * inter,
+            expert_out_.data() + pick * hidden);
     }
-    return p;
+    return std::make_pair(union_[u], p);
   };
-  auto gate_up = [&](const ExpertWeights& w, const Picks& p, int64_t begin, int64_t end) {
-    if (w.transposed) {  // one row (run checks): the one-token kernel
-      gate_up_part(recipe, w, p.x[0], inter, begin, end, p.projected[0]);
-    } else if (recipe.interleaved) {
-      gemv_many_into_rows(w.gate_up, p.x.data(), p.count, 2 * begin, 2 * end, p.projected.data(), 0);
-    } else {
-      gemv_many_into_rows(w.gate_up, p.x.data(), p.count, begin, end, p.projected.data(), 0);
-      gemv_many_into_rows(w.gate_up, p.x.data(), p.count, inter + begin, inter + end, p.projected.data(), 0);
-    }
-    for (int64_t c = 0; c < p.count; ++c) gate_rows(recipe, p.projected[c], w.gate_up_bias, inter, begin, end, p.activation[c]);
-  };
-  auto down = [&](const ExpertWeights& w, const Picks& p, int64_t begin, int64_t end) {
-    if (w.transposed) {
-      down_part(w, p.act[0], begin, end, p.out[0]);
-      return;
-    }
-    gemv_many_into_rows(w.down, p.act.data(), p.count, begin, end, p.out.data(), 0);
-    if (w.down_bias != nullptr)
-      for (int64_t c = 0; c < p.count; ++c)
-        for (int64_t j = begin; j < end; ++j) p.out[c][j] = biased(p.out[c][j], w.down_bias, j);
-  };
-  if (n % team == 0 || n >= 4 * team) {
-    // by their picks, not their count: an expert's cost grows with the rows that chose it
-    auto first_at = [&](int t) {
-      const int64_t picks = user_begin_[n] * t / team;
-      return static_cast<int64_t>(std::lower_bound(user_begin_.begin(), user_begin_.end() - 1, picks) -
-                                  user_begin_.begin());
-    };
-    const int64_t first = first_at(tid), last = first_at(tid + 1);
-    for (int64_t u = first; u < last; ++u) gate_up(*union_[u], picks_of(u), 0, inter);
-    for (int64_t u = first; u < last; ++u) down(*union_[u], picks_of(u), 0, hidden);
-    return;
-  }
-  const auto [begin, end] = thread_share(inter, tid, team);
-  for (int64_t u = 0; u < n; ++u) gate_up(*union_[u], picks_of(u), begin, end);
-  barrier.wait();
-  const auto [h_begin, h_end] = thread_share(hidden, tid, team);
-  for (int64_t u = 0; u < n; ++u) down(*union_[u], picks_of(u), h_begin, h_end);
+  experts_part(l.gate, static_cast<int64_t>(union_.size()), user_begin_.data(), hidden, inter, picks_of, barrier, tid,
+               team);
 }
 
 
