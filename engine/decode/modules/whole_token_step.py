@@ -28,6 +28,7 @@ from engine.decode.modules.families import (
 )
 from engine.decode.modules.native_experts import expert_extras, expert_weights, mixed_layout
 from engine.decode.modules.native_modules import linear_weight
+from engine.decode.native.library import NativeWholeTokenStep
 from engine.model.dense_quantize import QuantizedLinear
 from engine.offload.expert_cache import ExpertCache
 
@@ -240,8 +241,8 @@ class WholeTokenStep:
                                                matrix(shared.down_proj),
                                                None if gate_row is None else gate_row.weight.reshape(-1))
         self._placed = (cache.slot_views, cache.directory.changes)
-        self._top_k = gate.top_k
-        self._picks = torch.empty((1, len(self.moe_layers), gate.top_k), dtype=torch.long)
+        # room for the experts of the most tokens a step takes; a step of n fills the first n rows
+        self._picks = torch.empty((NativeWholeTokenStep.MAX_ROWS, len(self.moe_layers), gate.top_k), dtype=torch.long)
         # the constant parts of each token's RoutingStep, made once: between tokens every numpy or
         # torch call runs cold (the weight streams evict its code and data), so the per-token
         # bookkeeping keeps to one sort
@@ -305,7 +306,7 @@ class WholeTokenStep:
         sin = torch.stack([s.reshape(-1) for _, s in rotary])
         reserved = [list(zip(*(layer.reserve_next() for layer in kv.layers), strict=True)) for kv in caches]
         keys, values, starts, lengths = (list(part) for part in zip(*reserved, strict=True))
-        picks = self._picks_for(len(tokens))
+        picks = self._picks[:len(tokens)]
         logits = self._native.run(tokens, cos, sin, keys, values, starts, lengths, picks)
         for kv in caches:
             for layer in kv.layers:
@@ -314,11 +315,6 @@ class WholeTokenStep:
         for row in ordered:
             cache.record_resident(RoutingStep(self._rows, row, self._ones))
         return logits, ordered
-
-    def _picks_for(self, rows: int) -> torch.Tensor:
-        if self._picks.shape[0] != rows:
-            self._picks = torch.empty((rows, len(self.moe_layers), self._top_k), dtype=torch.long)
-        return self._picks
 
     def phase_seconds(self) -> dict[str, float]:
         """Seconds the native steps spent per part so far (norms, qkv_rope, attention, o_proj,
