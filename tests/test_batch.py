@@ -34,13 +34,13 @@ def greedy(tokens: int, stop: list[str] | None = None) -> SamplingSettings:
 
 def run_batch(runtime: MoERuntime, requests: list[tuple[list[int], SamplingSettings]],
               cancel_after: dict[int, int] | None = None, gather: bool = False,
-              routing: bool = False) -> tuple[list[GenerationResult], Batch]:
+              routing: bool = False, pack: bool = False) -> tuple[list[GenerationResult], Batch]:
     """The requests opened together in one batch and advanced turn by turn to their ends; the one at
     index i is cancelled after `cancel_after[i]` turns; `gather`: one-token forwards run gathered;
-    `routing`: the first keeps its experts per token."""
+    `pack`: new prompts too, where their path packs them; `routing`: the first keeps its experts per token."""
     generator = Generator(runtime)
     batch = Batch(len(requests), runtime.counters.num_layers, gather,
-                  lambda: runtime.counters.end_token())
+                  lambda: runtime.counters.end_token(), pack_prompts=pack)
     for index, (prompt, settings) in enumerate(requests):
         sequence = generator.start(prompt, settings, keep_routing=routing and index == 0)
         batch.add(Stream(str(index), sequence, ReplyClock()))

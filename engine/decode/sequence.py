@@ -98,10 +98,6 @@ class Sequence:
         counters.keep_token_picks = self.keep_routing or self.watch_picks
         counters.take_token_picks()
 
-    def can_gather(self, path: DecodePath) -> bool:
-        """Its next forward may run gathered with others' (one token, on a path that gathers)."""
-        return path.gathers and not self.prefilling
-
     def finish(self, forward: Step, logits: torch.Tensor, record: TokenRecord | None = None,
                picks: np.ndarray | None = None) -> bool:
         """The forward ran: count it (`record`, `picks`: its share of a gathered run's, else the

@@ -4,10 +4,12 @@ Up to `parallel` replies are open together (the window's chat may join as one mo
 waits behind the server's clients). A turn advances every open reply by one forward: a chunk of
 its prompt (those first), or one token. New replies join between turns, finished and cancelled ones leave, and
 each keeps its own KV cache, sampling, stop strings and figures (engine.decode.sequence), so a
-reply's tokens are the ones it would get alone. One-token forwards on a path that gathers run
-together (`DecodePath.run_together`: one native step for all of them, or their layers gathered by
+reply's tokens are the ones it would get alone. One-token forwards on a path that runs them together
+do (`DecodePath.run_together`: one native step for all of them, or their layers gathered by
 engine.decode.layer_gather): the weights they share are read, and the experts loaded, once a turn.
-`BatchSharing` counts how many picks the turns' experts had.
+With `pack_prompts`, new replies' prompts on the fast prompt path go in one forward too, at most one
+chunk's tokens (engine.decode.paths.packed_prompts: each prompt to that path's reference, not bit for
+bit its forward alone). `BatchSharing` counts how many picks the turns' experts had.
 """
 
 from __future__ import annotations
@@ -71,12 +73,14 @@ class _Sharing:
 
 
 class Batch:
-    def __init__(self, parallel: int, layers: int, together: bool = False, end_token: Callable | None = None) -> None:
+    def __init__(self, parallel: int, layers: int, together: bool = False, end_token: Callable | None = None,
+                 pack_prompts: bool = False) -> None:
         self.parallel = max(1, parallel)
         self.streams: list[Stream] = []
         self.sharing = _Sharing(layers)
-        self.together = together  # one-token forwards on a path that gathers run together (else each alone)
-        self._end_token = end_token  # the counters' end of a step (a gathered run is one, shared out)
+        self.together = together  # one-token forwards on a path that runs them together do (else each alone)
+        self.pack_prompts = pack_prompts  # and new replies' prompts, where their path packs them
+        self._end_token = end_token  # the counters' end of a step (a run together is one, shared out)
 
     def __bool__(self) -> bool:
         return bool(self.streams)
@@ -132,17 +136,24 @@ class Batch:
                 self._leave(stream)
                 self._on_error(stream, exc)
                 continue
-            if self.together and stream.sequence.can_gather(path):
-                if id(path) not in together:
-                    together[id(path)] = []
-                    groups.append(together[id(path)])
-                together[id(path)].append((stream, path, forward))
+            if self._joins(path, forward):
+                group = together.get(id(path))
+                if group is None or (forward.prefill and _tokens(group) + forward.input_ids.shape[1]
+                                     > stream.sequence.chunk_tokens):  # a packed prompt stays within a chunk
+                    group = together[id(path)] = []
+                    groups.append(group)
+                group.append((stream, path, forward))
             else:
                 groups.append([(stream, path, forward)])
         return groups
 
+    def _joins(self, path, forward) -> bool:
+        """The forward runs with others of its path (`run_together`)."""
+        wanted = self.pack_prompts if forward.prefill else self.together
+        return wanted and path.can_run_together(forward)
+
     def _run_gathered(self, group: list) -> None:
-        """One-token forwards of several replies run together by their path."""
+        """Forwards of several replies run together by their path."""
         path = group[0][1]
         try:
             together = path.run_together([forward for _, _, forward in group])
@@ -151,7 +162,8 @@ class Batch:
                 self._leave(stream)
                 self._on_error(stream, exc)
             return
-        self.sharing.add(together.uses, together.distinct)
+        if not group[0][2].prefill:
+            self.sharing.add(together.uses, together.distinct)
         shares = split_record(self._end_token(), len(group))
         for (stream, _, forward), out, share, picks in zip(group, together.logits, shares, together.picks, strict=True):
             self._attempt(stream, lambda o=out: o, forward, share, picks)
@@ -176,6 +188,10 @@ class Batch:
     @property
     def state(self) -> str:
         return "decoding" if any(not s.sequence.prefilling for s in self.streams) else "prefill"
+
+
+def _tokens(group: list) -> int:
+    return sum(forward.input_ids.shape[1] for _, _, forward in group)
 
 
 def split_record(record: TokenRecord, parts: int) -> list[TokenRecord]:

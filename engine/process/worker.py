@@ -350,9 +350,10 @@ class Worker:
 
 
 def _batch_for(command: p.LoadModel, runtime) -> Batch:
-    """The loaded model's batch: its size, and whether one-token forwards run together."""
+    """The loaded model's batch: its size, and whether one-token forwards, and new prompts, run together."""
     parallel = _parallel(command, runtime)
-    return Batch(parallel, runtime.counters.num_layers, parallel > 1, lambda: runtime.counters.end_token())
+    return Batch(parallel, runtime.counters.num_layers, parallel > 1, lambda: runtime.counters.end_token(),
+                 pack_prompts=parallel > 1)
 
 
 def _parallel(command: p.LoadModel, runtime) -> int:

@@ -41,14 +41,13 @@ class Together:
     """One-token steps of several replies run at once (`DecodePath.run_together`)."""
 
     logits: list[torch.Tensor]  # per step, [1, 1, vocab]
-    picks: list[np.ndarray]  # per step, its experts [MoE layers, top_k] in order of id (-1: none)
-    uses: int  # expert picks of the run, its layers summed
-    distinct: int  # distinct experts the run computed, its layers summed
+    picks: list[np.ndarray | None]  # per step, its experts [MoE layers, top_k] in order of id (-1: none); None for prompts
+    uses: int  # expert picks of the run, its layers summed (0 for prompts)
+    distinct: int  # distinct experts the run computed, its layers summed (0 for prompts)
 
 
 class DecodePath(ABC):
     label: str  # how a decode token ran, for the user: "exact: transformers' kernels", ...
-    gathers = False  # one-token steps of several replies can run at once (`run_together`)
 
     @abstractmethod
     def unavailable(self, step: Step) -> str | None:
@@ -59,9 +58,15 @@ class DecodePath(ABC):
         """Run the step; the logits of its last position, [1, 1, vocab] (of every position, [1, n, vocab],
         when the step asks: only prompt paths are asked)."""
 
+    def can_run_together(self, step: Step) -> bool:
+        """Whether `step` (one this path can run) may run with other replies' steps of its kind in one
+        `run_together`."""
+        return False
+
     def run_together(self, steps: list[Step]) -> Together:
-        """For a path that `gathers`: one-token steps of several replies at once, each reply's logits
-        and experts the ones it gets alone; the experts they share computed once."""
+        """Steps of several replies that `can_run_together`, at once: one-token steps each get the
+        logits and experts they get alone, the experts they share computed once; prompts (see the
+        prompt path) each get their logits to the path's reference."""
         raise NotImplementedError
 
 

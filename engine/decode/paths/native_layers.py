@@ -35,6 +35,7 @@ from engine.decode.modules.switch import NativeSwitch
 from engine.decode.native import kernels as native
 from engine.decode.paths.base import DecodePath, Step, Together
 from engine.decode.paths.context import DecodeContext
+from engine.decode.paths.packed_prompts import packable, packed_forward, packs, smallest_window
 from engine.decode.paths.transformers_path import model_forward
 from engine.offload.expert_compute import PromptKernels
 
@@ -74,6 +75,8 @@ class NativePromptPath(DecodePath):
     def __init__(self, context: DecodeContext, native_layers: NativeLayersPath) -> None:
         self.context = context
         self.native_layers = native_layers  # its switch, once installed, takes the prompt's linears onto the kernels
+        self._packs: bool | None = None  # the model takes packed prompts (engine.decode.paths.packed_prompts)
+        self._window: int | None = None  # and its narrowest attention window
 
     @property
     def label(self) -> str:
@@ -105,20 +108,36 @@ class NativePromptPath(DecodePath):
         return None
 
     def run(self, step: Step) -> torch.Tensor:
+        with self._prompt_context():
+            return model_forward(self.context.model, step)
+
+    def can_run_together(self, step: Step) -> bool:
+        if self._packs is None:
+            model = self.context.model
+            self._packs, self._window = packs(model), smallest_window(model)
+        return self._packs and packable(step, self._window)
+
+    def run_together(self, steps: list[Step]) -> Together:
+        """Fresh replies' prompts in one forward (engine.decode.paths.packed_prompts)."""
+        with self._prompt_context():
+            logits = packed_forward(self.context.model, steps)
+        return Together(logits, [None] * len(steps), 0, 0)
+
+    @contextmanager
+    def _prompt_context(self) -> Iterator[None]:
         kernels = native.ready()
         switch = self.native_layers.switch  # installed when fast decode was turned on
         int8 = self._int8()
         with self.context.cache.prompt_kernels(PromptKernels(NativePromptExperts(kernels, int8),
                                                              quantized_product(kernels), kernels.combine_rows)), \
                 switch.prompt_rows(int8=int8) if switch is not None else nullcontext():
-            return model_forward(self.context.model, step)
+            yield
 
 
 class NativeLayersPath(DecodePath):
     """The model's forward with its qualifying modules and the experts on the native kernels."""
 
     label = "fast: native kernels, layer by layer"
-    gathers = True
 
     def __init__(self, context: DecodeContext) -> None:
         self.context = context
@@ -144,6 +163,9 @@ class NativeLayersPath(DecodePath):
     def run(self, step: Step) -> torch.Tensor:
         with self._decode_context():
             return model_forward(self.context.model, step)
+
+    def can_run_together(self, step: Step) -> bool:
+        return not step.prefill
 
     def run_together(self, steps: list[Step]) -> Together:
         """Each step's model forward, their MoE layers gathered into one computation (engine.decode.layer_gather)."""

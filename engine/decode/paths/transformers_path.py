@@ -22,7 +22,7 @@ def last_position(input_ids: torch.Tensor) -> torch.Tensor:
 
 
 @functools.cache
-def _takes_position_ids(model_class: type) -> bool:
+def takes_position_ids(model_class: type) -> bool:
     return "position_ids" in inspect.signature(model_class.forward).parameters
 
 
@@ -35,7 +35,7 @@ def model_forward(model: torch.nn.Module, step: Step) -> torch.Tensor:
     ids = step.input_ids
     attention = torch.ones((1, step.position + ids.shape[1]), dtype=torch.long, device=ids.device)
     positions = {}
-    if _takes_position_ids(type(model)):
+    if takes_position_ids(type(model)):
         positions["position_ids"] = torch.arange(step.position, step.position + ids.shape[1], device=ids.device)[None]
     output = model(input_ids=ids, attention_mask=attention, **cache_argument(model, step.kv), use_cache=True,
                    logits_to_keep=0 if step.every_position else last_position(ids), **positions)

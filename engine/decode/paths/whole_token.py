@@ -42,7 +42,6 @@ from engine.decode.paths.native_layers import native_problem
 
 class WholeTokenPath(DecodePath):
     label = "fast: whole token in one native call"
-    gathers = True
 
     def __init__(self, context: DecodeContext) -> None:
         self.context = context
@@ -69,6 +68,9 @@ class WholeTokenPath(DecodePath):
 
     def run(self, step: Step) -> torch.Tensor:
         return self.decoder.step(step.last_token, step.kv)
+
+    def can_run_together(self, step: Step) -> bool:
+        return not step.prefill
 
     def run_together(self, steps: list[Step]) -> Together:
         decoder, rows = self.decoder, NativeWholeTokenStep.MAX_ROWS
