@@ -28,11 +28,13 @@ from engine.model.cache_argument import cache_from_call
 from engine.model.dense_quantize import QuantizedLinear
 
 
-def _native_kernels(module: torch.nn.Module, x: torch.Tensor, weight: torch.Tensor) -> Kernels | None:
-    """The kernels, if `module`'s model is in a native step and they apply: bf16 input and weight, CPU."""
+def _native_kernels(module: torch.nn.Module, x: torch.Tensor, weight: torch.Tensor,
+                    prompt_rows: bool = False) -> Kernels | None:
+    """The kernels, if `module`'s model is in a native step (or, with `prompt_rows`, a fast prompt)
+    and they apply: bf16 input and weight, CPU."""
     switch = module.__dict__.get(SWITCH_ATTR)
-    if switch is None or not switch.on or x.dtype != torch.bfloat16 or weight.dtype != torch.bfloat16 \
-            or x.device.type != "cpu":
+    inside = switch is not None and (switch.on or (prompt_rows and switch.rows))
+    if not inside or x.dtype != torch.bfloat16 or weight.dtype != torch.bfloat16 or x.device.type != "cpu":
         return None
     return native.ready()
 
@@ -119,7 +121,8 @@ def linear_weight(kernels: Kernels, module: torch.nn.Module):
 
 
 def _fast_rms_norm_forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
-    kernels = _native_kernels(self, hidden_states, self.weight)
+    # a prompt's rows too: one call instead of eight small ops on each norm's rows, the same sums per row
+    kernels = _native_kernels(self, hidden_states, self.weight, prompt_rows=True)
     if kernels is None:
         return self._plain_forward(hidden_states)
     return kernels.rms_norm(hidden_states, self.weight, self.variance_epsilon, norm_rounds_once(self))
