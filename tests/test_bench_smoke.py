@@ -205,3 +205,23 @@ def test_format_speed_sets_each_picker_format_beside_the_original(tmp_path, monk
     assert list(rows) == ["original", "q4_k", "q4_k@torch"]
     assert rows["original"]["over_original"] == 1.0
     assert all(len(r["rates"]) == 2 and r["decode_tokens"] > 0 for r in rows.values())
+
+
+@pytest.mark.skipif(not OLMOE_TRACE.exists(), reason=f"the real OLMoE-1B-7B trace is not here ({OLMOE_TRACE}: "
+                    "../shared is absent)")
+def test_batch_loads_replays_replies_in_turn_and_together(tmp_path):
+    from bench.batch_loads import in_turn, main, streams_of, together
+
+    trace = read_trace(OLMOE_TRACE, num_experts=64)
+    parts = streams_of(trace, 4)
+    side = together(trace, parts)
+    assert in_turn(trace, parts).tokens == side.tokens == 4 * len(parts[0])
+    first = next(s for s in side.steps if s.token == 0 and s.layer == 0)
+    picks = [e for part in parts for e in part[0][0]]
+    # an expert several replies picked is one expert of the step, counted once per reply that picked it
+    assert first.experts == sorted(set(picks)) and sum(first.counts) == len(picks) == 32
+    assert main(["--budgets", "50%", "--out", str(tmp_path)]) == 0
+    result = json.loads(next(tmp_path.glob("batch-loads-*.json")).read_text())
+    assert {row["policy"] for row in result["rows"]} >= {"lru", "lfu"}
+    assert all(row["in_turn"] > 0 and row["together"] > 0 for row in result["rows"])
+    assert result["picks_per_layer"] / result["union_per_layer"] > 1  # the replies share experts
