@@ -1,7 +1,8 @@
 """New replies' prompts in one forward (engine.decode.paths.packed_prompts, the fast prompt path's
 `run_together`): each prompt gets its logits and KV cache to the prompt path's reference and
-tolerance, as alone, on every family the packing lists; a reply that is not fresh, or a prompt past a sliding
-window, is not packed; in a batch, packed prompts load each expert once for all of them."""
+tolerance, as alone, on every family the packing lists. A reply that is not fresh, a prompt past a
+sliding window, or one whose routing a trace records, is not packed. In a batch, packed prompts load
+each expert once for all of them."""
 
 from __future__ import annotations
 
@@ -89,6 +90,16 @@ def test_only_a_fresh_reply_within_any_sliding_window_packs(wide):
             sequence.finish(first, path.run(first))
         path, second = sequence.prepare()
         assert second.prefill and not path.can_run_together(second)
+    finally:
+        runtime.close()
+
+
+def test_prompts_go_one_at_a_time_while_a_trace_records_routing(wide, tmp_path):
+    runtime = MoERuntime(LoadModel(path=str(wide["mixtral"]), budget="all", store="ram", dtype="bfloat16",
+                                   expert_format="q4_k", trace=str(tmp_path / "routing.jsonl")))
+    try:
+        (_, path, forward), = first_forwards(runtime, PROMPTS[:1])
+        assert isinstance(path, NativePromptPath) and not path.can_run_together(forward)
     finally:
         runtime.close()
 

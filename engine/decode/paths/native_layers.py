@@ -115,7 +115,8 @@ class NativePromptPath(DecodePath):
         if self._packs is None:
             model = self.context.model
             self._packs, self._window = packs(model), smallest_window(model)
-        return self._packs and packable(step, self._window)
+        # a trace records a forward's routing as one request's: traced prompts go one at a time
+        return self._packs and self.context.cache.tracer is None and packable(step, self._window)
 
     def run_together(self, steps: list[Step]) -> Together:
         """Fresh replies' prompts in one forward (engine.decode.paths.packed_prompts)."""
