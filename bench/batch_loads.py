@@ -24,6 +24,7 @@ from bench.output import RESULTS_DIR, write_report
 from bench.routing import OLMOE_TRACE
 from engine.accounting.policies import POLICIES, make_policy
 from engine.accounting.sizes import parse_budget
+from engine.system.process_settings import apply_process_settings
 from engine.traces.replay import replay, resolve_slots
 from engine.traces.trace import Trace, TraceStep, read_trace
 
@@ -100,6 +101,7 @@ def report(result: dict) -> list[str]:
 
 
 def main(argv: list[str] | None = None) -> int:
+    apply_process_settings()  # before anything computes (no timing here, but every program starts so)
     parser = argparse.ArgumentParser(prog="python -m bench.batch_loads", description=__doc__.split("\n\n")[0])
     parser.add_argument("--streams", type=int, default=4)
     parser.add_argument("--budgets", default="25%,50%")
