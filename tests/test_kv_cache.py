@@ -24,7 +24,7 @@ def write_in_place(layer, key: torch.Tensor, value: torch.Tensor) -> tuple[torch
     keys[..., start + length, :].copy_(key[..., 0, :])
     values[..., start + length, :].copy_(value[..., 0, :])
     seen = keys[..., start : start + length + 1, :].clone(), values[..., start : start + length + 1, :].clone()
-    layer.grow_by_one()
+    layer.grow_by()
     return seen
 
 

@@ -41,9 +41,18 @@ def relative(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 def first_forwards(runtime: MoERuntime, prompts: list[list[int]]) -> list[tuple[Sequence, object, object]]:
+    """Each prompt's reply, the path its first forward takes, and that forward: the fast prompt path's
+    (at `all` the whole-token step takes short prompts first), or with fast decode off the exact one."""
     generator = Generator(runtime)
     sequences = [generator.start(prompt, greedy(4)) for prompt in prompts]
-    return [(sequence, *sequence.prepare()) for sequence in sequences]
+    out = []
+    for sequence in sequences:
+        path, forward = sequence.prepare()
+        if runtime.fast_decode:
+            path = next(p for p in runtime.paths.paths if isinstance(p, NativePromptPath))
+            assert path.unavailable(forward) is None
+        out.append((sequence, path, forward))
+    return out
 
 
 @pytest.mark.parametrize("family", list(FAMILIES))

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from engine.decode.generation import Generator
+from engine.decode.generation import GenerationResult, Generator
 from engine.decode.kv_cache import new_cache
 from engine.decode.modules.whole_token_step import RotaryRows, _bits, recognise
 from engine.decode.paths.base import Step
@@ -127,8 +127,14 @@ def test_answers_and_counters_equal_the_module_path(model_path):
         assert runtime.decode_path_reason == ""
         fused_activations = runtime.counters.activation_request.copy()
         fused_hits = runtime.counters.request_layer_hits.copy()
-        runtime.whole_token._problem = "switched off by the test"  # the native per-layer path only
-        module_reply = generator.generate(PROMPT, settings)
+        # the same prompt on the step (its rows, as above), then the native per-layer path only
+        runtime.counters.start_request()
+        sequence = generator.start(PROMPT, settings)
+        assert sequence.step()
+        runtime.whole_token._problem = "switched off by the test"
+        while sequence.step():
+            pass
+        module_reply = GenerationResult.of(sequence)
         assert runtime.decode_path == "fast: native kernels, layer by layer"
         assert runtime.decode_path_reason == "switched off by the test"
         assert fused_reply.token_ids == module_reply.token_ids

@@ -53,7 +53,7 @@ class _BufferedLayer:
     are [_start, _start + length) of `_key_buffer` and `_value_buffer`.
 
     The views are made when someone looks (the per-layer path, transformers' cache methods): a
-    native decode step only counts the positions it wrote (`grow_by_one`), instead of slicing two
+    native decode step only counts the positions it wrote (`grow_by`), instead of slicing two
     tensors per layer and token. Views set from outside (a crop, beams) are taken as they are; the
     next growth copies them into a buffer again.
     """
@@ -128,30 +128,37 @@ class _BufferedLayer:
         start = _start_in(self._key_buffer, self._keys)
         return start if start is not None and start == _start_in(self._value_buffer, self._values) else None
 
-    def reserve_next(self) -> tuple[torch.Tensor, torch.Tensor, int, int]:
+    def reserve_next(self, m: int = 1) -> tuple[torch.Tensor, torch.Tensor, int, int]:
         """(key buffer, value buffer, start, length): positions [start, start + length) of the
         buffers are the ones a new token attends to besides itself, and there is room right behind
-        them for that token's key and value, which a native decode step writes there and then
-        counts with `grow_by_one`. Only for a cache that holds a prompt already."""
+        them for that token's key and value (and for `m - 1` more: a short prompt's tokens as rows of
+        one step, each attending to the ones before it), which a native step writes there and then
+        counts with `grow_by`. Only for a cache that holds its buffers (a prompt, or `open_empty`)."""
         n = _length(self._keys) + self._grown
         start = self._start
-        if start is None or self._key_buffer is None or self._key_buffer.shape[-2] <= start + n:
+        if start is None or self._key_buffer is None or self._key_buffer.shape[-2] < start + n + m:
             # full, or the views were replaced: into a buffer with room, the kept positions at its front
             self._settle()
             n = _length(self._keys)
-            assert n, "reserve_next: the cache holds no positions yet"
+            assert self._keys is not None and self._keys.dim() == 4, "reserve_next: the cache has no buffers yet"
             where = self._where()
-            self._key_buffer, start = _room(self._key_buffer, self._keys, self._keys, 1, where)
-            self._value_buffer, _ = _room(self._value_buffer, self._values, self._values, 1, where)
+            self._key_buffer, start = _room(self._key_buffer, self._keys, self._keys, m, where)
+            self._value_buffer, _ = _room(self._value_buffer, self._values, self._values, m, where)
             self._keys = self._key_buffer[..., start : start + n, :]
             self._values = self._value_buffer[..., start : start + n, :]
             self._start = start
         kept = self._keep(n)
         return self._key_buffer, self._value_buffer, start + n - kept, kept
 
-    def grow_by_one(self) -> None:
-        """One more position of the buffers (written by the caller) is part of the cache now."""
-        self._grown += 1
+    def open_empty(self, keys: torch.Tensor, values: torch.Tensor) -> None:
+        """Give a layer that holds nothing yet its buffers, shaped as `keys` and `values` ([1, heads,
+        0, width]: no positions), so a native step can write its first positions (`reserve_next`)."""
+        assert _length(keys) == 0 and not self.get_seq_length(), "open_empty: for a layer with no positions"
+        self.update(keys, values)
+
+    def grow_by(self, n: int = 1) -> None:
+        """`n` more positions of the buffers (written by the caller) are part of the cache now."""
+        self._grown += n
 
 
 class BlockLayer(_BufferedLayer, DynamicLayer):
@@ -195,9 +202,9 @@ class BlockSlidingLayer(_BufferedLayer, DynamicSlidingWindowLayer):
         self.cumulative_length += key_states.shape[-2]
         return self._append(key_states, value_states)
 
-    def grow_by_one(self) -> None:
-        super().grow_by_one()
-        self.cumulative_length += 1
+    def grow_by(self, n: int = 1) -> None:
+        super().grow_by(n)
+        self.cumulative_length += n
 
     def reset(self) -> None:
         self._init_buffers()

@@ -210,8 +210,10 @@ class WholeTokenStep:
             gate.top_k, bool(always_normalize or getattr(gate, "norm_topk_prob", False)), cast_back,
             softmax_of_top, norm_rounds_once(inner.norm))
         cache_layer = {index: layer for layer, index in enumerate(self.moe_layers)}  # its expert cache layer
+        self._kv_shapes: list[tuple[int, int, int]] = []  # per layer: a cache layer's heads, key and value widths
         for index, layer in enumerate(inner.layers):
             attention, block = layer.self_attn, layer.mlp
+            self._kv_shapes.append(_kv_shape(attention))
             self._native.add_layer(layer.input_layernorm.weight, layer.input_layernorm.variance_epsilon,
                                    matrix(attention.o_proj), layer.post_attention_layernorm.weight,
                                    layer.post_attention_layernorm.variance_epsilon)
@@ -292,15 +294,46 @@ class WholeTokenStep:
         expert cache records the token's routing. Call only when `WholeTokenPath` allows it."""
         return self.step_rows([token], [past_key_values])[0]
 
+    def step_prompt(self, tokens: list[int], kv) -> torch.Tensor:
+        """A short prompt (at most `MAX_ROWS` tokens, into an empty KV cache) as the rows of one step:
+        row r is position r, its key and value written at r before any row attends, so each attends
+        to itself and the rows before it, as a prompt's causal attention does. The logits of its last
+        position [1, 1, vocab]; the cache grows by the prompt; the expert cache records it as one
+        prompt step. Call only when `WholeTokenPath` allows it."""
+        self._place_experts()
+        n = len(tokens)
+        for layer, (heads, key_width, value_width) in zip(kv.layers, self._kv_shapes, strict=True):
+            layer.open_empty(torch.empty((1, heads, 0, key_width), dtype=torch.bfloat16),
+                             torch.empty((1, heads, 0, value_width), dtype=torch.bfloat16))
+        rotary = [self._rotary(position) for position in range(n)]
+        cos = torch.stack([c.reshape(-1) for c, _ in rotary])
+        sin = torch.stack([s.reshape(-1) for _, s in rotary])
+        keys, values, starts, lengths = zip(*(layer.reserve_next(n) for layer in kv.layers), strict=True)
+        picks = self._picks[:n]
+        logits = self._native.run(tokens, cos, sin, [keys] * n, [values] * n, [starts] * n,
+                                  [[length + r for length in lengths] for r in range(n)], picks, last_only=True)
+        for layer in kv.layers:
+            layer.grow_by(n)
+        ordered = np.sort(picks.numpy(), axis=2)
+        for row, layer in enumerate(self._rows):
+            experts, counts = np.unique(ordered[:, row], return_counts=True)
+            self.cache.record_resident(RoutingStep.of_layer(int(layer), experts, counts, n, ordered[-1, row]))
+        return logits
+
+    def _place_experts(self) -> None:
+        """Point the step at the experts' slots again where they moved (a re-plan)."""
+        cache = self.cache
+        if self._placed != (cache.slot_views, cache.directory.changes):
+            for layer, index in enumerate(self.moe_layers):
+                self._native.set_experts(index, *self._experts(layer))
+            self._placed = (cache.slot_views, cache.directory.changes)
+
     def step_rows(self, tokens: list[int], caches: list) -> tuple[torch.Tensor, np.ndarray]:
         """One step for several replies (each its `token` and its KV cache): their logits [rows, 1,
         vocab], each as the reply gets alone, and their experts [rows, MoE layers, top_k] in order of
         id. Every weight is read once for all of them. The expert cache records each token."""
         cache = self.cache
-        if self._placed != (cache.slot_views, cache.directory.changes):  # experts moved (a re-plan)
-            for layer, index in enumerate(self.moe_layers):
-                self._native.set_experts(index, *self._experts(layer))
-            self._placed = (cache.slot_views, cache.directory.changes)
+        self._place_experts()
         rotary = [self._rotary(kv.get_seq_length()) for kv in caches]
         cos = torch.stack([c.reshape(-1) for c, _ in rotary])
         sin = torch.stack([s.reshape(-1) for _, s in rotary])
@@ -310,7 +343,7 @@ class WholeTokenStep:
         logits = self._native.run(tokens, cos, sin, keys, values, starts, lengths, picks)
         for kv in caches:
             for layer in kv.layers:
-                layer.grow_by_one()
+                layer.grow_by()
         ordered = np.sort(picks.numpy(), axis=2)
         for row in ordered:
             cache.record_resident(RoutingStep(self._rows, row, self._ones))
@@ -323,6 +356,14 @@ class WholeTokenStep:
 
     def _rotary(self, position: int) -> tuple[torch.Tensor, torch.Tensor]:
         return self._rotary_rows.at(position)
+
+
+def _kv_shape(attention: torch.nn.Module) -> tuple[int, int, int]:
+    """What a cache layer holds per position for this attention in the step: (heads, key width, value
+    width); MLA's one latent row and one shared rotary key."""
+    if is_latent_attention(attention):
+        return 1, attention.kv_lora_rank, attention.qk_rope_head_dim
+    return attention.k_proj.out_features // attention.head_dim, attention.head_dim, attention.head_dim
 
 
 def _rotary_dim(rotary: torch.nn.Module) -> int:

@@ -26,7 +26,7 @@ from engine.formats.blocks import FORMATS, FP8, BlockFormat
 LIB_DIR = Path(__file__).with_name("lib")
 SOURCE_DIR = Path(__file__).with_name("src")
 VARIANT_ENV = "MOESCOPE_KERNEL_VARIANT"  # runs this variant instead of the best one (A/B runs, tests)
-ABI_VERSION = 2
+ABI_VERSION = 3
 
 
 class KernelError(RuntimeError):
@@ -650,8 +650,10 @@ class NativeWholeTokenStep:
 
     def run(self, tokens: Sequence[int], cos: torch.Tensor, sin: torch.Tensor,
             keys: Sequence[Sequence[torch.Tensor]], values: Sequence[Sequence[torch.Tensor]],
-            starts: Sequence[Sequence[int]], lengths: Sequence[Sequence[int]], picks: torch.Tensor) -> torch.Tensor:
-        """One token of each of `len(tokens)` replies; returns their logits [rows, 1, vocab] in bf16 and
+            starts: Sequence[Sequence[int]], lengths: Sequence[Sequence[int]], picks: torch.Tensor,
+            last_only: bool = False) -> torch.Tensor:
+        """One token of each of `len(tokens)` replies (or a short prompt's tokens, one cache); returns
+        their logits [rows, 1, vocab] in bf16 ([1, 1, vocab], the last row's, with `last_only`) and
         fills `picks` [rows, MoE layers, top_k] (int64) with each MoE layer's experts in router order.
         cos/sin: [rows, n], each token's rotary row. keys/values/starts/lengths: per row, per layer: the
         cache buffer, attending to positions [start, start + length) besides the token itself."""
@@ -679,10 +681,10 @@ class NativeWholeTokenStep:
         _check(picks.dtype == torch.long and picks.is_contiguous(), "run: picks must be a contiguous int64 tensor")
         c = _vector(cos.reshape(-1), "cos")
         s = _vector(sin.reshape(-1), "sin")
-        logits = torch.empty((rows, 1, self._vocab), dtype=torch.bfloat16)
+        logits = torch.empty((1 if last_only else rows, 1, self._vocab), dtype=torch.bfloat16)
         self._call("moescope_step_run", rows, ctypes.addressof(self._tokens), c, s, self._keys, self._values,
                    ctypes.addressof(self._starts), ctypes.addressof(self._lengths), layers, picks.data_ptr(),
-                   picks.numel(), logits.data_ptr(), rows * self._vocab)
+                   picks.numel(), logits.data_ptr(), logits.numel())
         return logits
 
     def phase_seconds(self) -> dict[str, float]:

@@ -53,9 +53,10 @@ def kernels_problem(context: DecodeContext) -> str | None:
     return None
 
 
-def native_problem(context: DecodeContext, step: Step) -> str | None:
-    """Why no native kernel can run `step` (shared by both native decode paths); None when they can."""
-    if step.prefill and context.settings.fast_decode:
+def native_problem(context: DecodeContext, step: Step, short_prompts: bool = False) -> str | None:
+    """Why no native kernel can run `step` (shared by both native decode paths; `short_prompts`: the
+    path takes short prompts too); None when they can."""
+    if step.prefill and context.settings.fast_decode and not short_prompts:
         return "prompts (prefill) run on transformers' kernels"
     if problem := kernels_problem(context):
         return problem

@@ -20,9 +20,13 @@ Several replies' tokens run as one step (`run_together`): every weight is read o
 them and each expert of their union once, and each reply gets the logits it gets alone (the same
 sums; GPT-OSS's transposed experts run one reply at a time).
 
+A short prompt runs as the rows of one step (`WholeTokenStep.step_prompt`: at most `MAX_ROWS`
+tokens into an empty cache, each row attending to itself and the rows before it), with the
+decode token's arithmetic: the same bits as its tokens fed one by one.
+
 It applies only while every expert of every layer is resident and nothing needs a layer's
 routing as it happens (a lookahead policy, a trace, a routing restriction); otherwise, and for
-the first token of every reply, another path runs.
+a longer prompt, another path runs.
 """
 
 from __future__ import annotations
@@ -51,7 +55,7 @@ class WholeTokenPath(DecodePath):
 
     def unavailable(self, step: Step) -> str | None:
         context = self.context
-        problem = native_problem(context, step)
+        problem = native_problem(context, step, short_prompts=True)
         if problem is not None:
             return problem
         if self._problem is None:
@@ -64,9 +68,25 @@ class WholeTokenPath(DecodePath):
             return "the policy restricts routing to resident experts, layer by layer"
         if problem := context.cache.whole_token_problem():
             return problem
-        return _cache_problem(step.kv.layers, self._windows, step.position)
+        if step.prefill and (problem := self._prompt_problem(step)):
+            return problem
+        return _cache_problem(step.kv.layers, self._windows, step.position + step.input_ids.shape[1] - 1)
+
+    def _prompt_problem(self, step: Step) -> str | None:
+        """Why a prompt cannot run as the rows of one step (None when it can: a short one, into an empty cache)."""
+        if step.position or step.kv is None or step.every_position:
+            return "prompts go into an empty cache, their last position's logits only"
+        if step.input_ids.shape[1] > NativeWholeTokenStep.MAX_ROWS:
+            return f"prompts of more than {NativeWholeTokenStep.MAX_ROWS} tokens take the prompt path"
+        if self.decoder.transposed:
+            return "transposed experts (GPT-OSS's) run one token per step"
+        if any(window and step.input_ids.shape[1] >= window for window in self._windows):
+            return "a prompt as long as an attention window takes the prompt path"
+        return None
 
     def run(self, step: Step) -> torch.Tensor:
+        if step.prefill:
+            return self.decoder.step_prompt(step.input_ids[0].tolist(), step.kv)
         return self.decoder.step(step.last_token, step.kv)
 
     def can_run_together(self, step: Step) -> bool:

@@ -270,11 +270,13 @@ void WholeTokenStep::run(int64_t rows, const int64_t* tokens, const Vector& cos,
     }
   MOESCOPE_CHECK(picks != nullptr && picks_len == rows * routed * top_k_,
                  "run: picks must be [tokens, MoE layers, top_k] int64");
-  MOESCOPE_CHECK(logits != nullptr && logits_len == rows * lm_head_.rows, "run: logits must hold the vocabulary's ",
-                 lm_head_.rows, " values per token");
+  // every row's logits, or (a prompt's rows) the last row's alone
+  MOESCOPE_CHECK(logits != nullptr && (logits_len == rows * lm_head_.rows || logits_len == lm_head_.rows),
+                 "run: logits must hold the vocabulary's ", lm_head_.rows, " values per token, or for the last");
+  const int64_t logit_rows = logits_len / lm_head_.rows;
   size_buffers(rows, widest, widest_inter, latent_in);
   Shared shared{rows, layers, longest, tokens, lengths, picks, routed * top_k_, cos_rows.data(), sin_rows.data(),
-                rotary_dim, key_views.data(), value_views.data(), logits};
+                rotary_dim, key_views.data(), value_views.data(), logits, logit_rows};
   SpinBarrier barrier;
 #pragma omp parallel num_threads(threads())
   {
@@ -392,7 +394,8 @@ void WholeTokenStep::step_thread(const Shared& in, SpinBarrier& barrier, int tid
   }
   each_row([&](int64_t, bf16* xr, bf16* nr, bf16*) { rms_norm_row(xr, final_norm_, hidden, final_eps_, nr, round_once); });
   clock.lap(kNorms);
-  rows_of(lm_head_, normed.data(), hidden, rows, share(lm_head_.rows), in.logits, lm_head_.rows);
+  rows_of(lm_head_, normed.data() + (rows - in.logit_rows) * hidden, hidden, in.logit_rows, share(lm_head_.rows),
+          in.logits, lm_head_.rows);
   barrier.wait();
   clock.lap(kLmHead);
 }

@@ -103,7 +103,9 @@ class WholeTokenStep {
   // attends to besides itself (all cached positions, or a sliding window's); its key and value are
   // written right behind them. cos/sin: [rows, n], each token's rotary row for its position. picks:
   // [rows, MoE layers, top_k], filled with each MoE layer's experts in router order. logits: [rows,
-  // vocab] in bf16. Transposed experts (GPT-OSS) run one row at a time.
+  // vocab] in bf16, or [1, vocab] for the last row's alone (a prompt's rows, sharing one cache, each
+  // its position's: rows write their keys and values before any attends). Transposed experts
+  // (GPT-OSS) run one row at a time.
   void run(int64_t rows, const int64_t* tokens, const Vector& cos, const Vector& sin, const KvBuffer* keys,
            const KvBuffer* values, const int64_t* starts, const int64_t* lengths, int64_t layers, int64_t* picks,
            int64_t picks_len, bf16* logits, int64_t logits_len);
@@ -184,7 +186,8 @@ class WholeTokenStep {
     const bf16 *cos, *sin;  // [rows, rotary]
     int64_t rotary;
     const CacheView *keys, *values;  // [rows, layers]
-    bf16* logits;  // [rows, vocab]
+    bf16* logits;  // [logit_rows, vocab]: every row's, or the last row's
+    int64_t logit_rows;
 
     int64_t length(int64_t r, size_t i) const { return lengths[r * layers + i]; }
     const CacheView& key(int64_t r, size_t i) const { return keys[r * layers + i]; }
