@@ -68,6 +68,19 @@ def test_whole_token_step_gives_the_module_paths_logits(model_path):
         runtime.close()
 
 
+def test_tied_router_logits_pick_the_experts_torch_topk_picks(tiny_checkpoints):
+    # Equal router rows: every token's expert probabilities tie, so which experts run is torch.topk's
+    # order among equal values (transformers' and the per-layer path's), which the step follows
+    runtime = fast_runtime(str(tiny_checkpoints["mixtral"]))
+    try:
+        with torch.no_grad():
+            for layer in runtime.model.model.layers:
+                layer.mlp.gate.weight.copy_(layer.mlp.gate.weight[:1].expand_as(layer.mlp.gate.weight))
+        assert_steps_match_the_module_path(runtime, PROMPT, 4)
+    finally:
+        runtime.close()
+
+
 def test_kv_heads_that_do_not_divide_among_the_threads():
     # With 3 threads neither model's kv heads (4 and 2) split evenly: the step projects by heads,
     # then attends by query heads (its other path), and must still match the module path.

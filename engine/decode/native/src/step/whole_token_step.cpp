@@ -285,32 +285,40 @@ void WholeTokenStep::run(int64_t rows, const int64_t* tokens, const Vector& cos,
   }
 }
 
-// GPT-OSS's routing: torch's top-k of the bf16 logits, in its order among ties, then a softmax over
-// those k rounded to bf16, as the router module calls them. The top-k is torch's CPU kernel's own
-// algorithm (aten/src/ATen/native/cpu/SortingKernel.cpp, topk_impl_loop: (value, index) pairs with
-// NaN largest, nth_element then a sort of the first k - 1, or a partial sort where k * 64 <= n) on
-// the same standard library algorithms, so equal logits come out in the same order.
-void WholeTokenStep::route_softmax_of_top(const bf16* logits, int64_t experts, int64_t* picked, float* weights) const {
+// torch's CPU top-k (aten/src/ATen/native/cpu/SortingKernel.cpp, topk_impl_loop): (value, index)
+// pairs with NaN largest, a partial sort where k * 64 <= n, else nth_element then a sort of the first
+// k - 1; on the same standard library algorithms, so equal values come out in its order (a router
+// whose logits tie picks the expert transformers' torch.topk picks). The best k first in `queue`.
+static void torch_top_k(const float* values, int64_t n, int64_t k, std::vector<std::pair<float, int64_t>>& queue) {
   using Entry = std::pair<float, int64_t>;
-  std::vector<Entry> queue(experts);
-  for (int64_t e = 0; e < experts; ++e) queue[e] = {to_float(logits[e]), e};
+  queue.resize(n);
+  for (int64_t e = 0; e < n; ++e) queue[e] = {values[e], e};
   const auto larger = [](const Entry& x, const Entry& y) {
     return (std::isnan(x.first) && !std::isnan(y.first)) || (x.first > y.first);
   };
-  if (top_k_ * 64 <= experts) {
-    std::partial_sort(queue.begin(), queue.begin() + top_k_, queue.end(), larger);
+  if (k * 64 <= n) {
+    std::partial_sort(queue.begin(), queue.begin() + k, queue.end(), larger);
   } else {
-    std::nth_element(queue.begin(), queue.begin() + top_k_ - 1, queue.end(), larger);
-    std::sort(queue.begin(), queue.begin() + top_k_ - 1, larger);
+    std::nth_element(queue.begin(), queue.begin() + k - 1, queue.end(), larger);
+    std::sort(queue.begin(), queue.begin() + k - 1, larger);
   }
+}
+
+// GPT-OSS's routing: torch's top-k of the bf16 logits, then a softmax over those k rounded to bf16,
+// as the router module calls them.
+void WholeTokenStep::route_softmax_of_top(const bf16* logits, int64_t experts, int64_t* picked, float* weights) const {
+  std::vector<float> values(experts);
+  for (int64_t e = 0; e < experts; ++e) values[e] = to_float(logits[e]);
+  std::vector<std::pair<float, int64_t>> queue;
+  torch_top_k(values.data(), experts, top_k_, queue);
   float top = -std::numeric_limits<float>::infinity();
-  float values[256];
+  float best[256];
   const int64_t k = std::min<int64_t>(top_k_, 256);
-  for (int64_t j = 0; j < k; ++j) top = std::max(top, values[j] = queue[j].first);
-  const float inverse = 1.f / exp_shifted(values, k, top);
+  for (int64_t j = 0; j < k; ++j) top = std::max(top, best[j] = queue[j].first);
+  const float inverse = 1.f / exp_shifted(best, k, top);
   for (int64_t j = 0; j < k; ++j) {
     picked[j] = queue[j].second;
-    weights[j] = round_bf16(values[j] * inverse);
+    weights[j] = round_bf16(best[j] * inverse);
   }
 }
 
@@ -698,13 +706,10 @@ void WholeTokenStep::route(const Layer& l, const float* acc, int64_t* picked, fl
   for (int64_t e = 0; e < experts; ++e) top = std::max(top, p[e] = to_float(logits[e]));
   const float inverse = 1.f / exp_shifted(p, experts, top);  // times the reciprocal, as ATen's softmax
   for (int64_t e = 0; e < experts; ++e) p[e] *= inverse;
-  std::vector<int64_t> order(experts);
-  for (int64_t e = 0; e < experts; ++e) order[e] = e;
-  // best first; ties to the lower expert id
-  std::partial_sort(order.begin(), order.begin() + top_k_, order.end(),
-                    [p](int64_t a, int64_t b) { return p[a] > p[b] || (p[a] == p[b] && a < b); });
+  std::vector<std::pair<float, int64_t>> queue;  // best first, ties in torch.topk's order
+  torch_top_k(p, experts, top_k_, queue);
   float total = 0.f;
-  for (int64_t j = 0; j < top_k_; ++j) total += (weights[j] = p[picked[j] = order[j]]);
+  for (int64_t j = 0; j < top_k_; ++j) total += (weights[j] = p[picked[j] = queue[j].second]);
   for (int64_t j = 0; j < top_k_; ++j) {
     if (normalize_) weights[j] /= total;
     if (cast_back_) weights[j] = round_bf16(weights[j]);
