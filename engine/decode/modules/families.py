@@ -219,6 +219,12 @@ def is_llama_attention(module: torch.nn.Module, whole_token: bool = False) -> bo
     return per_head or full
 
 
+def attention_windows(model: torch.nn.Module) -> list[int | None]:
+    """Each decoder layer's attention window, if it slides: the one its attention module was given
+    (the config's field is not enough: Qwen2-MoE keeps one there with `use_sliding_window` off)."""
+    return [getattr(layer.self_attn, "sliding_window", None) for layer in model.model.layers]
+
+
 def is_latent_attention(module: torch.nn.Module) -> bool:
     """A listed MLA attention whose kv_b_proj is a plain bias-free linear (its weight is split per head)."""
     up = getattr(module, "kv_b_proj", None)

@@ -305,9 +305,7 @@ class WholeTokenStep:
         for layer, (heads, key_width, value_width) in zip(kv.layers, self._kv_shapes, strict=True):
             layer.open_empty(torch.empty((1, heads, 0, key_width), dtype=torch.bfloat16),
                              torch.empty((1, heads, 0, value_width), dtype=torch.bfloat16))
-        rotary = [self._rotary(position) for position in range(n)]
-        cos = torch.stack([c.reshape(-1) for c, _ in rotary])
-        sin = torch.stack([s.reshape(-1) for _, s in rotary])
+        cos, sin = self._rotary(range(n))
         keys, values, starts, lengths = zip(*(layer.reserve_next(n) for layer in kv.layers), strict=True)
         picks = self._picks[:n]
         logits = self._native.run(tokens, cos, sin, [keys] * n, [values] * n, [starts] * n,
@@ -334,9 +332,7 @@ class WholeTokenStep:
         id. Every weight is read once for all of them. The expert cache records each token."""
         cache = self.cache
         self._place_experts()
-        rotary = [self._rotary(kv.get_seq_length()) for kv in caches]
-        cos = torch.stack([c.reshape(-1) for c, _ in rotary])
-        sin = torch.stack([s.reshape(-1) for _, s in rotary])
+        cos, sin = self._rotary([kv.get_seq_length() for kv in caches])
         reserved = [list(zip(*(layer.reserve_next() for layer in kv.layers), strict=True)) for kv in caches]
         keys, values, starts, lengths = (list(part) for part in zip(*reserved, strict=True))
         picks = self._picks[:len(tokens)]
@@ -354,8 +350,10 @@ class WholeTokenStep:
         router, experts, lm_head): the profile of a token that torch's profiler sees as one call."""
         return dict(self._native.phase_seconds())
 
-    def _rotary(self, position: int) -> tuple[torch.Tensor, torch.Tensor]:
-        return self._rotary_rows.at(position)
+    def _rotary(self, positions) -> tuple[torch.Tensor, torch.Tensor]:
+        """The rotary rows (cos, sin) of each of `positions`, one row per position."""
+        rows = [self._rotary_rows.at(position) for position in positions]
+        return torch.stack([c.reshape(-1) for c, _ in rows]), torch.stack([s.reshape(-1) for _, s in rows])
 
 
 def _kv_shape(attention: torch.nn.Module) -> tuple[int, int, int]:

@@ -24,6 +24,7 @@ from transformers import DynamicCache
 from transformers.masking_utils import create_causal_mask
 
 from engine.decode.kv_cache import BlockLayer, BlockSlidingLayer
+from engine.decode.modules.families import attention_windows
 from engine.decode.paths.base import Step
 from engine.decode.paths.transformers_path import takes_position_ids
 from engine.model.cache_argument import cache_argument
@@ -39,11 +40,8 @@ def packs(model: torch.nn.Module) -> bool:
 
 
 def smallest_window(model: torch.nn.Module) -> int | None:
-    """The narrowest attention window the model's attention modules were given (the config's field
-    is not enough: Qwen2-MoE keeps one there with `use_sliding_window` off); None if none slides."""
-    windows = [m.sliding_window for m in model.modules()
-               if type(m).__name__.endswith("Attention") and getattr(m, "sliding_window", None)]
-    return min(windows, default=None)
+    """The narrowest of the model's `attention_windows`; None if none slides."""
+    return min((window for window in attention_windows(model) if window), default=None)
 
 
 def packable(step: Step, window: int | None) -> bool:

@@ -36,6 +36,7 @@ import torch
 
 from engine.accounting.routing import picks_and_distinct
 from engine.decode.kv_cache import BlockLayer, BlockSlidingLayer
+from engine.decode.modules.families import attention_windows
 from engine.decode.modules.whole_token_step import WholeTokenStep, recognise, slots_problem
 from engine.decode.native import kernels as native
 from engine.decode.native.library import NativeWholeTokenStep
@@ -61,7 +62,7 @@ class WholeTokenPath(DecodePath):
         if self._problem is None:
             self._problem = recognise(context.model) or slots_problem(context.model, context.cache.reader)
             if not self._problem:
-                self._windows = [getattr(layer.self_attn, "sliding_window", None) for layer in context.model.model.layers]
+                self._windows = attention_windows(context.model)
         if self._problem:
             return self._problem
         if context.settings.routing_restricted:
