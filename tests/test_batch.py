@@ -34,23 +34,33 @@ def greedy(tokens: int, stop: list[str] | None = None) -> SamplingSettings:
 
 def run_batch(runtime: MoERuntime, requests: list[tuple[list[int], SamplingSettings]],
               cancel_after: dict[int, int] | None = None, gather: bool = False,
-              routing: bool = False, pack: bool = False) -> tuple[list[GenerationResult], Batch]:
-    """The requests opened together in one batch and advanced turn by turn to their ends; the one at
-    index i is cancelled after `cancel_after[i]` turns; `gather`: one-token forwards run gathered;
-    `pack`: new prompts too, where their path packs them; `routing`: the first keeps its experts per token."""
+              routing: bool = False, pack: bool = False,
+              join_after: dict[int, int] | None = None) -> tuple[list[GenerationResult], Batch]:
+    """The requests opened in one batch (together, or the one at index i after `join_after[i]`
+    turns) and advanced turn by turn to their ends; the one at index i is cancelled after
+    `cancel_after[i]` turns; `gather`: one-token forwards run gathered; `pack`: new prompts too, where
+    their path runs them together; `routing`: the first keeps its experts per token."""
     generator = Generator(runtime)
     batch = Batch(len(requests), runtime.counters.num_layers, gather,
                   lambda: runtime.counters.end_token(), pack_prompts=pack)
-    for index, (prompt, settings) in enumerate(requests):
-        sequence = generator.start(prompt, settings, keep_routing=routing and index == 0)
-        batch.add(Stream(str(index), sequence, ReplyClock()))
+    joins = join_after or {}
+
+    def open_joining(turn: int) -> None:
+        for index, (prompt, settings) in enumerate(requests):
+            if joins.get(index, 0) == turn:
+                sequence = generator.start(prompt, settings, keep_routing=routing and index == 0)
+                batch.add(Stream(str(index), sequence, ReplyClock()))
+
     results: dict[int, GenerationResult] = {}
-    turns = 0
+    turns, last_join = 0, max(joins.values(), default=0)
 
     def failed(stream, exc) -> None:
         raise exc
 
-    while batch:
+    while True:
+        open_joining(turns)
+        if not batch and turns >= last_join:
+            break
         for index, after in (cancel_after or {}).items():
             if turns == after:
                 batch.cancel(str(index))

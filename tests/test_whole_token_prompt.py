@@ -94,7 +94,9 @@ def test_block_formats(block_gguf):  # noqa: F811
     runtime = fast_runtime(block_gguf)
     try:
         assert runtime.cache.quantized_slots
-        assert_prompt_rows_match_the_exact_path(runtime, PROMPT + PROMPT[:6])  # 16 tokens: every row
+        assert_prompt_rows_match_the_exact_path(runtime, PROMPT + PROMPT[:6])
+        # the longest prompt one step takes: 64 rows
+        assert_prompt_rows_match_the_exact_path(runtime, [(13 * i + 5) % 120 + 3 for i in range(64)])
     finally:
         runtime.close()
 
@@ -105,8 +107,8 @@ def test_what_the_rows_do_not_take_goes_elsewhere_with_the_reason(tiny_checkpoin
         generator = Generator(runtime)
         greedy = SamplingSettings(temperature=0, max_new_tokens=2)
         step = runtime.whole_token
-        _, forward = generator.start(list(range(3, 20)), greedy).prepare()  # 17 tokens
-        assert step.unavailable(forward) == "prompts of more than 16 tokens take the prompt path"
+        _, forward = generator.start([3 + i % 90 for i in range(65)], greedy).prepare()  # 65 tokens
+        assert step.unavailable(forward) == "prompts of more than 64 tokens take the prompt path"
         runtime.prefill_chunk_tokens = 4  # a prompt in chunks: the second extends a cache
         sequence = generator.start(PROMPT, greedy)
         assert sequence.step()

@@ -1,7 +1,8 @@
 """Several replies' tokens in one whole-token step (`WholeTokenStep.step_rows`, the path's
 `run_together`): every reply gets, bit for bit, the logits, KV cache entries and experts its own step
 gives, at its own position, on each family the step computes and in a block format. GPT-OSS's
-transposed experts take one reply per step. In a batch, replies at budget `all` decode together."""
+transposed experts take one reply per step. New replies' short prompts run in the same step as the
+others' tokens, each as it runs alone. In a batch, replies at budget `all` decode together."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import pytest
 import torch
 
 from engine.decode.generation import Generator
+from engine.decode.kv_cache import new_cache
 from engine.decode.paths.base import Step
 from engine.decode.runtime import MoERuntime
 from engine.protocol import LoadModel
@@ -138,5 +140,85 @@ def test_a_batch_at_all_decodes_its_replies_in_one_step(tiny_checkpoints):
             assert reply.stats.decode_tokens == one.stats.decode_tokens
         sharing = batch.sharing.snapshot()
         assert sharing is not None and sharing.turns > 0 and sharing.picks_per_expert >= 1.0
+    finally:
+        runtime.close()
+
+
+def assert_prompts_beside_replies_are_their_own(runtime: MoERuntime, prompts: list[list[int]],
+                                                decoding: list[list[int]]) -> None:
+    """New `prompts` (short, into empty caches) and the next tokens of replies to `decoding` in one
+    `run_together`, and each alone: identical logits, experts and KV caches, and the expert cache
+    counts the same picks."""
+    path, counters = runtime.whole_token, runtime.counters
+
+    def steps(caches_of_prompts, caches_of_replies):
+        return ([Step(torch.tensor([prompt]), kv, 0) for prompt, kv in zip(prompts, caches_of_prompts, strict=True)]
+                + [Step(torch.tensor([[r[-1]]]), kv, kv.get_seq_length(), token=r[-1])
+                   for r, kv in zip(decoding, caches_of_replies, strict=True)])
+
+    together = steps([new_cache(runtime.model) for _ in prompts], [prefilled(runtime, r) for r in decoding])
+    alone = steps([new_cache(runtime.model) for _ in prompts], [prefilled(runtime, r) for r in decoding])
+    with torch.inference_mode():
+        assert all(path.unavailable(step) is None for step in together)
+        before = counters.activation_total.copy()
+        ran = path.run_together(together)
+        counted = counters.activation_total - before
+        for index, step in enumerate(alone):
+            counters.keep_token_picks = True
+            own = path.run(step)
+            picks = counters.take_token_picks()
+            counters.keep_token_picks = False
+            assert torch.equal(ran.logits[index], own), f"step {index}"
+            if index >= len(prompts):
+                assert (ran.picks[index] == picks).all(), f"reply {index}'s experts"
+            else:
+                assert ran.picks[index] is None
+        assert (counters.activation_total - before - counted == counted).all()  # the same picks counted
+    assert ran.uses == len(decoding) * ran.picks[-1].size
+    for a, b in zip(together, alone, strict=True):
+        for x, y in zip(a.kv.layers, b.kv.layers, strict=True):
+            assert torch.equal(x.keys, y.keys) and torch.equal(x.values, y.values)
+
+
+@pytest.mark.parametrize("family", ["demo", "deepseek_v3"])
+def test_new_prompts_run_in_the_step_of_the_others_tokens(tiny_checkpoints, tmp_path, family):
+    # DeepSeek-V3: latent attention (its cache holds latents) and a dense first layer
+    runtime = fast_runtime("demo" if family == "demo" else latent_checkpoint(family, tmp_path))
+    try:
+        assert_prompts_beside_replies_are_their_own(runtime, [[4, 9, 12, 30, 2], [7, 7, 8]], ROWS_PROMPTS[:2])
+    finally:
+        runtime.close()
+
+
+def test_more_rows_than_one_step_takes_run_in_several(block_gguf):
+    # 4 prompts of 16 tokens and 2 replies: 66 rows, more than the 64 of one native step
+    runtime = fast_runtime(block_gguf)
+    try:
+        prompts = [[(7 * p + 3 * i) % 90 + 5 for i in range(16)] for p in range(4)]
+        assert_prompts_beside_replies_are_their_own(runtime, prompts, ROWS_PROMPTS[:2])
+    finally:
+        runtime.close()
+
+
+def test_replies_joining_a_batch_at_all_run_their_prompts_in_its_step(tiny_checkpoints):
+    runtime = MoERuntime(LoadModel(path=str(tiny_checkpoints["mixtral"]), budget="all", store="ram",
+                                   dtype="bfloat16"))
+    try:
+        alone = [Generator(runtime).generate(p, greedy(n)) for p, n in zip(PROMPTS, LENGTHS, strict=True)]
+        native = runtime.whole_token.decoder._native
+        calls, rows = [], native.run
+
+        def counted(tokens, *args, **kwargs):  # the real step, its calls counted
+            calls.append(len(tokens))
+            return rows(tokens, *args, **kwargs)
+
+        native.run = counted
+        together, _ = run_batch(runtime, [(p, greedy(n)) for p, n in zip(PROMPTS, LENGTHS, strict=True)],
+                                gather=True, pack=True, join_after={1: 2, 2: 2, 3: 5})
+        for one, reply in zip(alone, together, strict=True):
+            assert reply.token_ids == one.token_ids and reply.finish_reason == one.finish_reason
+        # one native step a turn: the turns where prompts joined ran them beside the others' tokens
+        assert len(calls) == max(join + n for join, n in zip((0, 2, 2, 5), LENGTHS, strict=True))
+        assert calls[2] == len(PROMPTS[1]) + len(PROMPTS[2]) + 1 and calls[5] == len(PROMPTS[3]) + 3
     finally:
         runtime.close()

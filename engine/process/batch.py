@@ -7,9 +7,11 @@ each keeps its own KV cache, sampling, stop strings and figures (engine.decode.s
 reply's tokens are the ones it would get alone. One-token forwards on a path that runs them together
 do (`DecodePath.run_together`: one native step for all of them, or their layers gathered by
 engine.decode.layer_gather): the weights they share are read, and the experts loaded, once a turn.
-With `pack_prompts`, new replies' prompts on the fast prompt path go in one forward too, at most one
-chunk's tokens (engine.decode.paths.packed_prompts: each prompt to that path's reference, not bit for
-bit its forward alone). `BatchSharing` counts how many picks the turns' experts had.
+With `pack_prompts`, new replies' prompts go with them where their path runs them together: short
+prompts on the whole-token path as rows of the same native step as the others' tokens (each bit for
+bit its own), longer ones on the fast prompt path in one forward, at most one chunk's tokens
+(engine.decode.paths.packed_prompts: each prompt to that path's reference, not bit for bit its
+forward alone). `BatchSharing` counts how many picks the turns' experts had.
 """
 
 from __future__ import annotations
@@ -104,8 +106,9 @@ class Batch:
 
     def turn(self, on_done: Callable[[Stream], None], on_error: Callable[[Stream, Exception], None]) -> None:
         """One forward of every open reply: those still reading their prompt first (a new request's
-        first token waits for no other reply's token), then the others, oldest first; one-token
-        forwards on a path that gathers run together (`together`). The finished ones leave through
+        first token waits for no other reply's token: it runs before them, or in the same step),
+        then the others, oldest first; forwards on a path that runs them together do (`together`,
+        `pack_prompts`). The finished ones leave through
         `on_done`, one that fails through `on_error` (the others go on)."""
         self._on_done, self._on_error = on_done, on_error
         streams = len(self.streams)
@@ -162,7 +165,7 @@ class Batch:
                 self._leave(stream)
                 self._on_error(stream, exc)
             return
-        if not group[0][2].prefill:
+        if together.uses:
             self.sharing.add(together.uses, together.distinct)
         shares = split_record(self._end_token(), len(group))
         for (stream, _, forward), out, share, picks in zip(group, together.logits, shares, together.picks, strict=True):

@@ -292,31 +292,70 @@ class WholeTokenStep:
     def step(self, token: int, past_key_values) -> torch.Tensor:
         """Logits [1, 1, vocab] for `token` at the next position; the KV cache grows by it and the
         expert cache records the token's routing. Call only when `WholeTokenPath` allows it."""
-        return self.step_rows([token], [past_key_values])[0]
+        return self.step_parts([([token], past_key_values)])[0]
 
     def step_prompt(self, tokens: list[int], kv) -> torch.Tensor:
-        """A short prompt (at most `MAX_ROWS` tokens, into an empty KV cache) as the rows of one step:
-        row r is position r, its key and value written at r before any row attends, so each attends
-        to itself and the rows before it, as a prompt's causal attention does. The logits of its last
-        position [1, 1, vocab]; the cache grows by the prompt; the expert cache records it as one
-        prompt step. Call only when `WholeTokenPath` allows it."""
+        """A short prompt (into an empty KV cache) as the rows of one step: the logits of its last
+        position [1, 1, vocab] (see `step_parts`)."""
+        return self.step_parts([(tokens, kv)])[0]
+
+    def step_rows(self, tokens: list[int], caches: list) -> tuple[torch.Tensor, np.ndarray]:
+        """One step for several replies (each its `token` and its KV cache): their logits [rows, 1,
+        vocab] and their experts [rows, MoE layers, top_k] in order of id (see `step_parts`)."""
+        logits, picks = self.step_parts([([token], kv) for token, kv in zip(tokens, caches, strict=True)])
+        return logits, np.concatenate(picks)
+
+    def step_parts(self, parts: list[tuple[list[int], object]]) -> tuple[torch.Tensor, list[np.ndarray]]:
+        """Several replies' tokens in one step, every weight read once for all of them: each part is
+        a reply's next token (its KV cache and one token), or a short prompt (into an empty cache, at
+        most `MAX_ROWS` rows in all). A prompt's tokens are rows at positions 0..n-1 of its cache, each
+        attending to itself and the rows before it, as a prompt's causal attention does. Each row's
+        sums are the ones it gets alone: a reply's logits, experts and KV entries are bit for bit its
+        own, and a prompt gets the bits of its tokens fed one by one.
+
+        Returns the logits of each part's last position [parts, 1, vocab] and each part's experts
+        [tokens, MoE layers, top_k] in order of id. The caches grow by the parts' tokens and
+        the expert cache records each part: a token as a decode step, a prompt as one prompt step.
+        Call only when `WholeTokenPath` allows it."""
         self._place_experts()
-        n = len(tokens)
-        for layer, (heads, key_width, value_width) in zip(kv.layers, self._kv_shapes, strict=True):
-            layer.open_empty(torch.empty((1, heads, 0, key_width), dtype=torch.bfloat16),
-                             torch.empty((1, heads, 0, value_width), dtype=torch.bfloat16))
-        cos, sin = self._rotary(range(n))
-        keys, values, starts, lengths = zip(*(layer.reserve_next(n) for layer in kv.layers), strict=True)
-        picks = self._picks[:n]
-        logits = self._native.run(tokens, cos, sin, [keys] * n, [values] * n, [starts] * n,
-                                  [[length + r for length in lengths] for r in range(n)], picks, last_only=True)
-        for layer in kv.layers:
-            layer.grow_by(n)
+        lead, last = [], []  # rows without logits (prompts' earlier positions) first, then each part's last
+        for index, (tokens, kv) in enumerate(parts):
+            if not kv.get_seq_length():  # a prompt: its cache's first positions
+                for layer, (heads, key_width, value_width) in zip(kv.layers, self._kv_shapes, strict=True):
+                    layer.open_empty(torch.empty((1, heads, 0, key_width), dtype=torch.bfloat16),
+                                     torch.empty((1, heads, 0, value_width), dtype=torch.bfloat16))
+            n, position = len(tokens), kv.get_seq_length()
+            keys, values, starts, lengths = zip(*(layer.reserve_next(n) for layer in kv.layers), strict=True)
+            for r, token in enumerate(tokens):
+                row = (index, token, position + r, keys, values, starts, [length + r for length in lengths])
+                (last if r == n - 1 else lead).append(row)
+        rows = lead + last
+        index, tokens, positions, keys, values, starts, lengths = zip(*rows, strict=True)
+        cos, sin = self._rotary(positions)
+        picks = self._picks[:len(rows)]
+        logits = self._native.run(list(tokens), cos, sin, keys, values, starts, lengths, picks, logit_rows=len(parts))
+        for part_tokens, kv in parts:
+            for layer in kv.layers:
+                layer.grow_by(len(part_tokens))
         ordered = np.sort(picks.numpy(), axis=2)
+        rows_of: list[list[int]] = [[] for _ in parts]  # each part's rows in order of position
+        for r, part in enumerate(index):
+            rows_of[part].append(r)
+        of_part = [ordered[own] for own in rows_of]
+        for experts in of_part:
+            self._record(experts)
+        return logits, of_part
+
+    def _record(self, experts: np.ndarray) -> None:
+        """Count a part's routing [tokens, MoE layers, top_k]: one token as a decode step, a prompt's
+        tokens as one prompt step (its last position's experts the ones a trace keeps)."""
+        cache, n = self.cache, experts.shape[0]
+        if n == 1:
+            cache.record_resident(RoutingStep(self._rows, experts[0], self._ones))
+            return
         for row, layer in enumerate(self._rows):
-            experts, counts = np.unique(ordered[:, row], return_counts=True)
-            self.cache.record_resident(RoutingStep.of_layer(int(layer), experts, counts, n, ordered[-1, row]))
-        return logits
+            distinct, counts = np.unique(experts[:, row], return_counts=True)
+            cache.record_resident(RoutingStep.of_layer(int(layer), distinct, counts, n, experts[-1, row]))
 
     def _place_experts(self) -> None:
         """Point the step at the experts' slots again where they moved (a re-plan)."""
@@ -325,25 +364,6 @@ class WholeTokenStep:
             for layer, index in enumerate(self.moe_layers):
                 self._native.set_experts(index, *self._experts(layer))
             self._placed = (cache.slot_views, cache.directory.changes)
-
-    def step_rows(self, tokens: list[int], caches: list) -> tuple[torch.Tensor, np.ndarray]:
-        """One step for several replies (each its `token` and its KV cache): their logits [rows, 1,
-        vocab], each as the reply gets alone, and their experts [rows, MoE layers, top_k] in order of
-        id. Every weight is read once for all of them. The expert cache records each token."""
-        cache = self.cache
-        self._place_experts()
-        cos, sin = self._rotary([kv.get_seq_length() for kv in caches])
-        reserved = [list(zip(*(layer.reserve_next() for layer in kv.layers), strict=True)) for kv in caches]
-        keys, values, starts, lengths = (list(part) for part in zip(*reserved, strict=True))
-        picks = self._picks[:len(tokens)]
-        logits = self._native.run(tokens, cos, sin, keys, values, starts, lengths, picks)
-        for kv in caches:
-            for layer in kv.layers:
-                layer.grow_by()
-        ordered = np.sort(picks.numpy(), axis=2)
-        for row in ordered:
-            cache.record_resident(RoutingStep(self._rows, row, self._ones))
-        return logits, ordered
 
     def phase_seconds(self) -> dict[str, float]:
         """Seconds the native steps spent per part so far (norms, qkv_rope, attention, o_proj,

@@ -26,7 +26,7 @@ from engine.formats.blocks import FORMATS, FP8, BlockFormat
 LIB_DIR = Path(__file__).with_name("lib")
 SOURCE_DIR = Path(__file__).with_name("src")
 VARIANT_ENV = "MOESCOPE_KERNEL_VARIANT"  # runs this variant instead of the best one (A/B runs, tests)
-ABI_VERSION = 3
+ABI_VERSION = 4
 
 
 class KernelError(RuntimeError):
@@ -537,7 +537,7 @@ class NativeWholeTokenStep:
     """The whole-token step (src/step/whole_token_step.h): set up once per model, then one call per
     token, or per turn of several replies' tokens."""
 
-    MAX_ROWS = 16  # WholeTokenStep::kMaxRows
+    MAX_ROWS = 64  # WholeTokenStep::kMaxRows
 
     def __init__(self, kernels: Kernels, embed: torch.Tensor, final_norm: torch.Tensor, final_eps: float,
                  lm_head: Weight, top_k: int, normalize: bool, cast_back: bool, softmax_of_top: bool = False,
@@ -651,14 +651,16 @@ class NativeWholeTokenStep:
     def run(self, tokens: Sequence[int], cos: torch.Tensor, sin: torch.Tensor,
             keys: Sequence[Sequence[torch.Tensor]], values: Sequence[Sequence[torch.Tensor]],
             starts: Sequence[Sequence[int]], lengths: Sequence[Sequence[int]], picks: torch.Tensor,
-            last_only: bool = False) -> torch.Tensor:
-        """One token of each of `len(tokens)` replies (or a short prompt's tokens, one cache); returns
-        their logits [rows, 1, vocab] in bf16 ([1, 1, vocab], the last row's, with `last_only`) and
-        fills `picks` [rows, MoE layers, top_k] (int64) with each MoE layer's experts in router order.
-        cos/sin: [rows, n], each token's rotary row. keys/values/starts/lengths: per row, per layer: the
-        cache buffer, attending to positions [start, start + length) besides the token itself."""
+            logit_rows: int | None = None) -> torch.Tensor:
+        """`len(tokens)` rows in one step (replies' next tokens, short prompts' tokens); returns the
+        logits of the last `logit_rows` rows (all of them unless told) [logit_rows, 1, vocab] in bf16
+        and fills `picks` [rows, MoE layers, top_k] (int64) with each MoE layer's experts in router
+        order. cos/sin: [rows, n], each token's rotary row. keys/values/starts/lengths: per row, per
+        layer: the cache buffer, attending to positions [start, start + length) besides the token."""
         layers, rows = self._layers, len(tokens)
         _check(0 < rows <= self.MAX_ROWS, f"run: 1 to {self.MAX_ROWS} tokens")
+        logit_rows = rows if logit_rows is None else logit_rows
+        _check(0 < logit_rows <= rows, "run: the logits of 1 to all of the rows")
         _check(all(len(per_row) == rows for per_row in (keys, values, starts, lengths)),
                "run: one key and one value buffer, start and length per layer, for every token")
         if self._keys is None:
@@ -681,7 +683,7 @@ class NativeWholeTokenStep:
         _check(picks.dtype == torch.long and picks.is_contiguous(), "run: picks must be a contiguous int64 tensor")
         c = _vector(cos.reshape(-1), "cos")
         s = _vector(sin.reshape(-1), "sin")
-        logits = torch.empty((1 if last_only else rows, 1, self._vocab), dtype=torch.bfloat16)
+        logits = torch.empty((logit_rows, 1, self._vocab), dtype=torch.bfloat16)
         self._call("moescope_step_run", rows, ctypes.addressof(self._tokens), c, s, self._keys, self._values,
                    ctypes.addressof(self._starts), ctypes.addressof(self._lengths), layers, picks.data_ptr(),
                    picks.numel(), logits.data_ptr(), logits.numel())

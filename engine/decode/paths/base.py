@@ -38,12 +38,12 @@ class Step:
 
 @dataclass
 class Together:
-    """One-token steps of several replies run at once (`DecodePath.run_together`)."""
+    """Steps of several replies run at once (`DecodePath.run_together`)."""
 
     logits: list[torch.Tensor]  # per step, [1, 1, vocab]
     picks: list[np.ndarray | None]  # per step, its experts [MoE layers, top_k] in order of id (-1: none); None for prompts
-    uses: int  # expert picks of the run, its layers summed (0 for prompts)
-    distinct: int  # distinct experts the run computed, its layers summed (0 for prompts)
+    uses: int  # expert picks of the run's one-token steps, their layers summed (0 when it has none)
+    distinct: int  # distinct experts those steps computed, their layers summed (0 when it has none)
 
 
 class DecodePath(ABC):
@@ -65,8 +65,8 @@ class DecodePath(ABC):
 
     def run_together(self, steps: list[Step]) -> Together:
         """Steps of several replies that `can_run_together`, at once: one-token steps each get the
-        logits and experts they get alone, the experts they share computed once; prompts (see the
-        prompt path) each get their logits to the path's reference."""
+        logits and experts they get alone, the experts they share computed once; prompts each get
+        their logits to the path's reference (the whole-token path's: bit for bit their own)."""
         raise NotImplementedError
 
 

@@ -16,13 +16,15 @@ and the lm_head in one call (`NativeWholeTokenStep`, over src/step/whole_token_s
 kernels in the same order; the expert cache then records the token from the picks it returns,
 through the same `record` the per-layer path uses.
 
-Several replies' tokens run as one step (`run_together`): every weight is read once for all of
-them and each expert of their union once, and each reply gets the logits it gets alone (the same
-sums; GPT-OSS's transposed experts run one reply at a time).
+A short prompt runs as the rows of one step (at most `MAX_ROWS` tokens into an empty cache,
+each row attending to itself and the rows before it), with the decode token's arithmetic: the same
+bits as its tokens fed one by one.
 
-A short prompt runs as the rows of one step (`WholeTokenStep.step_prompt`: at most `MAX_ROWS`
-tokens into an empty cache, each row attending to itself and the rows before it), with the
-decode token's arithmetic: the same bits as its tokens fed one by one.
+Several replies' forwards run as one step (`run_together`, `WholeTokenStep.step_parts`): the
+decoding ones' tokens and the new ones' short prompts, as llama.cpp's server batches its slots'
+tokens. Every weight is read once for all of them and each expert of their union once, and each
+reply gets the logits it gets alone (the same sums; GPT-OSS's transposed experts run one reply at a
+time).
 
 It applies only while every expert of every layer is resident and nothing needs a layer's
 routing as it happens (a lookahead policy, a trace, a routing restriction); otherwise, and for
@@ -86,22 +88,27 @@ class WholeTokenPath(DecodePath):
         return None
 
     def run(self, step: Step) -> torch.Tensor:
-        if step.prefill:
-            return self.decoder.step_prompt(step.input_ids[0].tolist(), step.kv)
-        return self.decoder.step(step.last_token, step.kv)
+        return self.decoder.step_parts([_part(step)])[0]
 
     def can_run_together(self, step: Step) -> bool:
-        return not step.prefill
+        return True  # a decode token, or a short prompt: rows of one step either way
 
     def run_together(self, steps: list[Step]) -> Together:
-        decoder, rows = self.decoder, NativeWholeTokenStep.MAX_ROWS
+        """The steps in as few native steps as their rows allow (at most `MAX_ROWS` rows each, a
+        prompt's rows in one; GPT-OSS's transposed experts one step each)."""
+        decoder, most = self.decoder, 1 if self.decoder.transposed else NativeWholeTokenStep.MAX_ROWS
+        calls: list[list[Step]] = []
+        for step in steps:
+            if not calls or sum(s.input_ids.shape[1] for s in calls[-1]) + step.input_ids.shape[1] > most:
+                calls.append([])
+            calls[-1].append(step)
         logits, picks = [], []
-        for start in range(0, len(steps), 1 if decoder.transposed else rows):
-            part = steps[start:start + (1 if decoder.transposed else rows)]
-            out, experts = decoder.step_rows([step.last_token for step in part], [step.kv for step in part])
+        for call in calls:
+            out, experts = decoder.step_parts([_part(step) for step in call])
             logits.extend(out.split(1))
-            picks.extend(experts.astype(np.int16))
-        uses, distinct = picks_and_distinct(np.concatenate(picks, axis=1))
+            picks.extend(None if step.prefill else e[0].astype(np.int16) for step, e in zip(call, experts, strict=True))
+        decoding = [p for p in picks if p is not None]
+        uses, distinct = picks_and_distinct(np.concatenate(decoding, axis=1)) if decoding else (0, 0)
         return Together(logits, picks, uses, distinct)
 
     @property
@@ -110,6 +117,11 @@ class WholeTokenPath(DecodePath):
         if self._decoder is None:
             self._decoder = WholeTokenStep(self.context.model, self.context.cache, native.load())
         return self._decoder
+
+
+def _part(step: Step) -> tuple[list[int], object]:
+    """A step as `WholeTokenStep.step_parts` takes it: its tokens and KV cache."""
+    return (step.input_ids[0].tolist() if step.prefill else [step.last_token]), step.kv
 
 
 def _cache_problem(layers, windows: list[int | None], position: int) -> str | None:

@@ -20,7 +20,7 @@ extern "C" {
 #define MOESCOPE_API __attribute__((visibility("default")))
 #endif
 
-#define MOESCOPE_ABI_VERSION 3
+#define MOESCOPE_ABI_VERSION 4
 
 /* A weight matrix [rows, cols]: bf16 rows (type 0), or rows of blocks of a GGML type (type = its
  * gguf.GGMLQuantizationType id; 200: MoEScope's FP8 row blocks) with `cols` logical columns. */
@@ -127,9 +127,9 @@ MOESCOPE_API int moescope_step_set_attention_extras(ms_step* step, int64_t layer
 MOESCOPE_API int moescope_step_set_router_bias(ms_step* step, int64_t layer, ms_vector bias);
 MOESCOPE_API int moescope_step_set_shared_expert(ms_step* step, int64_t layer, const ms_matrix* gate_proj,
                                                  const ms_matrix* up_proj, const ms_matrix* down_proj, ms_vector gate);
-/* `rows` tokens of as many replies, or of one short prompt, in one step (src/step/whole_token_step.h):
- * keys, values, starts and lengths [rows, layers]; cos, sin [rows, n]; picks [rows, MoE layers, top_k];
- * logits [rows, vocab], or [1, vocab] for the last row's alone. */
+/* `rows` tokens in one step (src/step/whole_token_step.h): one each of several replies, and the tokens
+ * of short prompts; keys, values, starts and lengths [rows, layers]; cos, sin [rows, n]; picks [rows,
+ * MoE layers, top_k]; logits [k, vocab] for the last k rows (1 <= k <= rows). */
 MOESCOPE_API int moescope_step_run(ms_step* step, int64_t rows, const int64_t* tokens, ms_vector cos, ms_vector sin,
                                    const ms_kv* keys, const ms_kv* values, const int64_t* starts,
                                    const int64_t* lengths, int64_t layers, int64_t* picks, int64_t picks_len,

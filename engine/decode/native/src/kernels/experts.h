@@ -105,11 +105,12 @@ inline void gate_rows(const GateRecipe& r, const float* gate_up, const bf16* bia
 
 // The picks of one expert in a step: each pick's input, its gate/up sums [2I], activation [I] and
 // down sums [H] (one pick per token that chose the expert; several tokens' in a step of several).
-constexpr int64_t kMaxPicks = 16;
+// Only the first `count` entries are set (made once per expert and pass: no zeroing of the rest).
+constexpr int64_t kMaxPicks = 64;
 struct ExpertPicks {
-  std::array<const bf16*, kMaxPicks> x{}, activation_in{};
-  std::array<float*, kMaxPicks> projected{}, out{};
-  std::array<bf16*, kMaxPicks> activation{};
+  std::array<const bf16*, kMaxPicks> x, activation_in;
+  std::array<float*, kMaxPicks> projected, out;
+  std::array<bf16*, kMaxPicks> activation;
   int64_t count = 0;
 
   void add(const bf16* input, float* gate_up, bf16* act, float* down) {

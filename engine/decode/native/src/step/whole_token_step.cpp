@@ -270,9 +270,10 @@ void WholeTokenStep::run(int64_t rows, const int64_t* tokens, const Vector& cos,
     }
   MOESCOPE_CHECK(picks != nullptr && picks_len == rows * routed * top_k_,
                  "run: picks must be [tokens, MoE layers, top_k] int64");
-  // every row's logits, or (a prompt's rows) the last row's alone
-  MOESCOPE_CHECK(logits != nullptr && (logits_len == rows * lm_head_.rows || logits_len == lm_head_.rows),
-                 "run: logits must hold the vocabulary's ", lm_head_.rows, " values per token, or for the last");
+  // the logits of the last k rows (every row's, or where prompts' rows lead, the rows that need them)
+  MOESCOPE_CHECK(logits != nullptr && logits_len % lm_head_.rows == 0 && logits_len >= lm_head_.rows &&
+                     logits_len <= rows * lm_head_.rows,
+                 "run: logits must hold the vocabulary's ", lm_head_.rows, " values for each of the last rows");
   const int64_t logit_rows = logits_len / lm_head_.rows;
   size_buffers(rows, widest, widest_inter, latent_in);
   Shared shared{rows, layers, longest, tokens, lengths, picks, routed * top_k_, cos_rows.data(), sin_rows.data(),

@@ -43,7 +43,8 @@ class WholeTokenStep {
   enum Phase { kNorms, kAttention, kOutProj, kRouter, kExperts, kLmHead, kPhases };
   // attention: q/k/v projections with norms and rotary, the KV write, attention over the cache
   static constexpr const char* kPhaseNames[kPhases] = {"norms", "attention", "o_proj", "router", "experts", "lm_head"};
-  static constexpr int64_t kMaxRows = 16;  // tokens of one step (replies decoding together)
+  // tokens of one step: replies decoding together, and short prompts' tokens beside them
+  static constexpr int64_t kMaxRows = 64;
 
   // `embed`: the embedding [vocab, hidden]; `softmax_of_top`: the routers take the top k of their
   // (biased) logits, then a softmax over those k in bf16 (GPT-OSS), instead of a float32 softmax
@@ -98,14 +99,15 @@ class WholeTokenStep {
   void set_shared_expert(int64_t layer, const Matrix& gate_proj, const Matrix& up_proj, const Matrix& down_proj,
                          const Vector& gate);
 
-  // `rows` tokens, each of its own reply (one to kMaxRows). keys/values/starts/lengths: [rows, layers],
-  // row r's layer i cache buffer, whose positions [starts, starts + lengths) are the ones the token
-  // attends to besides itself (all cached positions, or a sliding window's); its key and value are
-  // written right behind them. cos/sin: [rows, n], each token's rotary row for its position. picks:
-  // [rows, MoE layers, top_k], filled with each MoE layer's experts in router order. logits: [rows,
-  // vocab] in bf16, or [1, vocab] for the last row's alone (a prompt's rows, sharing one cache, each
-  // its position's: rows write their keys and values before any attends). Transposed experts
-  // (GPT-OSS) run one row at a time.
+  // `rows` tokens (one to kMaxRows): each reply's next token, or a short prompt's tokens as rows
+  // sharing its cache. keys/values/starts/lengths: [rows, layers], row r's layer i cache buffer, whose
+  // positions [starts, starts + lengths) are the ones the token attends to besides itself (all cached
+  // positions, or a sliding window's); its key and value are written right behind them. Every row
+  // writes its key and value before any row attends, so a prompt's row attends to the rows before it.
+  // cos/sin: [rows, n], each token's rotary row for its position. picks: [rows, MoE layers, top_k],
+  // filled with each MoE layer's experts in router order. logits: [k, vocab] in bf16, the last k rows'
+  // (every reply's token, each prompt's last position: the caller orders the rows so). Transposed
+  // experts (GPT-OSS) run one row at a time.
   void run(int64_t rows, const int64_t* tokens, const Vector& cos, const Vector& sin, const KvBuffer* keys,
            const KvBuffer* values, const int64_t* starts, const int64_t* lengths, int64_t layers, int64_t* picks,
            int64_t picks_len, bf16* logits, int64_t logits_len);
