@@ -29,6 +29,8 @@ class Reply:
         self.on_text, self.on_token, self.between_tokens = on_text, on_token, between_tokens
         self.tokens: list[int] = []
         self.text = ""
+        # the detokenizer's window: tokens [_prefix, _read) are text already, kept as context
+        self._prefix = self._read = 0
         self.finish = "length"  # "eos" | "length" | "stop" | "cancelled"
 
     def take(self, token: int) -> bool:
@@ -49,13 +51,26 @@ class Reply:
         return not self.interrupted() and len(self.tokens) < self.limit
 
     def _advance_text(self) -> tuple[str, bool]:
-        """Decode the reply so far into `text`; return (the new delta, hit a stop string)."""
-        full = self.tokenizer.decode(self.tokens, skip_special_tokens=True)
-        if full.endswith("\ufffd"):
+        """Extend `text` by the newest tokens; return (the new delta, hit a stop string).
+
+        Only a window is decoded, as vLLM's and TGI's detokenizers do: the tokens from `_prefix` on,
+        whose text up to `_read` is out already. Its first tokens are context for tokenizers whose
+        text of a token depends on the one before (a leading space dropped at the start, the bytes
+        of one character over two tokens). So a token costs the same however long the reply is: a
+        decode of the whole reply per token made long replies quadratic."""
+        decode = self.tokenizer.decode
+        before = decode(self.tokens[self._prefix:self._read], skip_special_tokens=True)
+        window = decode(self.tokens[self._prefix:], skip_special_tokens=True)
+        if window.endswith("\ufffd"):
             return "", False  # a multi-byte character is incomplete; wait for its next token
+        if window.startswith(before):
+            full = self.text + window[len(before):]
+            self._prefix, self._read = self._read, len(self.tokens)
+        else:  # the context changed the text before (a cleanup of spaces): the whole reply again
+            full = decode(self.tokens, skip_special_tokens=True)
         stopped = False
         for s in self.stop:
-            at = full.find(s)
+            at = full.find(s, max(0, len(self.text) - len(s) + 1))  # found before, it would have stopped then
             if s and at >= 0:
                 full, stopped = full[:at], True
                 break
