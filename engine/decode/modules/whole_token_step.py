@@ -337,7 +337,7 @@ class WholeTokenStep:
         for part_tokens, kv in parts:
             for layer in kv.layers:
                 layer.grow_by(len(part_tokens))
-        ordered = np.sort(picks.numpy(), axis=2)
+        ordered = picks.numpy().copy()  # in order of id (the step sorts them); the buffer is the next step's
         rows_of: list[list[int]] = [[] for _ in parts]  # each part's rows in order of position
         for r, part in enumerate(index):
             rows_of[part].append(r)

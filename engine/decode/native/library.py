@@ -654,8 +654,8 @@ class NativeWholeTokenStep:
             logit_rows: int | None = None) -> torch.Tensor:
         """`len(tokens)` rows in one step (replies' next tokens, short prompts' tokens); returns the
         logits of the last `logit_rows` rows (all of them unless told) [logit_rows, 1, vocab] in bf16
-        and fills `picks` [rows, MoE layers, top_k] (int64) with each MoE layer's experts in router
-        order. cos/sin: [rows, n], each token's rotary row. keys/values/starts/lengths: per row, per
+        and fills `picks` [rows, MoE layers, top_k] (int64) with each MoE layer's experts in order of
+        id. cos/sin: [rows, n], each token's rotary row. keys/values/starts/lengths: per row, per
         layer: the cache buffer, attending to positions [start, start + length) besides the token."""
         layers, rows = self._layers, len(tokens)
         _check(0 < rows <= self.MAX_ROWS, f"run: 1 to {self.MAX_ROWS} tokens")

@@ -129,7 +129,7 @@ MOESCOPE_API int moescope_step_set_shared_expert(ms_step* step, int64_t layer, c
                                                  const ms_matrix* up_proj, const ms_matrix* down_proj, ms_vector gate);
 /* `rows` tokens in one step (src/step/whole_token_step.h): one each of several replies, and the tokens
  * of short prompts; keys, values, starts and lengths [rows, layers]; cos, sin [rows, n]; picks [rows,
- * MoE layers, top_k]; logits [k, vocab] for the last k rows (1 <= k <= rows). */
+ * MoE layers, top_k] in order of id; logits [k, vocab] for the last k rows (1 <= k <= rows). */
 MOESCOPE_API int moescope_step_run(ms_step* step, int64_t rows, const int64_t* tokens, ms_vector cos, ms_vector sin,
                                    const ms_kv* keys, const ms_kv* values, const int64_t* starts,
                                    const int64_t* lengths, int64_t layers, int64_t* picks, int64_t picks_len,

@@ -105,7 +105,7 @@ class WholeTokenStep {
   // positions, or a sliding window's); its key and value are written right behind them. Every row
   // writes its key and value before any row attends, so a prompt's row attends to the rows before it.
   // cos/sin: [rows, n], each token's rotary row for its position. picks: [rows, MoE layers, top_k],
-  // filled with each MoE layer's experts in router order. logits: [k, vocab] in bf16, the last k rows'
+  // filled with each MoE layer's experts in order of id. logits: [k, vocab] in bf16, the last k rows'
   // (every reply's token, each prompt's last position: the caller orders the rows so). Transposed
   // experts (GPT-OSS) run one row at a time.
   void run(int64_t rows, const int64_t* tokens, const Vector& cos, const Vector& sin, const KvBuffer* keys,
