@@ -6,9 +6,12 @@ accounting code (engine.traces.replay) at each budget with per-layer slots:
 - in turn: one reply after another, each part a request of its own, one token a step;
 - together: the replies' tokens side by side, each step the union of their experts (an expert that
   several picked is loaded once for all of them, as the engine's gathered step does).
-Printed and written per lossless policy: loads per generated token both ways and their ratio,
-beside the union per layer against the picks (what the routing shares). The parts come from one
-request, so they share more than independent requests would.
+Printed and written per lossless policy, and for Belady's MIN (the offline optimum: evict the expert
+needed furthest in the future, which no online policy beats on the same slots): loads per generated
+token both ways and their ratio, beside the union per layer against the picks (what the routing
+shares). Where even Belady's optimum loads more together than in turn, no eviction policy over the
+same per-layer slots makes replies decoding together load fewer experts a token than one after
+another. The parts come from one request, so they share more than independent requests would.
 
     python -m bench.batch_loads [--streams 4] [--budgets 25%,50%]
 """
@@ -25,7 +28,7 @@ from bench.routing import OLMOE_TRACE
 from engine.accounting.policies import POLICIES, make_policy
 from engine.accounting.sizes import parse_budget
 from engine.system.process_settings import apply_process_settings
-from engine.traces.replay import replay, resolve_slots
+from engine.traces.replay import belady_for, replay, resolve_slots
 from engine.traces.trace import Trace, TraceStep, read_trace
 
 KIND = "batch-loads"
@@ -59,8 +62,11 @@ def together(trace: Trace, parts: list) -> Trace:
     return Trace(trace.num_layers, trace.num_experts, trace.top_k, steps)
 
 
+BELADY = "Belady's MIN (offline optimum)"
+
+
 def loads_per_token(trace: Trace, policy_name: str, slots: list[int], profile: np.ndarray) -> float:
-    policy = make_policy(policy_name)
+    policy = belady_for(trace) if policy_name == BELADY else make_policy(policy_name)
     result = replay(trace, policy, slots, profile=profile if policy.needs_profile else None)
     return result.loads / result.tokens
 
@@ -76,8 +82,8 @@ def measure(streams: int, budgets: list[str]) -> dict:
     for budget in budgets:
         per_layer = resolve_slots(trace, parse_budget(budget), None) // trace.num_layers
         slots = [per_layer] * trace.num_layers
-        for name in POLICIES:
-            if not make_policy(name).lossless:
+        for name in [*POLICIES, BELADY]:
+            if name != BELADY and not make_policy(name).lossless:
                 continue
             alone, batched = loads_per_token(turn, name, slots, profile), loads_per_token(side, name, slots, profile)
             rows.append({"budget": budget, "policy": name, "in_turn": alone, "together": batched,
@@ -97,6 +103,12 @@ def report(result: dict) -> list[str]:
              "| budget | policy | loads a token, in turn | together | together / in turn |", "|---|---|---|---|---|"]
     lines += [f"| {r['budget']} | {r['policy']} | {r['in_turn']:.2f} | {r['together']:.2f} | {r['ratio']:.2f} |"
               for r in result["rows"]]
+    optimum = [r for r in result["rows"] if r["policy"] == BELADY]
+    above = [r["budget"] for r in optimum if r["ratio"] >= 1]
+    if above:
+        lines += ["", f"At {', '.join(above)} even Belady's optimum loads more experts a token together than in turn: "
+                  "on this routing no eviction policy over the same per-layer slots makes the replies' sharing "
+                  "outweigh the recent experts each reply reuses, which one reply alone keeps in all the slots."]
     return lines
 
 
