@@ -228,3 +228,16 @@ def test_batch_loads_replays_replies_in_turn_and_together(tmp_path):
     optimum = next(row for row in result["rows"] if row["policy"] == BELADY)
     assert optimum["in_turn"] == best["in_turn"] and optimum["together"] == best["together"]  # none beats it
     assert result["picks_per_layer"] / result["union_per_layer"] > 1  # the replies share experts
+
+
+@pytest.mark.usefixtures("kernels")
+def test_prompt_rows_times_a_prompt_as_rows_and_on_the_prompt_path(tmp_path):
+    from bench.prompt_rows import main
+
+    assert main(["--model", "demo", "--lengths", "4,12", "--repetitions", "1", "--out", str(tmp_path)]) == 0
+    result = json.loads(next(tmp_path.glob("prompt-rows-*.json")).read_text())
+    assert [row["length"] for row in result["rows"]] == [4, 12]
+    for row in result["rows"]:  # both ways ran (or the table says why not), and the ratio is theirs
+        assert row["unavailable"] or (row["rows_ms"] > 0 and row["prompt path_ms"] > 0
+                                      and row["prompt_path_over_rows"] > 0)
+    assert "prompt path / rows" in next(tmp_path.glob("prompt-rows-*.md")).read_text()
