@@ -136,14 +136,19 @@ def test_transposed_experts_take_one_reply_per_step(tiny_checkpoints):
         runtime.close()
 
 
-def test_a_batch_at_all_decodes_its_replies_in_one_step(tiny_checkpoints):
+def mixtral_at_all(tiny_checkpoints) -> tuple[MoERuntime, list, list]:
+    """The tiny Mixtral at budget `all`, the batch tests' requests, and each one's reply alone."""
     runtime = MoERuntime(LoadModel(path=str(tiny_checkpoints["mixtral"]), budget="all", store="ram",
                                    dtype="bfloat16"))
+    requests = [(p, greedy(n)) for p, n in zip(PROMPTS, LENGTHS, strict=True)]
+    return runtime, requests, [Generator(runtime).generate(p, settings) for p, settings in requests]
+
+
+def test_a_batch_at_all_decodes_its_replies_in_one_step(tiny_checkpoints):
+    runtime, requests, alone = mixtral_at_all(tiny_checkpoints)
     try:
-        alone = [Generator(runtime).generate(p, greedy(n)) for p, n in zip(PROMPTS, LENGTHS, strict=True)]
         assert runtime.decode_path == "fast: whole token in one native call"
-        together, batch = run_batch(runtime, [(p, greedy(n)) for p, n in zip(PROMPTS, LENGTHS, strict=True)],
-                                    gather=True)
+        together, batch = run_batch(runtime, requests, gather=True)
         for one, reply in zip(alone, together, strict=True):
             assert reply.token_ids == one.token_ids and reply.finish_reason == one.finish_reason
             assert reply.stats.decode_tokens == one.stats.decode_tokens
@@ -210,10 +215,8 @@ def test_more_rows_than_one_step_takes_run_in_several(block_gguf):
 
 
 def test_replies_joining_a_batch_at_all_run_their_prompts_in_its_step(tiny_checkpoints):
-    runtime = MoERuntime(LoadModel(path=str(tiny_checkpoints["mixtral"]), budget="all", store="ram",
-                                   dtype="bfloat16"))
+    runtime, requests, alone = mixtral_at_all(tiny_checkpoints)
     try:
-        alone = [Generator(runtime).generate(p, greedy(n)) for p, n in zip(PROMPTS, LENGTHS, strict=True)]
         native = runtime.whole_token.decoder._native
         calls, rows = [], native.run
 
@@ -222,8 +225,7 @@ def test_replies_joining_a_batch_at_all_run_their_prompts_in_its_step(tiny_check
             return rows(tokens, *args, **kwargs)
 
         native.run = counted
-        together, _ = run_batch(runtime, [(p, greedy(n)) for p, n in zip(PROMPTS, LENGTHS, strict=True)],
-                                gather=True, pack=True, join_after={1: 2, 2: 2, 3: 5})
+        together, _ = run_batch(runtime, requests, gather=True, pack=True, join_after={1: 2, 2: 2, 3: 5})
         for one, reply in zip(alone, together, strict=True):
             assert reply.token_ids == one.token_ids and reply.finish_reason == one.finish_reason
         # one native step a turn: the turns where prompts joined ran them beside the others' tokens
