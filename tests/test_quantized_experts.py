@@ -488,7 +488,9 @@ def test_a_bf16_prompt_takes_the_native_rows_where_torch_bf16_matmuls_are_slow(w
     logits = prompt_logits_fast_and_exact(
         LoadModel(path=str(wide[family]), budget="all", store="ram", device="cpu", dtype="bfloat16",
                   fast_decode=True), kernels, monkeypatch, native=native_rows)
-    close(logits[True], logits[False], family, relative=0.04)
+    # AMX tiles sum in another order than oneDNN's: 4.8 % of the scale on mixtral, where each of the
+    # two bf16 forwards is about 16 % from the float32 one (the tiles' the closer)
+    close(logits[True], logits[False], family, relative=0.06)
     assert logits[True].argmax() == logits[False].argmax()
 
 

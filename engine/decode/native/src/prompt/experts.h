@@ -222,7 +222,8 @@ inline void moe_prompt(const bf16* x, int64_t rows, int64_t hidden, const std::v
   const std::unique_ptr<Int8Groups> x8 = int8_groups(int8_inputs, experts, false, start, count, hidden);
   const std::unique_ptr<Int8Groups> act8 = int8_groups(int8_inputs, experts, true, start, count, inter);
   // The 8-bit path is asked for Q4_K matrices only; with it the others keep the dot products' tiles.
-  [[maybe_unused]] const bool amx = amx_on() && !int8_inputs && hidden % 32 == 0 && inter % 32 == 0;
+  // Where it applies to none of the layer's matrices, the switch changes nothing: the AMX tiles stay.
+  [[maybe_unused]] const bool amx = amx_on() && x8 == nullptr && act8 == nullptr && hidden % 32 == 0 && inter % 32 == 0;
   // every expert's matrix a type with integer tiles, and the inputs not rounded to 8 bits for them
   // (those go to Q4_K matrices alone): the inputs in fixed point for arch/x86/prompt_fixed.h
   auto all_fixed = [&](bool down, const Int8Groups* groups) {
