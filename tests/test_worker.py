@@ -211,6 +211,8 @@ def test_telemetry_agrees_with_the_engine_counts(engine):
     assert final.link == "disk -> RAM" and final.rss_bytes > 0
     snapshots = [e for e in log.events[mark:] if isinstance(e, p.TelemetrySnapshot)]
     assert len(snapshots) <= 2 + 12  # a few per reply, never one per expert
+    # the reply's first snapshot says it started (a client waiting for "idle" took it for the end)
+    assert snapshots[0].request_id == "t" and snapshots[0].state == "prefill", snapshots[0].state
 
 
 def test_gui_side_imports_pull_in_neither_torch_nor_qt():

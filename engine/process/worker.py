@@ -225,6 +225,7 @@ class Worker:
             runtime.cache.policy.on_request_start()
         self.batch.add(Stream(rid, sequence, clock))
         self.clock = self.batch.streams[0].clock
+        self.state = self.batch.state  # not "idle" beside a reply that has started
         self._snapshot(force=True)
 
     def _turn(self) -> None:
