@@ -7,6 +7,7 @@
 #include <algorithm>
 #include <atomic>
 #include <cstdint>
+#include <thread>
 #include <utility>
 
 #include "features.h"
@@ -55,8 +56,12 @@ inline void cpu_relax() {
 }
 
 // A barrier for the threads of one parallel region: they spin (as OpenMP's own threads do between
-// regions), so a wait costs a cache line's round trip rather than a wake-up.
+// regions), so a wait costs a cache line's round trip rather than a wake-up. A wait that outlasts
+// the spins yields the core each time round: where other work shares the cores (a browser, a second
+// process), the thread being waited for may be the one not running, and a spinning waiter would
+// hold its core until the scheduler's time slice ends.
 struct SpinBarrier {
+  static constexpr int kSpinsBeforeYield = 4096;  // pauses: a wait for a running thread ends within them
   alignas(64) std::atomic<int> arrived{0};
   alignas(64) std::atomic<int> generation{0};
   std::atomic<int> count{1};
@@ -71,7 +76,12 @@ struct SpinBarrier {
       arrived.store(0, std::memory_order_relaxed);
       generation.fetch_add(1, std::memory_order_release);
     } else {
-      while (generation.load(std::memory_order_acquire) == gen) cpu_relax();
+      for (int spins = 0; generation.load(std::memory_order_acquire) == gen; ++spins) {
+        if (spins < kSpinsBeforeYield)
+          cpu_relax();
+        else
+          std::this_thread::yield();
+      }
     }
   }
 };
