@@ -6,6 +6,8 @@ paths, with the reason."""
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 
@@ -14,7 +16,7 @@ from engine.decode.kv_cache import new_cache
 from engine.decode.paths.whole_token import WholeTokenPath
 from engine.decode.runtime import MoERuntime
 from engine.protocol import SamplingSettings
-from tests.helpers.numerics import close
+from tests.helpers.numerics import close_or_nearer_float32, float32_prompt, same_top
 from tests.test_whole_token import PROMPT, fast_runtime, latent_checkpoint
 from tests.test_whole_token_rows import block_gguf  # noqa: F401 (a fixture)
 
@@ -54,13 +56,19 @@ def assert_prompt_rows_match_the_exact_path(runtime: MoERuntime, prompt: list[in
     for a, b in zip(rows.kv.layers, one_by_one.layers, strict=True):
         assert torch.equal(a.keys, b.keys) and torch.equal(a.values, b.values)
     assert logits.shape == reference.shape == (1, 1, runtime.model.config.vocab_size)
-    close(logits, reference, "the prompt's logits", relative=0.12)  # the fast path's tolerance
-    assert int(logits.argmax()) == int(reference.argmax())
+    # the fast path's tolerance, or (where the bf16 reference drifts from the float32 model further than
+    # that) no further from the float32 model than the reference
+    float32 = functools.cache(lambda: float32_prompt(runtime, prompt))
+    close_or_nearer_float32(logits, reference, lambda: float32()[0], "the prompt's logits", 0.12)
+    same_top(logits, reference, "the prompt's logits")
     assert rows.kv.get_seq_length() == exact.kv.get_seq_length() == len(prompt)
     for index, (a, b) in enumerate(zip(rows.kv.layers, exact.kv.layers, strict=True)):
         assert a.keys.shape == b.keys.shape, index
         if kv_to_exact:
-            assert relative(a.keys, b.keys) < 0.05 and relative(a.values, b.values) < 0.05, index
+            for ours, theirs, name in ((a.keys, b.keys, "keys"), (a.values, b.values, "values")):
+                if relative(ours, theirs) >= 0.05:
+                    truth = getattr(float32()[1].layers[index], name)
+                    assert relative(ours, truth) <= relative(theirs, truth) + 0.01, (index, name)
     # and the reply decodes on from there, on the step
     rows.finish(forward, logits)
     with torch.inference_mode():
