@@ -51,14 +51,14 @@ class EngineBridge(QObject):
         return True
 
     def load(self, path: str, budget: str = "all", policy: str | None = None, *, expert_format: str = "original",
-             dense_format: str = "original", exact: bool = False, int8_prompt: bool = False) -> None:
+             dense_format: str = "original", exact: bool = False, int8_inputs: bool = False) -> None:
         self.model = None
         if self.remote:  # back from a remote server to MoEScope's own engine
             self._switch(self._local_factory)
             self.remote = ""
             self.start()
         self.send(p.LoadModel(path=path, budget=budget, policy=policy or "lru", expert_format=expert_format,
-                              dense_format=dense_format, fast_decode=not exact, int8_prompt=int8_prompt))
+                              dense_format=dense_format, fast_decode=not exact, int8_inputs=int8_inputs))
 
     def connect_remote(self, url: str, api_key: str | None, model: str) -> None:
         """Chat with an OpenAI-compatible server instead of the local engine (stopped until a model is loaded)."""
@@ -77,8 +77,8 @@ class EngineBridge(QObject):
     def set_exact(self, exact: bool) -> None:
         self.send(p.SetFastDecode(not exact))
 
-    def set_int8_prompt(self, on: bool) -> None:
-        self.send(p.SetInt8Prompt(on))
+    def set_int8_inputs(self, on: bool) -> None:
+        self.send(p.SetInt8Inputs(on))
 
     def restart(self) -> None:
         """A new worker, reloading the last model with the budget, policy and kernels in force."""

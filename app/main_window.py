@@ -108,7 +108,7 @@ class MainWindow(QMainWindow):
         self.budget.budget_requested.connect(self.set_budget)
         self.system.policy_requested.connect(self.set_policy)
         self.system.exact_requested.connect(self.set_exact)
-        self.system.int8_prompt_requested.connect(self.set_int8_prompt)
+        self.system.int8_inputs_requested.connect(self.set_int8_inputs)
         self.model_bar.formats_requested.connect(self.set_formats)
         self.model_bar.open_folder_requested.connect(self.open_model)
         self.model_bar.library_requested.connect(self.open_library)
@@ -253,7 +253,7 @@ class MainWindow(QMainWindow):
         self.model_bar.show_formats(experts, dense)
         self.statusBar().showMessage(f"Loading {model}…")
         self.bridge.load(model, budget, self.settings.policy, expert_format=experts, dense_format=dense,
-                         exact=self.settings.exact, int8_prompt=self.settings.int8_prompt)
+                         exact=self.settings.exact, int8_inputs=self.settings.int8_inputs)
 
     def open_model(self, path: str, budget: str | None = None, expert_format: str | None = None) -> None:
         if self.chat.streaming:
@@ -280,11 +280,11 @@ class MainWindow(QMainWindow):
         if self.remember:
             self.settings.exact = exact
 
-    def set_int8_prompt(self, on: bool) -> None:
-        """The System panel's 8-bit prompt inputs switch (lossy), from the next prompt."""
-        self.bridge.set_int8_prompt(on)
+    def set_int8_inputs(self, on: bool) -> None:
+        """The System panel's 8-bit inputs switch (lossy), from the next token."""
+        self.bridge.set_int8_inputs(on)
         if self.remember:
-            self.settings.int8_prompt = on
+            self.settings.int8_inputs = on
 
     def open_library(self) -> LibraryDialog:
         if self.library is None:

@@ -87,13 +87,15 @@ class AppSettings:
         self._set_flag("engine/exact", value)
 
     @property
-    def int8_prompt(self) -> bool:
-        """The lossy 8-bit prompt inputs for 4-bit weights (off by default)."""
-        return self._flag("engine/int8_prompt")
+    def int8_inputs(self) -> bool:
+        """The lossy 8-bit inputs for 4-bit weights (off by default; stored as int8_prompt while it
+        applied to prompts alone)."""
+        return self._flag("engine/int8_inputs") or self._flag("engine/int8_prompt")
 
-    @int8_prompt.setter
-    def int8_prompt(self, value: bool) -> None:
-        self._set_flag("engine/int8_prompt", value)
+    @int8_inputs.setter
+    def int8_inputs(self, value: bool) -> None:
+        self._set_flag("engine/int8_inputs", value)
+        self.qs.remove("engine/int8_prompt")
 
     @property
     def policy(self) -> str:

@@ -40,7 +40,7 @@ from engine.system.cpu import cpuinfo_field
 from engine.system.process_settings import apply_process_settings
 
 # llama.cpp, MoEScope exact, MoEScope --fast-decode, MoEScope --fast-decode on the GGUF file, and the last
-# two with the opt-in lossy --int8-prompt: the run order
+# two with the opt-in lossy --int8-inputs: the run order
 SYSTEMS = ("llama", "exact", "fast", "gguf", "fast-int8", "gguf-int8")
 INT8_SYSTEMS = ("fast-int8", "gguf-int8")
 COLUMNS = ("exact", "fast", "llama")  # the main table's order; `gguf` has a table of its own
@@ -71,18 +71,18 @@ def run_llama_bench(lc: LlamaCpp, gguf: Path, args) -> dict[str, float]:
     return result
 
 
-def run_moescope(path: Path, fmt: str, fast: bool, args, int8_prompt: bool = False) -> dict[str, float]:
+def run_moescope(path: Path, fmt: str, fast: bool, args, int8_inputs: bool = False) -> dict[str, float]:
     run = run_measure("ours", "--model", str(path), "--budget", "all", "--store", "ram", "--format", fmt,
                       "--threads", str(args.threads), "--prompt-len", str(args.prompt_len), "--decode", str(args.decode),
-                      *(["--fast-decode"] if fast else []), *(["--int8-prompt"] if int8_prompt else []))
+                      *(["--fast-decode"] if fast else []), *(["--int8-inputs"] if int8_inputs else []))
     return {k: run[k] for k in ("prefill_tokens_per_s", "decode_tokens_per_s")}
 
 
-def run_moescope_gguf(gguf: Path, args, int8_prompt: bool = False) -> dict[str, float]:
+def run_moescope_gguf(gguf: Path, args, int8_inputs: bool = False) -> dict[str, float]:
     """MoEScope opening the GGUF file llama.cpp runs (bf16 compute, the file's own weight types)."""
     run = run_measure("ours", "--model", str(gguf), "--budget", "all", "--store", "ram", "--threads",
                       str(args.threads), "--prompt-len", str(args.prompt_len), "--decode", str(args.decode),
-                      "--fast-decode", *(["--int8-prompt"] if int8_prompt else []))
+                      "--fast-decode", *(["--int8-inputs"] if int8_inputs else []))
     return {k: run[k] for k in ("prefill_tokens_per_s", "decode_tokens_per_s")}
 
 
@@ -199,8 +199,9 @@ def table(rows: list[dict], args) -> list[str]:
         def prefill(r: dict, s: str, key: str, fmt: str) -> str:
             return fmt.format(r[f"{s}_{key}"]) if f"{s}_{key}" in r else "n/a"
 
-        lines += ["", "Opt-in, lossy `--int8-prompt` (Q4_K experts and dense layers take their prompt rows rounded to 8 bits, as "
-                  "llama.cpp's own CPU kernels do), MoEScope's Q4_K format and llama.cpp's GGUF file opened directly:",
+        lines += ["", "Opt-in, lossy `--int8-inputs` (K-quant experts and dense layers take their inputs rounded to 8 bits, "
+                  "prompts and decode, as llama.cpp's own CPU kernels do), MoEScope's Q4_K format and llama.cpp's GGUF "
+                  "file opened directly:",
                   "", "| geometry | format (llama.cpp type) | prefill tok/s: int8 / GGUF int8 / llama.cpp "
                   "| prefill ÷ llama.cpp: int8 / GGUF int8 | decode ÷ llama.cpp: int8 / GGUF int8 |",
                   "|---|---|---|---|---|"]
@@ -223,7 +224,7 @@ def main(argv=None) -> int:
     parser.add_argument("--systems", default=",".join(SYSTEMS),
                         help="which of llama, exact, fast, gguf, fast-int8, gguf-int8 to run (exact decodes far slower: "
                              "leave it out for a quick run; gguf: MoEScope on llama.cpp's GGUF file; *-int8: with the "
-                             "opt-in lossy --int8-prompt)")
+                             "opt-in lossy --int8-inputs)")
     parser.add_argument("--prompt-len", type=int, default=128)
     parser.add_argument("--decode", type=int, default=64)
     parser.add_argument("--threads", type=int, default=2)

@@ -13,9 +13,9 @@ weights, lossless `lru`, budget `all`) on the held-out questions of every skill:
 Greedy decoding, budget `all` for the formats, and the exact path (transformers' kernels on the
 dequantized weights, the fast native kernels switched off) so the numbers describe the format, not a
 kernel, unless `--kernels` asks for the native ones (`fast`, in bf16) or for them with the lossy
-8-bit prompt inputs (`fast-int8`). Both kinds of score go through the engine's paths: the
-teacher-forced chats are read as prompts (`MoERuntime.prompt_logits`), so they see --int8-prompt
-as the replies do. Where a format's block does not divide a matrix's width the engine stores it in
+8-bit inputs (`fast-int8`: K-quant matrices, prompts and decode). Both kinds of score go through the
+engine's paths: the teacher-forced chats are read as prompts (`MoERuntime.prompt_logits`), the
+greedy answers are decoded, so each sees --int8-inputs where it runs. Where a format's block does not divide a matrix's width the engine stores it in
 llama.cpp's fallback format; the table says what each matrix actually got.
 
     python -m bench.lossy_cost [--budgets 25,50] [--n 20]
@@ -51,7 +51,7 @@ class Setting:
     expert_format: str = "original"
     dense_format: str = "original"
     # exact: transformers' kernels (the float32 model as shipped); fast: the native kernels (bf16);
-    # fast-int8: those with the opt-in lossy 8-bit prompt inputs (Q4_K matrices only)
+    # fast-int8: those with the opt-in lossy 8-bit inputs (K-quant matrices, prompts and decode)
     kernels: str = "exact"
 
     @property
@@ -102,7 +102,7 @@ def measure(setting: Setting, n: int, reference: dict | None) -> dict:
     runtime = MoERuntime(LoadModel(path="demo", budget=setting.budget, store="ram", policy=setting.policy,
                                    expert_format=setting.expert_format, dense_format=setting.dense_format,
                                    dtype="bfloat16" if fast else "auto", fast_decode=fast,
-                                   int8_prompt=setting.kernels == "fast-int8"))
+                                   int8_inputs=setting.kernels == "fast-int8"))
     # Beside AMX tiles the prompt path sets the 8-bit inputs aside (faster without them); their cost is
     # measured as they run where they apply, on the dot products.
     kernels = native.load() if setting.kernels == "fast-int8" else None
@@ -168,7 +168,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--dense-formats", default="original", help="dense formats, each with every expert format")
     parser.add_argument("--kernels", default="exact", help="for the format rows: exact (transformers' kernels, the "
                         "model's float32), fast (the native kernels, bf16) and/or fast-int8 (those with the lossy "
-                        "--int8-prompt), comma-separated")
+                        "--int8-inputs), comma-separated")
     parser.add_argument("--n", type=int, default=20, help="held-out questions per skill (fewer where a skill has fewer)")
     parser.add_argument("--out", type=Path, default=RESULTS_DIR)
     parser.add_argument("--card", type=Path, help="also write the format rows into this model card JSON "
@@ -211,7 +211,7 @@ def table(rows: list[dict], claimed: list[str], n: int) -> list[str]:
     skills = list(rows[0]["accuracy"])
     lines = [f"Quality cost on the demo model against the float model (float32, lru, budget `all`): up to {n} "
              "held-out questions per skill, greedy, exact path (transformers' kernels on the dequantized weights) "
-             "unless a row names other kernels (fast: the native kernels in bf16; fast-int8: with --int8-prompt). "
+             "unless a row names other kernels (fast: the native kernels in bf16; fast-int8: with --int8-inputs). "
              "KL(float || row) in nats, mean over the answer tokens of the held-out chats, teacher-forced on the "
              "reference answers; 'same top' is the share of those positions where both pick the same token. "
              "Accuracy in %, per skill (difference from the float model in points); 'claimed' = the "

@@ -62,7 +62,7 @@ def measure_ours(args) -> dict:
     cache_type = bench_cache(choices=trace, forget=args.no_cache)  # no cache: baseline (c), every expert on demand
     runtime = MoERuntime(LoadModel(path=args.model, budget=args.budget, store=args.store, device=args.device,
                                    policy=args.policy, warm=not args.no_cache, fast_decode=args.fast_decode,
-                                   int8_prompt=args.int8_prompt,
+                                   int8_inputs=args.int8_inputs,
                                    pack_weights=not args.no_pack_weights, **format_settings),
                          cache_type=cache_type)
     layout = runtime.layout
@@ -202,7 +202,7 @@ def main(argv=None) -> int:
     parser.add_argument("--policy", default="lru")
     parser.add_argument("--no-pack-weights", action="store_true", help="ours: expert matrices in plain layout")
     parser.add_argument("--fast-decode", action="store_true", help="ours: decode GEMVs skip oneDNN (engine.decode.paths.native_layers)")
-    parser.add_argument("--int8-prompt", action="store_true", help="ours: the opt-in lossy 8-bit prompt inputs")
+    parser.add_argument("--int8-inputs", action="store_true", help="ours: the opt-in lossy 8-bit inputs (llama.cpp's precision)")
     parser.add_argument("--format", default=None, help="ours: a weight format of bench.format_settings (bf16, ...)")
     parser.add_argument("--routing", default="random", choices=["random", "trace", "olmoe"],
                         help="the model's own router (random weights), a synthetic trace with locality, or the real "

@@ -90,10 +90,10 @@ class LoadModel:
     # built, transformers' kernels, and telemetry says why). False (`--exact`): transformers' kernels only,
     # bit-identical to stock transformers; the native ones sum in another order.
     fast_decode: bool = True
-    # opt-in, lossy: at prefill, Q4_K matrices (experts and dense linears) take their input rows rounded to
-    # 8 bits (one scale per 256 values, as llama.cpp's Q8_K) and multiply them in integers; the System
-    # panel's switch is live
-    int8_prompt: bool = False
+    # opt-in, lossy: the native kernels' 4-bit (and other K-quant) matrices take their inputs rounded to
+    # 8 bits (one scale per 256 values, as llama.cpp's Q8_K) and multiply them in integers, in prompts
+    # and decode alike: llama.cpp's precision; the System panel's switch is live
+    int8_inputs: bool = False
     expert_format: str = "original"  # routed experts: original | q8_0 | q6_k | q4_k | q3_k | q2_k (8bit, 4bit, ...)
     dense_format: str = "original"  # every other linear layer (not the routers): the same choices
     allocation: str = "planned"  # planned | uniform: how a budget is split across layers
@@ -145,8 +145,8 @@ class SetFastDecode:
 
 
 @dataclass
-class SetInt8Prompt:
-    enabled: bool  # the opt-in, lossy 8-bit prompt inputs (LoadModel.int8_prompt), live
+class SetInt8Inputs:
+    enabled: bool  # the opt-in, lossy 8-bit inputs (LoadModel.int8_inputs), live
 
 
 @dataclass
@@ -234,7 +234,7 @@ class CancelDownload:
 LIBRARY_COMMANDS = (ListLibrary, SearchLibrary, EstimateModel, DownloadModel, CancelDownload)
 
 Command = (
-    LoadModel | Generate | Cancel | SetBudget | SetPolicy | SetFastDecode | SetInt8Prompt | SetTelemetry | Unload | Shutdown
+    LoadModel | Generate | Cancel | SetBudget | SetPolicy | SetFastDecode | SetInt8Inputs | SetTelemetry | Unload | Shutdown
     | ListLibrary | SearchLibrary | EstimateModel | DownloadModel | CancelDownload
 )
 
@@ -283,7 +283,7 @@ class ModelLoaded:
     budget_note: str = ""  # e.g. the budget was clamped to the minimum
     fast_decode: bool = False  # the native decode kernels are on (asked for and available); else exact
     fast_decode_available: bool = False  # a CPU engine on a bf16 model: the switch changes something
-    int8_prompt: bool = False  # opt-in, lossy 8-bit prompt inputs for Q4_K matrices (LoadModel.int8_prompt)
+    int8_inputs: bool = False  # the opt-in, lossy 8-bit inputs are on (LoadModel.int8_inputs)
     # the native kernels' variant in use ("x86-64-v3: AVX2 and FMA") or why none loaded, and why not a better one
     kernels: str = ""
     kernels_note: str = ""
@@ -373,7 +373,7 @@ class Done:
 class FastDecodeChanged:
     enabled: bool
     available: bool
-    int8_prompt: bool = False  # the lossy 8-bit prompt inputs are on
+    int8_inputs: bool = False  # the lossy 8-bit inputs are on
 
 
 @dataclass

@@ -281,21 +281,34 @@ def test_system_panel_exact_switch_is_off_by_default_and_follows_the_engine(qtbo
     assert "bf16" in panel.exact.toolTip()
 
 
-def test_system_panel_offers_the_lossy_8_bit_prompt_switch_off_and_labelled(qtbot):
+def test_system_panel_offers_the_lossy_8_bit_inputs_switch_off_and_labelled(qtbot):
     panel = SystemPanel()
     qtbot.addWidget(panel)
     loaded = model_loaded()
     loaded.fast_decode, loaded.fast_decode_available = True, True
     panel.on_event(loaded)
-    assert panel.int8_prompt.isEnabled() and not panel.int8_prompt.isChecked()  # opt-in
-    assert "LOSSY" in panel.int8_prompt.text() and "differ" in panel.int8_prompt.toolTip()
-    with qtbot.waitSignal(panel.int8_prompt_requested) as blocker:
-        panel.int8_prompt.click()
+    assert panel.int8_inputs.isEnabled() and not panel.int8_inputs.isChecked()  # opt-in
+    assert "LOSSY" in panel.int8_inputs.text() and "differ" in panel.int8_inputs.toolTip()
+    with qtbot.waitSignal(panel.int8_inputs_requested) as blocker:
+        panel.int8_inputs.click()
     assert blocker.args == [True]
-    panel.on_event(p.FastDecodeChanged(enabled=True, available=True, int8_prompt=True))
-    assert panel.int8_prompt.isChecked()
-    panel.on_event(p.FastDecodeChanged(enabled=False, available=True, int8_prompt=True))  # Exact: no native prompt path
-    assert not panel.int8_prompt.isEnabled()
+    panel.on_event(p.FastDecodeChanged(enabled=True, available=True, int8_inputs=True))
+    assert panel.int8_inputs.isChecked()
+    panel.on_event(p.FastDecodeChanged(enabled=False, available=True, int8_inputs=True))  # Exact: no native path
+    assert not panel.int8_inputs.isEnabled()
+
+
+def test_the_8_bit_inputs_switch_is_remembered_under_its_old_name_too(tmp_path):
+    from app.settings import AppSettings
+
+    path = str(tmp_path / "settings.ini")
+    old = AppSettings(path)
+    old.qs.setValue("engine/int8_prompt", "true")  # as a version that rounded prompts alone stored it
+    old.qs.sync()
+    settings = AppSettings(path)
+    assert settings.int8_inputs
+    settings.int8_inputs = False
+    assert not settings.int8_inputs and not AppSettings(path).int8_inputs
 
 
 def test_system_panel_says_in_which_formats_the_model_runs(qtbot):

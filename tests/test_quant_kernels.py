@@ -348,7 +348,7 @@ def test_amx_tiles_and_dot_products_give_a_prompt_the_same_products(name):
 
 
 def rounded_to_8_bits(x: torch.Tensor) -> torch.Tensor:
-    """x rounded as --int8-prompt rounds it: per 256 values, levels to nearest even of x * 127 / max|x|."""
+    """x rounded as --int8-inputs rounds it: per 256 values, levels to nearest even of x * 127 / max|x|."""
     blocks = x.float().reshape(x.shape[0], -1, 256)
     amax = blocks.abs().amax(-1, keepdim=True)
     inverse = torch.where(amax > 0, 127 / amax, torch.zeros(()))
@@ -366,9 +366,31 @@ def q4_k_parts(packed: torch.Tensor, columns: int) -> tuple[torch.Tensor, torch.
     return weights + mins, mins
 
 
+@pytest.mark.parametrize("name", KERNEL_FORMATS)
+def test_8_bit_inputs_of_a_one_row_product_are_the_input_rounded(variant, name):
+    # --int8-inputs (opt-in, lossy) at decode: a K-quant matrix's integer dot takes the input rounded
+    # to 8 bits per 256 values (llama.cpp's Q8_K), and nothing else changes: its product is the
+    # reference's weights times that rounded input, to bf16 rounding. The other types' dots take one
+    # 16-bit product per weight either way, so their inputs are not rounded: the same bits.
+    packed, reference = quantized(name, rows=300, columns=1024, seed=2)
+    x = (torch.randn(1, 1024, generator=torch.Generator().manual_seed(8)) * 0.5).to(torch.bfloat16)
+    x[0, :7] = torch.tensor([3.0, -3.0, 1e-3, -1e-3, 0.0, 2.5, -2.99])
+    x[0, 512:768] = 0.0  # a chunk of zeros: its scale has nothing to divide by
+    weight = native.weight(variant, packed, checkpoint_format(name), 1024)
+    with forced_paths(variant, int8_inputs=True):
+        ours = variant.gemv(weight, x)
+    exact_inputs = variant.gemv(weight, x)
+    if name not in ("q4_k", "q6_k", "q3_k", "q2_k"):
+        assert torch.equal(ours, exact_inputs)
+        return
+    rounded = rounded_to_8_bits(x).double() @ reference.double().t()
+    assert (ours.double() - rounded).abs().max() <= 0.005 * rounded.abs().max()  # bf16 rounding of the result
+    assert not torch.equal(ours, exact_inputs)  # the inputs really were rounded
+
+
 @pytest.mark.parametrize("rows", [1, 8, 13])
 def test_8_bit_prompt_inputs_reach_a_q4_k_linear_and_no_other(variant, rows):
-    # --int8-prompt also rounds the inputs of a prompt's dense Q4_K linears (attention's projections):
+    # --int8-inputs also rounds the inputs of a prompt's dense Q4_K linears (attention's projections):
     # the same arithmetic as the experts', with the bias added before the one rounding; a Q6_K linear
     # is untouched, bit for bit
     columns, out = 512, 40
@@ -387,7 +409,7 @@ def test_8_bit_prompt_inputs_reach_a_q4_k_linear_and_no_other(variant, rows):
 
 @pytest.mark.parametrize("down_format", ["q4_k", "q6_k"])
 def test_8_bit_prompt_inputs_round_only_the_scaled_products(variant, down_format):
-    # --int8-prompt (opt-in, lossy): Q4_K matrices multiply each row's inputs rounded to 8 bits per
+    # --int8-inputs (opt-in, lossy): Q4_K matrices multiply each row's inputs rounded to 8 bits per
     # 256 values in integers; the mins multiply the exact inputs. Every expert's rows equal that
     # arithmetic done in float64 on the reference's terms (to bf16 rounding); matrices of other types
     # (the Q6_K down projections of a Q4_K_M file) are untouched, bit for bit. Experts with 0, 1, 8

@@ -535,7 +535,7 @@ def test_prompts_of_new_lengths_make_no_onednn_kernels_on_the_fast_path(wide, ke
 
 @pytest.mark.parametrize("dense", ["original", "q4_k"])
 def test_8_bit_prompt_inputs_are_opt_in_labelled_and_close(wide, kernels, monkeypatch, dense):
-    """--int8-prompt (lossy, off by default): a prompt's Q4_K experts and dense linears take their
+    """--int8-inputs (lossy, off by default): a prompt's Q4_K experts and dense linears take their
     inputs rounded to 8 bits. It changes the arithmetic (the logits are not the bf16 path's), the path
     says it is lossy, teacher-forced scoring (`prompt_logits`, what bench.lossy_cost measures) goes
     through it, and the logits stay close enough that the next token is the same. (Beside AMX tiles the
@@ -554,10 +554,10 @@ def test_8_bit_prompt_inputs_are_opt_in_labelled_and_close(wide, kernels, monkey
     with forced_paths(kernels, amx=False, integer_dots=False):
         runtime = MoERuntime(LoadModel(path=str(wide["mixtral"]), budget="all", store="ram", device="cpu",
                                        dtype="bfloat16", expert_format="q4_k", dense_format=dense))
-        assert runtime.int8_prompt is False  # opt-in only
+        assert runtime.int8_inputs is False  # opt-in only
         try:
             for int8 in (False, True):
-                runtime.int8_prompt = int8  # the System panel's switch is live
+                runtime.int8_inputs = int8  # the System panel's switch is live
                 labels[int8] = runtime.paths.choose(Step(torch.tensor([PROMPT]), None, 0))[0].label
                 asked.clear()
                 asked_dense.clear()
@@ -588,7 +588,7 @@ def test_8_bit_prompt_inputs_are_opt_in_labelled_and_close(wide, kernels, monkey
 
 def test_8_bit_prompt_inputs_are_set_aside_beside_amx_tiles(wide, kernels, monkeypatch):
     """Beside AMX tiles a Q4_K prompt's bf16 products on the tiles are faster than the 8-bit dots, so
-    --int8-prompt buys only its loss there: the path sets it aside (the exact-precision inputs go to
+    --int8-inputs buys only its loss there: the path sets it aside (the exact-precision inputs go to
     the kernels) and its label says so; the tiles are named where they run."""
     import torch
 
@@ -600,11 +600,11 @@ def test_8_bit_prompt_inputs_are_set_aside_beside_amx_tiles(wide, kernels, monke
     moe_prompt = kernels.moe_prompt
     monkeypatch.setattr(kernels, "moe_prompt", lambda *args: asked.append(args[-1]) or moe_prompt(*args))
     runtime = MoERuntime(LoadModel(path=str(wide["mixtral"]), budget="all", store="ram", device="cpu",
-                                   dtype="bfloat16", expert_format="q4_k", int8_prompt=True))
+                                   dtype="bfloat16", expert_format="q4_k", int8_inputs=True))
     try:
         label = runtime.paths.choose(Step(torch.tensor([PROMPT]), None, 0))[0].label
         asked_logits = runtime.prompt_logits(PROMPT)
-        runtime.int8_prompt = False
+        runtime.int8_inputs = False
         plain_label = runtime.paths.choose(Step(torch.tensor([PROMPT]), None, 0))[0].label
         plain_logits = runtime.prompt_logits(PROMPT)
     finally:
@@ -613,3 +613,34 @@ def test_8_bit_prompt_inputs_are_set_aside_beside_amx_tiles(wide, kernels, monke
     assert "not used" in label and "lossy" not in label and "(AMX tiles)" in label
     assert "(AMX tiles)" in plain_label and "not used" not in plain_label
     assert torch.equal(asked_logits, plain_logits)
+
+
+@pytest.mark.parametrize("path", ["whole_token", "native_layers"])
+def test_8_bit_inputs_reach_decode_opt_in_and_labelled(wide, kernels, path):
+    """--int8-inputs (lossy, off by default) rounds a decode token's inputs to its K-quant matrices
+    too, on the whole-token step and on the per-layer path alike: the token's logits are not the
+    16-bit inputs' (and stay close), the path that ran says it is lossy, and the switch is live."""
+    import torch
+
+    from engine.decode.paths.base import Step
+    from tests.test_whole_token import prefilled
+
+    runtime = MoERuntime(LoadModel(path=str(wide["mixtral"]), budget="all", store="ram", device="cpu",
+                                   dtype="bfloat16", expert_format="q4_k", dense_format="q4_k"))
+    assert runtime.int8_inputs is False  # opt-in only
+    decode = getattr(runtime, path)
+    logits, labels = {}, {}
+    try:
+        for int8 in (False, True):
+            runtime.int8_inputs = int8  # the System panel's switch is live
+            kv = prefilled(runtime, PROMPT)
+            step = Step(torch.tensor([[PROMPT[-1]]]), kv, kv.get_seq_length(), token=PROMPT[-1])
+            assert decode.unavailable(step) is None
+            with torch.inference_mode():
+                logits[int8] = decode.run(step)[0, -1].float()
+            labels[int8] = decode.label
+    finally:
+        runtime.close()
+    assert "lossy" not in labels[False] and "8-bit inputs" in labels[True] and "(lossy)" in labels[True]
+    assert not torch.equal(logits[True], logits[False])
+    assert torch.nn.functional.cosine_similarity(logits[True], logits[False], dim=0) > 0.95

@@ -83,6 +83,13 @@ def test_native_kernels_are_the_default_and_fast_decode_is_an_accepted_old_spell
     assert "--fast-decode is the default now" in capsys.readouterr().err
 
 
+def test_8_bit_inputs_are_opt_in_and_take_their_old_spelling_too():
+    # --int8-prompt: the switch's name while it rounded prompts' inputs alone
+    assert not p.LoadModel(path="demo").int8_inputs and not load_settings(parse([])).int8_inputs
+    assert load_settings(parse(["--int8-inputs"])).int8_inputs
+    assert load_settings(parse(["--int8-prompt"])).int8_inputs
+
+
 def test_a_restart_reloads_with_the_live_changes_without_touching_the_sent_command():
     client = EngineClient(lambda event: None)  # never started: only what it remembers is looked at
     load = p.LoadModel(path="demo", budget="all", policy="lru")

@@ -85,16 +85,23 @@ def block_gguf(request, tmp_path_factory) -> str:
     return str(folder / "model.gguf")
 
 
-def test_every_kernel_variant_gives_each_row_its_own_sums(variant, block_gguf):
+@pytest.mark.parametrize("int8", [False, True], ids=["16-bit-inputs", "8-bit-inputs"])
+def test_every_kernel_variant_gives_each_row_its_own_sums(variant, block_gguf, int8):
+    # and so with the opt-in 8-bit inputs (--int8-inputs), whose rows are as much their own
     from engine.decode.modules.whole_token_step import WholeTokenStep
+    from engine.decode.native.testing import forced_paths
 
     runtime = fast_runtime(block_gguf)
     try:
         decoder = WholeTokenStep(runtime.model, runtime.cache, variant)
         together = [prefilled(runtime, prompt) for prompt in ROWS_PROMPTS]
         alone = [prefilled(runtime, prompt) for prompt in ROWS_PROMPTS]
+        exact_inputs = [prefilled(runtime, prompt) for prompt in ROWS_PROMPTS[:1]]
         tokens = [prompt[-1] for prompt in ROWS_PROMPTS]
         with torch.inference_mode():
+            sixteen_bits = decoder.step(tokens[0], exact_inputs[0])
+        with torch.inference_mode(), forced_paths(variant, int8_inputs=int8):
+            assert torch.equal(decoder.step(tokens[0], prefilled(runtime, ROWS_PROMPTS[0])), sixteen_bits) != int8
             for _ in range(3):
                 logits, _ = decoder.step_rows(tokens, together)
                 for row, (token, kv) in enumerate(zip(tokens, alone, strict=True)):

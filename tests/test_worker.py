@@ -161,12 +161,12 @@ def test_kernel_switches_apply_live_and_survive_a_restart(endless_checkpoint, ke
         client.send(p.Generate("f", prompt_ids=PROMPT_IDS, sampling=p.SamplingSettings(temperature=0, max_new_tokens=8)))
         assert len(done_for(log, "f", mark).token_ids) == 8
         mark = log.mark()
-        client.send(p.SetInt8Prompt(True))  # the System panel's lossy 8-bit prompt switch: live too
-        assert log.wait_for(lambda e: isinstance(e, p.FastDecodeChanged), start=mark).int8_prompt
+        client.send(p.SetInt8Inputs(True))  # the System panel's lossy 8-bit prompt switch: live too
+        assert log.wait_for(lambda e: isinstance(e, p.FastDecodeChanged), start=mark).int8_inputs
         mark = log.mark()
         client.restart(reload=True)  # e.g. after a crash: both switches stay as the user left them
         kept = log.wait_for(lambda e: isinstance(e, (p.ModelLoaded, p.Error)), start=mark)
-        assert isinstance(kept, p.ModelLoaded) and kept.int8_prompt and not kept.fast_decode
+        assert isinstance(kept, p.ModelLoaded) and kept.int8_inputs and not kept.fast_decode
         mark = log.mark()
         client.send(p.LoadModel(path=str(endless_checkpoint), budget="all", store="ram"))  # float32: exact kernels only
         plain = log.wait_for(lambda e: isinstance(e, (p.ModelLoaded, p.Error)), start=mark)

@@ -24,12 +24,13 @@ EXACT_ONLY_TIP = ("This model decodes on transformers' kernels: the native ones 
                   "(load it in bfloat16 for them).")
 
 
-INT8_PROMPT_TEXT = "8-bit prompt inputs (LOSSY)"
-INT8_PROMPT_TIP = ("Faster prompts on 4-bit weights, LOSSY. Off by default. On: while a prompt is read, 4-bit "
-                   "(Q4_K) experts and dense layers take their inputs rounded to 8 bits (one scale per 256 values, as llama.cpp always does) and multiply them in integers: prompts "
-                   "run faster, and replies can differ from the exact ones (docs/performance.md measures how much). "
-                   "Decode tokens are unchanged. On CPUs with AMX tiles (Intel Sapphire Rapids and later) prompts run "
-                   "faster without it, so there it is set aside and the path says so.")
+INT8_INPUTS_TEXT = "8-bit inputs (LOSSY)"
+INT8_INPUTS_TIP = ("Faster prompts and decode on 4-bit weights, LOSSY. Off by default. On: 4-bit and other K-quant "
+                   "(Q4_K, Q6_K, ...) experts and dense layers take their inputs rounded to 8 bits (one scale per 256 "
+                   "values, as llama.cpp always does) and multiply them in integers: half the products per weight, and "
+                   "replies can differ from the exact ones (docs/performance.md measures how much). On CPUs with AMX "
+                   "tiles (Intel Sapphire Rapids and later) prompts run faster without it, so prompts keep their "
+                   "exact inputs there and the path says so.")
 
 
 DECODE_PATH_TIP = ("How the last decode token ran. The whole-token native step needs every expert resident "
@@ -53,7 +54,7 @@ class SystemPanel(Panel):
     local_only = True
     policy_requested = Signal(str)
     exact_requested = Signal(bool)  # True: transformers' kernels only
-    int8_prompt_requested = Signal(bool)  # True: the lossy 8-bit prompt inputs
+    int8_inputs_requested = Signal(bool)  # True: the lossy 8-bit inputs
 
     def __init__(self, parent: QWidget | None = None) -> None:
         super().__init__(parent)
@@ -88,10 +89,10 @@ class SystemPanel(Panel):
         self.exact.setToolTip(EXACT_TIP)
         self.exact.setEnabled(False)
         self.exact.clicked.connect(self._exact_clicked)  # user clicks only, not setChecked
-        self.int8_prompt = QCheckBox(INT8_PROMPT_TEXT)
-        self.int8_prompt.setToolTip(INT8_PROMPT_TIP)
-        self.int8_prompt.setEnabled(False)
-        self.int8_prompt.clicked.connect(lambda: self.int8_prompt_requested.emit(self.int8_prompt.isChecked()))
+        self.int8_inputs = QCheckBox(INT8_INPUTS_TEXT)
+        self.int8_inputs.setToolTip(INT8_INPUTS_TIP)
+        self.int8_inputs.setEnabled(False)
+        self.int8_inputs.clicked.connect(lambda: self.int8_inputs_requested.emit(self.int8_inputs.isChecked()))
         self.kernel_variant = QLabel("")
         self.kernel_variant.setObjectName("kernel-variant")
         self.kernel_variant.setWordWrap(True)
@@ -126,7 +127,7 @@ class SystemPanel(Panel):
         form.addRow("Cache policy", self.policy)
         form.addRow("", self.policy_note)
         form.addRow("Kernels", self.exact)
-        form.addRow("", self.int8_prompt)
+        form.addRow("", self.int8_inputs)
         form.addRow("", self.kernel_variant)
         form.addRow("Weights", self.formats)
         form.addRow("", self.load_notes)
@@ -157,34 +158,34 @@ class SystemPanel(Panel):
             self.policy.setEnabled(True)
             self.policies = list(event.policies)
             self._describe()
-            self._show_kernels(event.fast_decode, event.fast_decode_available, event.int8_prompt)
+            self._show_kernels(event.fast_decode, event.fast_decode_available, event.int8_inputs)
             self._show_variant(event.kernels, event.kernels_note)
             self.formats.setText(loaded_formats_text(event.expert_format, event.dense_format, event.dtype))
             self.load_notes.setText("\n".join(event.load_notes))
             self.load_notes.setVisible(bool(event.load_notes))
         elif isinstance(event, p.FastDecodeChanged):
-            self._show_kernels(event.enabled, event.available, event.int8_prompt)
+            self._show_kernels(event.enabled, event.available, event.int8_inputs)
         elif isinstance(event, p.PolicyChanged):
             self.policy.setCurrentIndex(max(0, self.policy.findData(event.policy)))
             self._describe()
         elif isinstance(event, p.Error) and event.kind == "engine-crashed":
             self.policy.setEnabled(False)
             self.exact.setEnabled(False)
-            self.int8_prompt.setEnabled(False)
+            self.int8_inputs.setEnabled(False)
             self.snapshot = None
             self.set_state("crashed")
 
     def _exact_clicked(self) -> None:
         self.exact_requested.emit(self.exact.isChecked())
 
-    def _show_kernels(self, native_on: bool, available: bool, int8_prompt: bool) -> None:
+    def _show_kernels(self, native_on: bool, available: bool, int8_inputs: bool) -> None:
         """Exact is ticked whenever transformers' kernels decode: asked for, or the only ones for this model.
         The 8-bit prompt inputs apply on the native kernels only, so they are offered only with those on."""
         self.exact.setChecked(not (native_on and available))
         self.exact.setEnabled(available)
         self.exact.setToolTip(EXACT_TIP if available else EXACT_ONLY_TIP)
-        self.int8_prompt.setChecked(int8_prompt)
-        self.int8_prompt.setEnabled(native_on and available)
+        self.int8_inputs.setChecked(int8_inputs)
+        self.int8_inputs.setEnabled(native_on and available)
 
     def _show_variant(self, kernels: str, note: str) -> None:
         """Which build of the native kernels the engine runs (the instruction-set variant), and in the

@@ -43,11 +43,13 @@ def add_model_args(parser: argparse.ArgumentParser) -> None:
                         "Llama-style attention in three calls; a whole Qwen3-MoE, Qwen2-MoE, OLMoE or Mixtral token in one call when "
                         "every expert is resident): the same arithmetic summed in another order, so not bit-identical "
                         "(bench.decode_pair counts the greedy tokens that still match)")
-    parser.add_argument("--int8-prompt", action="store_true", default=LOAD["int8_prompt"],
-                        help="lossy, opt-in: at prefill, 4-bit (Q4_K) experts and dense layers take their input rows rounded to 8 bits "
-                        "(one scale per 256 values, as llama.cpp does) and multiply them in integers: faster prompts, "
-                        "slightly different answers (docs/performance.md measures the cost); set aside beside AMX tiles, "
-                        "where prompts run faster without it")
+    # --int8-prompt: its name while it applied to prompts alone, kept so old scripts still run
+    parser.add_argument("--int8-inputs", "--int8-prompt", dest="int8_inputs", action="store_true",
+                        default=LOAD["int8_inputs"],
+                        help="lossy, opt-in: 4-bit and other K-quant weights (Q4_K, Q6_K, ...) multiply their inputs "
+                        "rounded to 8 bits (one scale per 256 values, llama.cpp's precision) in integers, in prompts "
+                        "and decode alike: faster on most CPUs, slightly different answers (docs/performance.md "
+                        "measures the cost); a prompt beside AMX tiles keeps its exact inputs, which run faster there")
     parser.add_argument("--fast-decode", action=_Deprecated, nargs=0, help=argparse.SUPPRESS)
     parser.add_argument("--no-pack-weights", dest="pack_weights", action="store_false", default=LOAD["pack_weights"],
                         help="CPU bf16/fp16: keep expert matrices in the plain layout instead of pre-arranging them for "

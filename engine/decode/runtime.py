@@ -185,7 +185,7 @@ class MoERuntime:
         self.decode_path_reason = ""  # why the next faster path did not run it
         self.prefill_chunk_tokens = PREFILL_CHUNK_TOKENS  # a prompt's tokens per forward (engine.decode.sequence)
         self.set_fast_decode(self.settings.fast_decode)
-        self.int8_prompt = self.settings.int8_prompt
+        self.int8_inputs = self.settings.int8_inputs
         if native_first:
             native.load()  # at load: the first tokens should not run on the slower kernels
 
@@ -415,13 +415,13 @@ class MoERuntime:
         return self.decode_settings.fast_decode
 
     @property
-    def int8_prompt(self) -> bool:
-        """The opt-in, lossy 8-bit prompt inputs asked for (live: the System panel's switch)."""
-        return self.decode_settings.int8_prompt
+    def int8_inputs(self) -> bool:
+        """The opt-in, lossy 8-bit inputs asked for (live: the System panel's switch)."""
+        return self.decode_settings.int8_inputs
 
-    @int8_prompt.setter
-    def int8_prompt(self, enabled: bool) -> None:
-        self.decode_settings.int8_prompt = enabled
+    @int8_inputs.setter
+    def int8_inputs(self, enabled: bool) -> None:
+        self.decode_settings.int8_inputs = enabled
 
     @property
     def fast_decode_on(self) -> bool:

@@ -84,8 +84,8 @@ class EngineClient:
             self.last_load = replace(self.last_load, policy=command.policy)
         elif isinstance(command, p.SetFastDecode):
             self.last_load = replace(self.last_load, fast_decode=command.enabled)
-        elif isinstance(command, p.SetInt8Prompt):
-            self.last_load = replace(self.last_load, int8_prompt=command.enabled)
+        elif isinstance(command, p.SetInt8Inputs):
+            self.last_load = replace(self.last_load, int8_inputs=command.enabled)
 
     def restart(self, reload: bool = True) -> None:
         self._shutdown(graceful=False)

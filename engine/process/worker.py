@@ -115,12 +115,12 @@ class Worker:
                 raise MoEScopeError(str(exc)) from None
             name, _ = parse_policy(command.policy)  # "promoe:k=3" -> "promoe"
             self.send(p.PolicyChanged(command.policy, POLICIES[name].lossless))
-        elif isinstance(command, (p.SetFastDecode, p.SetInt8Prompt)):
+        elif isinstance(command, (p.SetFastDecode, p.SetInt8Inputs)):
             if isinstance(command, p.SetFastDecode):
                 runtime.set_fast_decode(command.enabled)
             else:
-                runtime.int8_prompt = command.enabled
-            self.send(p.FastDecodeChanged(runtime.fast_decode_on, runtime.fast_decode_available, runtime.int8_prompt))
+                runtime.int8_inputs = command.enabled
+            self.send(p.FastDecodeChanged(runtime.fast_decode_on, runtime.fast_decode_available, runtime.int8_inputs))
         self._snapshot(force=True)  # the panels show the change at once, even mid-reply
 
     def _require_model(self):
@@ -159,7 +159,7 @@ class Worker:
             policies=[p.PolicyInfo(name, cls.lossless, cls.description) for name, cls in POLICIES.items()],
             load_seconds=runtime.load_seconds, budget_note=runtime.plan.note,
             fast_decode=runtime.fast_decode_on, fast_decode_available=runtime.fast_decode_available,
-            int8_prompt=runtime.int8_prompt,
+            int8_inputs=runtime.int8_inputs,
             kernels=native_kernels.summary(), kernels_note=native_kernels.passed_over_text(),
             expert_format=runtime.format_names[0], dense_format=runtime.format_names[1],
             overhead_bytes=runtime.overhead.total_bytes, baseline_rss_bytes=runtime.overhead.baseline_bytes,
@@ -311,7 +311,7 @@ class Worker:
             if isinstance(command, p.Cancel):
                 cancelled.add(command.request_id)
                 self._drop_queued(command.request_id)
-            elif isinstance(command, (p.SetBudget, p.SetPolicy, p.SetFastDecode, p.SetInt8Prompt, p.SetTelemetry)):
+            elif isinstance(command, (p.SetBudget, p.SetPolicy, p.SetFastDecode, p.SetInt8Inputs, p.SetTelemetry)):
                 try:
                     self._apply_live(command)
                 except Exception as exc:

@@ -140,7 +140,7 @@ class RemoteClient:
                 replies = [r for rid, r in self._running.items() if command.request_id in (None, rid)]
             for reply in replies:
                 reply.cancel()
-        elif isinstance(command, (p.SetBudget, p.SetPolicy, p.SetFastDecode, p.SetInt8Prompt)):
+        elif isinstance(command, (p.SetBudget, p.SetPolicy, p.SetFastDecode, p.SetInt8Inputs)):
             self.on_event(p.Error("remote", "the budget, policy and kernels are MoEScope's own engine's; they do "
                                   "not apply to a remote server", True))
         elif isinstance(command, p.LIBRARY_COMMANDS):

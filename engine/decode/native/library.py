@@ -26,7 +26,7 @@ from engine.formats.blocks import FORMATS, FP8, BlockFormat
 LIB_DIR = Path(__file__).with_name("lib")
 SOURCE_DIR = Path(__file__).with_name("src")
 VARIANT_ENV = "MOESCOPE_KERNEL_VARIANT"  # runs this variant instead of the best one (A/B runs, tests)
-ABI_VERSION = 4
+ABI_VERSION = 5
 
 
 class KernelError(RuntimeError):
@@ -166,6 +166,7 @@ _SIGNATURES: dict[str, tuple] = {
     "moescope_bf16_dot_products": (c_int, []),
     "moescope_set_threads": (None, [c_int]),
     "moescope_set_integer_dots": (None, [c_int]),
+    "moescope_set_int8_inputs": (None, [c_int]),
     "moescope_set_amx": (None, [c_int]),
     "moescope_amx": (c_int, []),
     "moescope_format_traits": (c_int, [c_int32, POINTER(c_int64), POINTER(c_int64)]),
@@ -318,6 +319,12 @@ class Kernels:
             self._threads = threads
         if getattr(self.lib, name)(*args) != 0:
             raise KernelError(self.lib.moescope_last_error().decode())
+
+    def use_int8_inputs(self, on: bool) -> None:
+        """The integer dots of K-quant matrices take their inputs rounded to 8 bits (opt-in, lossy:
+        --int8-inputs) or at 16 bits. A setting of the loaded library, shared by every Kernels of it
+        (so not cached here): every native path sets it before it runs, from its model's live setting."""
+        self.lib.moescope_set_int8_inputs(int(on))
 
     def code_path(self) -> str:
         """Which code paths this variant compiled (avx2, avx512-bf16-vnni-amx, neon-dotprod, ...)."""

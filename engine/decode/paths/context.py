@@ -16,7 +16,7 @@ class DecodeSettings:
     """Live: the runtime changes them between tokens; the paths read them at every step."""
 
     fast_decode: bool = False  # the native paths asked for (off: --exact, the System panel's Exact switch)
-    int8_prompt: bool = False  # opt-in, lossy: 8-bit prompt inputs to Q4_K matrices (the System panel's switch)
+    int8_inputs: bool = False  # opt-in, lossy: 8-bit inputs to K-quant matrices, prompt and decode (the System panel's switch)
     routing_restricted: bool = False  # a lossy policy rewrites the routers' choices, layer by layer
 
 

@@ -39,6 +39,13 @@ from engine.decode.paths.packed_prompts import packable, packed_forward, packs, 
 from engine.decode.paths.transformers_path import model_forward
 from engine.offload.expert_compute import PromptKernels
 
+# what a native path's label adds while the opt-in 8-bit inputs are on (the System panel shows it)
+INT8_LABEL = ", 8-bit inputs to K-quant matrices (lossy)"
+
+
+def int8_label(context: DecodeContext) -> str:
+    return INT8_LABEL if context.settings.int8_inputs else ""
+
 
 def kernels_problem(context: DecodeContext) -> str | None:
     """Why the native kernels cannot run for this model now (every native path asks); None when they can."""
@@ -82,9 +89,9 @@ class NativePromptPath(DecodePath):
     @property
     def label(self) -> str:
         tiles = self._tiles()
-        asked = self.context.settings.int8_prompt
+        asked = self.context.settings.int8_inputs
         if asked and not tiles:
-            return "fast: prompt's experts and linears on the native kernels, 8-bit inputs to 4-bit matrices (lossy)"
+            return f"fast: prompt's experts and linears on the native kernels{INT8_LABEL}"
         unused = "; 8-bit inputs not used: the tiles are faster" if asked else ""
         return f"fast: prompt's experts and linears on the native kernels{' (AMX tiles)' if tiles else ''}{unused}"
 
@@ -94,10 +101,10 @@ class NativePromptPath(DecodePath):
         return kernels is not None and kernels.amx()
 
     def _int8(self) -> bool:
-        """The lossy 8-bit prompt inputs, where asked for and they pay: not beside AMX tiles, whose bf16
+        """The lossy 8-bit inputs for a prompt, where asked for and they pay: not beside AMX tiles, whose bf16
         products are the faster there (docs/performance-history.md, "AMX tiles for prompts"), so the
         request is set aside there and the path's label says so."""
-        return self.context.settings.int8_prompt and not self._tiles()
+        return self.context.settings.int8_inputs and not self._tiles()
 
     def unavailable(self, step: Step) -> str | None:
         if not step.prefill:
@@ -130,6 +137,7 @@ class NativePromptPath(DecodePath):
         kernels = native.ready()
         switch = self.native_layers.switch  # installed when fast decode was turned on
         int8 = self._int8()
+        kernels.use_int8_inputs(int8)
         with self.context.cache.prompt_kernels(PromptKernels(NativePromptExperts(kernels, int8),
                                                              quantized_product(kernels), kernels.combine_rows)), \
                 switch.prompt_rows(int8=int8) if switch is not None else nullcontext():
@@ -139,12 +147,14 @@ class NativePromptPath(DecodePath):
 class NativeLayersPath(DecodePath):
     """The model's forward with its qualifying modules and the experts on the native kernels."""
 
-    label = "fast: native kernels, layer by layer"
-
     def __init__(self, context: DecodeContext) -> None:
         self.context = context
         self._switch: NativeSwitch | None = None
         self._gather: LayerGather | None = None  # made at the first steps run together
+
+    @property
+    def label(self) -> str:
+        return f"fast: native kernels, layer by layer{int8_label(self.context)}"
 
     @property
     def switch(self) -> NativeSwitch | None:
@@ -182,7 +192,9 @@ class NativeLayersPath(DecodePath):
     def _decode_context(self) -> Iterator[None]:
         """The decode settings, and the prompt's native kernels for the many rows of a gathered layer."""
         kernels = native.ready()
-        prompt = PromptKernels(NativePromptExperts(kernels, False), quantized_product(kernels), kernels.combine_rows)
+        int8 = self.context.settings.int8_inputs
+        kernels.use_int8_inputs(int8)
+        prompt = PromptKernels(NativePromptExperts(kernels, int8), quantized_product(kernels), kernels.combine_rows)
         with self._switch.active(), self.context.cache.experts_kernel(NativeExperts(kernels)), \
                 self.context.cache.prompt_kernels(prompt):
             yield

@@ -44,17 +44,19 @@ from engine.decode.native import kernels as native
 from engine.decode.native.library import NativeWholeTokenStep
 from engine.decode.paths.base import DecodePath, Step, Together
 from engine.decode.paths.context import DecodeContext
-from engine.decode.paths.native_layers import native_problem
+from engine.decode.paths.native_layers import int8_label, native_problem
 
 
 class WholeTokenPath(DecodePath):
-    label = "fast: whole token in one native call"
-
     def __init__(self, context: DecodeContext) -> None:
         self.context = context
         self._problem: str | None = None  # why this model has no whole-token step ("" = it has one)
         self._decoder: WholeTokenStep | None = None
         self._windows: list[int | None] = []  # each layer's attention window, if it slides
+
+    @property
+    def label(self) -> str:
+        return f"fast: whole token in one native call{int8_label(self.context)}"
 
     def unavailable(self, step: Step) -> str | None:
         context = self.context
@@ -88,7 +90,7 @@ class WholeTokenPath(DecodePath):
         return None
 
     def run(self, step: Step) -> torch.Tensor:
-        return self.decoder.step_parts([_part(step)])[0]
+        return self._ready_decoder().step_parts([_part(step)])[0]
 
     def can_run_together(self, step: Step) -> bool:
         return True  # a decode token, or a short prompt: rows of one step either way
@@ -96,7 +98,8 @@ class WholeTokenPath(DecodePath):
     def run_together(self, steps: list[Step]) -> Together:
         """The steps in as few native steps as their rows allow (at most `MAX_ROWS` rows each, a
         prompt's rows in one; GPT-OSS's transposed experts one step each)."""
-        decoder, most = self.decoder, 1 if self.decoder.transposed else NativeWholeTokenStep.MAX_ROWS
+        decoder = self._ready_decoder()
+        most = 1 if decoder.transposed else NativeWholeTokenStep.MAX_ROWS
         calls: list[list[Step]] = []
         for step in steps:
             if not calls or sum(s.input_ids.shape[1] for s in calls[-1]) + step.input_ids.shape[1] > most:
@@ -110,6 +113,12 @@ class WholeTokenPath(DecodePath):
         decoding = [p for p in picks if p is not None]
         uses, distinct = picks_and_distinct(np.concatenate(decoding, axis=1)) if decoding else (0, 0)
         return Together(logits, picks, uses, distinct)
+
+    def _ready_decoder(self) -> WholeTokenStep:
+        """The decoder, its kernels set to this model's live input precision."""
+        decoder = self.decoder
+        decoder.kernels.use_int8_inputs(self.context.settings.int8_inputs)
+        return decoder
 
     @property
     def decoder(self) -> WholeTokenStep:

@@ -169,6 +169,8 @@ void moescope_set_threads(int threads) { thread_setting().store(threads < 1 ? 1 
 
 void moescope_set_integer_dots(int on) { integer_dots_enabled() = on != 0; }
 
+void moescope_set_int8_inputs(int on) { int8_inputs_enabled() = on != 0; }
+
 void moescope_set_amx([[maybe_unused]] int on) {
 #if defined(MOESCOPE_AMX)
   amx_wanted() = on != 0;

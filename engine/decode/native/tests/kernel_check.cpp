@@ -7,6 +7,8 @@
 //   - moescope_gemv with the integer dots on and off against sum_i w_i * x_i in double, w_i the
 //     reference's bf16 weights: |ours - ref| <= 0.02 * sum_i |w_i x_i| + 1e-3 per row, and past the
 //     output's bf16 rounding within 1e-4 of sum_i |w_i x_i| (a wrong sub-block or scale breaks it);
+//   - for the K-quants, moescope_gemv with the opt-in 8-bit inputs against the same sum with x
+//     rounded as they round it (per 256 values, levels of max|x| / 127), to the same bounds;
 //   - moescope_dequantize (bf16 and float32) against the reference weights, bit for bit.
 // The reference is formats/blocks.h compiled into this program: build it with -ffp-contract=off,
 // as the libraries are, so that a weight's product and difference round as the reference's do.
@@ -39,6 +41,7 @@ struct Api {
   decltype(&moescope_last_error) last_error = nullptr;
   decltype(&moescope_set_threads) set_threads = nullptr;
   decltype(&moescope_set_integer_dots) set_integer_dots = nullptr;
+  decltype(&moescope_set_int8_inputs) set_int8_inputs = nullptr;
   decltype(&moescope_gemv) gemv = nullptr;
   decltype(&moescope_dequantize) dequantize = nullptr;
 };
@@ -59,7 +62,8 @@ bool load(const char* path, Api& api) {
   bool ok = bind(lib, "moescope_abi_version", api.abi_version) && bind(lib, "moescope_variant", api.variant) &&
             bind(lib, "moescope_code_path", api.code_path) && bind(lib, "moescope_last_error", api.last_error) &&
             bind(lib, "moescope_set_threads", api.set_threads) &&
-            bind(lib, "moescope_set_integer_dots", api.set_integer_dots) && bind(lib, "moescope_gemv", api.gemv) &&
+            bind(lib, "moescope_set_integer_dots", api.set_integer_dots) &&
+            bind(lib, "moescope_set_int8_inputs", api.set_int8_inputs) && bind(lib, "moescope_gemv", api.gemv) &&
             bind(lib, "moescope_dequantize", api.dequantize);
   if (ok && api.abi_version() != MOESCOPE_ABI_VERSION) {
     std::printf("FAIL %s: ABI %d, this check is for %d\n", path, api.abi_version(), MOESCOPE_ABI_VERSION);
@@ -119,6 +123,22 @@ std::vector<bf16> random_x(int64_t cols, Rng& rng) {
   }
   return x;
 }
+
+// x as the 8-bit inputs round it: per 256 values, nearest(x * 127 / max|x|) * max|x| / 127.
+std::vector<double> rounded_to_8_bits(const std::vector<bf16>& x) {
+  std::vector<double> out(x.size());
+  for (size_t begin = 0; begin < x.size(); begin += 256) {
+    const size_t end = std::min(x.size(), begin + 256);
+    float amax = 0.f;
+    for (size_t i = begin; i < end; ++i) amax = std::max(amax, std::fabs(to_float(x[i])));
+    const float inv = amax > 0.f ? 127.f / amax : 0.f;
+    for (size_t i = begin; i < end; ++i)
+      out[i] = std::max(-127.f, std::min(127.f, std::nearbyint(to_float(x[i]) * inv))) * static_cast<double>(amax) / 127.0;
+  }
+  return out;
+}
+
+bool two_plane_dot(int32_t type) { return type == kQ4_K || type == kQ6_K || type == kQ3_K || type == kQ2_K; }
 
 struct Case {
   int32_t type;
@@ -184,8 +204,9 @@ double half_ulp(double v) {
   return v == 0.0 ? 0.0 : std::ldexp(1.0, e - 9);
 }
 
-// One gemv of the case with the library, every row checked.
-void check_gemv(const Api& api, const Case& c, Worst& worst, const char* label) {
+// One gemv of the case with the library, every row checked; against `xs` where given (the input
+// as the library takes it), else x.
+void check_gemv(const Api& api, const Case& c, Worst& worst, const char* label, const std::vector<double>* xs = nullptr) {
   ms_matrix m{c.data.data(), c.type, c.rows, c.cols, c.row_bytes};
   std::vector<bf16> y(c.rows, 0xFFFF);
   if (api.gemv(&m, c.x.data(), ms_vector{nullptr, 0}, y.data()) != 0) {
@@ -197,7 +218,7 @@ void check_gemv(const Api& api, const Case& c, Worst& worst, const char* label) 
   for (int64_t r = 0; r < c.rows; ++r) {
     double ref_b = 0.0, ref_f = 0.0, mag = 0.0;
     for (int64_t i = 0; i < c.cols; ++i) {
-      const double xi = to_float(c.x[i]), wb = to_float(c.ref_bf16[r * c.cols + i]);
+      const double xi = xs != nullptr ? (*xs)[i] : to_float(c.x[i]), wb = to_float(c.ref_bf16[r * c.cols + i]);
       ref_b += wb * xi;
       ref_f += static_cast<double>(c.ref_f32[r * c.cols + i]) * xi;
       mag += std::fabs(wb * xi);
@@ -275,23 +296,32 @@ bool check_library(const char* path) {
   bool ok = true;
   for (int32_t type : types) {
     Rng rng;  // the same cases for every variant
-    Worst on, off;
+    Worst on, off, eight;
     int64_t wrong = 0;
     for (const Shape& shape : shapes_of(type)) {
       const Case c = make_case(type, shape.rows, shape.cols, shape.padded, rng);
       api.set_integer_dots(1);
       check_gemv(api, c, on, "integer dots");
+      if (two_plane_dot(type)) {
+        const std::vector<double> rounded = rounded_to_8_bits(c.x);
+        api.set_int8_inputs(1);
+        check_gemv(api, c, eight, "8-bit inputs", &rounded);
+        api.set_int8_inputs(0);
+      }
       api.set_integer_dots(0);
       check_gemv(api, c, off, "float loops");
       wrong += check_dequantize(api, c);
     }
     api.set_integer_dots(1);
-    const bool pass = !on.failed && !off.failed && wrong == 0;
+    const bool pass = !on.failed && !off.failed && !eight.failed && wrong == 0;
     ok = ok && pass;
+    char eight_text[64] = "";
+    if (two_plane_dot(type))
+      std::snprintf(eight_text, sizeof eight_text, "  8-bit inputs: rel err %.1e, bound use %.3f", eight.rel, eight.brief);
     std::printf("  %-4s %-6s integer dots: rel err %.1e, bound use %.3f  float loops: rel err %.1e, bound use %.3f  "
-                "dequantize: %s\n",
+                "dequantize: %s%s\n",
                 pass ? "ok" : "FAIL", type_name(type), on.rel, on.brief, off.rel, off.brief,
-                wrong == 0 ? "exact" : (std::to_string(wrong) + " values differ").c_str());
+                wrong == 0 ? "exact" : (std::to_string(wrong) + " values differ").c_str(), eight_text);
   }
   std::printf("%s %s\n", ok ? "PASS" : "FAIL", variant.c_str());
   return ok;

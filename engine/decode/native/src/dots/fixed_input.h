@@ -34,6 +34,7 @@ namespace moescope {
 // sum of the fixed-point values (for the mins and level offsets). The planes are interleaved per 32
 // elements (32 hi bytes, then their 32 lo bytes): one 64-byte load gives both planes of a group.
 struct FixedInput {
+  bool eight_bit = false;       // the lo plane is zero: x rounded to 8 bits (opt-in, lossy)
   std::vector<int8_t> planes;
   std::vector<float> scale;     // per chunk: x ~= scale * (255 * hi + lo)
   std::vector<int32_t> sum16;   // per 16 elements: sum of (255 * hi + lo)
@@ -46,6 +47,11 @@ struct FixedInput {
   const int8_t* lo_at(int64_t i) const { return hi_at(i) + 32; }
   int32_t value(int64_t i) const { return 255 * hi_at(i)[0] + lo_at(i)[0]; }
 
+  static int32_t level8(float value, float inv) {
+    const int32_t v = static_cast<int32_t>(std::nearbyint(value * inv));
+    return std::max(-127, std::min(127, v));
+  }
+
   static int32_t fixed(float value, float inv) {
     const int32_t v = static_cast<int32_t>(std::nearbyint(value * inv));
     return std::max(-32512, std::min(32512, v));
@@ -53,10 +59,12 @@ struct FixedInput {
 
   // Fixed point of x, reused when this thread's last call had the same x (the gate/up input of
   // every expert of a layer): comparing 2 bytes an element costs far less than converting them.
-  void prepare(const bf16* x, int64_t count) {
-    if (static_cast<int64_t>(source.size()) == count && std::memcmp(source.data(), x, count * sizeof(bf16)) == 0)
+  void prepare(const bf16* x, int64_t count, bool eight_bits = false) {
+    if (eight_bits == eight_bit && static_cast<int64_t>(source.size()) == count &&
+        std::memcmp(source.data(), x, count * sizeof(bf16)) == 0)
       return;
     source.assign(x, x + count);
+    eight_bit = eight_bits;
     const int64_t chunks = (count + 255) / 256;
     planes.assign(2 * ((count + 31) / 32 * 32), 0);
     wide.assign((count + 31) / 32 * 32, 0);
@@ -66,14 +74,17 @@ struct FixedInput {
       const int64_t begin = c * 256, end = std::min(count, begin + 256);
       float amax = 0.f;
       for (int64_t i = begin; i < end; ++i) amax = std::max(amax, std::fabs(to_float(x[i])));
-      const float s = amax > 0.f ? amax / 32512.f : 1.f;
+      // 8 bits: x ~= scale * 255 * level, level = nearest(x * 127 / amax)
+      const float s = amax > 0.f ? amax / (eight_bit ? 127.f * 255.f : 32512.f) : 1.f;
       scale[c] = s;
+      const float inv = eight_bit ? (amax > 0.f ? 127.f / amax : 0.f) : 1.f / s;
       int64_t i = begin;
 #if defined(MOESCOPE_HAS_FIXED_GROUP)
-      for (; i + 32 <= end; i += 32) fixed_group(x + i, 1.f / s, planes.data() + 2 * i, wide.data() + i, sum16.data() + i / 16);
+      for (; i + 32 <= end; i += 32)
+        fixed_group(x + i, inv, eight_bit, planes.data() + 2 * i, wide.data() + i, sum16.data() + i / 16);
 #endif
       for (; i < end; ++i) {
-        const int32_t v = fixed(to_float(x[i]), 1.f / s);
+        const int32_t v = eight_bit ? 255 * level8(to_float(x[i]), inv) : fixed(to_float(x[i]), inv);
         const int32_t high = (v + (v >= 0 ? 127 : -127)) / 255;  // nearest: |v - 255 * high| <= 127
         planes[2 * i - i % 32] = static_cast<int8_t>(high);
         planes[2 * i - i % 32 + 32] = static_cast<int8_t>(v - 255 * high);

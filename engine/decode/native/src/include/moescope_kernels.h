@@ -20,7 +20,7 @@ extern "C" {
 #define MOESCOPE_API __attribute__((visibility("default")))
 #endif
 
-#define MOESCOPE_ABI_VERSION 4
+#define MOESCOPE_ABI_VERSION 5
 
 /* A weight matrix [rows, cols]: bf16 rows (type 0), or rows of blocks of a GGML type (type = its
  * gguf.GGMLQuantizationType id; 200: MoEScope's FP8 row blocks) with `cols` logical columns. */
@@ -62,6 +62,8 @@ MOESCOPE_API const char* moescope_code_path(void);
 MOESCOPE_API int moescope_bf16_dot_products(void);
 MOESCOPE_API void moescope_set_threads(int threads);
 MOESCOPE_API void moescope_set_integer_dots(int on);  /* tests and A/B measurements */
+/* The integer dots' inputs rounded to 8 bits (opt-in, lossy) or kept at 16 (default). */
+MOESCOPE_API void moescope_set_int8_inputs(int on);
 MOESCOPE_API void moescope_set_amx(int on);           /* tests and A/B measurements */
 MOESCOPE_API int moescope_amx(void);
 /* A block type's elements and bytes per block; -1 for bf16 and unknown ids. */

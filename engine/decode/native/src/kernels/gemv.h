@@ -25,6 +25,17 @@ inline bool& integer_dots_enabled() {
   return enabled;
 }
 
+// Whether the K-quants' integer dots take their input rounded to 8 bits (opt-in, lossy:
+// --int8-inputs; the native paths set it from their live setting before they run,
+// moescope_set_int8_inputs). The other types' dots take one 16-bit product per weight either way,
+// so rounding their inputs would cost accuracy and save nothing.
+inline bool& int8_inputs_enabled() {
+  static bool enabled = false;
+  return enabled;
+}
+
+inline bool int8_inputs_for(int32_t type) { return int8_inputs_enabled() && has_two_plane_dot(type); }
+
 // out[n - first] = W[n, :] . x for rows [begin, end).
 inline void gemv_into_rows(const Matrix& m, const bf16* x, int64_t begin, int64_t end, float* out, int64_t first) {
   if (m.type == kBF16) {
@@ -35,7 +46,7 @@ inline void gemv_into_rows(const Matrix& m, const bf16* x, int64_t begin, int64_
   }
   if (has_integer_dot(m.type) && integer_dots_enabled()) {
     thread_local FixedInput fixed;
-    fixed.prepare(x, m.cols);
+    fixed.prepare(x, m.cols, int8_inputs_for(m.type));
     for (int64_t n = begin; n < end; ++n) out[n - first] = idot_row(m, n, fixed);
     return;
   }
@@ -56,7 +67,7 @@ inline void gemv_many_into_rows(const Matrix& m, const bf16* const* xs, int64_t 
     if (static_cast<int64_t>(fixed.size()) < count) fixed.resize(count);
     std::array<const FixedInput*, 16> inputs{};
     std::array<float, 16> sums{};
-    for (int64_t i = 0; i < count; ++i) fixed[i].prepare(xs[i], m.cols);
+    for (int64_t i = 0; i < count; ++i) fixed[i].prepare(xs[i], m.cols, int8_inputs_for(m.type));
     for (int64_t at = 0; at < count; at += 16) {
       const int64_t n = std::min<int64_t>(16, count - at);
       for (int64_t i = 0; i < n; ++i) inputs[i] = &fixed[at + i];

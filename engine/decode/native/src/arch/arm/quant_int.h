@@ -87,8 +87,20 @@ inline float idot_mxfp4(const uint8_t* row, int64_t blocks, const FixedInput& in
   return total;
 }
 
+// 255 * hi + lo of the two planes' sums, as floats (a product and a sum, rounded apart): with no lo
+// plane (an 8-bit input), the product alone, which is what the sum leaves when lo is zero.
+template <bool kLo>
+inline float32x4_t join_planes(int32x4_t acc_hi, int32x4_t acc_lo) {
+  if constexpr (kLo)
+    return vmlaq_n_f32(vcvtq_f32_s32(acc_lo), vcvtq_f32_s32(acc_hi), 255.f);
+  else
+    return vmulq_n_f32(vcvtq_f32_s32(acc_hi), 255.f);
+}
+
 // Q4_K: levels 0..15 with a 6-bit scale and a 6-bit min per 32 weights. Each plane's scaled sum
 // over a block stays in int32 (256 * 15 * 127 * 63); 255 * hi would not, so they join in float.
+// kLo: the input has a lo plane (without one, an 8-bit input, its products are skipped).
+template <bool kLo>
 inline float idot_q4_k(const uint8_t* row, int64_t blocks, const FixedInput& in) {
   const uint8x16_t nibble = vdupq_n_u8(0x0F);
   const int8_t* planes = in.planes.data();
@@ -117,20 +129,20 @@ inline float idot_q4_k(const uint8_t* row, int64_t blocks, const FixedInput& in)
       const int8x16_t high0 = vreinterpretq_s8_u8(vshrq_n_u8(bytes0, 4));
       const int8x16_t high1 = vreinterpretq_s8_u8(vshrq_n_u8(bytes1, 4));
       acc_hi = vmlaq_n_s32(acc_hi, dot32(low0, low1, x), sc[2 * c]);
-      acc_lo = vmlaq_n_s32(acc_lo, dot32(low0, low1, x + 32), sc[2 * c]);
+      if constexpr (kLo) acc_lo = vmlaq_n_s32(acc_lo, dot32(low0, low1, x + 32), sc[2 * c]);
       acc_hi = vmlaq_n_s32(acc_hi, dot32(high0, high1, x + 64), sc[2 * c + 1]);
-      acc_lo = vmlaq_n_s32(acc_lo, dot32(high0, high1, x + 96), sc[2 * c + 1]);
+      if constexpr (kLo) acc_lo = vmlaq_n_s32(acc_lo, dot32(high0, high1, x + 96), sc[2 * c + 1]);
     }
     const float s = chunk_scale[blk];
-    const float32x4_t total = vmlaq_n_f32(vcvtq_f32_s32(acc_lo), vcvtq_f32_s32(acc_hi), 255.f);
-    acc = vfmaq_n_f32(acc, total, half_to_float(b) * s);
+    acc = vfmaq_n_f32(acc, join_planes<kLo>(acc_hi, acc_lo), half_to_float(b) * s);
     mins_total += half_to_float(b + 2) * s * mins;
   }
   return vaddvq_f32(acc) - mins_total;
 }
 
 // Q6_K: levels 0..63 (4 low bits + 2 high bits) minus 32, a signed 8-bit scale per 16 weights.
-// Each plane's scaled sum over a block stays in int32 (256 * 32 * 127 * 128).
+// Each plane's scaled sum over a block stays in int32 (256 * 32 * 127 * 128). kLo as Q4_K's.
+template <bool kLo>
 inline float idot_q6_k(const uint8_t* row, int64_t blocks, const FixedInput& in) {
   const uint8x16_t nibble = vdupq_n_u8(0x0F), two = vdupq_n_u8(3);
   const int8x16_t offset = vdupq_n_s8(32);
@@ -155,11 +167,10 @@ inline float idot_q6_k(const uint8_t* row, int64_t blocks, const FixedInput& in)
         const int8x16_t levels = vsubq_s8(vreinterpretq_s8_u8(vorrq_u8(low, vshlq_n_u8(high, 4))), offset);
         const int32_t scale = scales[2 * g + part];
         acc_hi = vmlaq_n_s32(acc_hi, dot16(vdupq_n_s32(0), levels, vld1q_s8(x + 16 * part)), scale);
-        acc_lo = vmlaq_n_s32(acc_lo, dot16(vdupq_n_s32(0), levels, vld1q_s8(x + 32 + 16 * part)), scale);
+        if constexpr (kLo) acc_lo = vmlaq_n_s32(acc_lo, dot16(vdupq_n_s32(0), levels, vld1q_s8(x + 32 + 16 * part)), scale);
       }
     }
-    const float32x4_t total = vmlaq_n_f32(vcvtq_f32_s32(acc_lo), vcvtq_f32_s32(acc_hi), 255.f);
-    acc = vfmaq_n_f32(acc, total, half_to_float(b + 208) * chunk_scale[blk]);
+    acc = vfmaq_n_f32(acc, join_planes<kLo>(acc_hi, acc_lo), half_to_float(b + 208) * chunk_scale[blk]);
   }
   return vaddvq_f32(acc);
 }
@@ -171,8 +182,8 @@ inline float idot_row(const Matrix& m, int64_t r, const FixedInput& in) {
   const int64_t blocks = m.cols / block_elements(m.type);
   switch (m.type) {
     case kQ8_0: return idot_q8_0(row, blocks, in);
-    case kQ4_K: return idot_q4_k(row, blocks, in);
-    case kQ6_K: return idot_q6_k(row, blocks, in);
+    case kQ4_K: return in.eight_bit ? idot_q4_k<false>(row, blocks, in) : idot_q4_k<true>(row, blocks, in);
+    case kQ6_K: return in.eight_bit ? idot_q6_k<false>(row, blocks, in) : idot_q6_k<true>(row, blocks, in);
     case kMXFP4: return idot_mxfp4(row, blocks, in);
     default: return idot_row_generic(m, r, in);
   }

@@ -15,14 +15,23 @@ namespace moescope {
 // Values x[0..31] scaled by `inv`: both int8 planes (32 hi then 32 lo bytes at `planes`), the int16
 // values (`wide`) and the two sums of 16 (`sum16`). cvtps rounds to nearest even as nearbyint does;
 // v / 255 is never a half (255 is odd), so the float quotient rounds to the same `high` as the
-// integer formula of the scalar path.
-inline void fixed_group(const bf16* x, float inv, int8_t* planes, int16_t* wide, int32_t* sum16) {
+// integer formula of the scalar path. `eight_bit`: x * inv rounded to a level in [-127, 127], the hi
+// plane; the lo plane is zero and v = 255 * level.
+inline void fixed_group(const bf16* x, float inv, bool eight_bit, int8_t* planes, int16_t* wide, int32_t* sum16) {
   __m256i high[4], low[4], v[4];
+  const int32_t bound = eight_bit ? 127 : 32512;
   for (int part = 0; part < 4; ++part) {
     const __m256 values = _mm256_castsi256_ps(_mm256_slli_epi32(
         _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(x + 8 * part))), 16));
-    v[part] = _mm256_min_epi32(_mm256_set1_epi32(32512), _mm256_max_epi32(_mm256_set1_epi32(-32512),
-                  _mm256_cvtps_epi32(_mm256_mul_ps(values, _mm256_set1_ps(inv)))));
+    const __m256i rounded = _mm256_min_epi32(_mm256_set1_epi32(bound), _mm256_max_epi32(_mm256_set1_epi32(-bound),
+                                _mm256_cvtps_epi32(_mm256_mul_ps(values, _mm256_set1_ps(inv)))));
+    if (eight_bit) {
+      high[part] = rounded;
+      low[part] = _mm256_setzero_si256();
+      v[part] = _mm256_mullo_epi32(rounded, _mm256_set1_epi32(255));
+      continue;
+    }
+    v[part] = rounded;
     high[part] = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_cvtepi32_ps(v[part]), _mm256_set1_ps(1.f / 255.f)));
     low[part] = _mm256_sub_epi32(v[part], _mm256_mullo_epi32(high[part], _mm256_set1_epi32(255)));
   }

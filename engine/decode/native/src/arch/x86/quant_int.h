@@ -54,11 +54,23 @@ inline __m256i madd_wide(__m256i first, __m256i second, const int16_t* x) {
 }
 
 // levels (u8) times both planes of x (s8), pairs summed to int16 then weighted by `scale` (int16)
-// into the int32 accumulators of each plane.
+// into the int32 accumulators of each plane; without kLo (an 8-bit input, whose lo plane is zero)
+// the hi plane's alone.
+template <bool kLo = true>
 inline void madd_planes(__m256i levels, const int8_t* xh, const int8_t* xl, __m256i scale, __m256i& acc_hi,
                         __m256i& acc_lo) {
   acc_hi = madd_acc(acc_hi, _mm256_maddubs_epi16(levels, load32(xh)), scale);
-  acc_lo = madd_acc(acc_lo, _mm256_maddubs_epi16(levels, load32(xl)), scale);
+  if constexpr (kLo) acc_lo = madd_acc(acc_lo, _mm256_maddubs_epi16(levels, load32(xl)), scale);
+}
+
+// 255 * hi + lo of the two planes' sums, as floats: with no lo plane, 255 * hi rounded once, the
+// value the two-plane form gives when lo is zero.
+template <bool kLo>
+inline __m256 join_planes(__m256i acc_hi, __m256i acc_lo) {
+  if constexpr (kLo)
+    return _mm256_fmadd_ps(_mm256_cvtepi32_ps(acc_hi), _mm256_set1_ps(255.f), _mm256_cvtepi32_ps(acc_lo));
+  else
+    return _mm256_mul_ps(_mm256_cvtepi32_ps(acc_hi), _mm256_set1_ps(255.f));
 }
 
 // Shuffles that put int16 word 2p of a 128-bit lane in the low lane and word 2p + 1 in the high one:
@@ -94,45 +106,13 @@ inline int32_t weighted_sums16(__m256i weights16, const int32_t* sums) {
 // Q4_K in 256-bit lanes on every x86 build: an AVX-512 version (the levels broadcast to both halves
 // of a 512-bit register to meet both planes in one load) ran slower on a double-pumped AVX-512 CPU
 // (bench.quant_gemv), its cross-lane broadcasts and 512-bit shuffles costing more than they saved.
-template <bool kIntel>
-inline float idot_q4_k(const uint8_t* row, int64_t blocks, const FixedInput& in) {
-  const __m256i nibble = _mm256_set1_epi8(0x0F);
-  // shuffles that broadcast int16 scale j (bytes 2j, 2j + 1) to every lane
-  __m256i pick[8];
-  for (int j = 0; j < 8; ++j) pick[j] = _mm256_set1_epi16(static_cast<int16_t>((2 * j) | ((2 * j + 1) << 8)));
-  __m256 acc = _mm256_setzero_ps(), acc_min = acc;
-  for (int64_t blk = 0; blk < blocks; ++blk) {
-    const uint8_t* b = row + blk * 144;
-    prefetch_block<kIntel>(b, 144);
-    const __m256i scales_mins = _mm256_cvtepu8_epi16(q4_k_scales_mins(b + 4));  // 8 scales, then 8 mins
-    const __m256i scales = _mm256_permute2x128_si256(scales_mins, scales_mins, 0x00);
-    __m256i acc_hi = _mm256_setzero_si256(), acc_lo = acc_hi;
-    for (int c = 0; c < 4; ++c) {  // 64 weights: low nibbles are sub-block 2c, high ones 2c + 1
-      const __m256i bytes = load32(b + 16 + 32 * c);
-      const int64_t at = blk * 256 + 64 * c;
-      madd_planes(_mm256_and_si256(bytes, nibble), in.hi_at(at), in.lo_at(at),
-                  _mm256_shuffle_epi8(scales, pick[2 * c]), acc_hi, acc_lo);
-      madd_planes(_mm256_and_si256(_mm256_srli_epi16(bytes, 4), nibble), in.hi_at(at + 32), in.lo_at(at + 32),
-                  _mm256_shuffle_epi8(scales, pick[2 * c + 1]), acc_hi, acc_lo);
-    }
-    // d and dmin (two halves) converted together, times the input chunk's scale
-    int32_t halves;
-    std::memcpy(&halves, b, 4);
-    const __m128 d = _mm_mul_ps(_mm_cvtph_ps(_mm_cvtsi32_si128(halves)), _mm_set1_ps(in.scale[blk]));
-    const __m256 total = _mm256_fmadd_ps(_mm256_cvtepi32_ps(acc_hi), _mm256_set1_ps(255.f), _mm256_cvtepi32_ps(acc_lo));
-    acc = _mm256_fmadd_ps(total, _mm256_broadcastss_ps(d), acc);
-    const __m256 mins = _mm256_cvtepi32_ps(_mm256_cvtepu16_epi32(_mm256_extracti128_si256(scales_mins, 1)));
-    acc_min = _mm256_fmadd_ps(_mm256_mul_ps(mins, _mm256_loadu_ps(in.sum32.data() + blk * 8)),
-                              _mm256_broadcastss_ps(_mm_movehdup_ps(d)), acc_min);
-  }
-  return hsum_ps(_mm256_sub_ps(acc, acc_min));
-}
-
-// idot_q4_k for N inputs at once (replies decoding together, kernels/gemv.h): a block's scales, mins
-// and nibbles are unpacked once for all of them, then each input's products summed as idot_q4_k sums
-// them (integer sums, then the same float operations in the same order), so each result is
-// idot_q4_k's to the bit. Each input costs its products alone.
-template <bool kIntel, int N>
+//
+// N inputs at once (replies decoding together, kernels/gemv.h; one input is N = 1, idot_q4_q6_k):
+// a block's scales, mins and nibbles are unpacked once for all of them, then each input's products
+// summed in the same order as alone (integer sums, then the same float operations), so each result
+// is its one-input dot's to the bit. Each input costs its products alone. kLo: the inputs have a lo
+// plane (they are not 8-bit).
+template <bool kIntel, int N, bool kLo>
 inline void idot_q4_k_many(const uint8_t* row, int64_t blocks, const FixedInput* const* in, float* out) {
   const __m256i nibble = _mm256_set1_epi8(0x0F);
   __m256i pick[8];
@@ -161,8 +141,8 @@ inline void idot_q4_k_many(const uint8_t* row, int64_t blocks, const FixedInput*
       const int64_t at = 2 * (blk * 256 + 64 * c);  // FixedInput::hi_at of the group's first element
       for (int i = 0; i < N; ++i) {
         const int8_t* x = planes[i] + at;
-        madd_planes(low, x, x + 32, low_scale, acc_hi[i], acc_lo[i]);
-        madd_planes(high, x + 64, x + 96, high_scale, acc_hi[i], acc_lo[i]);
+        madd_planes<kLo>(low, x, x + 32, low_scale, acc_hi[i], acc_lo[i]);
+        madd_planes<kLo>(high, x + 64, x + 96, high_scale, acc_hi[i], acc_lo[i]);
       }
     }
     int32_t halves;
@@ -171,9 +151,7 @@ inline void idot_q4_k_many(const uint8_t* row, int64_t blocks, const FixedInput*
     const __m256 mins = _mm256_cvtepi32_ps(_mm256_cvtepu16_epi32(_mm256_extracti128_si256(scales_mins, 1)));
     for (int i = 0; i < N; ++i) {
       const __m128 d = _mm_mul_ps(d_dmin, _mm_set1_ps(chunk_scale[i][blk]));
-      const __m256 total = _mm256_fmadd_ps(_mm256_cvtepi32_ps(acc_hi[i]), _mm256_set1_ps(255.f),
-                                           _mm256_cvtepi32_ps(acc_lo[i]));
-      acc[i] = _mm256_fmadd_ps(total, _mm256_broadcastss_ps(d), acc[i]);
+      acc[i] = _mm256_fmadd_ps(join_planes<kLo>(acc_hi[i], acc_lo[i]), _mm256_broadcastss_ps(d), acc[i]);
       acc_min[i] = _mm256_fmadd_ps(_mm256_mul_ps(mins, _mm256_loadu_ps(sum32[i] + blk * 8)),
                                    _mm256_broadcastss_ps(_mm_movehdup_ps(d)), acc_min[i]);
     }
@@ -254,9 +232,9 @@ inline float idot_mxfp4(const uint8_t* row, int64_t blocks, const FixedInput& in
 // Q6_K: levels 0..63 (stored as 4 low bits + 2 high bits), minus 32, times a signed 8-bit scale
 // per 16 weights. The products use the unsigned levels; 32 * scale * sum(x) comes off per sub-block.
 //
-// Q6_K for N inputs at once (idot_q6_k is N = 1), as idot_q4_k_many is for Q4_K: a block's levels
+// Q6_K for N inputs at once (one input is N = 1), as idot_q4_k_many is for Q4_K: a block's levels
 // and scales are unpacked once, each input's sums made in the same order as alone.
-template <bool kIntel, int N>
+template <bool kIntel, int N, bool kLo>
 inline void idot_q6_k_many(const uint8_t* row, int64_t blocks, const FixedInput* const* in, float* out) {
   const PairPicks picks;
   __m256 acc[N];
@@ -277,14 +255,16 @@ inline void idot_q6_k_many(const uint8_t* row, int64_t blocks, const FixedInput*
       const __m256i levels = q6_k_group_levels(b, g);
       const __m256i scale = picks.of(by_lane, g / 4, g % 4);
       const int64_t at = blk * 256 + 32 * g;
-      for (int i = 0; i < N; ++i) madd_planes(levels, in[i]->hi_at(at), in[i]->lo_at(at), scale, acc_hi[i], acc_lo[i]);
+      for (int i = 0; i < N; ++i) madd_planes<kLo>(levels, in[i]->hi_at(at), in[i]->lo_at(at), scale, acc_hi[i], acc_lo[i]);
     }
     const float block_d = half_to_float(b + 208);
     for (int i = 0; i < N; ++i) {
       const int32_t offset = weighted_sums16(all, in[i]->sum16.data() + blk * 16);
       const float d = block_d * in[i]->scale[blk];
-      const __m256 total = _mm256_add_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(acc_hi[i]), _mm256_set1_ps(255.f)),
-                                         _mm256_cvtepi32_ps(acc_lo[i]));
+      // 255 * hi + lo rounded twice (a product, then a sum), as this kernel always has: with lo zero,
+      // the sum leaves the product as it is
+      const __m256 hi = _mm256_mul_ps(_mm256_cvtepi32_ps(acc_hi[i]), _mm256_set1_ps(255.f));
+      const __m256 total = kLo ? _mm256_add_ps(hi, _mm256_cvtepi32_ps(acc_lo[i])) : hi;
       acc[i] = _mm256_add_ps(acc[i], _mm256_mul_ps(total, _mm256_set1_ps(d)));
       offsets[i] += d * 32.f * static_cast<float>(offset);
     }
@@ -292,11 +272,21 @@ inline void idot_q6_k_many(const uint8_t* row, int64_t blocks, const FixedInput*
   for (int i = 0; i < N; ++i) out[i] = hsum_ps(acc[i]) - offsets[i];
 }
 
+// Q4_K or Q6_K (`type`) for N inputs at once, one 8-bit setting for them all; N = 1 is the one-input dot.
+template <bool kIntel, int N>
+inline void idot_many(int32_t type, const uint8_t* row, int64_t blocks, const FixedInput* const* in, float* out) {
+  const bool lo = !in[0]->eight_bit;  // one setting for every input of a call
+  if (type == kQ4_K)
+    lo ? idot_q4_k_many<kIntel, N, true>(row, blocks, in, out) : idot_q4_k_many<kIntel, N, false>(row, blocks, in, out);
+  else
+    lo ? idot_q6_k_many<kIntel, N, true>(row, blocks, in, out) : idot_q6_k_many<kIntel, N, false>(row, blocks, in, out);
+}
+
 template <bool kIntel>
-inline float idot_q6_k(const uint8_t* row, int64_t blocks, const FixedInput& in) {
+inline float idot_q4_q6_k(int32_t type, const uint8_t* row, int64_t blocks, const FixedInput& in) {
   const FixedInput* one = &in;
   float out;
-  idot_q6_k_many<kIntel, 1>(row, blocks, &one, &out);
+  idot_many<kIntel, 1>(type, row, blocks, &one, &out);
   return out;
 }
 
@@ -337,7 +327,7 @@ inline float idot_q4_q5_0(const uint8_t* row, int64_t blocks, const FixedInput& 
 // Q2_K and Q3_K: group g (32 weights) has 2-bit levels at bit 2 * (g % 4) of 32 bytes, Q3_K a
 // third bit from its high-bit mask (level - 4 when that bit is clear); a scale per 16 weights,
 // with Q2_K a min per 16 too. Unsigned levels times x; the mins or the 4s come off per sub-block.
-template <bool kIntel>
+template <bool kIntel, bool kLo>
 inline float idot_q2_q3_k(const uint8_t* row, int64_t blocks, const FixedInput& in, bool three) {
   const __m128i low4 = _mm_set1_epi8(0x0F);
   const PairPicks picks;
@@ -372,13 +362,12 @@ inline float idot_q2_q3_k(const uint8_t* row, int64_t blocks, const FixedInput& 
     split_by_lane(scales, by_lane);
     __m256i acc_hi = _mm256_setzero_si256(), acc_lo = acc_hi;
     for (int g = 0; g < 8; ++g) {
-      madd_planes(q2_q3_k_group_levels(b, g, three), in.hi_at(blk * 256 + 32 * g), in.lo_at(blk * 256 + 32 * g), picks.of(by_lane, g / 4, g % 4),
+      madd_planes<kLo>(q2_q3_k_group_levels(b, g, three), in.hi_at(blk * 256 + 32 * g), in.lo_at(blk * 256 + 32 * g), picks.of(by_lane, g / 4, g % 4),
                   acc_hi, acc_lo);
     }
     const float s = in.scale[blk];
     const float d = half_to_float(b + (three ? 108 : 80)) * s;
-    const __m256 total = _mm256_fmadd_ps(_mm256_cvtepi32_ps(acc_hi), _mm256_set1_ps(255.f), _mm256_cvtepi32_ps(acc_lo));
-    acc = _mm256_fmadd_ps(total, _mm256_set1_ps(d), acc);
+    acc = _mm256_fmadd_ps(join_planes<kLo>(acc_hi, acc_lo), _mm256_set1_ps(d), acc);
     offsets += (three ? d : half_to_float(b + 82) * s) * static_cast<float>(offset);
   }
   return hsum_ps(acc) - offsets;
@@ -391,12 +380,14 @@ inline float idot_row_tuned(const Matrix& m, int64_t r, const FixedInput& in) {
   const uint8_t* row = m.row(r);
   const int64_t blocks = m.cols / block_elements(m.type);
   switch (m.type) {
-    case kQ4_K: return idot_q4_k<kIntel>(row, blocks, in);
-    case kQ6_K: return idot_q6_k<kIntel>(row, blocks, in);
+    case kQ4_K:
+    case kQ6_K: return idot_q4_q6_k<kIntel>(m.type, row, blocks, in);
     case kQ4_0: return idot_q4_q5_0<kIntel>(row, blocks, in, false);
     case kQ5_0: return idot_q4_q5_0<kIntel>(row, blocks, in, true);
-    case kQ3_K: return idot_q2_q3_k<kIntel>(row, blocks, in, true);
-    case kQ2_K: return idot_q2_q3_k<kIntel>(row, blocks, in, false);
+    case kQ3_K: return in.eight_bit ? idot_q2_q3_k<kIntel, false>(row, blocks, in, true)
+                                    : idot_q2_q3_k<kIntel, true>(row, blocks, in, true);
+    case kQ2_K: return in.eight_bit ? idot_q2_q3_k<kIntel, false>(row, blocks, in, false)
+                                    : idot_q2_q3_k<kIntel, true>(row, blocks, in, false);
     case kMXFP4: return idot_mxfp4<kIntel>(row, blocks, in);
     case kQ8_0: return idot_q8_0<kIntel>(row, blocks, in);
     default: return idot_row_generic(m, r, in);
@@ -410,13 +401,6 @@ inline float idot_row(const Matrix& m, int64_t r, const FixedInput& in) {
 // Row r's dot with each of n inputs: Q4_K's and Q6_K's blocks unpacked once for up to four of them
 // (idot_q4_k_many, idot_q6_k_many), the other types one input at a time; each result idot_row's.
 #define MOESCOPE_HAS_IDOT_ROWS 1
-template <bool kIntel, int N>
-inline void idot_many(int32_t type, const uint8_t* row, int64_t blocks, const FixedInput* const* in, float* out) {
-  if (type == kQ4_K)
-    idot_q4_k_many<kIntel, N>(row, blocks, in, out);
-  else
-    idot_q6_k_many<kIntel, N>(row, blocks, in, out);
-}
 
 inline void idot_rows(const Matrix& m, int64_t r, const FixedInput* const* in, int64_t n, float* out) {
   if ((m.type != kQ4_K && m.type != kQ6_K) || n == 1) {
