@@ -1,7 +1,7 @@
 """`python -m bench.quant_gemv`: one quantized matrix times one row, per block format, side by side.
 
 For each format: the native kernels' integer dots (the default, engine/decode/native/quant_int.h),
-their reference-exact float loops (quant.h: every weight dequantized to its bf16 value first), and
+for the K-quants also with the opt-in lossy 8-bit inputs (--int8-inputs), their reference-exact float loops (quant.h: every weight dequantized to its bf16 value first), and
 the same matrix in bf16, interleaved and repeated, medians; in weights/s and against the memory
 read bandwidth measured in the same run (bytes of the format / bandwidth: the limit of a
 one-row product that streams the matrix once). Also the error of each against the float32 product
@@ -22,6 +22,7 @@ from bench.output import RESULTS_DIR, write_report
 from engine.system.process_settings import apply_process_settings
 
 DEFAULT_FORMATS = "q8_0,q6_k,q5_0,q4_k,q4_0,q3_k,q2_k"
+EIGHT_BIT_FORMATS = ("q6_k", "q4_k", "q3_k", "q2_k")  # the types --int8-inputs rounds the inputs of
 
 
 def timed(call, reps: int) -> float:
@@ -67,18 +68,18 @@ def main(argv=None) -> int:
         packed = torch.from_numpy(quantize(w.numpy(), fmt))
         matrix = native.weight(kernels, packed, fmt, args.cols)
         truth = x.float() @ dequantize(packed, fmt, args.cols).t()
-        seconds: dict[str, list[float]] = {"integer": [], "float": [], "bf16": []}
+        order = ["integer", *(["int8"] if name in EIGHT_BIT_FORMATS else []), "float", "bf16"]
+        seconds: dict[str, list[float]] = {system: [] for system in order}
         bandwidth = []
         for round_ in range(args.rounds):
             bandwidth.append(memory_read_bandwidth(nbytes=256 << 20, repeats=3, threads=args.threads))
-            order = ["integer", "float", "bf16"]
             for system in reversed(order) if round_ % 2 else order:
                 target = plain if system == "bf16" else matrix
-                with forced_paths(kernels, integer_dots=system == "integer"):
+                with forced_paths(kernels, integer_dots=system != "float", int8_inputs=system == "int8"):
                     seconds[system].append(timed(lambda target=target: kernels.gemv(target, x), args.reps))
         errors = {}
-        for system in ("integer", "float"):
-            with forced_paths(kernels, integer_dots=system == "integer"):
+        for system in [s for s in order if s != "bf16"]:
+            with forced_paths(kernels, integer_dots=system != "float", int8_inputs=system == "int8"):
                 errors[system] = ((kernels.gemv(matrix, x).float() - truth).abs().max() / truth.abs().max()).item()
         bw = statistics.median(bandwidth)
         row = {"format": name, "bits": fmt.bits, "bandwidth_bytes_per_s": bw, "errors": errors,
@@ -86,20 +87,27 @@ def main(argv=None) -> int:
                **{f"{s}_over_limit": (packed.numel() if s != "bf16" else 2 * weights) / statistics.median(t) / bw
                   for s, t in seconds.items()}}
         rows.append(row)
-        print(f"{name}: integer {row['integer_weights_per_s'] / 1e9:.1f}, float loops "
+        eight = f", 8-bit inputs {row['int8_weights_per_s'] / 1e9:.1f}" if "int8" in seconds else ""
+        print(f"{name}: integer {row['integer_weights_per_s'] / 1e9:.1f}{eight}, float loops "
               f"{row['float_weights_per_s'] / 1e9:.1f}, bf16 {row['bf16_weights_per_s'] / 1e9:.1f} Gweights/s", flush=True)
     lines = [f"Quantized one-row products, {args.rows}x{args.cols}, {args.threads} threads, median of {args.rounds} "
              f"interleaved rounds of {args.reps} calls. G/s = 10^9 weights/s; `limit` = the format's bytes over the "
              "memory read bandwidth measured in the same round (1.00 = streaming the matrix at that speed); error = "
              "max |ours - float32 product on the float32 dequantized weights| / max |that product| (outputs are bf16).",
-             "", "| format | bits/weight | integer dots G/s (limit) | float loops G/s (limit) | integer / float loops | "
-             "bf16 matrix G/s (limit) | error integer / float loops |", "|---|---|---|---|---|---|---|"]
+             "8-bit inputs: the opt-in lossy --int8-inputs (K-quants only; its error includes the input's rounding).",
+             "", "| format | bits/weight | integer dots G/s (limit) | 8-bit inputs G/s (limit) | float loops G/s (limit) "
+             "| integer / float loops | bf16 matrix G/s (limit) | error integer / 8-bit inputs / float loops |",
+             "|---|---|---|---|---|---|---|---|"]
     for r in rows:
+        eight = "int8_weights_per_s" in r
         lines.append(f"| {r['format']} | {r['bits']:.2f} | {r['integer_weights_per_s'] / 1e9:.1f} "
-                     f"({r['integer_over_limit']:.2f}) | {r['float_weights_per_s'] / 1e9:.1f} ({r['float_over_limit']:.2f}) "
+                     f"({r['integer_over_limit']:.2f}) | "
+                     + (f"{r['int8_weights_per_s'] / 1e9:.1f} ({r['int8_over_limit']:.2f})" if eight else "-")
+                     + f" | {r['float_weights_per_s'] / 1e9:.1f} ({r['float_over_limit']:.2f}) "
                      f"| {r['integer_weights_per_s'] / r['float_weights_per_s']:.2f}x | "
                      f"{r['bf16_weights_per_s'] / 1e9:.1f} ({r['bf16_over_limit']:.2f}) | "
-                     f"{r['errors']['integer']:.1e} / {r['errors']['float']:.1e} |")
+                     f"{r['errors']['integer']:.1e} / " + (f"{r['errors']['int8']:.1e}" if eight else "-")
+                     + f" / {r['errors']['float']:.1e} |")
     from pathlib import Path
 
     write_report(Path(args.out), "quant-gemv", {"args": vars(args), "rows": rows}, lines)

@@ -4,11 +4,13 @@ the same load from the official `openai` client, loopback only, a bounded number
 Both serve the Q4_K_M GGUF of a bench geometry (bench.gguf_files; qwen3moe-64e by default), with
 `--threads` threads (MoEScope: OMP_NUM_THREADS; budget all, RAM store; `--parallel 4` once
 `moescope serve --help` lists it, else it serves the requests in turn and the table says so;
-llama.cpp: `-t`, `-np 4`, weights read in at load). Every request is a `/v1/completions` with a
+llama.cpp: `-t`, `-np 4`, weights read in at load). MoEScope runs twice, as it ships (16-bit inputs)
+and with the opt-in `--int8-inputs` (the inputs of its K-quant matrices rounded to 8 bits, as
+llama.cpp always rounds them: the same precision as llama.cpp; `--no-int8` leaves that one out). Every request is a `/v1/completions` with a
 fresh prompt of token ids (no prefix cache helps either side), temperature 0, `--tokens` tokens,
 streamed with the usage at the end.
 
-Per repetition, each phase on MoEScope then llama.cpp (the order flips every repetition), medians
+Per repetition, each phase on each server in turn (the order flips every repetition), medians
 over the repetitions:
 1. 4 requests one after another, then 4 at once: completion tokens / wall time each, and the
    gain (at once / in turn).
@@ -19,7 +21,7 @@ bytes loaded / one expert's bytes) with 1 stream and with 4; and 4. the bound on
 bytes one batch step of 4 reads (dense weights once, the union of the streams' experts, from the
 routing the server returns and from random routing) against 4 tokens of one stream.
 
-    python -m bench.serve_load [--tokens 64] [--repetitions 3] [--probes 2] [--skip-llamacpp]
+    python -m bench.serve_load [--tokens 64] [--repetitions 3] [--probes 2] [--skip-llamacpp] [--no-int8]
 """
 
 from __future__ import annotations
@@ -46,6 +48,8 @@ from engine.system.process_settings import apply_process_settings
 
 STREAMS = 4  # the load: 4 clients at once (llama-server -np 4, moescope serve --parallel 4)
 KIND = "serve-load"
+INT8 = "moescope --int8-inputs"  # MoEScope at llama.cpp's precision: its inputs rounded to 8 bits (opt-in, lossy)
+SERVERS = ("moescope", INT8, "llama.cpp")  # the table's order
 
 
 # ---------------------------------------------------------------- statistics (tested on fixed numbers)
@@ -128,10 +132,11 @@ def _wait_ready(proc: subprocess.Popen, log: Path, ready, what: str, timeout_s: 
 
 
 @contextmanager
-def moescope_server(gguf: Path, threads: int, budget: str, logdir: Path, parallel: bool):
-    log = logdir / f"moescope-{budget.replace('%', 'pct')}.log"
+def moescope_server(gguf: Path, threads: int, budget: str, logdir: Path, parallel: bool, int8: bool = False):
+    log = logdir / f"moescope-{budget.replace('%', 'pct')}{'-int8' if int8 else ''}.log"
     cmd = [sys.executable, "-m", "engine.cli.main", "serve", "--model", str(gguf), "--budget", budget, "--store", "ram",
-           "--port", "0", "--max-queue", "64", *(["--parallel", str(STREAMS)] if parallel else [])]
+           "--port", "0", "--max-queue", "64", *(["--parallel", str(STREAMS)] if parallel else []),
+           *(["--int8-inputs"] if int8 else [])]
     env = {**os.environ, "OMP_NUM_THREADS": str(threads)}
     with log.open("w") as out:
         proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env)
@@ -143,7 +148,10 @@ def moescope_server(gguf: Path, threads: int, budget: str, logdir: Path, paralle
         return None
 
     note = f"--parallel {STREAMS}" if parallel else "no --parallel yet: requests served in turn"
-    yield from _serving(Server("moescope", _wait_ready(proc, log, ready, "moescope serve", 900), proc, note))
+    if int8:
+        note += ", --int8-inputs (opt-in, lossy: inputs to K-quant matrices rounded to 8 bits, as llama.cpp's)"
+    yield from _serving(Server(INT8 if int8 else "moescope", _wait_ready(proc, log, ready, "moescope serve", 900), proc,
+                               note))
 
 
 @contextmanager
@@ -330,11 +338,15 @@ def side_by_side(loads: dict[str, Load], args) -> dict:
                   f"at once tok/s; TTFT alone {max(r['ttft_alone_s']):.2f} s, beside 3 streams "
                   f"{max(r['ttft_loaded_s']):.2f} s", flush=True)
     out = {name: summarise(runs) | {"reps": runs} for name, runs in reps.items()}
-    if len(loads) == 2:
-        ours, theirs = reps["moescope"], reps["llama.cpp"]
-        out["moescope_over_llamacpp"] = {key: median_ratio([r[key] for r in ours], [r[key] for r in theirs])
-                                         for key in ("in_turn_tokens_per_s", "at_once_tokens_per_s")}
+    for ours in [name for name in reps if name != "llama.cpp" and "llama.cpp" in reps]:
+        out[over_llamacpp(ours)] = {key: median_ratio([r[key] for r in reps[ours]], [r[key] for r in reps["llama.cpp"]])
+                                    for key in ("in_turn_tokens_per_s", "at_once_tokens_per_s")}
     return out
+
+
+def over_llamacpp(name: str) -> str:
+    """The key of a MoEScope server's ratios to llama.cpp ("moescope_over_llamacpp", ...)."""
+    return f"{name.replace(' --', '_').replace('-', '_')}_over_llamacpp"
 
 
 def expert_loads(server: Server, load: Load, repetitions: int) -> dict:
@@ -396,7 +408,7 @@ def bound(gguf: Path, config: dict, routings: list, sharing: list[dict] | None =
 
 
 def table(result: dict, args) -> list[str]:
-    servers = [s for s in ("moescope", "llama.cpp") if s in result["servers"]]
+    servers = [s for s in SERVERS if s in result["servers"]]
     lines = [f"Serving {STREAMS} clients at once: {args.geometry} Q4_K_M GGUF, {args.threads} threads, "
              f"`/v1/completions` streamed from the `openai` client, a fresh {args.prompt_len}-token prompt of token ids, "
              f"{args.tokens} tokens at temperature 0; median of {args.repetitions} interleaved repetitions "
@@ -416,10 +428,11 @@ def table(result: dict, args) -> list[str]:
         r = result["servers"][s]
         lines.append(f"| {s} | {r['in_turn_tokens_per_s']:.1f} | {r['at_once_tokens_per_s']:.1f} | {r['gain']:.2f} "
                      f"| {r['ttft_alone_p95_s']:.3f} | {r['ttft_loaded_p95_s']:.3f} | {r['ttft_loaded_over_alone']:.1f} |")
-    if "moescope_over_llamacpp" in result["servers"]:
-        ratio = result["servers"]["moescope_over_llamacpp"]
-        lines += ["", f"MoEScope / llama.cpp, per repetition, median: {ratio['in_turn_tokens_per_s']:.2f} in turn, "
-                  f"{ratio['at_once_tokens_per_s']:.2f} at once."]
+    for s in servers:
+        if over_llamacpp(s) in result["servers"]:
+            ratio = result["servers"][over_llamacpp(s)]
+            lines += ["", f"{s} / llama.cpp, per repetition, median: {ratio['in_turn_tokens_per_s']:.2f} in turn, "
+                      f"{ratio['at_once_tokens_per_s']:.2f} at once."]
     return lines + loads_table(result, args)
 
 
@@ -434,7 +447,7 @@ def loads_table(result: dict, args) -> list[str]:
                   f"generated token (telemetry: bytes loaded / one expert's bytes; prompts included), median: "
                   f"{one:.2f} with 1 stream, {many:.2f} with {STREAMS} at once."]
     b = result["bound"]
-    measured = {s: f"{result['servers'][s]['gain']:.2f}" for s in ("moescope", "llama.cpp") if s in result["servers"]}
+    measured = {s: f"{result['servers'][s]['gain']:.2f}" for s in SERVERS if s in result["servers"]}
     lines += ["", f"The bound on batching {STREAMS} streams where a step costs the weight bytes it reads (dense "
               f"{b['dense_bytes'] / 1e6:.1f} MB once, {b['expert_bytes_all_layers'] / 1e6:.2f} MB per expert across "
               f"the layers; one stream: {b['one_stream_bytes_per_token'] / 1e6:.1f} MB a token):", "",
@@ -466,12 +479,13 @@ def measure(args, server_tool: Path | None, gguf: Path, config: dict, logdir: Pa
     parallel = moescope_parallel_flag()
     result: dict = {"command": command_line(args), "notes": {}, "moescope_parallel": parallel}
     with ExitStack() as stack:
-        servers = [stack.enter_context(moescope_server(gguf, args.threads, "all", logdir, parallel))]
+        servers = [stack.enter_context(moescope_server(gguf, args.threads, "all", logdir, parallel, int8))
+                   for int8 in ((False, True) if args.int8 else (False,))]
         if server_tool is not None:
             servers.append(stack.enter_context(llama_server(server_tool, gguf, args.threads,
                                                             args.prompt_len + args.tokens + 64, logdir)))
-        result["notes"] = {s.name: s.note for s in servers}
-        result["notes"]["moescope"] += "; budget all, RAM store"
+        result["notes"] = {s.name: s.note + ("; budget all, RAM store" if s.name != "llama.cpp" else "")
+                           for s in servers}
         loads = {s.name: Load(s, config["vocab_size"], args.prompt_len, args.tokens, seed=i)
                  for i, s in enumerate(servers)}
         result["servers"] = side_by_side(loads, args)
@@ -485,7 +499,7 @@ def measure(args, server_tool: Path | None, gguf: Path, config: dict, logdir: Pa
 
 def command_line(args) -> str:
     return (f"python -m bench.serve_load --tokens {args.tokens} --repetitions {args.repetitions} --probes {args.probes}"
-            + (" --skip-llamacpp" if args.skip_llamacpp else ""))
+            + (" --skip-llamacpp" if args.skip_llamacpp else "") + ("" if args.int8 else " --no-int8"))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -501,6 +515,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--budget", default="50%", help="MoEScope's budget for the expert-load count (default 50%%)")
     parser.add_argument("--skip-llamacpp", action="store_true", help="MoEScope alone (no llama-server build or run)")
+    parser.add_argument("--no-int8", dest="int8", action="store_false",
+                        help="leave out MoEScope with --int8-inputs (llama.cpp's precision, lossy)")
     parser.add_argument("--out", type=Path, default=RESULTS_DIR)
     args = parser.parse_args(argv)
     try:
