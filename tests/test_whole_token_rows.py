@@ -107,9 +107,9 @@ def test_every_kernel_variant_gives_each_row_its_own_sums(variant, block_gguf, i
                 for row, (token, kv) in enumerate(zip(tokens, alone, strict=True)):
                     assert torch.equal(logits[row:row + 1], decoder.step(token, kv)), (variant.variant.name, row)
                 tokens = [int(out[0, -1].argmax()) for out in logits]
-            # a 24-token prompt as rows: about 6 rows an expert (a block's levels made once for them
-            # all) against its tokens one by one
-            prompt = [(11 * i + 7) % 120 + 3 for i in range(24)]
+            # a 40-token prompt as rows: about 10 rows an expert (a block's levels made once for four of
+            # them, eight with 8-bit inputs) against its tokens one by one
+            prompt = [(11 * i + 7) % 120 + 3 for i in range(40)]
             rows, one_by_one = new_cache(runtime.model), new_cache(runtime.model)
             logits = decoder.step_prompt(prompt, rows)
             alone_logits = decoder.step_prompt(prompt[:1], one_by_one)

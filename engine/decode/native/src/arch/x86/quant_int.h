@@ -399,7 +399,9 @@ inline float idot_row(const Matrix& m, int64_t r, const FixedInput& in) {
 }
 
 // Row r's dot with each of n inputs: Q4_K's and Q6_K's blocks unpacked once for up to four of them
-// (idot_q4_k_many, idot_q6_k_many), the other types one input at a time; each result idot_row's.
+// (idot_q4_k_many, idot_q6_k_many), eight where the inputs are 8-bit (with half the accumulators each,
+// eight fit AVX2's registers: a block's unpacking shared by twice the inputs), the other types one
+// input at a time; each result idot_row's.
 #define MOESCOPE_HAS_IDOT_ROWS 1
 
 inline void idot_rows(const Matrix& m, int64_t r, const FixedInput* const* in, int64_t n, float* out) {
@@ -412,6 +414,8 @@ inline void idot_rows(const Matrix& m, int64_t r, const FixedInput* const* in, i
   tuned([&](auto intel) {
     constexpr bool kIntel = decltype(intel)::value;
     int64_t i = 0;
+    if (in[0]->eight_bit)
+      for (; i + 8 <= n; i += 8) idot_many<kIntel, 8>(m.type, row, blocks, in + i, out + i);
     for (; i + 4 <= n; i += 4) idot_many<kIntel, 4>(m.type, row, blocks, in + i, out + i);
     if (n - i == 3) idot_many<kIntel, 3>(m.type, row, blocks, in + i, out + i);
     if (n - i == 2) idot_many<kIntel, 2>(m.type, row, blocks, in + i, out + i);
