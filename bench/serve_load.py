@@ -419,6 +419,8 @@ def table(result: dict, args) -> list[str]:
         lines.append("- Until `moescope serve --parallel` lands, MoEScope serves the requests in turn: its 4 at once "
                      "queue behind each other, so its gain is only the idle time between requests saved, and a new "
                      "request waits for those ahead of it.")
+    if result.get("cpu"):
+        lines.append(f"- CPU: {result['cpu']}")
     load = result["loadavg"]
     lines.append(f"- 1-minute load average at the start / end: {load[0]:.1f} / {load[1]:.1f} on {os.cpu_count()} cores "
                  "(other work shares them: compare only the side-by-side ratios).")
@@ -497,6 +499,14 @@ def measure(args, server_tool: Path | None, gguf: Path, config: dict, logdir: Pa
     return result
 
 
+def cpu_line() -> str:
+    """The CPU in words and the kernel variant MoEScope runs on it: ratios differ by CPU."""
+    from engine.decode.native.kernels import summary
+    from engine.system.cpu import cpuinfo_field
+
+    return f"{cpuinfo_field('model name') or 'unknown'}, {os.cpu_count()} cores; MoEScope's kernels {summary()}"
+
+
 def command_line(args) -> str:
     return (f"python -m bench.serve_load --tokens {args.tokens} --repetitions {args.repetitions} --probes {args.probes}"
             + (" --skip-llamacpp" if args.skip_llamacpp else "") + ("" if args.int8 else " --no-int8"))
@@ -534,7 +544,7 @@ def main(argv: list[str] | None = None) -> int:
             raise
     loads = result["expert_loads"]
     result["bound"] = bound(gguf, config, loads.pop("routing"), loads["sharing"])
-    result.update(loadavg=[started_load, os.getloadavg()[0]], geometry=args.geometry, threads=args.threads, tokens=args.tokens, prompt_len=args.prompt_len,
+    result.update(loadavg=[started_load, os.getloadavg()[0]], cpu=cpu_line(), geometry=args.geometry, threads=args.threads, tokens=args.tokens, prompt_len=args.prompt_len,
                   repetitions=args.repetitions, probes=args.probes, budget=args.budget)
     write_report(args.out, KIND, result, table(result, args))
     return 0
