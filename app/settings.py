@@ -1,5 +1,5 @@
 """What the app remembers between runs (QSettings): window, docks, theme, model, budget, weight
-formats, policy, exact kernels, 8-bit prompt inputs."""
+formats, policy, exact kernels, 8-bit inputs."""
 
 from __future__ import annotations
 

@@ -175,7 +175,7 @@ class MoERuntime:
     def _choose_paths(self, native_first: bool) -> None:
         """The decode paths, fastest first, and the live switches they read, as the settings ask."""
         self._restriction: RoutingRestriction | None = None
-        self.decode_settings = DecodeSettings()  # live: fast decode, 8-bit prompt inputs, restricted routing
+        self.decode_settings = DecodeSettings()  # live: fast decode, 8-bit inputs, restricted routing
         context = DecodeContext(self.model, self.cache, self.device, self.dtype, self.decode_settings)
         self.native_layers = NativeLayersPath(context)
         self.whole_token = WholeTokenPath(context)
