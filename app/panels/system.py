@@ -180,7 +180,7 @@ class SystemPanel(Panel):
 
     def _show_kernels(self, native_on: bool, available: bool, int8_inputs: bool) -> None:
         """Exact is ticked whenever transformers' kernels decode: asked for, or the only ones for this model.
-        The 8-bit prompt inputs apply on the native kernels only, so they are offered only with those on."""
+        The 8-bit inputs apply on the native kernels only, so they are offered only with those on."""
         self.exact.setChecked(not (native_on and available))
         self.exact.setEnabled(available)
         self.exact.setToolTip(EXACT_TIP if available else EXACT_ONLY_TIP)

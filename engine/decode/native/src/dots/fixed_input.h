@@ -47,14 +47,10 @@ struct FixedInput {
   const int8_t* lo_at(int64_t i) const { return hi_at(i) + 32; }
   int32_t value(int64_t i) const { return 255 * hi_at(i)[0] + lo_at(i)[0]; }
 
-  static int32_t level8(float value, float inv) {
+  // value * inv to the nearest integer within +-bound: the fixed-point value, or an 8-bit level
+  static int32_t fixed(float value, float inv, int32_t bound = 32512) {
     const int32_t v = static_cast<int32_t>(std::nearbyint(value * inv));
-    return std::max(-127, std::min(127, v));
-  }
-
-  static int32_t fixed(float value, float inv) {
-    const int32_t v = static_cast<int32_t>(std::nearbyint(value * inv));
-    return std::max(-32512, std::min(32512, v));
+    return std::max(-bound, std::min(bound, v));
   }
 
   // Fixed point of x, reused when this thread's last call had the same x (the gate/up input of
@@ -84,7 +80,7 @@ struct FixedInput {
         fixed_group(x + i, inv, eight_bit, planes.data() + 2 * i, wide.data() + i, sum16.data() + i / 16);
 #endif
       for (; i < end; ++i) {
-        const int32_t v = eight_bit ? 255 * level8(to_float(x[i]), inv) : fixed(to_float(x[i]), inv);
+        const int32_t v = eight_bit ? 255 * fixed(to_float(x[i]), inv, 127) : fixed(to_float(x[i]), inv);
         const int32_t high = (v + (v >= 0 ? 127 : -127)) / 255;  // nearest: |v - 255 * high| <= 127
         planes[2 * i - i % 32] = static_cast<int8_t>(high);
         planes[2 * i - i % 32 + 32] = static_cast<int8_t>(v - 255 * high);

@@ -384,10 +384,9 @@ inline float idot_row_tuned(const Matrix& m, int64_t r, const FixedInput& in) {
     case kQ6_K: return idot_q4_q6_k<kIntel>(m.type, row, blocks, in);
     case kQ4_0: return idot_q4_q5_0<kIntel>(row, blocks, in, false);
     case kQ5_0: return idot_q4_q5_0<kIntel>(row, blocks, in, true);
-    case kQ3_K: return in.eight_bit ? idot_q2_q3_k<kIntel, false>(row, blocks, in, true)
-                                    : idot_q2_q3_k<kIntel, true>(row, blocks, in, true);
-    case kQ2_K: return in.eight_bit ? idot_q2_q3_k<kIntel, false>(row, blocks, in, false)
-                                    : idot_q2_q3_k<kIntel, true>(row, blocks, in, false);
+    case kQ3_K:
+    case kQ2_K: return in.eight_bit ? idot_q2_q3_k<kIntel, false>(row, blocks, in, m.type == kQ3_K)
+                                    : idot_q2_q3_k<kIntel, true>(row, blocks, in, m.type == kQ3_K);
     case kMXFP4: return idot_mxfp4<kIntel>(row, blocks, in);
     case kQ8_0: return idot_q8_0<kIntel>(row, blocks, in);
     default: return idot_row_generic(m, r, in);
