@@ -21,7 +21,9 @@ bytes loaded / one expert's bytes) with 1 stream and with 4; and 4. the bound on
 bytes one batch step of 4 reads (dense weights once, the union of the streams' experts, from the
 routing the server returns and from random routing) against 4 tokens of one stream.
 
-    python -m bench.serve_load [--tokens 64] [--repetitions 3] [--probes 2] [--skip-llamacpp] [--no-int8]
+`--isa avx2` holds both to AVX2 and FMA on a CPU that has more (as bench.llamacpp does).
+
+    python -m bench.serve_load [--tokens 64] [--repetitions 3] [--probes 2] [--skip-llamacpp] [--no-int8] [--isa avx2]
 """
 
 from __future__ import annotations
@@ -155,8 +157,10 @@ def moescope_server(gguf: Path, threads: int, budget: str, logdir: Path, paralle
 
 
 @contextmanager
-def llama_server(tool: Path, gguf: Path, threads: int, ctx_per_slot: int, logdir: Path):
+def llama_server(tool: Path, gguf: Path, threads: int, ctx_per_slot: int, logdir: Path, isa: str = "native"):
     import httpx
+
+    from bench.llamacpp_build import build_target
 
     port = free_port()
     cmd = [str(tool), "-m", str(gguf), "-t", str(threads), "-tb", str(threads), "-np", str(STREAMS),
@@ -174,7 +178,7 @@ def llama_server(tool: Path, gguf: Path, threads: int, ctx_per_slot: int, logdir
             return None
 
     yield from _serving(Server("llama.cpp", _wait_ready(proc, log, ready, "llama-server", 300), proc,
-                               f"-np {STREAMS}, continuous batching"))
+                               f"-np {STREAMS}, continuous batching; built for {build_target(isa)}"))
 
 
 def _serving(server: Server):
@@ -468,9 +472,9 @@ def prepare(args) -> tuple[Path | None, Path, dict]:
     from bench.llamacpp_build import SERVER, TOOLS, build_tools
     from bench.synthetic import build_checkpoint
 
-    lc = build_tools(tools=TOOLS if args.skip_llamacpp else (*TOOLS, SERVER))
+    lc = build_tools(tools=TOOLS if args.skip_llamacpp else (*TOOLS, SERVER), isa=args.isa)
     path = Path(args.geometry) if Path(args.geometry).is_dir() else build_checkpoint(args.geometry)
-    gguf = ensure_ggufs(path, ("Q4_K_M",), lc=lc)["Q4_K_M"]
+    gguf = ensure_ggufs(path, ("Q4_K_M",), lc=build_tools())["Q4_K_M"]  # the same file for either build
     config = json.loads((path / "config.json").read_text())
     return (None if args.skip_llamacpp else lc.tool(SERVER)), gguf, config
 
@@ -485,7 +489,7 @@ def measure(args, server_tool: Path | None, gguf: Path, config: dict, logdir: Pa
                    for int8 in ((False, True) if args.int8 else (False,))]
         if server_tool is not None:
             servers.append(stack.enter_context(llama_server(server_tool, gguf, args.threads,
-                                                            args.prompt_len + args.tokens + 64, logdir)))
+                                                            args.prompt_len + args.tokens + 64, logdir, args.isa)))
         result["notes"] = {s.name: s.note + ("; budget all, RAM store" if s.name != "llama.cpp" else "")
                            for s in servers}
         loads = {s.name: Load(s, config["vocab_size"], args.prompt_len, args.tokens, seed=i)
@@ -509,12 +513,15 @@ def cpu_line() -> str:
 
 def command_line(args) -> str:
     return (f"python -m bench.serve_load --tokens {args.tokens} --repetitions {args.repetitions} --probes {args.probes}"
-            + (" --skip-llamacpp" if args.skip_llamacpp else "") + ("" if args.int8 else " --no-int8"))
+            + (" --skip-llamacpp" if args.skip_llamacpp else "") + ("" if args.int8 else " --no-int8")
+            + ("" if args.isa == "native" else f" --isa {args.isa}"))
 
 
 def main(argv: list[str] | None = None) -> int:
     apply_process_settings()  # before anything computes
-    from bench.llamacpp_build import LlamaCppUnavailable
+    from bench.llamacpp_build import ISA_VARIANT, ISAS, LlamaCppUnavailable
+    from engine.decode.native.library import VARIANT_ENV
+    from engine.system.cpu import cpuinfo_field
 
     parser = argparse.ArgumentParser(prog="python -m bench.serve_load", description=__doc__.split("\n\n")[0])
     parser.add_argument("--geometry", default="qwen3moe-64e", help="a bench.synthetic geometry or a checkpoint folder")
@@ -527,8 +534,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--skip-llamacpp", action="store_true", help="MoEScope alone (no llama-server build or run)")
     parser.add_argument("--no-int8", dest="int8", action="store_false",
                         help="leave out MoEScope with --int8-inputs (llama.cpp's precision, lossy)")
+    parser.add_argument("--isa", choices=ISAS, default="native",
+                        help="avx2: both sides held to AVX2 and FMA on a CPU that has more (MoEScope's "
+                        "x86-64-v3 kernels, llama.cpp built without AVX-512, VNNI or AMX), as a laptop runs them")
     parser.add_argument("--out", type=Path, default=RESULTS_DIR)
     args = parser.parse_args(argv)
+    if args.isa != "native":
+        if args.isa not in cpuinfo_field("flags").split():
+            parser.error(f"--isa {args.isa} needs a CPU with {args.isa.upper()}; this one has not")
+        os.environ[VARIANT_ENV] = ISA_VARIANT[args.isa]  # the servers started below run that kernel variant
     try:
         server_tool, gguf, config = prepare(args)
     except LlamaCppUnavailable as e:
