@@ -138,8 +138,6 @@ std::vector<double> rounded_to_8_bits(const std::vector<bf16>& x) {
   return out;
 }
 
-bool two_plane_dot(int32_t type) { return type == kQ4_K || type == kQ6_K || type == kQ3_K || type == kQ2_K; }
-
 struct Case {
   int32_t type;
   int64_t rows, cols, row_bytes;
@@ -302,7 +300,7 @@ bool check_library(const char* path) {
       const Case c = make_case(type, shape.rows, shape.cols, shape.padded, rng);
       api.set_integer_dots(1);
       check_gemv(api, c, on, "integer dots");
-      if (two_plane_dot(type)) {
+      if (has_two_plane_dot(type)) {
         const std::vector<double> rounded = rounded_to_8_bits(c.x);
         api.set_int8_inputs(1);
         check_gemv(api, c, eight, "8-bit inputs", &rounded);
@@ -316,7 +314,7 @@ bool check_library(const char* path) {
     const bool pass = !on.failed && !off.failed && !eight.failed && wrong == 0;
     ok = ok && pass;
     char eight_text[64] = "";
-    if (two_plane_dot(type))
+    if (has_two_plane_dot(type))
       std::snprintf(eight_text, sizeof eight_text, "  8-bit inputs: rel err %.1e, bound use %.3f", eight.rel, eight.brief);
     std::printf("  %-4s %-6s integer dots: rel err %.1e, bound use %.3f  float loops: rel err %.1e, bound use %.3f  "
                 "dequantize: %s%s\n",

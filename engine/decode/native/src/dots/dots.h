@@ -68,8 +68,4 @@ inline bool has_integer_dot(int32_t type) {
          type == kQ2_K || type == kMXFP4;
 }
 
-// Types whose integer dot multiplies both planes of the input (the K-quants, whose sub-block scales
-// weight int8 products): with an 8-bit input they take half the products.
-inline bool has_two_plane_dot(int32_t type) { return type == kQ4_K || type == kQ6_K || type == kQ3_K || type == kQ2_K; }
-
 }  // namespace moescope

@@ -45,6 +45,10 @@ constexpr const FormatTraits* format_traits(int32_t type) {
 constexpr int64_t block_elements(int32_t type) { return type > 0 && type < 256 ? kFormatIndex.by_id[type].elements : 0; }
 constexpr int64_t block_bytes(int32_t type) { return type > 0 && type < 256 ? kFormatIndex.by_id[type].bytes : 0; }
 
+// The K-quants: their sub-block scales weight int8 products, so their integer dots multiply both
+// 8-bit planes of a 16-bit input, and an 8-bit input (--int8-inputs) takes half the products.
+constexpr bool has_two_plane_dot(int32_t type) { return type == kQ4_K || type == kQ6_K || type == kQ3_K || type == kQ2_K; }
+
 // A weight matrix [rows, cols] as the kernels read it: bf16 rows, or rows of quantized blocks.
 struct Matrix {
   const uint8_t* data = nullptr;
