@@ -1,7 +1,8 @@
 """`python -m bench.quant_gemv`: one quantized matrix times one row, per block format, side by side.
 
 For each format: the native kernels' integer dots (the default, engine/decode/native/quant_int.h),
-for the K-quants also with the opt-in lossy 8-bit inputs (--int8-inputs), their reference-exact float loops (quant.h: every weight dequantized to its bf16 value first), and
+for the K-quants also with the opt-in lossy 8-bit inputs (--int8-inputs), their reference-exact
+float loops (quant.h: every weight dequantized to its bf16 value first), and
 the same matrix in bf16, interleaved and repeated, medians; in weights/s and against the memory
 read bandwidth measured in the same run (bytes of the format / bandwidth: the limit of a
 one-row product that streams the matrix once). Also the error of each against the float32 product
@@ -22,7 +23,6 @@ from bench.output import RESULTS_DIR, write_report
 from engine.system.process_settings import apply_process_settings
 
 DEFAULT_FORMATS = "q8_0,q6_k,q5_0,q4_k,q4_0,q3_k,q2_k"
-EIGHT_BIT_FORMATS = ("q6_k", "q4_k", "q3_k", "q2_k")  # the types --int8-inputs rounds the inputs of
 
 
 def timed(call, reps: int) -> float:
@@ -52,7 +52,7 @@ def main(argv=None) -> int:
     from bench.bandwidth import memory_read_bandwidth
     from engine.decode.native import kernels as native
     from engine.decode.native.testing import forced_paths
-    from engine.formats.blocks import FORMATS
+    from engine.formats.blocks import FORMATS, K_QUANTS
     from engine.formats.dequantize import dequantize
     from engine.formats.quantize import quantize
 
@@ -68,7 +68,7 @@ def main(argv=None) -> int:
         packed = torch.from_numpy(quantize(w.numpy(), fmt))
         matrix = native.weight(kernels, packed, fmt, args.cols)
         truth = x.float() @ dequantize(packed, fmt, args.cols).t()
-        order = ["integer", *(["int8"] if name in EIGHT_BIT_FORMATS else []), "float", "bf16"]
+        order = ["integer", *(["int8"] if name in K_QUANTS else []), "float", "bf16"]
         seconds: dict[str, list[float]] = {system: [] for system in order}
         bandwidth = []
         for round_ in range(args.rounds):

@@ -12,11 +12,10 @@ import pytest
 import torch
 
 from engine.decode.native.library import QUANTIZED_NATIVELY, KernelError
-from engine.formats.blocks import FORMATS
+from engine.formats.blocks import FORMATS, K_QUANTS
 from engine.formats.dequantize import dequantize
 from engine.formats.quantize import quantize, reference_quantizer
 
-K_QUANTS = ("q6_k", "q4_k", "q3_k", "q2_k")
 GGUF_OWN = ("q8_0", "q4_0", "q5_0")
 SCALES = (1.0, 1e-8, 3e4)
 

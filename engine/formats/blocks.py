@@ -62,6 +62,9 @@ FORMATS: dict[str, BlockFormat] = {f.name: f for f in (
     BlockFormat("q3_k", 11, QK_K, 110, "3-bit (Q3_K)"),
     BlockFormat("q2_k", 10, QK_K, 84, "2-bit (Q2_K)"),
 )}
+# The K-quants: 256-element super-blocks whose sub-block scales weight integer products (the formats
+# whose inputs --int8-inputs rounds to 8 bits; src/formats/types.h, has_two_plane_dot).
+K_QUANTS = tuple(name for name, f in FORMATS.items() if f.block == QK_K)
 ALIASES = {"8bit": "q8_0", "6bit": "q6_k", "4bit": "q4_k", "3bit": "q3_k", "2bit": "q2_k"}
 # A matrix whose input features are not whole 256-element super-blocks takes the 32-element format
 # llama.cpp's quantizer falls back to for it (llama-quant.cpp, tensor_type_fallback).
