@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import shlex
 import statistics
 import subprocess
@@ -32,11 +31,19 @@ from pathlib import Path
 from bench import format_settings as formats
 from bench.decode_limit import run_measure
 from bench.gguf_files import TokenBytes, ensure_ggufs, gguf_token_bytes
-from bench.llamacpp_build import ISA_VARIANT, ISAS, VERSION, LlamaCpp, LlamaCppUnavailable, build_target, build_tools
+from bench.llamacpp_build import (
+    ISA_VARIANT,
+    ISAS,
+    VERSION,
+    LlamaCpp,
+    LlamaCppUnavailable,
+    build_target,
+    build_tools,
+    hold_to_isa,
+)
 from bench.output import RESULTS_DIR, write_report
 from bench.synthetic import build_checkpoint
 from engine.decode.native.library import VARIANT_ENV
-from engine.system.cpu import cpuinfo_field
 from engine.system.process_settings import apply_process_settings
 
 # llama.cpp, MoEScope exact, MoEScope --fast-decode, MoEScope --fast-decode on the GGUF file, and the last
@@ -245,10 +252,7 @@ def main(argv=None) -> int:
     unknown = [f for f in fmts if f not in formats.LLAMA_TYPE]
     if unknown:
         parser.error(f"unknown format(s) {', '.join(unknown)}: known {', '.join(formats.LLAMA_TYPE)}")
-    if args.isa != "native":
-        if args.isa not in cpuinfo_field("flags").split():
-            parser.error(f"--isa {args.isa} needs a CPU with {args.isa.upper()}; this one has not")
-        os.environ[VARIANT_ENV] = ISA_VARIANT[args.isa]  # every bench.measure process below runs that variant
+    hold_to_isa(parser, args.isa)  # every bench.measure process below runs its kernel variant
     try:
         lc = build_tools(isa=args.isa)
         paths = {Path(g).name if Path(g).is_dir() else g: Path(g) if Path(g).is_dir() else build_checkpoint(g)

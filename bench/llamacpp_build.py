@@ -12,6 +12,7 @@ CMake, CPU only, into the user cache folder and reused after.
 
 from __future__ import annotations
 
+import argparse
 import os
 import shutil
 import subprocess
@@ -55,6 +56,18 @@ ISAS = ("native", "avx2")
 # the MoEScope kernel variant each --isa runs (native: the best this CPU runs)
 ISA_VARIANT = {"native": "", "avx2": "x86-64-v3"}
 BEYOND_AVX2 = ("avx512", "amx", "avx_vnni")  # flag prefixes an AVX2-only build leaves out
+
+
+def hold_to_isa(parser: argparse.ArgumentParser, isa: str) -> None:
+    """A bench's `--isa`: refused (through `parser`) on a CPU without it; else every MoEScope process
+    started after this runs the kernel variant that matches it."""
+    from engine.decode.native.library import VARIANT_ENV  # torch comes with it: only when asked
+
+    if isa == "native":
+        return
+    if isa not in cpuinfo_field("flags").split():
+        parser.error(f"--isa {isa} needs a CPU with {isa.upper()}; this one has not")
+    os.environ[VARIANT_ENV] = ISA_VARIANT[isa]
 
 
 def cmake_options(cpu_flags: set[str] | None = None, isa: str = "native") -> list[str]:

@@ -519,9 +519,7 @@ def command_line(args) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     apply_process_settings()  # before anything computes
-    from bench.llamacpp_build import ISA_VARIANT, ISAS, LlamaCppUnavailable
-    from engine.decode.native.library import VARIANT_ENV
-    from engine.system.cpu import cpuinfo_field
+    from bench.llamacpp_build import ISAS, LlamaCppUnavailable, hold_to_isa
 
     parser = argparse.ArgumentParser(prog="python -m bench.serve_load", description=__doc__.split("\n\n")[0])
     parser.add_argument("--geometry", default="qwen3moe-64e", help="a bench.synthetic geometry or a checkpoint folder")
@@ -539,10 +537,7 @@ def main(argv: list[str] | None = None) -> int:
                         "x86-64-v3 kernels, llama.cpp built without AVX-512, VNNI or AMX), as a laptop runs them")
     parser.add_argument("--out", type=Path, default=RESULTS_DIR)
     args = parser.parse_args(argv)
-    if args.isa != "native":
-        if args.isa not in cpuinfo_field("flags").split():
-            parser.error(f"--isa {args.isa} needs a CPU with {args.isa.upper()}; this one has not")
-        os.environ[VARIANT_ENV] = ISA_VARIANT[args.isa]  # the servers started below run that kernel variant
+    hold_to_isa(parser, args.isa)  # the servers started below run its kernel variant
     try:
         server_tool, gguf, config = prepare(args)
     except LlamaCppUnavailable as e:
