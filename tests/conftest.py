@@ -11,6 +11,12 @@ os.environ["HOME"] = os.path.join(_user_dirs, "home")
 os.makedirs(os.environ["HOME"], exist_ok=True)
 os.environ.pop("OLLAMA_MODELS", None)
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# Under pytest-xdist each worker takes its share of the cores, for torch, the native kernels' OpenMP
+# and the engines it starts: two workers each running 2 threads on 2 cores spend the time waiting on
+# each other. The tests that check a split across threads set their thread count themselves.
+if "PYTEST_XDIST_WORKER_COUNT" in os.environ:
+    _share = max(1, (os.cpu_count() or 1) // int(os.environ["PYTEST_XDIST_WORKER_COUNT"]))
+    os.environ.setdefault("OMP_NUM_THREADS", str(_share))
 os.environ.setdefault("QT_QPA_PLATFORM", "offscreen")
 os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
 
