@@ -474,7 +474,7 @@ def prepare(args) -> tuple[Path | None, Path, dict]:
 
     lc = build_tools(tools=TOOLS if args.skip_llamacpp else (*TOOLS, SERVER), isa=args.isa)
     path = Path(args.geometry) if Path(args.geometry).is_dir() else build_checkpoint(args.geometry)
-    gguf = ensure_ggufs(path, ("Q4_K_M",), lc=build_tools())["Q4_K_M"]  # the same file for either build
+    gguf = ensure_ggufs(path, ("Q4_K_M",), lc=lc)["Q4_K_M"]  # one GGUF folder serves every --isa build
     config = json.loads((path / "config.json").read_text())
     return (None if args.skip_llamacpp else lc.tool(SERVER)), gguf, config
 
